@@ -1,0 +1,54 @@
+# covey: `make run` starts the control plane on embedded defaults; `make test` runs the suite.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# The services `make test` uses; scripts/test-services starts them when they are not up.
+TEST_PG_PORT ?= 55432
+TEST_REDIS_PORT ?= 56379
+TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
+	CELERY_BROKER_URL=redis://127.0.0.1:$(TEST_REDIS_PORT)/0 \
+	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
+PYTEST_ARGS ?=
+
+.PHONY: help venv run test lint format check services
+
+help:
+	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
+	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
+	@echo "make lint   ruff and mypy only"
+
+# The virtualenv is rebuilt only when requirements.txt changes.
+venv: $(STAMP)
+$(STAMP): requirements.txt
+	@python=$$(scripts/find-python) || exit 1; \
+	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+		rm -rf $(VENV) && $$python -m venv $(VENV); \
+	fi
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@touch $(STAMP)
+
+run: venv
+	@scripts/run
+
+services:
+	@$(TEST_ENV) scripts/test-services
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+
+check: venv services
+	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
+	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
+
+test: venv services lint check
+	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .

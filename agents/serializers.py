@@ -1,0 +1,98 @@
+"""API shapes of organisations, agents and agent versions."""
+
+from typing import Any
+
+from rest_framework import serializers
+
+from agents import services
+from agents.models import Agent, AgentVersion, Organisation
+from covey.api import OrganisationField, ScopedRelatedField
+from egress.fields import AllowlistSerializerField
+from templates.models import AllowlistTemplate
+from workplaces.models import Workplace
+
+
+class OrganisationSerializer(serializers.ModelSerializer):
+    """An organisation and its base allowlist."""
+
+    base_allowlist = AllowlistSerializerField(required=False)
+
+    class Meta:
+        model = Organisation
+        fields = ["id", "name", "slug", "base_allowlist", "created_at"]
+        read_only_fields = ["slug", "created_at"]
+        # The service says which name is taken, in its own words.
+        extra_kwargs: dict[str, dict[str, Any]] = {"name": {"validators": []}}
+
+    def create(self, validated_data: dict[str, Any]) -> Organisation:
+        return services.create_organisation(by=self.context["request"].user, **validated_data)
+
+    def update(self, instance: Organisation, validated_data: dict[str, Any]) -> Organisation:
+        services.update_organisation(instance, by=self.context["request"].user, **validated_data)
+        return instance
+
+
+class AgentSerializer(serializers.ModelSerializer):
+    """An agent's current configuration; ``version`` is the number of the current version."""
+
+    organisation = OrganisationField()
+    templates = serializers.SlugRelatedField(
+        many=True,
+        slug_field="slug",
+        queryset=AllowlistTemplate.objects.all(),
+        required=False,
+        error_messages={"does_not_exist": "There is no allowlist template {slug_name}={value!r}."},
+    )
+    allowlist = AllowlistSerializerField(required=False)
+    required_labels = serializers.ListField(child=serializers.CharField(), required=False)
+    workplace = ScopedRelatedField(
+        queryset=Workplace.objects.all(), allow_null=True, required=False
+    )
+
+    class Meta:
+        model = Agent
+        fields = [
+            "id",
+            "organisation",
+            "name",
+            "slug",
+            "enabled",
+            "templates",
+            "allowlist",
+            "required_labels",
+            "workplace",
+            "version",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["slug", "version", "created_at", "updated_at"]
+        validators: list[Any] = []  # uniqueness is checked by the service, with field messages
+
+    def validate_organisation(self, value: Organisation) -> Organisation:
+        if self.instance is not None and value.pk != self.instance.organisation_id:
+            raise serializers.ValidationError("An agent cannot move to another organisation.")
+        return value
+
+    def create(self, validated_data: dict[str, Any]) -> Agent:
+        organisation = validated_data.pop("organisation")
+        name = validated_data.pop("name")
+        return services.create_agent(
+            organisation, name, by=self.context["request"].user, **validated_data
+        )
+
+    def update(self, instance: Agent, validated_data: dict[str, Any]) -> Agent:
+        validated_data.pop("organisation", None)
+        return services.update_agent(instance, by=self.context["request"].user, **validated_data)
+
+
+class AgentVersionSerializer(serializers.ModelSerializer):
+    """One version of an agent's configuration and what changed from the one before."""
+
+    created_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+
+    class Meta:
+        model = AgentVersion
+        fields = ["number", "config", "changes", "created_by", "created_at"]
+        read_only_fields = fields

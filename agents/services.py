@@ -1,0 +1,203 @@
+"""Creating and changing organisations and agents; the API, the admin and tasks all call these.
+
+Every change to an agent's configuration goes through :func:`update_agent`, which writes a new
+numbered :class:`AgentVersion` when (and only when) the configuration actually changed.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils.text import slugify
+
+from agents.models import Agent, AgentVersion, Membership, Organisation, Role
+from egress.entries import Entry, parse_entry
+from runners.labels import normalise_labels
+from templates.models import AllowlistTemplate
+from workplaces.models import Workplace
+
+AGENT_FIELDS = frozenset(
+    {"name", "slug", "enabled", "templates", "allowlist", "required_labels", "workplace"}
+)
+
+
+def slug_for(name: str, field: str = "name") -> str:
+    """The slug a name gets, or a ValidationError when the name has nothing to make one from."""
+    slug = slugify(name)[:100]
+    if not slug:
+        raise ValidationError({field: ["the name must contain at least one letter or digit"]})
+    return slug
+
+
+@transaction.atomic
+def create_organisation(
+    name: str,
+    *,
+    by: Any = None,
+    slug: str | None = None,
+    base_allowlist: Iterable[str] | None = None,
+) -> Organisation:
+    """Create an organisation; the user who creates it becomes its admin."""
+    organisation = Organisation(name=name, slug=slug or slug_for(name))
+    if Organisation.objects.filter(name=name).exists():
+        raise ValidationError({"name": [f"an organisation named {name!r} exists already"]})
+    if Organisation.objects.filter(slug=organisation.slug).exists():
+        raise ValidationError(
+            {"name": [f"an organisation with the slug {organisation.slug!r} exists already"]}
+        )
+    if base_allowlist is not None:
+        organisation.base_allowlist = list(base_allowlist)
+    organisation.full_clean()
+    organisation._history_user = by  # type: ignore[attr-defined]
+    organisation.save()
+    if by is not None and by.is_authenticated:
+        Membership.objects.create(organisation=organisation, user=by, role=Role.ADMIN)
+    return organisation
+
+
+@transaction.atomic
+def update_organisation(organisation: Organisation, *, by: Any = None, **changes: Any) -> None:
+    """Change an organisation's name or base allowlist (recorded in its history)."""
+    unknown = set(changes) - {"name", "base_allowlist"}
+    if unknown:
+        raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
+    for field, value in changes.items():
+        setattr(organisation, field, value)
+    organisation.full_clean()
+    organisation._history_user = by  # type: ignore[attr-defined]
+    organisation.save()
+
+
+def agent_config(agent: Agent) -> dict[str, Any]:
+    """The agent's configuration as a plain dict: what a version records and a run uses."""
+    workplace = agent.workplace
+    return {
+        "name": agent.name,
+        "slug": agent.slug,
+        "enabled": agent.enabled,
+        "templates": sorted(t.slug for t in agent.templates.all()),
+        "allowlist": list(agent.allowlist),
+        "required_labels": list(agent.required_labels),
+        "workplace": None if workplace is None else {"id": workplace.pk, "image": workplace.image},
+    }
+
+
+def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Field → [old value, new value] for every field that differs."""
+    return {
+        key: [old.get(key), new.get(key)]
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    }
+
+
+@transaction.atomic
+def create_agent(
+    organisation: Organisation,
+    name: str,
+    *,
+    by: Any = None,
+    slug: str | None = None,
+    enabled: bool = True,
+    templates: Iterable[AllowlistTemplate] = (),
+    allowlist: Iterable[str] = (),
+    required_labels: Iterable[str] = (),
+    workplace: Workplace | None = None,
+) -> Agent:
+    """Create an agent at version 1."""
+    agent = Agent(
+        organisation=organisation,
+        name=name,
+        slug=slug or slug_for(name),
+        enabled=enabled,
+        allowlist=list(allowlist),
+        workplace=workplace,
+    )
+    agent.required_labels = _labels(required_labels)
+    _validate(agent)
+    agent.save()
+    agent.templates.set(list(templates))
+    AgentVersion.objects.create(
+        agent=agent, number=1, config=agent_config(agent), changes={}, created_by=_user(by)
+    )
+    return agent
+
+
+@transaction.atomic
+def update_agent(agent: Agent, *, by: Any = None, **changes: Any) -> Agent:
+    """Apply changes to an agent; a new version is written if the configuration changed.
+
+    The row is locked for the duration, so concurrent changes get consecutive numbers.
+    Returns the agent as saved (``agent`` itself is refreshed too).
+    """
+    unknown = set(changes) - AGENT_FIELDS
+    if unknown:
+        raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an agent")
+    locked = (
+        Agent.objects.select_for_update(of=("self",)).select_related("workplace").get(pk=agent.pk)
+    )
+    before = agent_config(locked)
+    templates = changes.pop("templates", None)
+    if "required_labels" in changes:
+        changes["required_labels"] = _labels(changes["required_labels"])
+    if "allowlist" in changes:
+        changes["allowlist"] = list(changes["allowlist"])
+    for field, value in changes.items():
+        setattr(locked, field, value)
+    _validate(locked)
+    locked.save()
+    if templates is not None:
+        locked.templates.set(list(templates))
+    after = agent_config(locked)
+    if after != before:
+        locked.version += 1
+        locked.save(update_fields=["version"])
+        AgentVersion.objects.create(
+            agent=locked,
+            number=locked.version,
+            config=after,
+            changes=diff_configs(before, after),
+            created_by=_user(by),
+        )
+    agent.refresh_from_db()
+    return locked
+
+
+def effective_allowlist(agent: Agent) -> dict[Entry, list[str]]:
+    """Base + templates + own entries → where each entry comes from, in entry order.
+
+    Sources read ``base``, ``template:<slug>`` or ``agent``.
+    """
+    sources: dict[Entry, list[str]] = {}
+    lists: list[tuple[str, list[str]]] = [("base", agent.organisation.base_allowlist)]
+    lists += [(f"template:{t.slug}", t.entries) for t in agent.templates.all()]
+    lists.append(("agent", agent.allowlist))
+    for source, texts in lists:
+        for text in texts:
+            sources.setdefault(parse_entry(text), []).append(source)
+    return dict(sorted(sources.items()))
+
+
+def _validate(agent: Agent) -> None:
+    others = Agent.objects.filter(organisation_id=agent.organisation_id).exclude(pk=agent.pk)
+    if others.filter(name=agent.name).exists():
+        raise ValidationError({"name": [f"an agent named {agent.name!r} exists already"]})
+    if others.filter(slug=agent.slug).exists():
+        raise ValidationError(
+            {"name": [f"an agent with the slug {agent.slug!r} exists already; choose another name"]}
+        )
+    agent.full_clean(exclude=["templates"])
+    if agent.workplace is not None and agent.workplace.organisation_id != agent.organisation_id:
+        raise ValidationError({"workplace": ["the workplace belongs to another organisation"]})
+
+
+def _labels(values: Iterable[str]) -> list[str]:
+    try:
+        return normalise_labels(list(values) if not isinstance(values, str) else values)
+    except ValueError as exc:
+        raise ValidationError({"required_labels": [str(exc)]}) from None
+
+
+def _user(by: Any) -> Any:
+    return by if by is not None and by.is_authenticated else None

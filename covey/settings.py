@@ -1,0 +1,177 @@
+"""covey settings: everything comes from the environment, with defaults that let a checkout run.
+
+`make run` needs no configuration at all: SQLite and a file-system Celery broker under `var/`.
+Production sets DATABASE_URL, CELERY_BROKER_URL, DJANGO_SECRET_KEY and DJANGO_ALLOWED_HOSTS.
+"""
+
+import secrets
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+VAR_DIR = Path(env.str("COVEY_VAR_DIR", default=str(BASE_DIR / "var")))
+
+
+def _local_secret_key() -> str:
+    """A secret key made once per checkout and kept in var/, for installs that set none."""
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+# --- Django core --------------------------------------------------------------------------
+
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or _local_secret_key()
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'covey.sqlite3'}")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "simple_history",
+    "agents",
+    "egress",
+    "templates",
+    "workplaces",
+    "runners",
+    "budgets",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "simple_history.middleware.HistoryRequestMiddleware",
+]
+
+ROOT_URLCONF = "covey.urls"
+WSGI_APPLICATION = "covey.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing one
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("COVEY_LOG_LEVEL", default="INFO")},
+}
+
+# --- API ----------------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "covey.pagination.BoundedPagination",
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "covey.api.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "covey API",
+    "DESCRIPTION": "Govern AI coding agents: organisations, agents, allowlists, runners.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    # Served from this installation, not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# --- Celery -------------------------------------------------------------------------------
+
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    # kombu's file-system transport: a broker with no server, for the embedded defaults.
+    _broker_dir = VAR_DIR / "broker"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+    for _sub in ("queue", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_TIME_LIMIT = env.int("COVEY_TASK_TIME_LIMIT", default=300)
+CELERY_TASK_SOFT_TIME_LIMIT = CELERY_TASK_TIME_LIMIT - 10
+
+# --- covey --------------------------------------------------------------------------------
+
+# The list every new organisation starts with (each organisation can then edit its own).
+COVEY_EGRESS_BASE_ALLOWLIST = env.list("COVEY_EGRESS_BASE_ALLOWLIST", default=["api.anthropic.com"])
+# Cooperative level: sandboxes are told to use the proxy (bypassable by design).
+COVEY_EGRESS_ENFORCE = env.bool("COVEY_EGRESS_ENFORCE", default=True)
+# "network": sandboxes sit on an internal network whose only exit is the proxy container.
+COVEY_EGRESS_ISOLATION = env.str("COVEY_EGRESS_ISOLATION", default="none")
+COVEY_EGRESS_NAMESERVERS = env.list("COVEY_EGRESS_NAMESERVERS", default=[])
+COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS = env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", default=[])
+
+# A runner (built-in or remote) reaches the control plane here, with its runner token.
+COVEY_CONTROL_PLANE_URL = env.str("COVEY_CONTROL_PLANE_URL", default="http://127.0.0.1:8000")
+COVEY_RUNNER_TOKEN = env.str("COVEY_RUNNER_TOKEN", default="")
+
+# The first superuser's password (`make run` generates and prints one when this is unset).
+COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")

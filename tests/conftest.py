@@ -1,0 +1,130 @@
+"""Shared fixtures: the personas every API test uses, and the service markers.
+
+Who may see what:
+- ``acme`` has ``alice`` (admin: changes everything in acme), ``april`` (approver: reads, decides
+  requests) and ``vera`` (viewer: reads only).
+- ``globex`` has ``gary`` (admin). Gary must see nothing of acme, and acme's people nothing of
+  globex: another organisation's object is simply 404.
+- ``root`` is a superuser: the platform team, sees and changes everything.
+- ``nobody`` is signed in but belongs to no organisation: sees nothing.
+"""
+
+import os
+import socket
+from collections.abc import Callable
+from functools import cache
+from urllib.parse import urlparse
+
+import pytest
+from django.conf import settings
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from agents.models import Membership, Role
+from tests.factories import OrganisationFactory, UserFactory
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+@cache
+def _service_problem(name: str) -> str | None:
+    """Why a service the tests need is unavailable, or None when it answers."""
+    if name == "postgres":
+        url = urlparse(os.environ.get("DATABASE_URL", ""))
+        if url.scheme not in ("postgres", "postgresql"):
+            return "DATABASE_URL does not point at PostgreSQL"
+        return _tcp_problem(url.hostname or "127.0.0.1", url.port or 5432)
+    if name == "redis":
+        url = urlparse(settings.CELERY_BROKER_URL)
+        if url.scheme != "redis":
+            return "CELERY_BROKER_URL does not point at Redis"
+        return _tcp_problem(url.hostname or "127.0.0.1", url.port or 6379)
+    if name == "docker":
+        path = "/var/run/docker.sock"
+        return None if os.path.exists(path) else f"no Docker engine socket at {path}"
+    raise ValueError(name)
+
+
+def _tcp_problem(host: str, port: int) -> str | None:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        return f"cannot connect to {host}:{port}: {exc}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _required_services(request: pytest.FixtureRequest) -> None:
+    """A test marked postgres/redis/docker skips without it, but fails under CI=true."""
+    for name in ("postgres", "redis", "docker"):
+        if request.node.get_closest_marker(name) and (problem := _service_problem(name)):
+            message = f"{name} is required: {problem}"
+            if IN_CI:
+                pytest.fail(message)
+            pytest.skip(message)
+
+
+@pytest.fixture
+def acme(db):
+    return OrganisationFactory(name="Acme")
+
+
+@pytest.fixture
+def globex(db):
+    return OrganisationFactory(name="Globex")
+
+
+def _member(organisation, username, role):
+    user = UserFactory(username=username)
+    Membership.objects.create(organisation=organisation, user=user, role=role)
+    return user
+
+
+@pytest.fixture
+def alice(acme):
+    return _member(acme, "alice", Role.ADMIN)
+
+
+@pytest.fixture
+def april(acme):
+    return _member(acme, "april", Role.APPROVER)
+
+
+@pytest.fixture
+def vera(acme):
+    return _member(acme, "vera", Role.VIEWER)
+
+
+@pytest.fixture
+def gary(globex):
+    return _member(globex, "gary", Role.ADMIN)
+
+
+@pytest.fixture
+def root(db):
+    return UserFactory(username="root", is_superuser=True, is_staff=True)
+
+
+@pytest.fixture
+def nobody(db):
+    return UserFactory(username="nobody")
+
+
+@pytest.fixture
+def api() -> Callable[..., APIClient]:
+    """An API client authenticated the way automation is: ``Authorization: Token <key>``."""
+
+    def client_for(user) -> APIClient:
+        client = APIClient()
+        token, _ = Token.objects.get_or_create(user=user)
+        client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+        return client
+
+    return client_for
+
+
+@pytest.fixture
+def operator_client(client, root):
+    """The Django test client, signed in to the admin as the superuser."""
+    client.force_login(root)
+    return client

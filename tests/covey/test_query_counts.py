@@ -1,0 +1,71 @@
+"""List endpoints cost the same number of queries however many rows they return."""
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from agents import services
+from agents.models import Membership, Role
+from covey.pagination import BoundedPagination
+from templates.models import AllowlistTemplate
+from tests.factories import AgentFactory, OrganisationFactory, WorkplaceFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def queries_for(client, url):
+    with CaptureQueriesContext(connection) as captured:
+        response = client.get(url)
+    assert response.status_code == 200, response.content
+    return len(captured), response.json()
+
+
+def make_rows(acme, alice, count):
+    templates = list(AllowlistTemplate.objects.all()[:3])
+    for _ in range(count):
+        workplace = WorkplaceFactory(organisation=acme)
+        agent = AgentFactory(organisation=acme, templates=templates, workplace=workplace)
+        services.update_agent(agent, by=alice, enabled=False)
+        org = OrganisationFactory()
+        Membership.objects.create(organisation=org, user=alice, role=Role.VIEWER)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/api/v1/organisations/",
+        "/api/v1/agents/",
+        "/api/v1/workplaces/",
+        "/api/v1/allowlist-templates/",
+    ],
+)
+def test_list_endpoints_use_a_constant_number_of_queries(api, alice, acme, url):
+    client = api(alice)
+    make_rows(acme, alice, 2)
+    few, body_few = queries_for(client, url)
+    make_rows(acme, alice, 20)
+    many, body_many = queries_for(client, url)
+    assert len(body_many["results"]) > len(body_few["results"]) or url.endswith("templates/")
+    assert many == few
+
+
+def test_the_version_list_uses_a_constant_number_of_queries(api, alice, acme):
+    client = api(alice)
+    agent = AgentFactory(organisation=acme)
+    url = f"/api/v1/agents/{agent.pk}/versions/"
+    few, _ = queries_for(client, url)
+    for number in range(15):
+        services.update_agent(agent, by=alice, allowlist=[f"host{number}.example"])
+    many, body = queries_for(client, url)
+    assert body["count"] == 16
+    assert many == few
+
+
+def test_pages_are_bounded_whatever_size_is_asked_for(api, root, acme, monkeypatch):
+    monkeypatch.setattr(BoundedPagination, "max_page_size", 2)
+    for _ in range(3):
+        AgentFactory(organisation=acme)
+    body = api(root).get("/api/v1/agents/?page_size=100000").json()
+    assert len(body["results"]) == 2
+    assert body["count"] == 3
+    assert body["next"]

@@ -1,0 +1,50 @@
+"""Start and stop the real processes integration tests need; each is stopped by its own id."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def running(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """Run a command in its own process group; stop that group (and only it) afterwards."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(  # noqa: S603 - the tests' own commands
+            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def wait_for(condition, timeout: float, what: str, log: Path | None = None) -> None:
+    """Poll until condition() is true, or fail saying what never happened (with the log)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    raise AssertionError(f"{what} did not happen within {timeout} s\n{tail}")
