@@ -54,6 +54,7 @@ class Organisation(models.Model):
         help_text="Hosts every agent of this organisation may reach. One entry per line.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
     history = HistoricalRecords()
 
     objects = OrganisationQuerySet.as_manager()

@@ -152,7 +152,7 @@ def update_agent(agent: Agent, *, by: Any = None, **changes: Any) -> Agent:
     after = agent_config(locked)
     if after != before:
         locked.version += 1
-        locked.save(update_fields=["version"])
+        locked.save(update_fields=["version", "updated_at"])
         AgentVersion.objects.create(
             agent=locked,
             number=locked.version,

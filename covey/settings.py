@@ -176,3 +176,17 @@ COVEY_RUNNER_TOKEN = env.str("COVEY_RUNNER_TOKEN", default="")
 
 # The first superuser's password (`make run` generates and prints one when this is unset).
 COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")
+
+# --- egress proxy ---------------------------------------------------------------------------
+
+# How long an egress token lives unless the caller says otherwise (seconds).
+COVEY_EGRESS_TOKEN_TTL = env.int("COVEY_EGRESS_TOKEN_TTL", default=4 * 3600)
+# Tunnels held open at once: in total, and by one agent. A full proxy answers 429.
+COVEY_EGRESS_MAX_TUNNELS = env.int("COVEY_EGRESS_MAX_TUNNELS", default=4000)
+COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int("COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=500)
+# The proxy checks for policy changes this often, and refuses everything once its last good
+# answer from the policy source is older than the grace period (fail closed).
+COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=0.25)
+COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=15.0)
+# Decision log rows older than this are pruned.
+COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)

@@ -26,6 +26,10 @@ class EntryError(ValueError):
     """An allowlist entry that the grammar rejects; the message says what is wrong."""
 
 
+class IPLiteralError(EntryError):
+    """The entry (or a proxy target) is an IP address in some notation, not a name."""
+
+
 @dataclass(frozen=True, order=True)
 class Entry:
     """One normalised allowlist entry."""
@@ -101,7 +105,7 @@ def normalise_entries(texts: Iterable[str]) -> list[str]:
 def _split_port(text: str, shown: str) -> tuple[str, int]:
     if text.startswith("[") or text.count(":") > 1:
         # Bracketed or bare IPv6, possibly with a port: an IP literal either way.
-        raise EntryError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
+        raise IPLiteralError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
     if ":" not in text:
         return text, DEFAULT_PORT
     host, port_text = text.rsplit(":", 1)
@@ -118,7 +122,7 @@ def _normalise_host(text: str, shown: str) -> str:
     if any(label == "" for label in text.split(".")):
         raise EntryError(f"{shown}: the host name has an empty label (two dots in a row?)")
     if _looks_like_ip(text):
-        raise EntryError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
+        raise IPLiteralError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
     try:
         # UTS #46 maps case, full-width forms and other look-alike spellings to one form,
         # then IDNA 2008 turns non-ASCII labels into punycode.
@@ -136,7 +140,7 @@ def _normalise_host(text: str, shown: str) -> str:
         raise EntryError(f"{shown}: not a valid host name ({exc})") from None
     host = host.rstrip(".")
     if _looks_like_ip(host):
-        raise EntryError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
+        raise IPLiteralError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
     if len(host) > MAX_HOST_LENGTH:
         raise EntryError(f"{shown}: the host name is longer than {MAX_HOST_LENGTH} characters")
     for label in host.split("."):

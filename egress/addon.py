@@ -1,0 +1,432 @@
+"""The covey egress addon for mitmproxy: decide every CONNECT tunnel and plain-HTTP request.
+
+The decision order is DESIGN.md §3. Decisions are taken in ``http_connect`` (tunnels) and
+``requestheaders`` (plain HTTP) from the in-memory policy; the name is resolved once and the
+vetted address is pinned in ``server_connect``, so no second lookup can change the target.
+Tunnels are passed through, never decrypted: ``next_layer`` only lets a tunnel go on once its
+first bytes are a TLS ClientHello whose SNI is the CONNECT host.
+
+This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regular HTTP proxy
+and raw pass-through, nothing else.
+"""
+
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mitmproxy import connection, ctx, exceptions, http, tcp
+from mitmproxy.addonmanager import Loader
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from egress.feed import DecisionLog, PolicyFeed
+from egress.policy import (
+    AgentPolicy,
+    Code,
+    Decision,
+    IPNetwork,
+    Policy,
+    parse_basic,
+    parse_networks,
+    status_of,
+    vet_addresses,
+)
+from egress.resolver import ResolutionError, Resolver
+
+logger = logging.getLogger(__name__)
+
+MAX_CLIENT_HELLO = 64 * 1024
+_NOT_TLS = "the tunnel did not start with a TLS ClientHello"
+
+EXPLANATIONS = {
+    Code.PROXY_AUTH: "this proxy needs the agent's egress credentials (Proxy-Authorization)",
+    Code.AGENT_DISABLED: "this agent is disabled",
+    Code.BUDGET_EXHAUSTED: "this agent's budget is used up",
+    Code.CAPACITY: "the proxy is at its limit of open tunnels; retry shortly",
+    Code.IP_LITERAL: "connections go to host names, never to IP addresses",
+    Code.NOT_ON_ALLOWLIST: "the host is not on this agent's allowlist",
+    Code.PORT_NOT_ALLOWED: "the host is on the allowlist, but not with this port",
+    Code.NON_PUBLIC_ADDRESS: "the name resolves to an address that is not public",
+    Code.UNRESOLVABLE: "the name could not be resolved",
+    Code.BAD_REQUEST: "the request is malformed or ambiguous",
+    Code.POLICY_UNAVAILABLE: "the proxy cannot confirm the current policy, so it refuses all",
+}
+
+
+@dataclass
+class Tunnel:
+    """An allowed CONNECT tunnel, from the decision until the client disconnects."""
+
+    decision_id: str
+    agent_id: int
+    host: str
+    port: int
+    address: str
+    started: bool = False  # the ClientHello was checked and the bytes flow
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass
+class ClientState:
+    """What the proxy knows about one client connection."""
+
+    tunnel: Tunnel | None = None
+    # plain HTTP: (host, port) as mitmproxy will dial it → the vetted address
+    pinned: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+class Refuse(layer.Layer):
+    """A layer that closes the client connection at once (a tunnel we will not carry)."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start | events.DataReceived):
+            yield commands.CloseConnection(self.context.client)
+        self._handle_event = self._ignore  # type: ignore[method-assign]
+
+    def _ignore(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from ()
+
+
+class CoveyEgress:
+    """Per-agent egress policy for every connection through the proxy."""
+
+    def __init__(
+        self,
+        feed: PolicyFeed,
+        log: DecisionLog,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.feed = feed
+        self.log = log
+        self.clock = clock
+        self.clients: dict[str, ClientState] = {}
+        self.tunnels_by_agent: Counter[int] = Counter()
+        self.open_tunnels = 0
+        self.resolver = Resolver()
+        self.allowed_private: list[IPNetwork] = []
+
+    # --- options -----------------------------------------------------------------------------
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option("covey_max_tunnels", int, 4000, "Tunnels open at once, over all agents.")
+        loader.add_option(
+            "covey_max_tunnels_per_agent", int, 500, "Tunnels open at once for one agent."
+        )
+        loader.add_option(
+            "covey_nameservers",
+            Sequence[str],
+            [],
+            "Resolvers for target names, 'addr' or 'addr@port' (default: the system's).",
+        )
+        loader.add_option(
+            "covey_allowed_private_cidrs",
+            Sequence[str],
+            [],
+            "Non-public networks the proxy may still connect to.",
+        )
+        loader.add_option("covey_proxy_name", str, "", "Name of this proxy in the decision log.")
+
+    def configure(self, updated: set[str]) -> None:
+        if min(ctx.options.covey_max_tunnels, ctx.options.covey_max_tunnels_per_agent) < 1:
+            raise exceptions.OptionsError("covey tunnel limits must be at least 1")
+        if "covey_allowed_private_cidrs" in updated:
+            try:
+                self.allowed_private = parse_networks(ctx.options.covey_allowed_private_cidrs)
+            except ValueError as exc:
+                raise exceptions.OptionsError(f"covey_allowed_private_cidrs: {exc}") from None
+        if "covey_nameservers" in updated:
+            try:
+                self.resolver = Resolver(ctx.options.covey_nameservers)
+            except ValueError as exc:
+                raise exceptions.OptionsError(f"covey_nameservers: {exc}") from None
+
+    # --- decisions ---------------------------------------------------------------------------
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.error is not None:
+            return
+        await self._decide(flow, plain_http=False)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.error is not None:
+            return
+        if flow.request.method == "CONNECT":
+            return  # decided in http_connect
+        await self._decide(flow, plain_http=True)
+
+    async def _decide(self, flow: http.HTTPFlow, *, plain_http: bool) -> None:
+        request = flow.request
+        credential = request.headers.get("Proxy-Authorization")
+        parsed = parse_basic(credential)
+        username = parsed[0] if parsed else ""
+        host, port = request.host, request.port
+
+        policy = self.feed.current()
+        if policy is None:
+            return self._refuse(flow, Decision(Code.POLICY_UNAVAILABLE, host, port), username)
+        if plain_http:
+            problem = _plain_http_problem(request)
+            if problem:
+                return self._refuse(
+                    flow, Decision(Code.BAD_REQUEST, host, port, detail=problem), username
+                )
+        agent = policy.authenticate(credential, self.clock())
+        if agent is None:
+            return self._refuse(flow, Decision(Code.PROXY_AUTH, host, port), username)
+
+        at_capacity = not plain_http and (
+            self.open_tunnels >= ctx.options.covey_max_tunnels
+            or self.tunnels_by_agent[agent.id] >= ctx.options.covey_max_tunnels_per_agent
+        )
+        decision = policy.decide(agent, host, port, plain_http=plain_http, at_capacity=at_capacity)
+        if not decision.allowed:
+            return self._refuse(flow, decision, username, agent)
+
+        try:
+            addresses = await self.resolver.resolve(decision.host)
+        except ResolutionError as exc:
+            addresses = []
+            logger.info("covey: %s", exc)
+        vetted, address = vet_addresses(
+            decision.host, decision.port, addresses, self.allowed_private
+        )
+        if not vetted.allowed or address is None:
+            return self._refuse(flow, vetted, username, agent)
+        # The policy may have changed while we waited for DNS: decide again, from memory.
+        latest = self.feed.current()
+        if latest is None or latest.generation != policy.generation:
+            again = self._redecide(latest, credential, host, port, plain_http)
+            if not again.allowed:
+                return self._refuse(flow, again, username, agent)
+
+        del request.headers["Proxy-Authorization"]
+        decision_id = self._record(decision, username, agent, address, plain_http)
+        state = self.clients.setdefault(flow.client_conn.id, ClientState())
+        if plain_http:
+            request.host = decision.host  # one canonical host for URL, Host header and dial
+            request.headers["Host"] = (
+                decision.host if decision.port == 80 else f"{decision.host}:{decision.port}"
+            )
+            state.pinned[(request.host, request.port)] = str(address)
+        else:
+            state.tunnel = Tunnel(
+                decision_id=decision_id,
+                agent_id=agent.id,
+                host=decision.host,
+                port=decision.port,
+                address=str(address),
+            )
+            self.open_tunnels += 1
+            self.tunnels_by_agent[agent.id] += 1
+
+    def _redecide(
+        self,
+        policy: Policy | None,
+        credential: str | None,
+        host: str,
+        port: int,
+        plain_http: bool,
+    ) -> Decision:
+        if policy is None:
+            return Decision(Code.POLICY_UNAVAILABLE, host, port)
+        agent = policy.authenticate(credential, self.clock())
+        if agent is None:
+            return Decision(Code.PROXY_AUTH, host, port)
+        return policy.decide(agent, host, port, plain_http=plain_http, at_capacity=False)
+
+    def _refuse(
+        self,
+        flow: http.HTTPFlow,
+        decision: Decision,
+        username: str,
+        agent: AgentPolicy | None = None,
+    ) -> None:
+        self._record(decision, username, agent, None, flow.request.method != "CONNECT")
+        flow.response = refusal(decision, username)
+
+    def _record(
+        self,
+        decision: Decision,
+        username: str,
+        agent: AgentPolicy | None,
+        address: Any,
+        plain_http: bool,
+    ) -> str:
+        decision_id = str(uuid.uuid4())
+        self.log.add(
+            {
+                "event": "decision",
+                "id": decision_id,
+                "agent_id": agent.id if agent else None,
+                "username": username,
+                "kind": "http" if plain_http else "connect",
+                "host": decision.host,
+                "port": decision.port,
+                "address": str(address) if address is not None else None,
+                "allowed": decision.allowed,
+                "reason": str(decision.code),
+                "detail": ", ".join(decision.sources) if decision.allowed else decision.detail,
+                "at": self.clock(),
+            }
+        )
+        return decision_id
+
+    # --- the tunnel's first bytes --------------------------------------------------------------
+
+    def choose_layer(self, nextlayer: layer.NextLayer) -> None:
+        """Which layer handles new bytes: see :class:`NextLayer`."""
+        if nextlayer.layer is not None:
+            return
+        context = nextlayer.context
+        if len(context.layers) == 1:  # a new client connection: speak HTTP proxy
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.regular)
+            return
+        state = self.clients.get(context.client.id)
+        tunnel = state.tunnel if state else None
+        if tunnel is None or tunnel.started:
+            nextlayer.layer = Refuse(context)  # fail closed: no decision, no bytes
+            return
+        data = nextlayer.data_client()
+        problem = _client_hello_problem(data, tunnel.host)
+        if problem is None:
+            return  # wait for the rest of the ClientHello
+        if problem:
+            self._record(
+                Decision(Code.BAD_REQUEST, tunnel.host, tunnel.port, detail=problem),
+                "",
+                None,
+                None,
+                False,
+            )
+            nextlayer.layer = Refuse(context)
+            return
+        tunnel.started = True
+        nextlayer.layer = layers.TCPLayer(context)
+
+    def server_connect(self, data: ServerConnectionHookData) -> None:
+        """Dial only the vetted address; anything we did not decide is refused."""
+        state = self.clients.get(data.client.id)
+        address = data.server.address
+        vetted: str | None = None
+        if state is not None and address is not None:
+            if state.tunnel is not None and state.tunnel.started:
+                vetted = state.tunnel.address
+            else:
+                vetted = state.pinned.get((address[0], address[1]))
+        if vetted is None or address is None:
+            data.server.error = "covey: no vetted address for this connection"
+            return
+        data.server.address = (vetted, address[1])
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        state = self.clients.get(flow.client_conn.id)
+        message = flow.messages[-1]
+        if state is not None and state.tunnel is not None:
+            if message.from_client:
+                state.tunnel.bytes_up += len(message.content)
+            else:
+                state.tunnel.bytes_down += len(message.content)
+        flow.messages.clear()  # pass-through: keep nothing in memory
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        state = self.clients.pop(client.id, None)
+        if state is None or state.tunnel is None:
+            return
+        tunnel = state.tunnel
+        self.open_tunnels -= 1
+        self.tunnels_by_agent[tunnel.agent_id] -= 1
+        if self.tunnels_by_agent[tunnel.agent_id] <= 0:
+            del self.tunnels_by_agent[tunnel.agent_id]
+        self.log.add(
+            {
+                "event": "close",
+                "id": tunnel.decision_id,
+                "bytes_up": tunnel.bytes_up,
+                "bytes_down": tunnel.bytes_down,
+                "at": self.clock(),
+            }
+        )
+
+
+class NextLayer:
+    """Stands in for mitmproxy's own NextLayer addon (and carries its name), so that only
+    covey decides what a connection speaks: HTTP proxy requests, then checked pass-through."""
+
+    def __init__(self, egress: CoveyEgress) -> None:
+        self.egress = egress
+
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        self.egress.choose_layer(nextlayer)
+
+
+def refusal(decision: Decision, username: str) -> http.Response:
+    """The answer to a refused connection: status, deny reason and how to ask for access."""
+    code = decision.code
+    target = f"{decision.host}:{decision.port}"
+    lines = [f"covey refused {target}: {EXPLANATIONS.get(code, str(code))} ({code})."]
+    if decision.detail:
+        lines.append(decision.detail)
+    if code in (Code.NOT_ON_ALLOWLIST, Code.PORT_NOT_ALLOWED, Code.NON_PUBLIC_ADDRESS):
+        who = f"agent {username}" if username else "your agent"
+        lines.append(
+            f"If {who} needs {target}, ask for it: a person on your platform team can add it"
+            " to the agent's allowlist in covey. Do not try another route."
+        )
+    headers = {"X-Covey-Deny-Reason": str(code), "Content-Type": "text/plain; charset=utf-8"}
+    if code is Code.PROXY_AUTH:
+        headers["Proxy-Authenticate"] = 'Basic realm="covey egress"'
+    if code is Code.CAPACITY:
+        headers["Retry-After"] = "1"
+    return http.Response.make(status_of(code), "\n".join(lines) + "\n", headers)
+
+
+def _plain_http_problem(request: http.Request) -> str:
+    """Why a plain-HTTP proxy request is ambiguous, or '' when it names one host clearly.
+
+    mitmproxy has already taken the host from the absolute URL (or, for an origin-form
+    request, from the Host header); a Host header that names anything else is refused, and
+    the request goes out with the decided host only.
+    """
+    if request.scheme != "http":
+        return "only http:// URLs can be sent as plain requests; use CONNECT for TLS"
+    host_headers = request.headers.get_all("Host")
+    if len(host_headers) > 1:
+        return "more than one Host header"
+    if host_headers:
+        given = host_headers[0].strip().lower().rstrip(".")
+        expected = {
+            request.host.lower().rstrip("."),
+            f"{request.host.lower().rstrip('.')}:{request.port}",
+        }
+        if given not in expected:
+            return f"the Host header ({host_headers[0]!r}) does not match the URL's host"
+    return ""
+
+
+def _client_hello_problem(data: bytes, host: str) -> str | None:
+    """'' when data opens TLS with SNI == host; None to wait for more; else what is wrong."""
+    if len(data) < 3:
+        return None if data in (b"", b"\x16", b"\x16\x03") else _NOT_TLS
+    if not starts_like_tls_record(data):
+        return _NOT_TLS
+    try:
+        hello = parse_client_hello(data)
+    except ValueError:
+        return "the tunnel did not start with a valid TLS ClientHello"
+    if hello is None:
+        return "the ClientHello is too large" if len(data) > MAX_CLIENT_HELLO else None
+    sni = (hello.sni or "").lower().rstrip(".")
+    if not sni:
+        return "the TLS ClientHello names no server (SNI)"
+    if sni != host:
+        return f"the TLS ClientHello names {sni!r}, not the CONNECT host {host!r}"
+    return ""

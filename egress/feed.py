@@ -1,0 +1,165 @@
+"""Background work of the proxy, kept off the connection path: policy refresh and log flush.
+
+No Django and no mitmproxy here: the sources and sinks are plain callables, so the same feed
+serves a proxy that reads the database and one that asks the control plane over HTTP.
+"""
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from egress.policy import Policy
+
+logger = logging.getLogger(__name__)
+
+# fetch(known_generation) -> a new snapshot, or None when the generation has not changed.
+PolicySource = Callable[[str | None], Mapping[str, Any] | None]
+DecisionSink = Callable[[list[dict[str, Any]]], None]
+
+
+class PolicyFeed:
+    """Keeps the current :class:`Policy` fresh by polling a source in a thread.
+
+    ``current()`` answers from memory. Once the last good answer from the source is older
+    than ``grace`` seconds it returns None, and the proxy refuses everything (fail closed).
+    """
+
+    def __init__(
+        self,
+        source: PolicySource,
+        *,
+        poll: float,
+        grace: float,
+        on_change: Callable[[Policy], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._poll = poll
+        self._grace = grace
+        self._on_change = on_change
+        self._clock = clock
+        self._policy: Policy | None = None
+        self._confirmed_at = float("-inf")
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
+        self.failures = 0
+
+    def start(self) -> None:
+        """Start polling."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling and wait for the thread."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until a first policy is loaded."""
+        return self._ready.wait(timeout)
+
+    def current(self) -> Policy | None:
+        """The policy to decide with, or None when it is too old to trust."""
+        if self._clock() - self._confirmed_at > self._grace:
+            return None
+        return self._policy
+
+    def refresh(self) -> None:
+        """Ask the source once; a new snapshot replaces the policy atomically."""
+        known = self._policy.generation if self._policy else None
+        snapshot = self._source(known)
+        if snapshot is not None:
+            policy = Policy.from_snapshot(snapshot)
+            self._policy = policy
+            logger.info(
+                "covey: egress policy %s loaded (%d agents)", policy.generation, len(policy.agents)
+            )
+            if self._on_change is not None:
+                self._on_change(policy)
+        self._confirmed_at = self._clock()
+        self._ready.set()
+
+    def _run(self) -> None:
+        last_warning = float("-inf")
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception as exc:
+                self.failures += 1
+                # Once when it starts failing, then every 30 s: the poll runs many times a second.
+                if self._clock() - last_warning >= 30:
+                    last_warning = self._clock()
+                    logger.warning("covey: could not refresh the egress policy: %s", exc)
+                logger.debug("policy refresh failure", exc_info=True)
+            else:
+                if self.failures:
+                    logger.warning("covey: egress policy source answers again")
+                    self.failures = 0
+                    last_warning = float("-inf")
+            self._stop.wait(self._poll)
+
+
+class DecisionLog:
+    """Buffers decision events in memory and writes them in batches from a thread.
+
+    The connection path only appends to a deque. When the sink fails, events are kept and
+    retried; past ``max_buffer`` the oldest are dropped and counted.
+    """
+
+    def __init__(
+        self, sink: DecisionSink, *, interval: float = 0.5, max_buffer: int = 200_000
+    ) -> None:
+        self._sink = sink
+        self._interval = interval
+        self._events: deque[dict[str, Any]] = deque(maxlen=max_buffer)
+        self._max_buffer = max_buffer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="covey-decisions", daemon=True)
+        self.dropped = 0
+        self.written = 0
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Queue one event (never blocks, never does I/O)."""
+        if len(self._events) == self._max_buffer:
+            self.dropped += 1
+        self._events.append(event)
+
+    def start(self) -> None:
+        """Start flushing."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Flush what is left and stop."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            while self._events:
+                self.flush()
+        except Exception:
+            logger.warning("covey: %d egress decisions were not written", len(self._events))
+
+    def flush(self) -> None:
+        """Write everything queued so far; on failure the events go back to the front."""
+        batch: list[dict[str, Any]] = []
+        while self._events and len(batch) < 5000:
+            batch.append(self._events.popleft())
+        if not batch:
+            return
+        try:
+            self._sink(batch)
+        except Exception as exc:
+            logger.warning("covey: could not write %d egress decisions: %s", len(batch), exc)
+            self._events.extendleft(reversed(batch))
+            raise
+        self.written += len(batch)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                while self._events:
+                    self.flush()
+            except Exception:  # noqa: S112 - logged in flush; retried next round
+                continue

@@ -1,0 +1,102 @@
+"""Egress tokens (who an agent is to the proxy) and the decision log (what the proxy did)."""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from agents.models import TenantQuerySet
+
+
+class EgressTokenQuerySet(TenantQuerySet):
+    """Tokens, scoped by their agent's organisation."""
+
+    membership_lookup = "agent__organisation__memberships__user"
+
+    def live(self) -> "EgressTokenQuerySet":
+        """Tokens that are neither revoked nor expired now."""
+        return self.filter(revoked_at__isnull=True, expires_at__gt=timezone.now())
+
+
+class EgressToken(models.Model):
+    """A short-lived credential an agent shows the proxy; only its SHA-256 is stored."""
+
+    agent = models.ForeignKey("agents.Agent", on_delete=models.CASCADE, related_name="tokens")
+    sha256 = models.CharField(max_length=64, unique=True, editable=False)
+    prefix = models.CharField(
+        max_length=8, editable=False, help_text="The token's first characters, to recognise it."
+    )
+    purpose = models.CharField(max_length=100, blank=True, help_text="e.g. 'run 42' or 'manual'.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+
+    objects = EgressTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["agent", "revoked_at", "expires_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… for {self.agent_id}"
+
+    @property
+    def is_live(self) -> bool:
+        """Neither revoked nor expired."""
+        return self.revoked_at is None and self.expires_at > timezone.now()
+
+
+class DecisionQuerySet(TenantQuerySet):
+    """Decisions, scoped by their agent's organisation (unidentified ones: superusers only)."""
+
+    membership_lookup = "agent__organisation__memberships__user"
+
+
+class Decision(models.Model):
+    """One allow or deny of the egress proxy. Written in batches, never edited by people.
+
+    Tunnels get their byte counts and ``closed_at`` when they close.
+    """
+
+    class Kind(models.TextChoices):
+        CONNECT = "connect", "CONNECT tunnel"
+        HTTP = "http", "plain HTTP request"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    agent = models.ForeignKey(
+        "agents.Agent",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="egress_decisions",
+    )
+    username = models.CharField(max_length=200, blank=True, help_text="As the client sent it.")
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    host = models.CharField(max_length=255)
+    port = models.PositiveIntegerField()
+    address = models.GenericIPAddressField(null=True, blank=True, help_text="The vetted address.")
+    allowed = models.BooleanField()
+    reason = models.CharField(max_length=32, help_text="'allowed' or the deny code.")
+    detail = models.TextField(blank=True, help_text="Matching list sources, or what was wrong.")
+    bytes_up = models.BigIntegerField(null=True, blank=True)
+    bytes_down = models.BigIntegerField(null=True, blank=True)
+    decided_at = models.DateTimeField(db_index=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+    proxy = models.CharField(max_length=100, blank=True, help_text="Which proxy decided.")
+
+    objects = DecisionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-decided_at"]
+        indexes = [
+            models.Index(fields=["agent", "-decided_at"]),
+            models.Index(fields=["reason", "-decided_at"]),
+        ]
+
+    def __str__(self) -> str:
+        verdict = "allow" if self.allowed else f"deny ({self.reason})"
+        return f"{verdict} {self.host}:{self.port}"

@@ -1,0 +1,283 @@
+"""The egress decision, as pure Python: no Django, no mitmproxy, no I/O.
+
+The proxy addon asks, in the order of DESIGN.md §3: who is this (:meth:`Policy.authenticate`),
+may they connect at all and may they reach this host and port (:meth:`Policy.decide`), and is
+every address the name resolved to one they may reach (:func:`vet_addresses`).
+"""
+
+import base64
+import binascii
+import hashlib
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from egress.entries import Entry, EntryError, IPLiteralError, parse_entry
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+PLAIN_HTTP_PORT = 80
+
+
+class Code(StrEnum):
+    """Why a connection was allowed or refused; sent as ``X-Covey-Deny-Reason``."""
+
+    ALLOWED = "allowed"
+    PROXY_AUTH = "proxy-auth-required"  # 407
+    AGENT_DISABLED = "agent-disabled"
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    CAPACITY = "capacity"  # 429
+    IP_LITERAL = "ip-literal"
+    NOT_ON_ALLOWLIST = "not-on-allowlist"
+    PORT_NOT_ALLOWED = "port-not-allowed"
+    NON_PUBLIC_ADDRESS = "non-public-address"
+    UNRESOLVABLE = "unresolvable"  # 502: the name has no address
+    BAD_REQUEST = "bad-request"
+    POLICY_UNAVAILABLE = "policy-unavailable"  # 503: the proxy's policy is too old to trust
+
+
+STATUS = {
+    Code.ALLOWED: 200,
+    Code.PROXY_AUTH: 407,
+    Code.CAPACITY: 429,
+    Code.UNRESOLVABLE: 502,
+    Code.POLICY_UNAVAILABLE: 503,
+}
+
+
+def status_of(code: Code) -> int:
+    """The HTTP status the proxy answers with for a decision code."""
+    return STATUS.get(code, 403)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One verdict on one connection or request, with what it was based on."""
+
+    code: Code
+    host: str = ""
+    port: int = 0
+    sources: tuple[str, ...] = ()  # for an allow: where the matching entry comes from
+    detail: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        """True only for an allow."""
+        return self.code is Code.ALLOWED
+
+
+@dataclass(frozen=True)
+class AgentPolicy:
+    """What one agent may do: the effective allowlist and the switches that stop it."""
+
+    id: int
+    username: str
+    organisation: str
+    enabled: bool
+    budget_exhausted: bool
+    entries: Mapping[Entry, tuple[str, ...]]  # entry → where it comes from
+    hosts: frozenset[str] = field(default=frozenset())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hosts", frozenset(e.host for e in self.entries))
+
+
+@dataclass(frozen=True)
+class Token:
+    """An egress token, known to the proxy only by its SHA-256."""
+
+    agent_id: int
+    expires_at: float  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything the proxy needs to decide, at one moment (one snapshot)."""
+
+    generation: str
+    agents: Mapping[int, AgentPolicy]
+    tokens: Mapping[str, Token]
+
+    @classmethod
+    def from_snapshot(cls, data: Mapping[str, Any]) -> "Policy":
+        """Build from the JSON snapshot the control plane serves; ValueError if malformed."""
+        try:
+            agents = {}
+            tokens = {}
+            for item in data["agents"]:
+                entries = {
+                    parse_entry(text): tuple(sources) for text, sources in item["entries"].items()
+                }
+                agent = AgentPolicy(
+                    id=int(item["id"]),
+                    username=str(item["username"]),
+                    organisation=str(item["organisation"]),
+                    enabled=bool(item["enabled"]),
+                    budget_exhausted=bool(item["budget_exhausted"]),
+                    entries=entries,
+                )
+                agents[agent.id] = agent
+                for token in item["tokens"]:
+                    tokens[str(token["sha256"])] = Token(agent.id, float(token["expires_at"]))
+            return cls(generation=str(data["generation"]), agents=agents, tokens=tokens)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed policy snapshot: {exc!r}") from None
+
+    def authenticate(self, header: str | None, now: float) -> AgentPolicy | None:
+        """The agent a ``Proxy-Authorization: Basic`` header proves, or None."""
+        credentials = parse_basic(header)
+        if credentials is None:
+            return None
+        username, secret = credentials
+        token = self.tokens.get(hash_token(secret))
+        if token is None or token.expires_at <= now:
+            return None
+        agent = self.agents.get(token.agent_id)
+        if agent is None or agent.username != username:
+            return None
+        return agent
+
+    def decide(
+        self, agent: AgentPolicy, host: str, port: int, *, plain_http: bool, at_capacity: bool
+    ) -> Decision:
+        """Steps 2 and 3 of the decision: the agent's switches, then the target itself."""
+        if not agent.enabled:
+            return Decision(Code.AGENT_DISABLED, host, port)
+        if agent.budget_exhausted:
+            return Decision(Code.BUDGET_EXHAUSTED, host, port)
+        if at_capacity:
+            return Decision(Code.CAPACITY, host, port)
+        return decide_target(agent, host, port, plain_http=plain_http)
+
+
+def decide_target(agent: AgentPolicy, host: str, port: int, *, plain_http: bool) -> Decision:
+    """Is host:port on the agent's effective allowlist (and plain HTTP only to port 80)?"""
+    try:
+        entry = parse_entry(f"{host}:{port}")
+    except IPLiteralError:
+        return Decision(Code.IP_LITERAL, host, port)
+    except EntryError as exc:
+        return Decision(Code.BAD_REQUEST, host, port, detail=str(exc))
+    sources = agent.entries.get(entry)
+    if sources is not None and (not plain_http or entry.port == PLAIN_HTTP_PORT):
+        return Decision(Code.ALLOWED, entry.host, entry.port, sources)
+    if entry.host in agent.hosts:
+        detail = "plain HTTP is allowed only to port 80" if plain_http and sources else ""
+        return Decision(Code.PORT_NOT_ALLOWED, entry.host, entry.port, detail=detail)
+    return Decision(Code.NOT_ON_ALLOWLIST, entry.host, entry.port)
+
+
+def parse_basic(header: str | None) -> tuple[str, str] | None:
+    """(username, token) from a ``Basic`` credential, or None when it is not one."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    username, colon, secret = decoded.partition(":")
+    if not colon or not username or not secret:
+        return None
+    return username, secret
+
+
+def hash_token(secret: str) -> str:
+    """How tokens are stored and compared: SHA-256 (they are long random strings)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+# Ranges that are never the public internet, listed here so the answer does not depend on the
+# Python version's idea of ``is_global`` (which has changed between patch releases).
+_NOT_PUBLIC = [
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",  # carrier-grade NAT
+        "127.0.0.0/8",
+        "169.254.0.0/16",  # link-local, cloud metadata
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.0.2.0/24",
+        "192.88.99.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "198.51.100.0/24",
+        "203.0.113.0/24",
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, broadcast
+        "::/128",
+        "::1/128",
+        "100::/64",
+        "2001::/23",  # IETF protocol assignments, Teredo among them
+        "2001:db8::/32",
+        "3fff::/20",
+        "fc00::/7",  # unique local
+        "fe80::/10",  # link-local
+        "fec0::/10",  # site-local
+        "ff00::/8",  # multicast
+    )
+]
+_NAT64 = [ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48")]
+
+
+def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (mapped, NAT64, 6to4, compatible), if any."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return None
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if any(address in net for net in _NAT64):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if int(address) >> 32 == 0 and int(address) > 1:  # deprecated IPv4-compatible ::a.b.c.d
+        return ipaddress.IPv4Address(int(address))
+    return None
+
+
+def is_public(address: IPAddress) -> bool:
+    """True only for a globally routable unicast address (also for what it embeds)."""
+    inner = embedded_ipv4(address)
+    if inner is not None and not is_public(inner):
+        return False
+    if any(address in net for net in _NOT_PUBLIC if net.version == address.version):
+        return False
+    return address.is_global and not (
+        address.is_multicast or address.is_reserved or address.is_loopback
+    )
+
+
+def vet_addresses(
+    host: str,
+    port: int,
+    addresses: Iterable[str],
+    allowed_private: Sequence[IPNetwork] = (),
+) -> tuple[Decision, IPAddress | None]:
+    """Step 4: refuse if any resolved address is not public (unless explicitly allowed).
+
+    Returns the decision and, for an allow, the one vetted address to connect to.
+    """
+    parsed = [ipaddress.ip_address(a) for a in addresses]
+    if not parsed:
+        return Decision(Code.UNRESOLVABLE, host, port, detail="the name has no address"), None
+    for address in parsed:
+        inner = embedded_ipv4(address) or address
+        if any(inner in net for net in allowed_private if net.version == inner.version):
+            continue
+        if not is_public(address):
+            return Decision(Code.NON_PUBLIC_ADDRESS, host, port, detail=str(address)), None
+    # Prefer IPv4: the first answer of the first family the resolver returned.
+    chosen = next((a for a in parsed if a.version == 4), parsed[0])
+    return Decision(Code.ALLOWED, host, port), chosen
+
+
+def parse_networks(texts: Iterable[str]) -> list[IPNetwork]:
+    """COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS as networks (ValueError on a bad one)."""
+    return [ipaddress.ip_network(text.strip()) for text in texts if text.strip()]

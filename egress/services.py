@@ -1,0 +1,176 @@
+"""Egress on the control-plane side: tokens, the policy snapshot the proxy reads, the log."""
+
+import hashlib
+import secrets
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, Max, Prefetch, Q
+from django.utils import timezone
+
+from agents.models import Agent, Organisation
+from agents.services import effective_allowlist
+from egress.models import Decision, EgressToken
+from egress.policy import hash_token
+from templates.models import AllowlistTemplate
+
+
+def agent_username(agent: Agent) -> str:
+    """The user name an agent shows the proxy: ``<organisation slug>.<agent slug>``."""
+    return f"{agent.organisation.slug}.{agent.slug}"
+
+
+def issue_token(
+    agent: Agent,
+    *,
+    ttl: timedelta | None = None,
+    by: Any = None,
+    purpose: str = "",
+) -> tuple[EgressToken, str]:
+    """Create a token for the agent; returns it and ``username:secret``, shown only now."""
+    ttl = ttl if ttl is not None else timedelta(seconds=settings.COVEY_EGRESS_TOKEN_TTL)
+    if ttl <= timedelta(0):
+        raise ValueError("a token must live for a positive time")
+    secret = secrets.token_urlsafe(32)
+    token = EgressToken.objects.create(
+        agent=agent,
+        sha256=hash_token(secret),
+        prefix=secret[:8],
+        purpose=purpose,
+        expires_at=timezone.now() + ttl,
+        created_by=by if by is not None and by.is_authenticated else None,
+    )
+    return token, f"{agent_username(agent)}:{secret}"
+
+
+def revoke_tokens(tokens: Iterable[EgressToken] | Any) -> int:
+    """Revoke live tokens; returns how many were revoked."""
+    ids = [t.pk for t in tokens]
+    return EgressToken.objects.filter(pk__in=ids, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+
+
+def _scoped(queryset: Any, organisation_id: int | None, lookup: str) -> Any:
+    return queryset if organisation_id is None else queryset.filter(**{lookup: organisation_id})
+
+
+def policy_fingerprint(organisation_id: int | None = None) -> str:
+    """A cheap value that changes whenever anything the policy depends on changes."""
+    agents = _scoped(Agent.objects.all(), organisation_id, "organisation_id").aggregate(
+        n=Count("id"), t=Max("updated_at")
+    )
+    orgs = _scoped(Organisation.objects.all(), organisation_id, "id").aggregate(
+        n=Count("id"), t=Max("updated_at")
+    )
+    templates = AllowlistTemplate.objects.aggregate(n=Count("id"), t=Max("updated_at"))
+    tokens = _scoped(EgressToken.objects.all(), organisation_id, "agent__organisation_id")
+    tokens_agg = tokens.aggregate(n=Count("id"), t=Max("created_at"), r=Max("revoked_at"))
+    parts = [agents, orgs, templates, tokens_agg]
+    raw = "|".join(f"{p.get('n')}/{p.get('t')}/{p.get('r')}" for p in parts)
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
+    """Everything the proxy needs, as JSON: agents, their effective lists and live tokens."""
+    now = timezone.now()
+    with transaction.atomic():  # one consistent read
+        generation = policy_fingerprint(organisation_id)
+        agents = _scoped(
+            Agent.objects.select_related("organisation").prefetch_related(
+                "templates",
+                Prefetch(
+                    "tokens",
+                    queryset=EgressToken.objects.filter(
+                        revoked_at__isnull=True, expires_at__gt=now
+                    ),
+                    to_attr="live_tokens",
+                ),
+            ),
+            organisation_id,
+            "organisation_id",
+        )
+        items = []
+        for agent in agents:
+            entries = effective_allowlist(agent)
+            items.append(
+                {
+                    "id": agent.pk,
+                    "username": agent_username(agent),
+                    "organisation": agent.organisation.slug,
+                    "enabled": agent.enabled,
+                    # Budgets are metered by the proxy's model gateway (budgets issue).
+                    "budget_exhausted": False,
+                    "entries": {str(entry): sources for entry, sources in entries.items()},
+                    "tokens": [
+                        {"sha256": t.sha256, "expires_at": t.expires_at.timestamp()}
+                        for t in agent.live_tokens
+                    ],
+                }
+            )
+    return {"generation": generation, "agents": items}
+
+
+def record_decisions(
+    events: Iterable[Mapping[str, Any]], *, proxy: str = "", organisation_id: int | None = None
+) -> int:
+    """Store decision events from a proxy: new decisions, then tunnel closes. Returns count.
+
+    Events are ``{"event": "decision", ...}`` or ``{"event": "close", "id", "bytes_up", ...}``.
+    Agent ids that no longer exist (or, with ``organisation_id``, belong to another
+    organisation) are kept as unidentified rows; a runner cannot write into another
+    organisation's log.
+    """
+    decisions: list[Mapping[str, Any]] = []
+    closes: list[Mapping[str, Any]] = []
+    for event in events:
+        (closes if event.get("event") == "close" else decisions).append(event)
+    agents = _scoped(
+        Agent.objects.filter(pk__in={e.get("agent_id") for e in decisions}),
+        organisation_id,
+        "organisation_id",
+    )
+    known = set(agents.values_list("pk", flat=True))
+    rows = [
+        Decision(
+            id=uuid.UUID(str(e["id"])),
+            agent_id=e.get("agent_id") if e.get("agent_id") in known else None,
+            username=str(e.get("username", ""))[:200],
+            kind=e["kind"],
+            host=str(e["host"])[:255],
+            port=int(e["port"]),
+            address=e.get("address") or None,
+            allowed=bool(e["allowed"]),
+            reason=str(e["reason"])[:32],
+            detail=str(e.get("detail", "")),
+            decided_at=_time(e["at"]),
+            proxy=proxy[:100],
+        )
+        for e in decisions
+    ]
+    with transaction.atomic():
+        Decision.objects.bulk_create(rows, ignore_conflicts=True)
+        scope = _scoped(Decision.objects.all(), organisation_id, "agent__organisation_id")
+        for e in closes:
+            scope.filter(pk=uuid.UUID(str(e["id"]))).update(
+                bytes_up=int(e["bytes_up"]),
+                bytes_down=int(e["bytes_down"]),
+                closed_at=_time(e["at"]),
+            )
+    return len(rows) + len(closes)
+
+
+def prune_decisions(now: datetime | None = None) -> int:
+    """Delete decisions older than the retention setting; returns how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.COVEY_EGRESS_DECISION_RETENTION_DAYS)
+    deleted, _ = Decision.objects.filter(Q(decided_at__lt=cutoff)).delete()
+    return deleted
+
+
+def _time(value: Any) -> datetime:
+    return datetime.fromtimestamp(float(value), tz=UTC)

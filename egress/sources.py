@@ -1,0 +1,46 @@
+"""Where a proxy gets its policy and sends its decisions: the database, or the control plane.
+
+A proxy on the control-plane host reads the database directly; a proxy on a runner host has
+no database credentials and asks the control plane over HTTP with its runner token.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import close_old_connections, connection
+
+
+class DatabaseSource:
+    """Policy straight from the database: a cheap fingerprint query, a snapshot on change."""
+
+    def __init__(self, organisation_id: int | None = None) -> None:
+        self.organisation_id = organisation_id
+
+    def __call__(self, known_generation: str | None) -> Mapping[str, Any] | None:
+        from egress.services import build_snapshot, policy_fingerprint
+
+        close_old_connections()
+        try:
+            if known_generation == policy_fingerprint(self.organisation_id):
+                return None
+            return build_snapshot(self.organisation_id)
+        except Exception:
+            connection.close()  # a broken connection is replaced on the next poll
+            raise
+
+
+class DatabaseSink:
+    """Decisions written straight to the database, in one transaction per batch."""
+
+    def __init__(self, proxy: str) -> None:
+        self.proxy = proxy
+
+    def __call__(self, events: list[dict[str, Any]]) -> None:
+        from egress.services import record_decisions
+
+        close_old_connections()
+        try:
+            record_decisions(events, proxy=self.proxy)
+        except Exception:
+            connection.close()
+            raise

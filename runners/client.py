@@ -1,0 +1,74 @@
+"""The one module a runner uses to speak HTTP to the control plane (with its runner token)."""
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx
+
+
+class ControlPlaneError(Exception):
+    """The control plane refused or could not be reached; the message says which."""
+
+
+class ControlPlaneClient:
+    """A runner's view of the control-plane API."""
+
+    def __init__(self, url: str, token: str, *, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Runner {token}"},
+            timeout=timeout,
+            trust_env=False,  # never send the control plane's traffic through a proxy
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def egress_policy(self, known_generation: str | None) -> Mapping[str, Any] | None:
+        """The runner's organisation's egress policy; None when it has not changed."""
+        headers = {"If-None-Match": f'"{known_generation}"'} if known_generation else {}
+        response = self._request("GET", "/api/v1/egress/policy/", headers=headers)
+        if response.status_code == 304:
+            return None
+        data: Mapping[str, Any] = response.json()
+        return data
+
+    def post_decisions(self, events: list[dict[str, Any]]) -> None:
+        """Send a batch of decision events to the control plane's log."""
+        self._request("POST", "/api/v1/egress/decisions/", json={"events": events})
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneError(f"{method} {self.url}{path}: {exc}") from exc
+        if response.status_code >= 400:
+            raise ControlPlaneError(
+                f"{method} {self.url}{path}: {response.status_code} {response.text[:200]}"
+            )
+        return response
+
+    @staticmethod
+    def register(
+        url: str, registration_token: str, name: str, labels: Iterable[str]
+    ) -> Mapping[str, Any]:
+        """Register a new runner; returns its id, name, organisation and runner token."""
+        try:
+            response = httpx.post(
+                f"{url.rstrip('/')}/api/v1/runners/register/",
+                json={
+                    "registration_token": registration_token,
+                    "name": name,
+                    "labels": list(labels),
+                },
+                timeout=10,
+                trust_env=False,
+            )
+        except httpx.HTTPError as exc:
+            raise ControlPlaneError(f"cannot reach {url}: {exc}") from exc
+        if response.status_code != 201:
+            raise ControlPlaneError(f"registration refused: {response.status_code} {response.text}")
+        data: Mapping[str, Any] = response.json()
+        return data

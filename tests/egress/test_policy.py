@@ -1,0 +1,225 @@
+"""The pure decision engine: identity, switches, allowlist match and address vetting."""
+
+import base64
+import ipaddress
+
+import pytest
+
+from egress.entries import Entry
+from egress.policy import (
+    Code,
+    Policy,
+    hash_token,
+    is_public,
+    parse_basic,
+    parse_networks,
+    vet_addresses,
+)
+
+NOW = 1_000_000.0
+
+
+def basic(username, secret):
+    return "Basic " + base64.b64encode(f"{username}:{secret}".encode()).decode()
+
+
+def snapshot(**agent_overrides):
+    agent = {
+        "id": 7,
+        "username": "acme.builder",
+        "organisation": "acme",
+        "enabled": True,
+        "budget_exhausted": False,
+        "entries": {
+            "api.anthropic.com": ["base"],
+            "deb.example:80": ["template:debian-ubuntu"],
+            "git.example": ["agent"],
+            "git.example:8443": ["agent"],
+        },
+        "tokens": [{"sha256": hash_token("s3cret"), "expires_at": NOW + 60}],
+    }
+    agent.update(agent_overrides)
+    return {"generation": "g1", "agents": [agent]}
+
+
+@pytest.fixture
+def policy():
+    return Policy.from_snapshot(snapshot())
+
+
+@pytest.fixture
+def agent(policy):
+    return policy.authenticate(basic("acme.builder", "s3cret"), NOW)
+
+
+class TestIdentity:
+    def test_a_valid_credential_identifies_the_agent(self, agent):
+        assert agent.id == 7
+
+    @pytest.mark.parametrize(
+        "header",
+        [
+            None,
+            "",
+            "Basic",
+            "Bearer s3cret",
+            "Basic not-base64!!",
+            "Basic " + base64.b64encode(b"no-colon").decode(),
+            basic("acme.builder", "wrong"),
+            basic("acme.other", "s3cret"),  # the right token for another name
+            basic("", "s3cret"),
+            "Basic " + base64.b64encode(b"acme.builder:\xff").decode(),
+        ],
+    )
+    def test_anything_else_identifies_nobody(self, policy, header):
+        assert policy.authenticate(header, NOW) is None
+
+    def test_an_expired_token_identifies_nobody(self, policy):
+        assert policy.authenticate(basic("acme.builder", "s3cret"), NOW + 60) is None
+
+    def test_the_scheme_is_case_insensitive(self, policy):
+        header = basic("acme.builder", "s3cret").replace("Basic", "basic")
+        assert policy.authenticate(header, NOW) is not None
+
+    def test_a_token_may_contain_colons(self):
+        assert parse_basic(basic("a", "b:c")) == ("a", "b:c")
+
+
+class TestDecision:
+    @pytest.mark.parametrize(
+        ("host", "port", "plain", "code"),
+        [
+            ("api.anthropic.com", 443, False, Code.ALLOWED),
+            ("API.Anthropic.com.", 443, False, Code.ALLOWED),
+            ("git.example", 8443, False, Code.ALLOWED),
+            ("deb.example", 80, True, Code.ALLOWED),
+            ("deb.example", 80, False, Code.ALLOWED),  # a CONNECT to a listed :80 entry
+            ("git.example", 22, False, Code.PORT_NOT_ALLOWED),
+            ("api.anthropic.com", 80, True, Code.PORT_NOT_ALLOWED),
+            ("git.example", 443, True, Code.PORT_NOT_ALLOWED),  # plain HTTP only to port 80
+            ("deb.example", 443, False, Code.PORT_NOT_ALLOWED),
+            ("evilgit.example", 443, False, Code.NOT_ON_ALLOWLIST),
+            ("git.example.evil.net", 443, False, Code.NOT_ON_ALLOWLIST),
+            ("sub.git.example", 443, False, Code.NOT_ON_ALLOWLIST),
+            ("xn--gt-zia.example", 443, False, Code.NOT_ON_ALLOWLIST),  # a look-alike
+            ("127.0.0.1", 443, False, Code.IP_LITERAL),
+            ("2130706433", 443, False, Code.IP_LITERAL),
+            ("0x7f.1", 443, False, Code.IP_LITERAL),
+            ("::1", 443, False, Code.IP_LITERAL),
+            ("[::ffff:127.0.0.1]", 443, False, Code.IP_LITERAL),
+            ("bad host", 443, False, Code.BAD_REQUEST),
+            ("*.example", 443, False, Code.BAD_REQUEST),
+            ("git.example", 0, False, Code.BAD_REQUEST),
+        ],
+    )
+    def test_targets(self, policy, agent, host, port, plain, code):
+        assert policy.decide(agent, host, port, plain_http=plain, at_capacity=False).code == code
+
+    def test_an_allow_says_where_the_entry_comes_from(self, policy, agent):
+        decision = policy.decide(agent, "deb.example", 80, plain_http=True, at_capacity=False)
+        assert decision.sources == ("template:debian-ubuntu",)
+
+    def test_switches_come_before_the_target_in_the_order_of_the_design(self):
+        disabled = Policy.from_snapshot(snapshot(enabled=False, budget_exhausted=True))
+        agent = disabled.agents[7]
+        decision = disabled.decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        assert decision.code is Code.AGENT_DISABLED
+        broke = Policy.from_snapshot(snapshot(budget_exhausted=True))
+        decision = broke.decide(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
+        assert decision.code is Code.BUDGET_EXHAUSTED
+
+    def test_a_full_proxy_refuses_before_looking_at_the_target(self, policy, agent):
+        decision = policy.decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        assert decision.code is Code.CAPACITY
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            {},
+            {"generation": "g", "agents": [{"id": 1}]},
+            {"generation": "g", "agents": "nope"},
+            snapshot(entries={"*.example": ["agent"]}),
+        ],
+    )
+    def test_a_malformed_snapshot_is_rejected_not_half_used(self, bad):
+        with pytest.raises(ValueError, match="malformed"):
+            Policy.from_snapshot(bad)
+
+
+class TestAddresses:
+    @pytest.mark.parametrize(
+        "address",
+        [
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "127.0.0.1",
+            "127.255.255.254",
+            "0.0.0.0",
+            "169.254.169.254",  # cloud metadata
+            "100.64.0.1",  # carrier-grade NAT
+            "100.127.255.254",
+            "192.0.0.170",
+            "198.18.0.1",
+            "224.0.0.1",  # multicast
+            "239.255.255.250",
+            "240.0.0.1",
+            "255.255.255.255",
+            "192.0.2.1",
+            "::",
+            "::1",
+            "fe80::1",
+            "fc00::1",
+            "fd12:3456::1",
+            "ff02::1",
+            "::ffff:127.0.0.1",  # IPv4-mapped
+            "::ffff:169.254.169.254",
+            "::ffff:10.0.0.1",
+            "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+            "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+            "64:ff9b:1::a00:1",
+            "2002:7f00:1::1",  # 6to4 of 127.0.0.1
+            "2002:a9fe:a9fe::1",  # 6to4 of 169.254.169.254
+            "2001::1",  # Teredo
+            "2001:db8::1",
+            "::127.0.0.1",  # IPv4-compatible
+            "fec0::1",
+        ],
+    )
+    def test_non_public_addresses_are_refused(self, address):
+        assert not is_public(ipaddress.ip_address(address))
+        decision, chosen = vet_addresses("h.example", 443, [address])
+        assert decision.code is Code.NON_PUBLIC_ADDRESS
+        assert chosen is None
+
+    @pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"])
+    def test_public_addresses_pass(self, address):
+        decision, chosen = vet_addresses("h.example", 443, [address])
+        assert decision.allowed
+        assert str(chosen) == address
+
+    def test_one_bad_answer_among_good_ones_refuses_the_name(self):
+        decision, _ = vet_addresses("h.example", 443, ["8.8.8.8", "10.0.0.1", "1.1.1.1"])
+        assert decision.code is Code.NON_PUBLIC_ADDRESS
+        assert decision.detail == "10.0.0.1"
+
+    def test_no_answer_is_unresolvable(self):
+        decision, _ = vet_addresses("h.example", 443, [])
+        assert decision.code is Code.UNRESOLVABLE
+
+    def test_allowed_private_networks_are_let_through(self):
+        allowed = parse_networks(["10.20.0.0/16"])
+        decision, chosen = vet_addresses("mirror.corp", 443, ["10.20.1.2"], allowed)
+        assert decision.allowed and str(chosen) == "10.20.1.2"
+        mapped, _ = vet_addresses("mirror.corp", 443, ["::ffff:10.20.1.2"], allowed)
+        assert mapped.allowed
+        outside, _ = vet_addresses("mirror.corp", 443, ["10.21.0.1"], allowed)
+        assert outside.code is Code.NON_PUBLIC_ADDRESS
+
+    def test_ipv4_is_preferred(self):
+        _, chosen = vet_addresses("h.example", 443, ["2606:4700:4700::1111", "1.1.1.1"])
+        assert str(chosen) == "1.1.1.1"
+
+
+def test_entries_in_a_snapshot_are_parsed_with_the_grammar(policy):
+    assert Entry("git.example", 8443) in policy.agents[7].entries

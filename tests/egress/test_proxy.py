@@ -1,0 +1,426 @@
+"""The real proxy command, real clients, upstreams and DNS made by the tests (DESIGN.md §3)."""
+
+import socket
+import ssl
+import subprocess
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from agents import services as agent_services
+from egress.models import Decision
+from egress.services import issue_token, revoke_tokens
+from tests.egress.conftest import (
+    UPSTREAM,
+    VICTIM,
+    basic,
+    closed_by_peer,
+    connect,
+    send,
+    start_proxy,
+)
+from tests.factories import OrganisationFactory
+from tests.processes import wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(scope="module")
+def proxy(net, tmp_path_factory, django_db_setup, django_db_blocker):
+    with start_proxy(tmp_path_factory.mktemp("proxy"), net) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def world(net, proxy):
+    """Acme's builder agent may reach good.test (TLS, its port), plain.test:80 and a few more."""
+    net.tls.reset()
+    net.victim.reset()
+    net.plain.reset()
+    org = OrganisationFactory(name="Acme")
+    port = net.tls.port
+    agent = agent_services.create_agent(
+        org,
+        "builder",
+        allowlist=[
+            f"good.test:{port}",
+            f"rebind.test:{port}",
+            f"mixed.test:{port}",
+            f"private.test:{port}",
+            f"loopback.test:{port}",
+            f"metadata.test:{port}",
+            f"cgnat.test:{port}",
+            f"mapped.test:{port}",
+            f"nat64.test:{port}",
+            f"victim.test:{port}",
+            f"empty.test:{port}",
+            f"nowhere.test:{port}",
+            f"xn--bcher-kva.test:{port}",
+            "plain.test:80",
+        ],
+    )
+    _, credentials = issue_token(agent)
+    proxy.sync()
+    return agent, credentials
+
+
+def client(proxy, net, credentials):
+    return httpx.Client(proxy=proxy.url(credentials), verify=net.ca.client_context(), timeout=10)
+
+
+def test_an_allowed_tunnel_reaches_the_upstream_end_to_end(proxy, net, world):
+    agent, credentials = world
+    with client(proxy, net, credentials) as http:
+        response = http.get(f"https://good.test:{net.tls.port}/")
+    assert response.status_code == 200
+    assert response.text == "hello from good"
+    assert net.tls.sni == "good.test"
+    # The proxy never decrypts: the upstream saw no proxy credentials.
+    assert net.tls.last_request.header("Proxy-Authorization") is None
+
+    def logged():
+        row = Decision.objects.filter(agent=agent, allowed=True, closed_at__isnull=False).first()
+        return row is not None and row.bytes_down > 0
+
+    wait_for(logged, 10, "the tunnel in the decision log")
+    row = Decision.objects.get(agent=agent, allowed=True)
+    assert (row.host, row.port, row.address, row.kind) == (
+        "good.test",
+        net.tls.port,
+        UPSTREAM,
+        "connect",
+    )
+    assert row.reason == "allowed"
+    assert row.detail == "agent"
+    assert row.bytes_up > 0
+
+
+def test_curl_works_through_it(proxy, net, world):
+    _, credentials = world
+    proxy_args = ["--proxy", proxy.url(), "--proxy-user", credentials]
+    tls_args = ["--cacert", str(net.ca.ca_file)]
+    result = subprocess.run(  # noqa: S603
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "10",
+            *proxy_args,
+            *tls_args,
+            f"https://good.test:{net.tls.port}/",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hello from good"
+
+
+class TestIdentity:
+    @pytest.mark.parametrize(
+        "credentials",
+        [None, "acme.builder:wrong", "acme.other:{secret}", "nobody:x", "acme.builder:"],
+    )
+    def test_missing_or_bad_credentials_get_407(self, proxy, net, world, credentials):
+        secret = world[1].split(":", 1)[1]
+        if credentials:
+            credentials = credentials.format(secret=secret)
+        answer = connect(proxy, f"good.test:{net.tls.port}", credentials)
+        assert answer.status == 407
+        assert answer.headers["x-covey-deny-reason"] == "proxy-auth-required"
+        assert answer.headers["proxy-authenticate"].startswith("Basic")
+
+    def test_a_malformed_header_gets_407(self, proxy, net, world):
+        target = f"good.test:{net.tls.port}"
+        raw = (
+            f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic !!\r\n\r\n"
+        )
+        assert send(proxy, raw.encode()).status == 407
+
+    def test_an_expired_token_stops_working_on_the_live_proxy(self, proxy, net, world):
+        agent, _ = world
+        _, credentials = issue_token(agent, ttl=timedelta(seconds=2))
+        proxy.sync()
+        target = f"good.test:{net.tls.port}"
+        assert connect(proxy, target, credentials).status == 200
+        time.sleep(2.1)
+        assert connect(proxy, target, credentials).status == 407
+
+    def test_a_revoked_token_is_refused_within_a_second(self, proxy, net, world):
+        agent, credentials = world
+        target = f"good.test:{net.tls.port}"
+        assert connect(proxy, target, credentials).status == 200
+        revoke_tokens(agent.tokens.all())
+        started = time.monotonic()
+        wait_for(lambda: connect(proxy, target, credentials).status == 407, 1.0, "refusal")
+        assert time.monotonic() - started < 1.0
+
+    def test_every_request_on_a_connection_is_authorised(self, proxy, net, world):
+        _, credentials = world
+        auth = f"Proxy-Authorization: {basic(credentials)}\r\n"
+        good = f"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n{auth}\r\n"
+        first = send(proxy, good.encode())
+        assert first.status == 200, first.body
+        bad = "GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n\r\n"
+        second = send(proxy, bad.encode(), sock=first.sock)
+        assert second.status == 407
+
+
+class TestDenyCodes:
+    @pytest.mark.parametrize(
+        ("target", "code"),
+        [
+            ("other.test:443", "not-on-allowlist"),
+            ("evil.test:{port}", "not-on-allowlist"),
+            ("goodxtest:{port}", "not-on-allowlist"),
+            ("good.test.evil.test:{port}", "not-on-allowlist"),
+            ("evilgood.test:{port}", "not-on-allowlist"),
+            ("xn--gd-ema.test:{port}", "not-on-allowlist"),  # a look-alike of good.test
+            ("good.test:22", "port-not-allowed"),
+            ("good.test:443", "port-not-allowed"),
+            ("127.0.0.1:{port}", "ip-literal"),
+            ("127.0.0.2:{port}", "ip-literal"),
+            ("2130706434:{port}", "ip-literal"),
+            ("0x7f.0.0.2:{port}", "ip-literal"),
+            ("0177.0.0.2:{port}", "ip-literal"),
+            ("127.2:{port}", "ip-literal"),
+            ("[::1]:{port}", "ip-literal"),
+            ("[::ffff:127.0.0.2]:{port}", "ip-literal"),
+            ("169.254.169.254:80", "ip-literal"),
+            ("private.test:{port}", "non-public-address"),
+            ("loopback.test:{port}", "non-public-address"),
+            ("metadata.test:{port}", "non-public-address"),
+            ("cgnat.test:{port}", "non-public-address"),
+            ("mixed.test:{port}", "non-public-address"),
+            ("mapped.test:{port}", "non-public-address"),
+            ("nat64.test:{port}", "non-public-address"),
+            ("victim.test:{port}", "non-public-address"),
+            ("empty.test:{port}", "unresolvable"),
+            ("nowhere.test:{port}", "unresolvable"),
+            ("bad_name.test:{port}", "bad-request"),
+        ],
+    )
+    def test_refusals_carry_their_code_and_tell_how_to_ask(self, proxy, net, world, target, code):
+        target = target.format(port=net.tls.port)
+        answer = connect(proxy, target, world[1])
+        assert answer.headers.get("x-covey-deny-reason") == code, answer
+        assert answer.status == {"unresolvable": 502}.get(code, 403)
+        body = answer.body.decode()
+        assert "covey refused" in body
+        if code in ("not-on-allowlist", "port-not-allowed", "non-public-address"):
+            assert "ask for it" in body
+        assert net.tls.connections == 0
+        assert net.victim.connections == 0
+
+    @pytest.mark.parametrize("target", ["good.test:0", "good.test:99999", "good.test:", ":443"])
+    def test_malformed_connect_targets_go_nowhere(self, proxy, net, world, target):
+        answer = connect(proxy, target, world[1])
+        assert answer.status in (400, 403)
+        assert net.tls.connections == 0
+
+    def test_a_disabled_agent_is_refused(self, proxy, net, world):
+        agent, credentials = world
+        agent_services.update_agent(agent, enabled=False)
+        proxy.sync()
+        answer = connect(proxy, f"good.test:{net.tls.port}", credentials)
+        assert (answer.status, answer.headers["x-covey-deny-reason"]) == (403, "agent-disabled")
+
+    def test_names_are_normalised_before_matching(self, proxy, net, world):
+        for target in ("GOOD.test", "good.test.", "Good.Test."):
+            answer = connect(proxy, f"{target}:{net.tls.port}", world[1])
+            assert answer.status == 200, target
+            answer.sock.close()
+
+    def test_every_decision_is_logged_with_its_reason(self, proxy, net, world):
+        agent, credentials = world
+        connect(proxy, "other.test:443", credentials)
+        connect(proxy, f"private.test:{net.tls.port}", credentials)
+        wait_for(lambda: Decision.objects.filter(agent=agent).count() >= 2, 10, "decisions logged")
+        reasons = set(Decision.objects.filter(agent=agent).values_list("reason", flat=True))
+        assert reasons == {"not-on-allowlist", "non-public-address"}
+        row = Decision.objects.get(agent=agent, reason="non-public-address")
+        assert row.detail == "10.1.2.3"
+
+
+class TestTunnels:
+    def tls_through(self, proxy, net, credentials, server_hostname, target=None):
+        target = target or f"good.test:{net.tls.port}"
+        answer = connect(proxy, target, credentials)
+        assert answer.status == 200
+        context = net.ca.client_context()
+        if server_hostname is None:
+            context.check_hostname = False
+        return answer.sock, context
+
+    def test_a_client_hello_for_another_name_closes_the_tunnel(self, proxy, net, world):
+        sock, context = self.tls_through(proxy, net, world[1], None)
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            context.wrap_socket(sock, server_hostname="evil.test").do_handshake()
+        assert net.tls.connections == 0
+
+    def test_a_client_hello_without_sni_closes_the_tunnel(self, proxy, net, world):
+        sock, context = self.tls_through(proxy, net, world[1], None)
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            context.wrap_socket(sock, server_hostname=None).do_handshake()
+        assert net.tls.connections == 0
+
+    @pytest.mark.parametrize(
+        "first_bytes",
+        [
+            b"GET / HTTP/1.1\r\nHost: good.test\r\n\r\n",
+            b"SSH-2.0-OpenSSH_9.2\r\n",
+            b"\x16\x03\x09xx",
+        ],
+    )
+    def test_bytes_that_are_not_tls_close_the_tunnel(self, proxy, net, world, first_bytes):
+        answer = connect(proxy, f"good.test:{net.tls.port}", world[1])
+        answer.sock.sendall(first_bytes)
+        assert closed_by_peer(answer.sock)
+        assert net.tls.connections == 0
+
+    def test_the_name_is_resolved_once_and_the_vetted_address_is_dialled(self, proxy, net, world):
+        # Rebinding: the first answer is the allowed upstream, every later one a local victim.
+        net.dns.sequence("rebind.test", [[UPSTREAM], [VICTIM]])
+        before = net.dns.queries("rebind.test")
+        with client(proxy, net, world[1]) as http:
+            response = http.get(f"https://rebind.test:{net.tls.port}/")
+        assert response.text == "hello from good"
+        assert net.victim.connections == 0
+        assert net.dns.queries("rebind.test") - before == 2  # one A and one AAAA query
+        net.dns.set("rebind.test", UPSTREAM)
+
+    def test_a_name_that_rebinds_to_a_private_address_is_refused(self, proxy, net, world):
+        net.dns.sequence("rebind.test", [[VICTIM]])
+        answer = connect(proxy, f"rebind.test:{net.tls.port}", world[1])
+        assert answer.headers["x-covey-deny-reason"] == "non-public-address"
+        net.dns.set("rebind.test", UPSTREAM)
+
+    def test_large_transfers_pass_and_are_counted(self, proxy, net, world):
+        agent, credentials = world
+        size = 20 * 1024 * 1024
+        with client(proxy, net, credentials) as http:
+            response = http.get(f"https://good.test:{net.tls.port}/bytes/{size}")
+        assert len(response.content) == size
+
+        def counted():
+            row = Decision.objects.filter(agent=agent, closed_at__isnull=False).first()
+            return row is not None and row.bytes_down > size
+
+        wait_for(counted, 10, "the byte count in the log")
+
+
+class TestPlainHttp:
+    def request(self, proxy, credentials, url, host="plain.test", extra=""):
+        auth = f"Proxy-Authorization: {basic(credentials)}\r\n" if credentials else ""
+        host_line = f"Host: {host}\r\n" if host is not None else ""
+        raw = f"GET {url} HTTP/1.1\r\n{host_line}{auth}{extra}\r\n"
+        return send(proxy, raw.encode())
+
+    def test_plain_http_to_a_port_80_entry_is_forwarded_without_credentials(
+        self, proxy, net, world
+    ):
+        answer = self.request(proxy, world[1], "http://plain.test/")
+        assert answer.status == 200
+        assert answer.body == b"hello from plain"
+        seen = net.plain.last_request
+        assert seen.host == "plain.test"
+        assert seen.header("Proxy-Authorization") is None
+
+    def test_plain_http_is_refused_to_entries_without_port_80(self, proxy, net, world):
+        answer = self.request(
+            proxy, world[1], f"http://good.test:{net.tls.port}/", host=f"good.test:{net.tls.port}"
+        )
+        assert answer.headers["x-covey-deny-reason"] == "port-not-allowed"
+
+    @pytest.mark.parametrize(
+        ("url", "host", "code"),
+        [
+            ("http://plain.test/", "evil.test", "bad-request"),  # Host disagrees with the URL
+            ("http://evil.test/", "plain.test", "bad-request"),  # URL and Host disagree
+            ("http://evil.test/", "evil.test", "not-on-allowlist"),
+            ("http://plain.test@evil.test/", "evil.test", "bad-request"),  # userinfo
+            ("http://evil.test@plain.test/", "plain.test", "bad-request"),
+            ("http://127.0.0.5/", "plain.test", "bad-request"),
+            ("http://plain.test:8080/", "plain.test:8080", "port-not-allowed"),
+        ],
+    )
+    def test_host_confusion_is_refused(self, proxy, net, world, url, host, code):
+        answer = self.request(proxy, world[1], url, host=host)
+        assert answer.status in (400, 403)
+        if answer.status == 403:
+            assert answer.headers["x-covey-deny-reason"] in (code, "ip-literal")
+        assert net.plain.requests == []
+
+    def test_two_host_headers_are_refused(self, proxy, net, world):
+        answer = self.request(proxy, world[1], "http://plain.test/", extra="Host: evil.test\r\n")
+        assert answer.status in (400, 403)
+        assert net.plain.requests == []
+
+    def test_an_origin_form_request_is_decided_on_its_host_header(self, proxy, net, world):
+        answer = self.request(proxy, world[1], "/", host="evil.test")
+        assert answer.headers["x-covey-deny-reason"] == "not-on-allowlist"
+        assert net.plain.requests == []
+        assert self.request(proxy, world[1], "/", host=None).status == 400
+        assert net.plain.requests == []
+
+
+def test_an_allowlist_change_is_enforced_within_a_second(proxy, net, world):
+    agent, credentials = world
+    target = "other.test:443"
+    assert connect(proxy, target, credentials).status == 403
+    agent_services.update_agent(agent, allowlist=[*agent.allowlist, target])
+    started = time.monotonic()
+    wait_for(lambda: connect(proxy, target, credentials).status == 200, 1.0, "the new entry")
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_base_allowlist_change_reaches_every_agent(proxy, net, world):
+    agent, credentials = world
+    agent_services.update_organisation(
+        agent.organisation, base_allowlist=["api.anthropic.com", f"evil.test:{net.tls.port}"]
+    )
+    proxy.sync()
+    assert connect(proxy, f"evil.test:{net.tls.port}", credentials).status == 200
+
+
+def test_a_full_proxy_answers_429_and_recovers(net, tmp_path, django_db_setup, world):
+    agent, credentials = world
+    org = agent.organisation
+    other = agent_services.create_agent(org, "second", allowlist=[f"good.test:{net.tls.port}"])
+    _, other_credentials = issue_token(other)
+    env = {"COVEY_EGRESS_MAX_TUNNELS": "3", "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT": "2"}
+    with start_proxy(tmp_path, net, **env) as small:
+        small.sync()
+        target = f"good.test:{net.tls.port}"
+        held = [connect(small, target, credentials) for _ in range(2)]
+        assert [a.status for a in held] == [200, 200]
+        full = connect(small, target, credentials)
+        assert (full.status, full.headers["x-covey-deny-reason"]) == (429, "capacity")
+        assert full.headers["retry-after"] == "1"
+        held.append(connect(small, target, other_credentials))  # the third, for another agent
+        assert held[-1].status == 200
+        assert connect(small, target, other_credentials).status == 429  # the proxy is full
+        for answer in held:
+            answer.sock.close()
+        wait_for(lambda: connect(small, target, credentials).status == 200, 5, "a free slot")
+
+
+def test_it_fails_closed_when_the_database_is_gone(net, tmp_path, django_db_setup, world):
+    _, credentials = world
+    # A policy source that answers once, then never again: a proxy pointed at a port we close.
+    relay = socket.create_server(("127.0.0.1", 0))
+    port = relay.getsockname()[1]
+    relay.close()  # nothing listens there now
+    env = {
+        "COVEY_EGRESS_POLICY_GRACE": "1",
+        "EXTRA_ARGS": f"--control-plane http://127.0.0.1:{port} --runner-token covey-run-nothing",
+    }
+    with start_proxy(tmp_path, net, **env) as blind:
+        answer = connect(blind, f"good.test:{net.tls.port}", credentials)
+        assert (answer.status, answer.headers["x-covey-deny-reason"]) == (
+            503,
+            "policy-unavailable",
+        )
