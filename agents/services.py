@@ -22,6 +22,27 @@ AGENT_FIELDS = frozenset(
 )
 
 
+def find_agent(reference: str) -> Agent:
+    """An agent by id, ``slug`` (when unique) or ``organisation-slug/agent-slug``."""
+    agents = Agent.objects.select_related("organisation")
+    if reference.isdigit():
+        found = list(agents.filter(pk=int(reference)))
+    elif "/" in reference:
+        org, _, slug = reference.partition("/")
+        found = list(agents.filter(organisation__slug=org, slug=slug))
+    else:
+        found = list(agents.filter(slug=reference)[:2])
+    if not found:
+        raise Agent.DoesNotExist(
+            f"no agent {reference!r} (give an id, a slug or org-slug/agent-slug)"
+        )
+    if len(found) > 1:
+        raise Agent.MultipleObjectsReturned(
+            f"several agents are called {reference!r}; use org-slug/agent-slug"
+        )
+    return found[0]
+
+
 def slug_for(name: str, field: str = "name") -> str:
     """The slug a name gets, or a ValidationError when the name has nothing to make one from."""
     slug = slugify(name)[:100]

@@ -190,3 +190,8 @@ COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=0.25)
 COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=15.0)
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
+
+CELERY_BEAT_SCHEDULE = {
+    "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

@@ -39,6 +39,21 @@ class Code(StrEnum):
     POLICY_UNAVAILABLE = "policy-unavailable"  # 503: the proxy's policy is too old to trust
 
 
+# What each code means, in words an agent (or a person) can act on.
+EXPLANATIONS = {
+    Code.PROXY_AUTH: "this proxy needs the agent's egress credentials (Proxy-Authorization)",
+    Code.AGENT_DISABLED: "this agent is disabled",
+    Code.BUDGET_EXHAUSTED: "this agent's budget is used up",
+    Code.CAPACITY: "the proxy is at its limit of open tunnels; retry shortly",
+    Code.IP_LITERAL: "connections go to host names, never to IP addresses",
+    Code.NOT_ON_ALLOWLIST: "the host is not on this agent's allowlist",
+    Code.PORT_NOT_ALLOWED: "the host is on the allowlist, but not with this port",
+    Code.NON_PUBLIC_ADDRESS: "the name resolves to an address that is not public",
+    Code.UNRESOLVABLE: "the name could not be resolved",
+    Code.BAD_REQUEST: "the request is malformed or ambiguous",
+    Code.POLICY_UNAVAILABLE: "the proxy cannot confirm the current policy, so it refuses all",
+}
+
 STATUS = {
     Code.ALLOWED: 200,
     Code.PROXY_AUTH: 407,

@@ -4,10 +4,30 @@ A proxy on the control-plane host reads the database directly; a proxy on a runn
 no database credentials and asks the control plane over HTTP with its runner token.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
+
+# The proxy never waits on a lock: a batch or a refresh that would wait is retried next round,
+# and a migration or bulk delete in the control plane is never stuck behind (or deadlocked
+# with) a proxy.
+LOCK_TIMEOUT = "500ms"
+
+
+@contextmanager
+def _brief_transaction() -> Iterator[None]:
+    close_old_connections()
+    try:
+        with transaction.atomic():
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute("SET LOCAL lock_timeout = %s", [LOCK_TIMEOUT])
+            yield
+    except Exception:
+        connection.close()  # a broken connection is replaced on the next round
+        raise
 
 
 class DatabaseSource:
@@ -19,14 +39,10 @@ class DatabaseSource:
     def __call__(self, known_generation: str | None) -> Mapping[str, Any] | None:
         from egress.services import build_snapshot, policy_fingerprint
 
-        close_old_connections()
-        try:
+        with _brief_transaction():
             if known_generation == policy_fingerprint(self.organisation_id):
                 return None
             return build_snapshot(self.organisation_id)
-        except Exception:
-            connection.close()  # a broken connection is replaced on the next poll
-            raise
 
 
 class DatabaseSink:
@@ -38,9 +54,5 @@ class DatabaseSink:
     def __call__(self, events: list[dict[str, Any]]) -> None:
         from egress.services import record_decisions
 
-        close_old_connections()
-        try:
+        with _brief_transaction():
             record_decisions(events, proxy=self.proxy)
-        except Exception:
-            connection.close()
-            raise

@@ -24,7 +24,7 @@ def free_port() -> int:
 def running(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
     """Run a command in its own process group; stop that group (and only it) afterwards."""
     with log.open("wb") as out:
-        process = subprocess.Popen(  # noqa: S603 - the tests' own commands
+        process = subprocess.Popen(
             args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
@@ -48,3 +48,29 @@ def wait_for(condition, timeout: float, what: str, log: Path | None = None) -> N
         time.sleep(0.2)
     tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
     raise AssertionError(f"{what} did not happen within {timeout} s\n{tail}")
+
+
+@contextmanager
+def control_plane(tmp_path: Path, database_url: str) -> Iterator[str]:
+    """The control plane's web server (gunicorn) on a free loopback port; yields its URL."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DJANGO_ALLOWED_HOSTS": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [str(VENV_BIN / "gunicorn"), "covey.wsgi", "--bind", f"127.0.0.1:{port}", "-w", "2"]
+    log = tmp_path / f"control-plane-{port}.log"
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    with running(args, env, log):
+        wait_for(up, 30, "the control plane listening", log)
+        yield url

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from egress.services import policy_fingerprint
+from agents import services as agent_services
+from egress.services import issue_token, policy_fingerprint
+from tests.factories import OrganisationFactory
 from tests.netfixtures import DnsServer, TestCA, Upstream, loopback_alias
 from tests.processes import free_port, running, wait_for
 
@@ -127,6 +129,45 @@ def start_proxy(tmp_path: Path, net: Net, **env_overrides: str) -> Iterator[Prox
         yield proxy
     # Python 3.12.1's asyncio prints cancelled client tasks at shutdown; our code must not fail.
     assert not re.search(r'File ".*/(agents|covey|egress|runners)/', proxy.output()), proxy.output()
+
+
+@pytest.fixture(scope="session")
+def proxy(net, tmp_path_factory, django_db_setup, django_db_blocker):
+    with start_proxy(tmp_path_factory.mktemp("proxy"), net) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def world(net, proxy):
+    """Acme's builder agent may reach good.test (TLS, its port), plain.test:80 and a few more."""
+    net.tls.reset()
+    net.victim.reset()
+    net.plain.reset()
+    org = OrganisationFactory(name="Acme")
+    port = net.tls.port
+    agent = agent_services.create_agent(
+        org,
+        "builder",
+        allowlist=[
+            f"good.test:{port}",
+            f"rebind.test:{port}",
+            f"mixed.test:{port}",
+            f"private.test:{port}",
+            f"loopback.test:{port}",
+            f"metadata.test:{port}",
+            f"cgnat.test:{port}",
+            f"mapped.test:{port}",
+            f"nat64.test:{port}",
+            f"victim.test:{port}",
+            f"empty.test:{port}",
+            f"nowhere.test:{port}",
+            f"xn--bcher-kva.test:{port}",
+            "plain.test:80",
+        ],
+    )
+    _, credentials = issue_token(agent)
+    proxy.sync()
+    return agent, credentials
 
 
 def basic(credentials: str) -> str:

@@ -21,49 +21,9 @@ from tests.egress.conftest import (
     send,
     start_proxy,
 )
-from tests.factories import OrganisationFactory
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture(scope="module")
-def proxy(net, tmp_path_factory, django_db_setup, django_db_blocker):
-    with start_proxy(tmp_path_factory.mktemp("proxy"), net) as proxy:
-        yield proxy
-
-
-@pytest.fixture
-def world(net, proxy):
-    """Acme's builder agent may reach good.test (TLS, its port), plain.test:80 and a few more."""
-    net.tls.reset()
-    net.victim.reset()
-    net.plain.reset()
-    org = OrganisationFactory(name="Acme")
-    port = net.tls.port
-    agent = agent_services.create_agent(
-        org,
-        "builder",
-        allowlist=[
-            f"good.test:{port}",
-            f"rebind.test:{port}",
-            f"mixed.test:{port}",
-            f"private.test:{port}",
-            f"loopback.test:{port}",
-            f"metadata.test:{port}",
-            f"cgnat.test:{port}",
-            f"mapped.test:{port}",
-            f"nat64.test:{port}",
-            f"victim.test:{port}",
-            f"empty.test:{port}",
-            f"nowhere.test:{port}",
-            f"xn--bcher-kva.test:{port}",
-            "plain.test:80",
-        ],
-    )
-    _, credentials = issue_token(agent)
-    proxy.sync()
-    return agent, credentials
 
 
 def client(proxy, net, credentials):
@@ -101,7 +61,7 @@ def test_curl_works_through_it(proxy, net, world):
     _, credentials = world
     proxy_args = ["--proxy", proxy.url(), "--proxy-user", credentials]
     tls_args = ["--cacert", str(net.ca.ca_file)]
-    result = subprocess.run(  # noqa: S603
+    result = subprocess.run(
         [
             "curl",
             "-sS",

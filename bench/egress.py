@@ -1,0 +1,5 @@
+"""x."""
+
+
+def f() -> int:
+    return 1

@@ -1,0 +1,78 @@
+"""Say what the egress proxy would decide for an agent and a target, and why (no connection)."""
+
+import asyncio
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from agents.models import Agent
+from agents.services import find_agent
+from egress.policy import EXPLANATIONS, Code, Policy, parse_networks, vet_addresses
+from egress.resolver import ResolutionError, Resolver
+from egress.services import build_snapshot
+
+
+def split_target(text: str, default_port: int) -> tuple[str, int]:
+    """HOST[:PORT] → (host, port); bracketed IPv6 is kept whole for the decision to refuse."""
+    if text.startswith("[") and "]" in text:
+        host, _, rest = text[1:].partition("]")
+        port = rest.lstrip(":")
+        return host, int(port) if port.isdigit() else default_port
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit() and ":" not in host:
+        return host, int(port)
+    return text, default_port
+
+
+class Command(BaseCommand):
+    help = "Explain the proxy's decision for AGENT and HOST[:PORT], without connecting."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("agent", help="id, slug or org-slug/agent-slug")
+        parser.add_argument("target", help="HOST[:PORT] (port 443, or 80 with --plain-http)")
+        parser.add_argument(
+            "--plain-http", action="store_true", help="as a plain-HTTP request, not CONNECT"
+        )
+        parser.add_argument(
+            "--no-resolve", action="store_true", help="skip resolving and vetting the addresses"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            agent = find_agent(options["agent"])
+        except (Agent.DoesNotExist, Agent.MultipleObjectsReturned) as exc:
+            raise CommandError(str(exc)) from None
+        plain = options["plain_http"]
+        host, port = split_target(options["target"], 80 if plain else 443)
+        policy = Policy.from_snapshot(build_snapshot(agent.organisation_id))
+        subject = policy.agents[agent.pk]
+        kind = "plain HTTP request" if plain else "CONNECT tunnel"
+        self.stdout.write(f"agent {agent} (version {agent.version}), {kind} to {host}:{port}")
+        decision = policy.decide(subject, host, port, plain_http=plain, at_capacity=False)
+        if not decision.allowed:
+            self._deny(decision.code, decision.detail)
+            return
+        self.stdout.write(
+            f"on the allowlist: {decision.host}:{decision.port} from {', '.join(decision.sources)}"
+        )
+        if options["no_resolve"]:
+            self.stdout.write("decision: allow (addresses not checked: --no-resolve)")
+            return
+        resolver = Resolver(settings.COVEY_EGRESS_NAMESERVERS)
+        try:
+            addresses = asyncio.run(resolver.resolve(decision.host))
+        except ResolutionError as exc:
+            self._deny(Code.UNRESOLVABLE, str(exc))
+            return
+        allowed_private = parse_networks(settings.COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS)
+        vetted, address = vet_addresses(decision.host, decision.port, addresses, allowed_private)
+        self.stdout.write(f"resolves to: {', '.join(addresses) or 'nothing'}")
+        if not vetted.allowed:
+            self._deny(vetted.code, vetted.detail)
+            return
+        self.stdout.write(f"decision: allow, connecting to {address} port {decision.port}")
+
+    def _deny(self, code: Code, detail: str) -> None:
+        reason = EXPLANATIONS.get(code, str(code))
+        self.stdout.write(f"decision: deny {code}: {reason}" + (f" ({detail})" if detail else ""))

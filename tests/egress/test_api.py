@@ -1,0 +1,199 @@
+"""Egress tokens and the decision log through the API, the commands and the admin."""
+
+import time
+import uuid
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+import time_machine
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import override_settings
+from django.urls import reverse
+from django.utils import timezone
+
+from egress.models import Decision, EgressToken
+from egress.policy import hash_token
+from egress.services import issue_token, prune_decisions, record_decisions
+from tests.factories import AgentFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def event(agent=None, **fields):
+    return {
+        "event": "decision",
+        "id": str(uuid.uuid4()),
+        "agent_id": agent.pk if agent else None,
+        "username": "acme.builder",
+        "kind": "connect",
+        "host": "good.example",
+        "port": 443,
+        "address": "203.0.113.9",
+        "allowed": True,
+        "reason": "allowed",
+        "detail": "agent",
+        "at": time.time(),
+        **fields,
+    }
+
+
+class TestTokenCommand:
+    def test_it_prints_exactly_one_line_username_colon_token(self, acme):
+        agent = AgentFactory(organisation=acme, name="builder")
+        out = StringIO()
+        call_command("egress_token", "acme/builder", stdout=out)
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1
+        username, _, secret = lines[0].partition(":")
+        assert username == "acme.builder"
+        token = EgressToken.objects.get(agent=agent)
+        assert token.sha256 == hash_token(secret)  # only the hash is kept
+        assert secret not in str(EgressToken.objects.values_list())
+
+    def test_it_finds_agents_by_id_and_by_unique_slug(self, acme):
+        agent = AgentFactory(organisation=acme, name="builder")
+        for reference in (str(agent.pk), "builder"):
+            out = StringIO()
+            call_command("egress_token", reference, "--ttl", "60", stdout=out)
+            assert out.getvalue().startswith("acme.builder:")
+        assert EgressToken.objects.filter(agent=agent).count() == 2
+
+    def test_an_unknown_or_ambiguous_agent_is_a_clear_error(self, acme, globex):
+        AgentFactory(organisation=acme, name="builder")
+        AgentFactory(organisation=globex, name="builder")
+        with pytest.raises(CommandError, match="several agents"):
+            call_command("egress_token", "builder")
+        with pytest.raises(CommandError, match="no agent"):
+            call_command("egress_token", "nope")
+        with pytest.raises(CommandError, match="positive"):
+            call_command("egress_token", "acme/builder", "--ttl", "0")
+
+    @override_settings(COVEY_EGRESS_TOKEN_TTL=7200)
+    def test_tokens_live_as_long_as_the_setting_says(self, acme):
+        agent = AgentFactory(organisation=acme)
+        with time_machine.travel("2026-01-01 12:00:00+00:00", tick=False):
+            token, _ = issue_token(agent)
+        assert token.expires_at.isoformat() == "2026-01-01T14:00:00+00:00"
+
+
+class TestTokenApi:
+    def test_an_admin_creates_a_token_and_sees_the_secret_once(self, api, alice, acme):
+        agent = AgentFactory(organisation=acme)
+        response = api(alice).post(
+            "/api/v1/egress-tokens/", {"agent": agent.pk, "ttl": 600}, format="json"
+        )
+        assert response.status_code == 201, response.content
+        credentials = response.json()["credentials"]
+        assert credentials.startswith(f"acme.{agent.slug}:")
+        listed = api(alice).get("/api/v1/egress-tokens/").json()["results"]
+        assert listed[0]["credentials"] is None
+        assert listed[0]["prefix"] == credentials.split(":")[1][:8]
+
+    def test_revoking_is_for_admins(self, api, alice, vera, acme):
+        agent = AgentFactory(organisation=acme)
+        token, _ = issue_token(agent)
+        url = f"/api/v1/egress-tokens/{token.pk}/revoke/"
+        assert api(vera).post(url).status_code == 403
+        response = api(alice).post(url)
+        assert response.status_code == 200
+        assert response.json()["revoked_at"] is not None
+        token.refresh_from_db()
+        assert not token.is_live
+
+    def test_viewers_cannot_mint_tokens_and_strangers_cannot_see_them(self, api, vera, gary, acme):
+        agent = AgentFactory(organisation=acme)
+        issue_token(agent)
+        response = api(vera).post("/api/v1/egress-tokens/", {"agent": agent.pk}, format="json")
+        assert response.status_code == 400
+        assert api(gary).get("/api/v1/egress-tokens/").json()["count"] == 0
+
+
+class TestDecisionLog:
+    def test_people_see_their_organisations_decisions_only(self, api, alice, gary, acme, globex):
+        ours, theirs = AgentFactory(organisation=acme), AgentFactory(organisation=globex)
+        record_decisions([event(ours), event(theirs, allowed=False, reason="not-on-allowlist")])
+        results = api(alice).get("/api/v1/egress-decisions/").json()["results"]
+        assert [r["agent"] for r in results] == [ours.pk]
+        denied = api(gary).get("/api/v1/egress-decisions/?allowed=false").json()["results"]
+        assert [r["reason"] for r in denied] == ["not-on-allowlist"]
+
+    def test_it_filters_by_reason_host_and_time(self, api, alice, acme):
+        agent = AgentFactory(organisation=acme)
+        old = time.time() - 3600
+        record_decisions(
+            [
+                event(agent, host="a.example"),
+                event(agent, host="b.example", allowed=False, reason="ip-literal"),
+                event(agent, host="c.example", at=old),
+            ]
+        )
+        client = api(alice)
+        hosts = lambda query: sorted(  # noqa: E731
+            r["host"] for r in client.get(f"/api/v1/egress-decisions/?{query}").json()["results"]
+        )
+        assert hosts("reason=ip-literal") == ["b.example"]
+        assert hosts("host__endswith=a.example") == ["a.example"]
+        since = (timezone.now() - timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
+        assert hosts(f"decided_at__gte={since}") == ["a.example", "b.example"]
+
+    def test_tunnel_closes_fill_in_the_byte_counts(self, acme):
+        agent = AgentFactory(organisation=acme)
+        opened = event(agent)
+        record_decisions([opened])
+        record_decisions(
+            [
+                {
+                    "event": "close",
+                    "id": opened["id"],
+                    "bytes_up": 10,
+                    "bytes_down": 2000,
+                    "at": time.time(),
+                }
+            ]
+        )
+        row = Decision.objects.get()
+        assert (row.bytes_up, row.bytes_down) == (10, 2000)
+        assert row.closed_at is not None
+
+    def test_a_runner_cannot_write_into_another_organisations_log(self, acme, globex):
+        theirs = AgentFactory(organisation=globex)
+        record_decisions([event(theirs)], organisation_id=acme.pk)
+        assert Decision.objects.get().agent is None
+
+    @override_settings(COVEY_EGRESS_DECISION_RETENTION_DAYS=30)
+    def test_old_decisions_are_pruned(self, acme):
+        agent = AgentFactory(organisation=acme)
+        now = time.time()
+        record_decisions([event(agent, at=now - 31 * 86400), event(agent, at=now - 29 * 86400)])
+        assert prune_decisions() == 1
+        assert Decision.objects.count() == 1
+
+    def test_the_admin_lists_decisions_read_only(self, operator_client, acme):
+        record_decisions([event(AgentFactory(organisation=acme))])
+        row = Decision.objects.get()
+        url = reverse("admin:egress_decision_changelist")
+        assert operator_client.get(url, {"allowed__exact": "1"}).status_code == 200
+        page = operator_client.get(reverse("admin:egress_decision_change", args=[row.pk]))
+        assert page.status_code == 200
+        assert b'name="_save"' not in page.content
+        assert (
+            operator_client.post(
+                reverse("admin:egress_decision_delete", args=[row.pk]), {"post": "yes"}
+            ).status_code
+            == 403
+        )
+        assert Decision.objects.count() == 1
+
+
+def test_the_admin_revokes_tokens_and_says_how_many(operator_client, acme):
+    agent = AgentFactory(organisation=acme)
+    tokens = [issue_token(agent)[0] for _ in range(3)]
+    response = operator_client.post(
+        reverse("admin:egress_egresstoken_changelist"),
+        {"action": "revoke", "_selected_action": [t.pk for t in tokens[:2]]},
+        follow=True,
+    )
+    assert b"2 token(s) revoked" in response.content
+    assert EgressToken.objects.live().count() == 1
