@@ -10,6 +10,7 @@ This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regula
 and raw pass-through, nothing else.
 """
 
+import asyncio
 import logging
 import time
 import uuid
@@ -44,6 +45,7 @@ from egress.resolver import ResolutionError, Resolver
 logger = logging.getLogger(__name__)
 
 MAX_CLIENT_HELLO = 64 * 1024
+TUNNEL_RECHECK_SECONDS = 1.0
 _NOT_TLS = "the tunnel did not start with a TLS ClientHello"
 
 
@@ -53,6 +55,7 @@ class Tunnel:
 
     decision_id: str
     agent_id: int
+    credential: str  # re-checked against every new policy while the tunnel is open
     host: str
     port: int
     address: str
@@ -100,6 +103,46 @@ class CoveyEgress:
         self.open_tunnels = 0
         self.resolver = Resolver()
         self.allowed_private: list[IPNetwork] = []
+        self._watch: asyncio.Task[None] | None = None
+
+    # --- open tunnels follow the policy ------------------------------------------------------
+
+    def running(self) -> None:
+        self._watch = asyncio.create_task(self._watch_tunnels())
+
+    def done(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _watch_tunnels(self) -> None:
+        """Once a second, close open tunnels the current policy would no longer allow."""
+        while True:
+            await asyncio.sleep(TUNNEL_RECHECK_SECONDS)
+            self.enforce(self.feed.current())
+
+    def enforce(self, policy: Policy | None) -> int:
+        """Close every open tunnel that ``policy`` refuses (all of them when it is None)."""
+        closed = 0
+        for client_id, state in list(self.clients.items()):
+            tunnel = state.tunnel
+            if tunnel is None:
+                continue
+            verdict = self._redecide(policy, tunnel.credential, tunnel.host, tunnel.port, False)
+            if verdict.allowed:
+                continue
+            username = (parse_basic(tunnel.credential) or ("", ""))[0]
+            self._record(verdict, username, tunnel.agent_id, tunnel.address, False)
+            closed += self._close_client(client_id)
+        return closed
+
+    def _close_client(self, client_id: str) -> int:
+        proxyserver = ctx.master.addons.get("proxyserver")
+        handler = proxyserver.connections.get(client_id) if proxyserver else None
+        io = handler.transports.get(handler.client) if handler else None
+        if io is None or io.handler is None:
+            return 0
+        io.handler.cancel()  # mitmproxy then closes both sides and reports the disconnect
+        return 1
 
     # --- options -----------------------------------------------------------------------------
 
@@ -196,7 +239,7 @@ class CoveyEgress:
                 return self._refuse(flow, again, username, agent)
 
         del request.headers["Proxy-Authorization"]
-        decision_id = self._record(decision, username, agent, address, plain_http)
+        decision_id = self._record(decision, username, agent.id, address, plain_http)
         state = self.clients.setdefault(flow.client_conn.id, ClientState())
         if plain_http:
             request.host = decision.host  # one canonical host for URL, Host header and dial
@@ -208,6 +251,7 @@ class CoveyEgress:
             state.tunnel = Tunnel(
                 decision_id=decision_id,
                 agent_id=agent.id,
+                credential=credential or "",
                 host=decision.host,
                 port=decision.port,
                 address=str(address),
@@ -237,14 +281,16 @@ class CoveyEgress:
         username: str,
         agent: AgentPolicy | None = None,
     ) -> None:
-        self._record(decision, username, agent, None, flow.request.method != "CONNECT")
+        self._record(
+            decision, username, agent.id if agent else None, None, flow.request.method != "CONNECT"
+        )
         flow.response = refusal(decision, username)
 
     def _record(
         self,
         decision: Decision,
         username: str,
-        agent: AgentPolicy | None,
+        agent_id: int | None,
         address: Any,
         plain_http: bool,
     ) -> str:
@@ -253,7 +299,7 @@ class CoveyEgress:
             {
                 "event": "decision",
                 "id": decision_id,
-                "agent_id": agent.id if agent else None,
+                "agent_id": agent_id,
                 "username": username,
                 "kind": "http" if plain_http else "connect",
                 "host": decision.host,
@@ -287,13 +333,8 @@ class CoveyEgress:
         if problem is None:
             return  # wait for the rest of the ClientHello
         if problem:
-            self._record(
-                Decision(Code.BAD_REQUEST, tunnel.host, tunnel.port, detail=problem),
-                "",
-                None,
-                None,
-                False,
-            )
+            refused = Decision(Code.BAD_REQUEST, tunnel.host, tunnel.port, detail=problem)
+            self._record(refused, "", tunnel.agent_id, tunnel.address, False)
             nextlayer.layer = Refuse(context)
             return
         tunnel.started = True

@@ -327,6 +327,27 @@ class TestPlainHttp:
         assert net.plain.requests == []
 
 
+@pytest.mark.parametrize("change", ["disable", "revoke", "remove-entry"])
+def test_open_tunnels_are_closed_when_the_policy_no_longer_allows_them(proxy, net, world, change):
+    agent, credentials = world
+    answer = connect(proxy, f"good.test:{net.tls.port}", credentials)
+    tls = net.ca.client_context().wrap_socket(answer.sock, server_hostname="good.test")
+    tls.sendall(b"GET / HTTP/1.1\r\nHost: good.test\r\n\r\n")
+    assert b"200 OK" in tls.recv(65536)
+    if change == "disable":
+        agent_services.update_agent(agent, enabled=False)
+    elif change == "revoke":
+        revoke_tokens(agent.tokens.all())
+    else:
+        agent_services.update_agent(agent, allowlist=["plain.test:80"])
+    started = time.monotonic()
+    assert closed_by_peer(tls, timeout=5)
+    assert time.monotonic() - started < 2.5  # the next policy poll plus the next tunnel check
+    wait_for(
+        lambda: Decision.objects.filter(agent=agent, allowed=False).exists(), 10, "the cut logged"
+    )
+
+
 def test_an_allowlist_change_is_enforced_within_a_second(proxy, net, world):
     agent, credentials = world
     target = "other.test:443"
