@@ -254,9 +254,9 @@ class _TableResolver(BaseResolver):
             return reply
         for address in found:
             if qtype == QTYPE.A and address.version == 4:
-                reply.add_answer(RR(qname, QTYPE.A, rdata=A(str(address)), ttl=0))
+                reply.add_answer(RR(qname, QTYPE.A, rdata=A(tuple(address.packed)), ttl=0))
             elif qtype == QTYPE.AAAA and address.version == 6:
-                reply.add_answer(RR(qname, QTYPE.AAAA, rdata=AAAA(str(address)), ttl=0))
+                reply.add_answer(RR(qname, QTYPE.AAAA, rdata=AAAA(tuple(address.packed)), ttl=0))
         return reply
 
 
