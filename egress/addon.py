@@ -4,7 +4,8 @@ The decision order is DESIGN.md §3. Decisions are taken in ``http_connect`` (tu
 ``requestheaders`` (plain HTTP) from the in-memory policy; the name is resolved once and the
 vetted address is pinned in ``server_connect``, so no second lookup can change the target.
 Tunnels are passed through, never decrypted: ``next_layer`` only lets a tunnel go on once its
-first bytes are a TLS ClientHello whose SNI is the CONNECT host.
+first bytes are a TLS ClientHello whose SNI is the CONNECT host. From then on the bytes are
+opaque, and a :class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk machinery.
 
 This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regular HTTP proxy
 and raw pass-through, nothing else.
@@ -19,10 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mitmproxy import connection, ctx, exceptions, http, tcp
+from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
+from mitmproxy.connection import ConnectionState
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
@@ -40,12 +43,14 @@ from egress.policy import (
     status_of,
     vet_addresses,
 )
+from egress.relay import Relay
 from egress.resolver import ResolutionError, Resolver
 
 logger = logging.getLogger(__name__)
 
 MAX_CLIENT_HELLO = 64 * 1024
 TUNNEL_RECHECK_SECONDS = 1.0
+HANDOVER_SECONDS = 0.5  # how long a tunnel may take to go quiet before the relay takes it
 _NOT_TLS = "the tunnel did not start with a TLS ClientHello"
 
 
@@ -60,8 +65,15 @@ class Tunnel:
     port: int
     address: str
     started: bool = False  # the ClientHello was checked and the bytes flow
-    bytes_up: int = 0
+    bytes_up: int = 0  # before the relay took over; then the relay counts
     bytes_down: int = 0
+    relay: Relay | None = None
+
+    def totals(self) -> tuple[int, int]:
+        """Bytes up and down so far."""
+        if self.relay is None:
+            return self.bytes_up, self.bytes_down
+        return self.bytes_up + self.relay.up.bytes, self.bytes_down + self.relay.down.bytes
 
 
 @dataclass
@@ -82,6 +94,69 @@ class Refuse(layer.Layer):
         self._handle_event = self._ignore  # type: ignore[method-assign]
 
     def _ignore(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from ()
+
+
+class Passthrough(layer.Layer):
+    """A decided tunnel whose ClientHello was checked: dial the vetted address, forward the
+    first bytes as mitmproxy does, then hand both sockets to a :class:`Relay`."""
+
+    def __init__(self, context: Context, egress: "CoveyEgress", tunnel: Tunnel) -> None:
+        super().__init__(context)
+        self.egress = egress
+        self.tunnel = tunnel
+        self.handover: asyncio.Task[None] | None = None
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            error = yield commands.OpenConnection(self.context.server)
+            if error:
+                yield commands.CloseConnection(self.context.client)
+                self._handle_event = self._done  # type: ignore[method-assign]
+            else:
+                self._handle_event = self._forward  # type: ignore[method-assign]
+
+    @property
+    def forwarding(self) -> bool:
+        """The tunnel is open and its bytes flow (through mitmproxy or the relay)."""
+        return self._handle_event == self._forward
+
+    def _forward(self, event: events.Event) -> layer.CommandGenerator[None]:
+        client, server = self.context.client, self.context.server
+        if isinstance(event, events.DataReceived):
+            if self.tunnel.relay is not None:
+                # The relay owns the sockets: bytes here would overtake or trail its own.
+                logger.error("covey: bytes reached mitmproxy after the relay took over; closing")
+                yield from self._close_all()
+                return
+            if event.connection == client:
+                self.tunnel.bytes_up += len(event.data)
+                yield commands.SendData(server, event.data)
+            else:
+                self.tunnel.bytes_down += len(event.data)
+                yield commands.SendData(client, event.data)
+            if self.handover is None:
+                self.handover = asyncio.create_task(self.egress.hand_over(self))
+        elif isinstance(event, events.ConnectionClosed):
+            if self.tunnel.relay is not None:  # mitmproxy is tearing the tunnel down
+                yield from self._close_all()
+                return
+            # Before the relay: pass half-closes on, as mitmproxy's TCP layer does.
+            if (client.state | server.state) & ConnectionState.CAN_READ:
+                other = server if event.connection == client else client
+                yield commands.CloseTcpConnection(other, half_close=True)
+            else:
+                yield from self._close_all()
+
+    def _close_all(self) -> layer.CommandGenerator[None]:
+        if self.tunnel.relay is not None:
+            self.tunnel.relay.close()
+        self._handle_event = self._done  # type: ignore[method-assign]
+        for conn in (self.context.server, self.context.client):
+            if conn.state is not ConnectionState.CLOSED:
+                yield commands.CloseConnection(conn)
+
+    def _done(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from ()
 
 
@@ -136,13 +211,65 @@ class CoveyEgress:
         return closed
 
     def _close_client(self, client_id: str) -> int:
-        proxyserver = ctx.master.addons.get("proxyserver")
-        handler = proxyserver.connections.get(client_id) if proxyserver else None
+        state = self.clients.get(client_id)
+        if state is not None and state.tunnel is not None and state.tunnel.relay is not None:
+            state.tunnel.relay.close()
+        handler = _handler(client_id)
         io = handler.transports.get(handler.client) if handler else None
         if io is None or io.handler is None:
             return 0
         io.handler.cancel()  # mitmproxy then closes both sides and reports the disconnect
         return 1
+
+    # --- the relay ---------------------------------------------------------------------------
+
+    async def hand_over(self, passthrough: Passthrough) -> None:
+        """Give a started tunnel to a :class:`Relay` once mitmproxy holds none of its bytes.
+
+        Both sides stop being read, then we wait until every byte mitmproxy has read has been
+        forwarded and written out; a tunnel that does not go quiet within HANDOVER_SECONDS (a
+        peer that does not read) stays with mitmproxy, which is slower but just as correct.
+        """
+        context, tunnel = passthrough.context, passthrough.tunnel
+        handler = _handler(context.client.id)
+        ios = (
+            [handler.transports.get(c) for c in (context.client, context.server)] if handler else []
+        )
+        if handler is None or not all(
+            io is not None
+            and isinstance(io.writer, asyncio.StreamWriter)
+            and isinstance(io.reader, asyncio.StreamReader)
+            for io in ios
+        ):
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HANDOVER_SECONDS
+        while True:
+            if not passthrough.forwarding or any(
+                c.state is not ConnectionState.OPEN for c in (context.client, context.server)
+            ):
+                return  # closing, or half-closed: not worth a relay
+            for io in ios:
+                io.writer.transport.pause_reading()
+            if all(_quiet(io.reader, io.writer) for io in ios):
+                break
+            if loop.time() >= deadline:
+                for io in ios:
+                    io.writer.transport.resume_reading()
+                return
+            await asyncio.sleep(0.001)
+        sockets = [io.writer.transport.get_extra_info("socket") for io in ios]
+        tunnel.relay = Relay(
+            *sockets,
+            on_activity=handler.timeout_watchdog.register_activity,
+            on_end=lambda error: self._relay_ended(context.client.id, error),
+        )
+        tunnel.relay.start()
+
+    def _relay_ended(self, client_id: str, error: OSError | None) -> None:
+        if error is not None:
+            logger.debug("covey: tunnel %s ended: %s", client_id, error)
+        self._close_client(client_id)
 
     # --- options -----------------------------------------------------------------------------
 
@@ -338,7 +465,7 @@ class CoveyEgress:
             nextlayer.layer = Refuse(context)
             return
         tunnel.started = True
-        nextlayer.layer = layers.TCPLayer(context)
+        nextlayer.layer = Passthrough(context, self, tunnel)
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Dial only the vetted address; anything we did not decide is refused."""
@@ -355,21 +482,14 @@ class CoveyEgress:
             return
         data.server.address = (vetted, address[1])
 
-    def tcp_message(self, flow: tcp.TCPFlow) -> None:
-        state = self.clients.get(flow.client_conn.id)
-        message = flow.messages[-1]
-        if state is not None and state.tunnel is not None:
-            if message.from_client:
-                state.tunnel.bytes_up += len(message.content)
-            else:
-                state.tunnel.bytes_down += len(message.content)
-        flow.messages.clear()  # pass-through: keep nothing in memory
-
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.clients.pop(client.id, None)
         if state is None or state.tunnel is None:
             return
         tunnel = state.tunnel
+        if tunnel.relay is not None:
+            tunnel.relay.close()
+        bytes_up, bytes_down = tunnel.totals()
         self.open_tunnels -= 1
         self.tunnels_by_agent[tunnel.agent_id] -= 1
         if self.tunnels_by_agent[tunnel.agent_id] <= 0:
@@ -378,8 +498,8 @@ class CoveyEgress:
             {
                 "event": "close",
                 "id": tunnel.decision_id,
-                "bytes_up": tunnel.bytes_up,
-                "bytes_down": tunnel.bytes_down,
+                "bytes_up": bytes_up,
+                "bytes_down": bytes_down,
                 "at": self.clock(),
             }
         )
@@ -394,6 +514,25 @@ class NextLayer:
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         self.egress.choose_layer(nextlayer)
+
+
+def _handler(client_id: str) -> Any:
+    """mitmproxy's handler of one client connection (None once it has gone)."""
+    proxyserver = ctx.master.addons.get("proxyserver")
+    return proxyserver.connections.get(client_id) if proxyserver else None
+
+
+def _quiet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Nothing read and not yet forwarded, nothing forwarded and not yet written, no EOF."""
+    transport = writer.transport
+    return (
+        not transport.is_reading()  # type: ignore[attr-defined]
+        and not transport.is_closing()
+        and transport.get_write_buffer_size() == 0
+        and not reader._buffer  # type: ignore[attr-defined]  # no public way to ask
+        and not reader.at_eof()
+        and reader.exception() is None
+    )
 
 
 def refusal(decision: Decision, username: str) -> http.Response:

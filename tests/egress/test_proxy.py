@@ -1,5 +1,7 @@
 """The real proxy command, real clients, upstreams and DNS made by the tests (DESIGN.md §3)."""
 
+import hashlib
+import os
 import socket
 import ssl
 import subprocess
@@ -268,6 +270,21 @@ class TestTunnels:
         def counted():
             row = Decision.objects.filter(agent=agent, closed_at__isnull=False).first()
             return row is not None and row.bytes_down > size
+
+        wait_for(counted, 10, "the byte count in the log")
+
+    def test_large_uploads_arrive_intact_and_are_counted(self, proxy, net, world):
+        agent, credentials = world
+        body = os.urandom(12 * 1024 * 1024)
+        with client(proxy, net, credentials) as http:
+            response = http.post(f"https://good.test:{net.tls.port}/upload", content=body)
+        assert response.status_code == 404  # the upstream has no such route, but read it all
+        received = [r for r in net.tls.requests if r.path == "/upload"][-1]
+        assert hashlib.sha256(received.body).digest() == hashlib.sha256(body).digest()
+
+        def counted():
+            row = Decision.objects.filter(agent=agent, closed_at__isnull=False).first()
+            return row is not None and row.bytes_up > len(body)
 
         wait_for(counted, 10, "the byte count in the log")
 
