@@ -14,12 +14,13 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services
+.PHONY: help venv run test lint format check services base-image
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
 	@echo "make lint   ruff and mypy only"
+	@echo "make base-image  build the covey-base:bookworm Docker image from Debian packages (no registry)"
 
 # The virtualenv is rebuilt only when requirements.txt changes.
 venv: $(STAMP)
@@ -37,6 +38,10 @@ run: venv
 services:
 	@$(TEST_ENV) scripts/test-services
 
+# Needs dockerd (services); instant when the image is up to date.
+base-image: services
+	@scripts/base-image
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -46,7 +51,7 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
-test: venv services lint check
+test: venv services base-image lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 format: venv
