@@ -1,6 +1,14 @@
-"""Name resolution for the proxy, through dnspython (COVEY_EGRESS_NAMESERVERS when set)."""
+"""Name resolution for the proxy, through dnspython (COVEY_EGRESS_NAMESERVERS when set).
+
+Addresses are cached for their TTL, at most MAX_TTL seconds, as any resolver does. That changes
+nothing for safety: every decision classifies the addresses it is about to use, cached or not,
+and a name served with TTL 0 (the usual rebinding trick) is asked again every time. "No such
+name" and "no address of this type" are kept only as long as the zone's SOA says (negative
+caching, RFC 2308); without an SOA they are asked again every time.
+"""
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import dns.asyncresolver
@@ -20,6 +28,23 @@ def parse_nameserver(text: str) -> tuple[str, int]:
     return address, int(port) if port else 53
 
 
+MAX_TTL = 300
+CACHE_SIZE = 10_000
+
+
+class _Cache(dns.resolver.LRUCache):
+    """dnspython's LRU cache, answers kept no longer than MAX_TTL, negative ones only with an
+    SOA (dnspython would otherwise keep them for five minutes)."""
+
+    def put(self, key: dns.resolver.CacheKey, value: dns.resolver.Answer) -> None:
+        if value.rrset is None and not any(
+            rrset.rdtype == dns.rdatatype.SOA for rrset in value.response.authority
+        ):
+            return
+        value.expiration = min(value.expiration, time.time() + MAX_TTL)
+        super().put(key, value)
+
+
 class Resolver:
     """Resolves a name to all its A and AAAA addresses, with a bounded time."""
 
@@ -32,7 +57,11 @@ class Resolver:
         else:
             self._resolver = dns.asyncresolver.Resolver()
         self._resolver.lifetime = timeout
-        self._resolver.cache = None  # every decision sees the answer it acts on
+        self._resolver.cache = _Cache(CACHE_SIZE)
+
+    def forget(self) -> None:
+        """Drop every cached answer."""
+        self._resolver.cache.flush()
 
     async def resolve(self, host: str) -> list[str]:
         """Every address the name has (IPv4 first); [] when it has none."""

@@ -135,8 +135,8 @@ def record_decisions(
         "organisation_id",
     )
     known = set(agents.values_list("pk", flat=True))
-    rows = [
-        Decision(
+    rows = {
+        uuid.UUID(str(e["id"])): Decision(
             id=uuid.UUID(str(e["id"])),
             agent_id=e.get("agent_id") if e.get("agent_id") in known else None,
             username=str(e.get("username", ""))[:200],
@@ -151,17 +151,28 @@ def record_decisions(
             proxy=proxy[:100],
         )
         for e in decisions
-    ]
+    }
     with transaction.atomic():
-        Decision.objects.bulk_create(rows, ignore_conflicts=True)
-        scope = _scoped(Decision.objects.all(), organisation_id, "agent__organisation_id")
+        # A batch sent again (its first answer was lost) finds its decisions already stored.
+        for pk in Decision.objects.filter(pk__in=rows).values_list("pk", flat=True):
+            del rows[pk]
+        # A short tunnel's close usually comes in the same batch as its decision: one row.
+        later: dict[uuid.UUID, Decision] = {}
         for e in closes:
-            scope.filter(pk=uuid.UUID(str(e["id"]))).update(
-                bytes_up=int(e["bytes_up"]),
-                bytes_down=int(e["bytes_down"]),
-                closed_at=_time(e["at"]),
+            pk = uuid.UUID(str(e["id"]))
+            row = rows.get(pk) or later.setdefault(pk, Decision(pk=pk))
+            row.bytes_up, row.bytes_down = int(e["bytes_up"]), int(e["bytes_down"])
+            row.closed_at = _time(e["at"])
+        Decision.objects.bulk_create(rows.values(), ignore_conflicts=True)
+        if later:
+            scope = _scoped(Decision.objects.all(), organisation_id, "agent__organisation_id")
+            mine = set(scope.filter(pk__in=later).values_list("pk", flat=True))
+            Decision.objects.bulk_update(
+                [row for pk, row in later.items() if pk in mine],
+                ["bytes_up", "bytes_down", "closed_at"],
+                batch_size=500,
             )
-    return len(rows) + len(closes)
+    return len(decisions) + len(closes)
 
 
 def prune_decisions(now: datetime | None = None) -> int:

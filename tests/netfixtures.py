@@ -29,7 +29,7 @@ from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
 import trustme
-from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord  # type: ignore[import-untyped]
+from dnslib import AAAA, QTYPE, RCODE, RR, SOA, A, DNSRecord  # type: ignore[import-untyped]
 from dnslib.server import (  # type: ignore[import-untyped]
     BaseResolver,
     DNSHandler,
@@ -233,6 +233,10 @@ class _TCPServer(_TrackedThreads, socketserver.ThreadingMixIn, socketserver.TCPS
     request_queue_size = 64
 
 
+def _matches(address: IPAddress, qtype: int) -> bool:
+    return (qtype, address.version) in ((QTYPE.A, 4), (QTYPE.AAAA, 6))
+
+
 class _TableResolver(BaseResolver):
     """dnslib resolver answering from a DnsServer's table."""
 
@@ -241,7 +245,7 @@ class _TableResolver(BaseResolver):
         self.table = table
 
     def resolve(self, request: DNSRecord, handler: DNSHandler) -> DNSRecord:
-        """Answer A/AAAA from the table with TTL 0; NXDOMAIN for unknown names."""
+        """Answer A/AAAA from the table with the name's TTL; NXDOMAIN for unknown names."""
         reply = request.reply()
         if not request.questions:
             reply.header.rcode = RCODE.FORMERR
@@ -252,18 +256,24 @@ class _TableResolver(BaseResolver):
         if found is None:
             reply.header.rcode = RCODE.NXDOMAIN
             return reply
-        for address in found:
+        addresses, ttl = found
+        if ttl and not any(_matches(address, qtype) for address in addresses):
+            # No record of this type: an SOA says how long that answer may be kept (RFC 2308).
+            soa = SOA("ns.test.", "admin.test.", (1, ttl, ttl, ttl, ttl))
+            reply.add_auth(RR(qname, QTYPE.SOA, rdata=soa, ttl=ttl))
+        for address in addresses:
             if qtype == QTYPE.A and address.version == 4:
-                reply.add_answer(RR(qname, QTYPE.A, rdata=A(tuple(address.packed)), ttl=0))
+                reply.add_answer(RR(qname, QTYPE.A, rdata=A(tuple(address.packed)), ttl=ttl))
             elif qtype == QTYPE.AAAA and address.version == 6:
-                reply.add_answer(RR(qname, QTYPE.AAAA, rdata=AAAA(tuple(address.packed)), ttl=0))
+                reply.add_answer(RR(qname, QTYPE.AAAA, rdata=AAAA(tuple(address.packed)), ttl=ttl))
         return reply
 
 
 class DnsServer:
     """A real DNS server (UDP and TCP on one port) on loopback answering from a mutable table."""
 
-    # Names are case-insensitive, with or without a trailing dot; every answer has TTL 0.
+    # Names are case-insensitive, with or without a trailing dot; answers have TTL 0 unless
+    # set() gives another.
     # Unknown names get NXDOMAIN; known names get NOERROR with the A or AAAA records matching
     # the query type (possibly none). For sequence() names each A query takes the next answer
     # list (the last repeats); AAAA queries do not advance and answer from the list the next A
@@ -274,6 +284,7 @@ class DnsServer:
         self._host = _require_loopback(host)
         self._lock = threading.Lock()
         self._static: dict[str, tuple[IPAddress, ...]] = {}
+        self._ttls: dict[str, int] = {}
         self._sequences: dict[str, list[tuple[IPAddress, ...]]] = {}
         self._a_queries: dict[str, int] = {}
         self._queries: dict[str, int] = {}
@@ -282,19 +293,21 @@ class DnsServer:
 
     # -- table --------------------------------------------------------------------------------
 
-    def set(self, name: str, *addresses: Address) -> None:
+    def set(self, name: str, *addresses: Address, ttl: int = 0) -> None:
         """Answer name with these IPv4 (A) and IPv6 (AAAA) addresses, replacing any entry."""
         key = _normalise(name)
         parsed = _addresses(addresses)
         with self._lock:
             self._sequences.pop(key, None)
             self._static[key] = parsed
+            self._ttls[key] = ttl
 
     def remove(self, name: str) -> None:
         """Forget name (it answers NXDOMAIN again); no error if it was not set."""
         key = _normalise(name)
         with self._lock:
             self._static.pop(key, None)
+            self._ttls.pop(key, None)
             self._sequences.pop(key, None)
 
     def sequence(self, name: str, answers: Sequence[Sequence[Address]]) -> None:
@@ -305,6 +318,7 @@ class DnsServer:
         parsed = [_addresses([group] if isinstance(group, str) else group) for group in answers]
         with self._lock:
             self._static.pop(key, None)
+            self._ttls.pop(key, None)
             self._sequences[key] = parsed
             self._a_queries[key] = 0
 
@@ -313,20 +327,20 @@ class DnsServer:
         with self._lock:
             return self._queries.get(_normalise(name), 0)
 
-    def _lookup(self, name: str, qtype: int) -> tuple[IPAddress, ...] | None:
-        """Count a query and return the name's current addresses, or None if unknown."""
+    def _lookup(self, name: str, qtype: int) -> tuple[tuple[IPAddress, ...], int] | None:
+        """Count a query; return the name's current addresses and TTL, or None if unknown."""
         key = str(name).rstrip(".").lower()
         with self._lock:
             self._queries[key] = self._queries.get(key, 0) + 1
             if key in self._static:
-                return self._static[key]
+                return self._static[key], self._ttls.get(key, 0)
             steps = self._sequences.get(key)
             if steps is None:
                 return None
             seen = self._a_queries.get(key, 0)
             if qtype == QTYPE.A:
                 self._a_queries[key] = seen + 1
-            return steps[min(seen, len(steps) - 1)]
+            return steps[min(seen, len(steps) - 1)], 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 

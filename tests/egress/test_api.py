@@ -197,3 +197,29 @@ def test_the_admin_revokes_tokens_and_says_how_many(operator_client, acme):
     )
     assert b"2 token(s) revoked" in response.content
     assert EgressToken.objects.live().count() == 1
+
+
+class TestDecisionBatches:
+    def test_a_decision_and_its_close_in_one_batch_make_one_complete_row(self, acme):
+        agent = AgentFactory(organisation=acme)
+        opened = event(agent)
+        closed = {"event": "close", "id": opened["id"], "bytes_up": 7, "bytes_down": 9, "at": 1.0}
+        assert record_decisions([opened, closed]) == 2
+        row = Decision.objects.get()
+        assert (row.bytes_up, row.bytes_down, row.closed_at.timestamp()) == (7, 9, 1.0)
+
+    def test_a_batch_sent_twice_is_stored_once_and_keeps_its_close(self, acme):
+        agent = AgentFactory(organisation=acme)
+        opened = event(agent)
+        closed = {"event": "close", "id": opened["id"], "bytes_up": 7, "bytes_down": 9, "at": 1.0}
+        record_decisions([opened])
+        record_decisions([opened, closed])  # the proxy never heard that the first one landed
+        row = Decision.objects.get()
+        assert (row.bytes_up, row.bytes_down) == (7, 9)
+
+    def test_a_runner_cannot_close_another_organisations_decision(self, acme, globex):
+        theirs = event(AgentFactory(organisation=globex))
+        record_decisions([theirs])
+        closed = {"event": "close", "id": theirs["id"], "bytes_up": 1, "bytes_down": 1, "at": 1.0}
+        record_decisions([theirs, closed], organisation_id=acme.pk)
+        assert Decision.objects.get().closed_at is None
