@@ -4,8 +4,9 @@ The decision order is DESIGN.md §3. Decisions are taken in ``http_connect`` (tu
 ``requestheaders`` (plain HTTP) from the in-memory policy; the name is resolved once and the
 vetted address is pinned in ``server_connect``, so no second lookup can change the target.
 Tunnels are passed through, never decrypted: ``next_layer`` only lets a tunnel go on once its
-first bytes are a TLS ClientHello whose SNI is the CONNECT host. From then on the bytes are
-opaque, and a :class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk machinery.
+first bytes are a TLS ClientHello whose SNI is the CONNECT host; only then does covey dial the
+vetted address (itself, not through mitmproxy). From then on the bytes are opaque, and a
+:class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk machinery.
 
 This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regular HTTP proxy
 and raw pass-through, nothing else.
@@ -13,12 +14,13 @@ and raw pass-through, nothing else.
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
@@ -50,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 MAX_CLIENT_HELLO = 64 * 1024
 TUNNEL_RECHECK_SECONDS = 1.0
-HANDOVER_SECONDS = 0.5  # how long a tunnel may take to go quiet before the relay takes it
+HANDOVER_SECONDS = 2.0  # how long a client may take to read its 200 before the relay takes over
+CONNECT_SECONDS = 10.0  # how long dialling the upstream may take
 _NOT_TLS = "the tunnel did not start with a TLS ClientHello"
 
 
@@ -64,10 +67,22 @@ class Tunnel:
     host: str
     port: int
     address: str
+    dial: "asyncio.Task[socket.socket] | None" = None  # ours, once the ClientHello passed
     started: bool = False  # the ClientHello was checked and the bytes flow
     bytes_up: int = 0  # before the relay took over; then the relay counts
     bytes_down: int = 0
     relay: Relay | None = None
+
+    def discard(self) -> None:
+        """Stop the relay and close the upstream connection, whatever state they are in."""
+        if self.relay is not None:
+            self.relay.close()
+        if self.dial is None:
+            return
+        if not self.dial.done():
+            self.dial.cancel()
+        elif not self.dial.cancelled() and self.dial.exception() is None:
+            self.dial.result().close()
 
     def totals(self) -> tuple[int, int]:
         """Bytes up and down so far."""
@@ -98,63 +113,53 @@ class Refuse(layer.Layer):
 
 
 class Passthrough(layer.Layer):
-    """A decided tunnel whose ClientHello was checked: dial the vetted address, forward the
-    first bytes as mitmproxy does, then hand both sockets to a :class:`Relay`."""
+    """A decided tunnel whose ClientHello was checked. The client's bytes are collected here
+    until :meth:`CoveyEgress.hand_over` has sent them upstream and handed both sockets to a
+    :class:`Relay`; after that mitmproxy no longer reads the client."""
 
     def __init__(self, context: Context, egress: "CoveyEgress", tunnel: Tunnel) -> None:
         super().__init__(context)
         self.egress = egress
         self.tunnel = tunnel
+        self.early: list[bytes] = []  # from the client, not yet sent upstream
         self.handover: asyncio.Task[None] | None = None
-
-    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if isinstance(event, events.Start):
-            error = yield commands.OpenConnection(self.context.server)
-            if error:
-                yield commands.CloseConnection(self.context.client)
-                self._handle_event = self._done  # type: ignore[method-assign]
-            else:
-                self._handle_event = self._forward  # type: ignore[method-assign]
 
     @property
     def forwarding(self) -> bool:
-        """The tunnel is open and its bytes flow (through mitmproxy or the relay)."""
+        """The tunnel is open and its bytes flow."""
         return self._handle_event == self._forward
 
+    def take_early(self) -> bytes:
+        data, self.early = b"".join(self.early), []
+        return data
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            self._handle_event = self._forward  # type: ignore[method-assign]
+        yield from ()
+
     def _forward(self, event: events.Event) -> layer.CommandGenerator[None]:
-        client, server = self.context.client, self.context.server
-        if isinstance(event, events.DataReceived):
+        if isinstance(event, events.DataReceived) and event.connection == self.context.client:
             if self.tunnel.relay is not None:
-                # The relay owns the sockets: bytes here would overtake or trail its own.
+                # The relay owns the socket: bytes here would overtake or trail its own.
                 logger.error("covey: bytes reached mitmproxy after the relay took over; closing")
-                yield from self._close_all()
+                yield from self._close()
                 return
-            if event.connection == client:
-                self.tunnel.bytes_up += len(event.data)
-                yield commands.SendData(server, event.data)
-            else:
-                self.tunnel.bytes_down += len(event.data)
-                yield commands.SendData(client, event.data)
+            self.early.append(event.data)
+            self.tunnel.bytes_up += len(event.data)
             if self.handover is None:
+                self.tunnel.dial = asyncio.create_task(_dial(self.tunnel.address, self.tunnel.port))
                 self.handover = asyncio.create_task(self.egress.hand_over(self))
         elif isinstance(event, events.ConnectionClosed):
-            if self.tunnel.relay is not None:  # mitmproxy is tearing the tunnel down
-                yield from self._close_all()
-                return
-            # Before the relay: pass half-closes on, as mitmproxy's TCP layer does.
-            if (client.state | server.state) & ConnectionState.CAN_READ:
-                other = server if event.connection == client else client
-                yield commands.CloseTcpConnection(other, half_close=True)
-            else:
-                yield from self._close_all()
+            # The client went (or mitmproxy is tearing the tunnel down): TLS has no use for a
+            # half-open tunnel before the relay, and the relay passes half-closes on itself.
+            yield from self._close()
 
-    def _close_all(self) -> layer.CommandGenerator[None]:
-        if self.tunnel.relay is not None:
-            self.tunnel.relay.close()
+    def _close(self) -> layer.CommandGenerator[None]:
+        self.tunnel.discard()
         self._handle_event = self._done  # type: ignore[method-assign]
-        for conn in (self.context.server, self.context.client):
-            if conn.state is not ConnectionState.CLOSED:
-                yield commands.CloseConnection(conn)
+        if self.context.client.state is not ConnectionState.CLOSED:
+            yield commands.CloseConnection(self.context.client)
 
     def _done(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from ()
@@ -213,7 +218,7 @@ class CoveyEgress:
     def _close_client(self, client_id: str) -> int:
         state = self.clients.get(client_id)
         if state is not None and state.tunnel is not None and state.tunnel.relay is not None:
-            state.tunnel.relay.close()
+            state.tunnel.relay.close()  # at once: the handler's teardown takes a few steps
         handler = _handler(client_id)
         io = handler.transports.get(handler.client) if handler else None
         if io is None or io.handler is None:
@@ -224,45 +229,61 @@ class CoveyEgress:
     # --- the relay ---------------------------------------------------------------------------
 
     async def hand_over(self, passthrough: Passthrough) -> None:
-        """Give a started tunnel to a :class:`Relay` once mitmproxy holds none of its bytes.
+        """Send the client's first bytes upstream, then give both sockets to a :class:`Relay`.
 
-        Both sides stop being read, then we wait until every byte mitmproxy has read has been
-        forwarded and written out; a tunnel that does not go quiet within HANDOVER_SECONDS (a
-        peer that does not read) stays with mitmproxy, which is slower but just as correct.
+        The client stops being read; once every byte mitmproxy read from it has been sent
+        upstream and everything written to it (the 200) has left, the relay takes over. A
+        client that does not read its 200 within HANDOVER_SECONDS is closed.
         """
-        context, tunnel = passthrough.context, passthrough.tunnel
-        handler = _handler(context.client.id)
-        ios = (
-            [handler.transports.get(c) for c in (context.client, context.server)] if handler else []
-        )
-        if handler is None or not all(
-            io is not None
-            and isinstance(io.writer, asyncio.StreamWriter)
-            and isinstance(io.reader, asyncio.StreamReader)
-            for io in ios
-        ):
+        await asyncio.sleep(0)  # out of mitmproxy's event handling first
+        client_id, tunnel = passthrough.context.client.id, passthrough.tunnel
+        if tunnel.dial is None:
             return
+        try:
+            upstream = await tunnel.dial
+        except (OSError, TimeoutError) as exc:
+            logger.info("covey: could not reach %s:%s: %s", tunnel.address, tunnel.port, exc)
+            self._close_client(client_id)
+            return
+        except asyncio.CancelledError:
+            if tunnel.dial.cancelled():  # the client went first
+                return
+            raise
+        handler = _handler(client_id)
+        io = handler.transports.get(handler.client) if handler else None
+        if io is None or not (
+            isinstance(io.writer, asyncio.StreamWriter)
+            and isinstance(io.reader, asyncio.StreamReader)
+        ):
+            self._close_client(client_id)
+            return
+        transport = cast(asyncio.Transport, io.writer.transport)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HANDOVER_SECONDS
-        while True:
-            if not passthrough.forwarding or any(
-                c.state is not ConnectionState.OPEN for c in (context.client, context.server)
-            ):
-                return  # closing, or half-closed: not worth a relay
-            for io in ios:
-                io.writer.transport.pause_reading()
-            if all(_quiet(io.reader, io.writer) for io in ios):
-                break
-            if loop.time() >= deadline:
-                for io in ios:
-                    io.writer.transport.resume_reading()
-                return
-            await asyncio.sleep(0.001)
-        sockets = [io.writer.transport.get_extra_info("socket") for io in ios]
+        try:
+            while True:
+                if not passthrough.forwarding:
+                    return  # closed meanwhile
+                transport.pause_reading()
+                if data := passthrough.take_early():
+                    await loop.sock_sendall(upstream, data)
+                    continue
+                if _quiet(io.reader, io.writer):
+                    break
+                if loop.time() >= deadline:
+                    logger.info("covey: tunnel %s did not go quiet; closing", client_id)
+                    self._close_client(client_id)
+                    return
+                await asyncio.sleep(0.001)
+        except OSError as exc:
+            logger.info("covey: tunnel to %s:%s failed: %s", tunnel.address, tunnel.port, exc)
+            self._close_client(client_id)
+            return
         tunnel.relay = Relay(
-            *sockets,
+            transport.get_extra_info("socket"),
+            upstream,
             on_activity=handler.timeout_watchdog.register_activity,
-            on_end=lambda error: self._relay_ended(context.client.id, error),
+            on_end=lambda error: self._relay_ended(client_id, error),
         )
         tunnel.relay.start()
 
@@ -468,15 +489,13 @@ class CoveyEgress:
         nextlayer.layer = Passthrough(context, self, tunnel)
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
-        """Dial only the vetted address; anything we did not decide is refused."""
+        """Plain HTTP dials only the vetted address; tunnels never dial through mitmproxy
+        (covey dials them itself), and anything we did not decide is refused."""
         state = self.clients.get(data.client.id)
         address = data.server.address
         vetted: str | None = None
-        if state is not None and address is not None:
-            if state.tunnel is not None and state.tunnel.started:
-                vetted = state.tunnel.address
-            else:
-                vetted = state.pinned.get((address[0], address[1]))
+        if state is not None and address is not None and state.tunnel is None:
+            vetted = state.pinned.get((address[0], address[1]))
         if vetted is None or address is None:
             data.server.error = "covey: no vetted address for this connection"
             return
@@ -487,8 +506,7 @@ class CoveyEgress:
         if state is None or state.tunnel is None:
             return
         tunnel = state.tunnel
-        if tunnel.relay is not None:
-            tunnel.relay.close()
+        tunnel.discard()
         bytes_up, bytes_down = tunnel.totals()
         self.open_tunnels -= 1
         self.tunnels_by_agent[tunnel.agent_id] -= 1
@@ -514,6 +532,21 @@ class NextLayer:
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         self.egress.choose_layer(nextlayer)
+
+
+async def _dial(address: str, port: int) -> socket.socket:
+    """A TCP connection to the vetted address, ours alone (mitmproxy never sees it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        async with asyncio.timeout(CONNECT_SECONDS):
+            await asyncio.get_running_loop().sock_connect(sock, (address, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _handler(client_id: str) -> Any:

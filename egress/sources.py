@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import close_old_connections, connection, transaction
+from django.db import connection, transaction
 
 # The proxy never waits on a lock: a batch or a refresh that would wait is retried next round,
 # and a migration or bulk delete in the control plane is never stuck behind (or deadlocked
@@ -18,7 +18,7 @@ LOCK_TIMEOUT = "500ms"
 
 @contextmanager
 def _brief_transaction() -> Iterator[None]:
-    close_old_connections()
+    connection.close_if_unusable_or_obsolete()  # per CONN_MAX_AGE and CONN_HEALTH_CHECKS
     try:
         with transaction.atomic():
             if connection.vendor == "postgresql":

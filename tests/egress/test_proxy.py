@@ -1,5 +1,6 @@
 """The real proxy command, real clients, upstreams and DNS made by the tests (DESIGN.md §3)."""
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -23,7 +24,7 @@ from tests.egress.conftest import (
     send,
     start_proxy,
 )
-from tests.processes import wait_for
+from tests.processes import free_port, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -272,6 +273,47 @@ class TestTunnels:
             return row is not None and row.bytes_down > size
 
         wait_for(counted, 10, "the byte count in the log")
+
+    def test_an_upstream_that_refuses_closes_the_tunnel(self, proxy, net, world):
+        agent, credentials = world
+        closed_port = free_port()  # nothing listens there
+        agent_services.update_agent(agent, allowlist=[*agent.allowlist, f"good.test:{closed_port}"])
+        proxy.sync()
+        answer = connect(proxy, f"good.test:{closed_port}", credentials)
+        assert answer.status == 200  # decided; the upstream is dialled once the ClientHello passes
+        tls = net.ca.client_context().wrap_socket(
+            answer.sock, server_hostname="good.test", do_handshake_on_connect=False
+        )
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            tls.do_handshake()
+
+    def test_a_client_hello_in_pieces_is_checked_whole_and_sent_in_order(self, proxy, net, world):
+        """The pieces reach the proxy before and while it dials the upstream."""
+        answer = connect(proxy, f"good.test:{net.tls.port}", world[1])
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = net.ca.client_context().wrap_bio(incoming, outgoing, server_hostname="good.test")
+        with pytest.raises(ssl.SSLWantReadError):
+            tls.do_handshake()
+        hello = outgoing.read()
+        for i in range(0, len(hello), 50):  # the ClientHello in 50-byte pieces
+            answer.sock.sendall(hello[i : i + 50])
+            time.sleep(0.005)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                answer.sock.sendall(outgoing.read())
+                incoming.write(answer.sock.recv(65536))
+        tls.write(b"GET / HTTP/1.1\r\nHost: good.test\r\n\r\n")
+        answer.sock.sendall(outgoing.read())
+        received = b""
+        while b"hello from good" not in received:
+            incoming.write(answer.sock.recv(65536))
+            with contextlib.suppress(ssl.SSLWantReadError):
+                while True:  # every record the bytes so far complete
+                    received += tls.read(65536)
+        assert net.tls.connections == 1
 
     def test_large_uploads_arrive_intact_and_are_counted(self, proxy, net, world):
         agent, credentials = world

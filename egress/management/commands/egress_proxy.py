@@ -58,6 +58,9 @@ class Command(BaseCommand):
             sink: Any = client.post_decisions
             where = url
         else:
+            # Its two threads each keep one connection (checked before use) instead of opening
+            # one for every poll and every batch of decisions.
+            settings.DATABASES["default"].update(CONN_MAX_AGE=None, CONN_HEALTH_CHECKS=True)
             source, sink, where = DatabaseSource(), DatabaseSink(name), "the database"
 
         feed = PolicyFeed(
