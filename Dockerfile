@@ -1,5 +1,6 @@
 # The covey control plane (web + API). Build: docker build -t covey .
-# BASE_IMAGE must provide Python 3.12+; hosts that cannot pull use the local base (make base-image).
+# BASE_IMAGE must provide Python 3.12+. Hosts that cannot pull build on the local base instead:
+# make base-image, then --build-arg BASE_IMAGE=covey-base:trixie.
 ARG BASE_IMAGE=python:3.12-slim-bookworm
 FROM ${BASE_IMAGE}
 

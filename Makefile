@@ -20,7 +20,7 @@ help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
 	@echo "make lint   ruff and mypy only"
-	@echo "make base-image  build the covey-base:bookworm Docker image from Debian packages (no registry)"
+	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
 
 # The virtualenv is rebuilt only when requirements.txt changes.
 venv: $(STAMP)

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-IMAGE = "covey-base:bookworm"
+IMAGE = "covey-base:trixie"
 # How sandboxes are started: unprivileged, nothing writable but what is mounted.
 LOCKED_DOWN = [
     "--user",
@@ -62,6 +62,23 @@ def test_python_runs_as_agent_in_a_locked_down_container(run_label):
         "run", "--rm", "--label", run_label, *LOCKED_DOWN, IMAGE, "python3", "-c", script
     )
     assert result.stdout.split() == ["1000", "1000", "/home/agent"]
+
+
+def test_python_is_new_enough_for_covey(run_label):
+    """Django 6.1, and so covey and its egress proxy, need Python 3.12+."""
+    result = docker(
+        "run",
+        "--rm",
+        "--label",
+        run_label,
+        *LOCKED_DOWN,
+        IMAGE,
+        "python3",
+        "-c",
+        "import sys; assert sys.version_info >= (3, 12), sys.version",
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_failing_container_is_removed_too(run_label):
