@@ -1,0 +1,415 @@
+"""The Docker seam: builds, watches and removes sandboxes, one container per run of an agent.
+
+The only covey module that imports docker. Pure Python (no Django): it runs on runner hosts,
+which have no database.
+
+What the rest of covey must know:
+
+- The task reaches the process twice: as the variable ``COVEY_TASK`` and as the file
+  ``/run/covey/task`` (named by ``COVEY_TASK_FILE``). The root filesystem is read-only and a tmpfs
+  starts empty, so the file is written on the host, to
+  ``<home's parent>/.covey-runs/<run id>/task``, and that directory is bind-mounted read-only at
+  ``/run/covey``. ``remove()`` deletes it.
+- The home (``spec.home``) is created when missing (mode 0700) and its top directory is given to
+  the numeric uid:gid of ``spec.user``, so the runner must run as root (or as that user). What is
+  inside the home is left as it is: a recursive chown would be slow and would follow the agent's
+  own files.
+- Images are never pulled: the image must already be on the host.
+"""
+
+import contextlib
+import math
+import os
+import re
+import shutil
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import LogConfig, Mount
+
+LABEL_RUN = "covey.run"  # run id
+LABEL_AGENT = "covey.agent"  # agent id
+LABEL_RUNNER = "covey.runner"  # runner name: other runners' containers are never touched
+
+HOME = "/home/agent"
+TASK_DIR = "/run/covey"
+TASK_FILE = f"{TASK_DIR}/task"
+RUNS_DIR = ".covey-runs"  # next to the homes, never inside one: the agent cannot rewrite its task
+EVENTS = frozenset({"start", "die", "oom", "destroy"})
+
+# Docker's container-name grammar; the run id is also a host directory name, so no '/'.
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_USER = re.compile(r"^(\d+):(\d+)$")
+_RESERVED_ENV = frozenset({"HOME", "COVEY_TASK", "COVEY_TASK_FILE"})
+# The kernel refuses to exec with one environment string longer than MAX_ARG_STRLEN.
+_MAX_ENV_STRING = 128 * 1024
+_DOCKER_SOCKETS = (Path("/var/run/docker.sock"), Path("/run/docker.sock"))
+_MIN_MEMORY_MB = 6  # Docker refuses less
+
+
+class EngineError(Exception):
+    """The Docker engine could not do what was asked; the message says what and why."""
+
+
+class SandboxNotFound(EngineError):
+    """No container of this runner carries the run id."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything needed to build the sandbox of one run."""
+
+    run_id: str
+    agent_id: int
+    image: str
+    command: Sequence[str]  # argv, after the image's ENTRYPOINT if it has one
+    task: str
+    environment: Mapping[str, str]  # extra variables: egress credential, proxy variables…
+    home: Path  # host directory mounted at /home/agent, the only persistent path
+    cpus: float = 1.0
+    memory_mb: int = 1024
+    pids: int = 256
+    tmp_mb: int = 256  # size of the /tmp tmpfs
+    network: str | None = None  # None: the engine's default bridge
+    user: str = "1000:1000"
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What the engine knows of one covey container."""
+
+    run_id: str
+    agent_id: int
+    container_id: str
+    status: str  # Docker's: created, running, exited, dead…
+    exit_code: int | None  # None until the process has exited
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class Engine:
+    """The sandboxes of one runner on one Docker engine."""
+
+    def __init__(self, runner: str, client: docker.DockerClient | None = None) -> None:
+        if not runner:
+            raise ValueError("the runner name must not be empty")
+        self.runner = runner
+        try:
+            self._client = client if client is not None else docker.from_env()
+        except DockerException as exc:
+            raise EngineError(f"cannot reach the Docker engine: {exc}") from exc
+
+    def launch(self, spec: SandboxSpec) -> Sandbox:
+        """Create and start the sandbox of a run and return at once; a second call returns it."""
+        home = check_spec(spec)
+        if (container := self._container(spec.run_id)) is not None:
+            return self._started(container)
+        self._check_image(spec.image)
+        uid, gid = _ids(spec.user)
+        _prepare_home(home, uid, gid)
+        run_dir = _write_task(home, spec.run_id, spec.task)
+        try:
+            container = self._client.containers.create(
+                spec.image, list(spec.command), **self._options(spec, home, run_dir)
+            )
+        except APIError as exc:
+            if exc.status_code == 409:  # name taken: a concurrent launch of the same run won
+                if (container := self._container(spec.run_id)) is not None:
+                    return self._started(container)
+                raise EngineError(
+                    f"a container named covey-run-{spec.run_id} exists but is not this runner's"
+                ) from exc
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise EngineError(
+                f"cannot create the sandbox of run {spec.run_id}: {_explain(exc)}"
+            ) from exc
+        return self._started(container)
+
+    def get(self, run_id: str) -> Sandbox | None:
+        """The sandbox of a run, or None when this runner has no container for it."""
+        container = self._container(run_id)
+        return None if container is None else _sandbox(container)
+
+    def sandboxes(self) -> list[Sandbox]:
+        """Every container of this runner, in any state, ordered by run id."""
+        containers = self._client.containers.list(
+            all=True, filters={"label": [f"{LABEL_RUNNER}={self.runner}"]}, ignore_removed=True
+        )
+        return sorted((_sandbox(c) for c in containers), key=lambda s: s.run_id)
+
+    def logs(self, run_id: str, tail: int | None = None) -> str:
+        """Standard output and error of a run, interleaved as written."""
+        container = self._existing(run_id)
+        output = container.logs(stdout=True, stderr=True, tail="all" if tail is None else tail)
+        return bytes(output).decode("utf-8", errors="replace")
+
+    def stop(self, run_id: str, timeout: float = 10) -> None:
+        """Send SIGTERM, then SIGKILL after ``timeout`` seconds; a run that is gone is fine."""
+        if (container := self._container(run_id)) is None:
+            return
+        with contextlib.suppress(NotFound):
+            # The API takes whole seconds.
+            container.stop(timeout=max(0, math.ceil(timeout)))
+
+    def remove(self, run_id: str) -> None:
+        """Force-remove the run's container and task directory; a run that is gone is fine."""
+        if (container := self._container(run_id)) is not None:
+            self._discard(container)
+
+    def wait(self, run_id: str, timeout: float) -> Sandbox:
+        """Block until the run's process has exited; TimeoutError after ``timeout`` seconds."""
+        container = self._existing(run_id)
+        try:
+            container.wait(timeout=timeout)
+        except OSError as exc:
+            # requests' read timeout is an OSError; whatever ended the request, ask the state.
+            sandbox = self._sandbox_of(run_id)
+            if sandbox.status in ("running", "created", "restarting"):
+                raise TimeoutError(f"run {run_id} still running after {timeout} s") from exc
+            return sandbox
+        return self._sandbox_of(run_id)
+
+    def events(
+        self, since: float | None = None, until: float | None = None
+    ) -> Generator[tuple[str, str], None, None]:
+        """(run id, action) for this runner's containers: start, die, oom, destroy.
+
+        Without ``until`` the stream never ends; close the iterator to stop it.
+        """
+        stream = self._client.events(
+            decode=True,
+            since=since,
+            until=until,
+            filters={"label": [f"{LABEL_RUNNER}={self.runner}"], "type": "container"},
+        )
+        try:
+            for event in stream:
+                action = event.get("Action")
+                run_id = event.get("Actor", {}).get("Attributes", {}).get(LABEL_RUN)
+                if action in EVENTS and run_id:
+                    yield run_id, action
+        finally:
+            stream.close()
+
+    def _options(self, spec: SandboxSpec, home: Path, run_dir: Path) -> dict[str, Any]:
+        """The create options that make a container a sandbox."""
+        memory = f"{spec.memory_mb}m"
+        return {
+            "name": f"covey-run-{spec.run_id}",
+            "labels": {
+                LABEL_RUN: spec.run_id,
+                LABEL_AGENT: str(spec.agent_id),
+                LABEL_RUNNER: self.runner,
+            },
+            "environment": {
+                **spec.environment,
+                "HOME": HOME,
+                "COVEY_TASK_FILE": TASK_FILE,
+                "COVEY_TASK": spec.task,
+            },
+            "user": spec.user,
+            "working_dir": HOME,
+            "mounts": [
+                Mount(HOME, str(home), type="bind", read_only=False),
+                Mount(TASK_DIR, str(run_dir), type="bind", read_only=True),
+            ],
+            # Docker adds noexec to a tmpfs unless told otherwise; the home is executable
+            # anyway, so noexec would only break build tools.
+            "tmpfs": {"/tmp": f"rw,exec,nosuid,nodev,size={spec.tmp_mb}m"},  # noqa: S108
+            "read_only": True,
+            "privileged": False,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "pids_limit": spec.pids,
+            "nano_cpus": int(spec.cpus * 1e9),
+            "mem_limit": memory,
+            "memswap_limit": memory,  # equal to the memory limit: no swap
+            "init": True,  # reaps zombies and forwards SIGTERM, so stop() is not a SIGKILL
+            "network": spec.network,
+            "auto_remove": False,  # the runner reads the exit code and logs, then removes
+            "stdin_open": False,
+            "tty": False,
+            # Bounded, so a chatty sandbox cannot fill the disk.
+            "log_config": LogConfig(
+                type=LogConfig.types.JSON, config={"max-size": "10m", "max-file": "2"}
+            ),
+        }
+
+    def _check_image(self, image: str) -> None:
+        try:
+            self._client.images.get(image)
+        except ImageNotFound as exc:
+            raise EngineError(
+                f"image {image} is not on this host; build it (make base-image) or load it"
+            ) from exc
+
+    def _started(self, container: Any) -> Sandbox:
+        """Start a container that was only created; never leave one behind that fails to."""
+        if container.status == "created":
+            try:
+                container.start()
+            except APIError as exc:
+                run_id = container.labels.get(LABEL_RUN, container.name)
+                self._discard(container)
+                raise EngineError(
+                    f"cannot start the sandbox of run {run_id}: {_explain(exc)}"
+                ) from exc
+            container.reload()
+        return _sandbox(container)
+
+    def _discard(self, container: Any) -> None:
+        """Force-remove a container and its task directory."""
+        run_dir = _task_dir(container)
+        try:
+            container.remove(force=True)
+        except NotFound:
+            pass
+        except APIError as exc:
+            if exc.status_code != 409:  # 409: a removal already in progress
+                raise
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _container(self, run_id: str) -> Any:
+        """This runner's container for a run, or None."""
+        found = self._client.containers.list(
+            all=True,
+            filters={"label": [f"{LABEL_RUNNER}={self.runner}", f"{LABEL_RUN}={run_id}"]},
+            ignore_removed=True,
+        )
+        return found[0] if found else None
+
+    def _existing(self, run_id: str) -> Any:
+        if (container := self._container(run_id)) is None:
+            raise SandboxNotFound(f"runner {self.runner} has no sandbox for run {run_id}")
+        return container
+
+    def _sandbox_of(self, run_id: str) -> Sandbox:
+        return _sandbox(self._existing(run_id))
+
+
+def check_spec(spec: SandboxSpec) -> Path:
+    """Refuse a spec that would build an unsafe or broken sandbox; return the resolved home."""
+    if not _RUN_ID.match(spec.run_id):
+        raise ValueError(
+            f"run id {spec.run_id!r} must be 1 to 100 letters, digits, '_', '.' or '-',"
+            " starting with a letter or digit"
+        )
+    if not spec.image:
+        raise ValueError("the image must not be empty")
+    if isinstance(spec.command, str) or not spec.command:
+        raise ValueError("the command must be a non-empty list of arguments")
+    if not all(isinstance(arg, str) for arg in spec.command):
+        raise ValueError("every argument of the command must be a string")
+    if "\0" in spec.task:
+        raise ValueError("the task must not contain NUL characters")
+    if len(f"COVEY_TASK={spec.task}\0".encode()) > _MAX_ENV_STRING:
+        raise ValueError(f"the task is longer than the {_MAX_ENV_STRING} bytes a variable holds")
+    for name, value in spec.environment.items():
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise ValueError(f"{name!r} is not a valid environment variable")
+        if name in _RESERVED_ENV:
+            raise ValueError(f"{name} is set by the engine and cannot be overridden")
+    for field, limit, least in (
+        ("cpus", spec.cpus, 0.01),
+        ("memory_mb", spec.memory_mb, _MIN_MEMORY_MB),
+        ("pids", spec.pids, 1),
+        ("tmp_mb", spec.tmp_mb, 1),
+    ):
+        if not limit >= least:  # also refuses NaN
+            raise ValueError(f"{field} must be at least {least}, not {limit}")
+    if _USER.match(spec.user) is None:
+        raise ValueError(f"user {spec.user!r} must be numeric uid:gid, e.g. 1000:1000")
+    if _ids(spec.user)[0] == 0:
+        raise ValueError("a sandbox never runs as root (uid 0)")
+    if spec.network is not None and not spec.network:
+        raise ValueError("the network must be a name or None")
+    return _check_home(spec.home)
+
+
+def _check_home(home: Path) -> Path:
+    if not home.is_absolute():
+        raise ValueError(f"home {home} must be an absolute path")
+    resolved = home.resolve()
+    if resolved == Path("/"):
+        raise ValueError(f"home {home} is the host's root directory")
+    for socket in _DOCKER_SOCKETS:
+        for path in (socket, socket.resolve()):  # /var/run is a link to /run
+            if resolved == path or resolved in path.parents:
+                raise ValueError(f"home {home} would expose the Docker socket {socket}")
+    if resolved.exists() and not resolved.is_dir():
+        raise ValueError(f"home {home} exists and is not a directory")
+    return resolved
+
+
+def _ids(user: str) -> tuple[int, int]:
+    uid, gid = user.split(":")
+    return int(uid), int(gid)
+
+
+def _prepare_home(home: Path, uid: int, gid: int) -> None:
+    """Create the home if missing and give it to the sandbox's user, who must write in it."""
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    status = home.stat()
+    if (status.st_uid, status.st_gid) != (uid, gid):
+        try:
+            os.chown(home, uid, gid)
+        except PermissionError as exc:
+            raise EngineError(
+                f"cannot give home {home} to {uid}:{gid}: run the runner as root,"
+                " or create the home owned by that user"
+            ) from exc
+
+
+def _write_task(home: Path, run_id: str, task: str) -> Path:
+    """Write the task file in the run's host directory (mounted at /run/covey) and return it."""
+    runs = home.parent / RUNS_DIR
+    runs.mkdir(mode=0o700, exist_ok=True)  # other host users need not read tasks
+    run_dir = runs / run_id
+    run_dir.mkdir(exist_ok=True)
+    run_dir.chmod(0o755)  # becomes /run/covey: the sandbox's user must enter it
+    task_file = run_dir / "task"
+    task_file.write_text(task, encoding="utf-8")
+    task_file.chmod(0o644)
+    return run_dir
+
+
+def _task_dir(container: Any) -> Path | None:
+    """The host directory mounted at /run/covey, if it is one the engine made."""
+    for mount in container.attrs.get("Mounts") or []:
+        if mount.get("Destination") == TASK_DIR:
+            source = Path(mount["Source"])
+            if source.parent.name == RUNS_DIR:
+                return source
+    return None
+
+
+def _sandbox(container: Any) -> Sandbox:
+    labels = container.attrs["Config"]["Labels"]
+    state = container.attrs["State"]
+    status = state["Status"]
+    return Sandbox(
+        run_id=labels[LABEL_RUN],
+        agent_id=int(labels[LABEL_AGENT]),
+        container_id=container.id,
+        status=status,
+        exit_code=state["ExitCode"] if status in ("exited", "dead") else None,
+        started_at=_time(state.get("StartedAt")),
+        finished_at=_time(state.get("FinishedAt")),
+    )
+
+
+def _time(value: str | None) -> datetime | None:
+    """Docker's RFC 3339 time, or None for its zero time (never happened)."""
+    if not value or value.startswith("0001-01-01"):
+        return None
+    return datetime.fromisoformat(value)
+
+
+def _explain(exc: APIError) -> str:
+    return str(exc.explanation or exc)
