@@ -14,13 +14,14 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services base-image
+.PHONY: help venv run test lint format check services base-image egress-image
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
 	@echo "make lint   ruff and mypy only"
 	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
+	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
 
 # The virtualenv is rebuilt only when requirements.txt changes.
 venv: $(STAMP)
@@ -42,6 +43,10 @@ services:
 base-image: services
 	@scripts/base-image
 
+# Wheels downloaded on the host (the venv's pip), installed in the image; instant when up to date.
+egress-image: venv base-image
+	@scripts/egress-image
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -51,7 +56,7 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
-test: venv services base-image lint check
+test: venv services base-image egress-image lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 format: venv
