@@ -1,4 +1,4 @@
-"""Admin for organisations, members, agents and agent versions, written for operators."""
+"""Admin for organisations, members, agents, agent versions and runs, written for operators."""
 
 import json
 from typing import Any
@@ -11,8 +11,16 @@ from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 from simple_history.admin import SimpleHistoryAdmin
 
-from agents import services
-from agents.models import Agent, AgentVersion, Membership, Organisation
+from agents import runs, services
+from agents.models import (
+    FINISHED,
+    Agent,
+    AgentVersion,
+    Membership,
+    Organisation,
+    Run,
+    RunEvent,
+)
 from runners.labels import normalise_labels
 
 
@@ -115,13 +123,25 @@ class AgentForm(forms.ModelForm):
             "templates",
             "allowlist",
             "required_labels",
+            "runtime_command",
+            "cpus",
+            "memory_mb",
+            "pids_limit",
+            "run_timeout",
+            "home_runner",
         ]
+
+    def clean_runtime_command(self) -> Any:
+        return self.cleaned_data.get("runtime_command") or []  # empty: the Claude runtime
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
         workplace, organisation = data.get("workplace"), data.get("organisation")
         if workplace and organisation and workplace.organisation_id != organisation.pk:
             self.add_error("workplace", "The workplace belongs to another organisation.")
+        home = data.get("home_runner")
+        if home and organisation and home.organisation_id != organisation.pk:
+            self.add_error("home_runner", "The runner belongs to another organisation.")
         if self.instance.pk and organisation and organisation.pk != self.instance.organisation_id:
             self.add_error("organisation", "An agent cannot move to another organisation.")
         return data
@@ -213,3 +233,58 @@ class AgentVersionAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class RunEventInline(admin.TabularInline):
+    model = RunEvent
+    extra = 0
+    can_delete = False
+    fields = ("at", "status", "detail")
+    readonly_fields = ("at", "status", "detail")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Run)
+class RunAdmin(admin.ModelAdmin):
+    """What waits and what happened; runs are queued through the API, cancelled here."""
+
+    list_display = ["id", "agent", "status", "status_detail", "runner", "created_at", "finished_at"]
+    list_filter = ["status", "agent__organisation", "runner", "agent"]
+    list_select_related = ["agent__organisation", "runner"]
+    search_fields = ["id", "agent__name", "task"]
+    date_hierarchy = "created_at"
+    inlines = [RunEventInline]
+    actions = ["cancel_runs"]
+    readonly_fields = [
+        "id",
+        "agent",
+        "agent_version",
+        "task",
+        "status",
+        "status_detail",
+        "runner",
+        "timeout",
+        "exit_code",
+        "log_tail",
+        "log",
+        "created_by",
+        "created_at",
+        "placed_at",
+        "started_at",
+        "finished_at",
+        "cancel_requested_at",
+    ]
+    exclude = ["egress_token"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    @admin.action(description="Cancel selected runs", permissions=["change"])
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        cancelled = 0
+        for run in queryset.exclude(status__in=FINISHED):
+            runs.cancel(run, by=request.user)
+            cancelled += 1
+        self.message_user(request, f"{cancelled} run(s) cancelled or cancelling.", messages.SUCCESS)

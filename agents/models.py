@@ -1,8 +1,12 @@
-"""Organisations, their members, and the agents they govern (with versioned configuration)."""
+"""Organisations, their members, the agents they govern (with versioned configuration), and the
+agents' runs: the work waiting and its history."""
 
+import uuid
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from simple_history.models import HistoricalRecords
 
@@ -112,6 +116,36 @@ class Agent(models.Model):
         blank=True,
         related_name="agents",
     )
+    runtime_command = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="The command the sandbox runs (argv); empty: the Claude runtime with the task.",
+    )
+    cpus = models.DecimalField(
+        max_digits=5,
+        decimal_places=2,
+        default=1,
+        validators=[MinValueValidator(Decimal("0.01")), MaxValueValidator(Decimal(256))],
+    )
+    memory_mb = models.PositiveIntegerField(
+        default=2048, validators=[MinValueValidator(64), MaxValueValidator(1024 * 1024)]
+    )
+    pids_limit = models.PositiveIntegerField(
+        default=512, validators=[MinValueValidator(16), MaxValueValidator(1_000_000)]
+    )
+    run_timeout = models.PositiveIntegerField(
+        default=3600,
+        validators=[MinValueValidator(1), MaxValueValidator(7 * 24 * 3600)],
+        help_text="Seconds a run may take before it is stopped (timed out).",
+    )
+    home_runner = models.ForeignKey(
+        "runners.Runner",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="homes",
+        help_text="The runner that holds the agent's home; its runs go there. Clear it to move.",
+    )
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -151,3 +185,86 @@ class AgentVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.agent_id} v{self.number}"
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued"  # waiting for a runner
+    PLACED = "placed"  # a runner was chosen and told
+    STARTING = "starting"  # the runner is building the sandbox
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+FINISHED = frozenset(
+    {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT}
+)
+ACTIVE = frozenset({RunStatus.PLACED, RunStatus.STARTING, RunStatus.RUNNING})
+
+
+class RunQuerySet(TenantQuerySet):
+    membership_lookup = "agent__organisation__memberships__user"
+
+
+class Run(models.Model):
+    """One piece of work for an agent, from the request to the end of its sandbox.
+
+    Change a run's status only through ``agents.runs``, which records every step.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="runs")
+    agent_version = models.ForeignKey(AgentVersion, on_delete=models.PROTECT, related_name="runs")
+    task = models.TextField()
+    status = models.CharField(
+        max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
+    status_detail = models.CharField(max_length=500, blank=True)
+    runner = models.ForeignKey(
+        "runners.Runner", on_delete=models.SET_NULL, null=True, blank=True, related_name="runs"
+    )
+    timeout = models.PositiveIntegerField(help_text="Seconds, from the agent at queueing.")
+    exit_code = models.IntegerField(null=True, blank=True)
+    log_tail = models.TextField(blank=True, help_text="The end of the output.")
+    log = models.FileField(upload_to="runs/%Y/%m/", blank=True, help_text="The whole output.")
+    egress_token = models.ForeignKey(
+        "egress.EgressToken", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    placed_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RunQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["agent", "status"])]
+
+    def __str__(self) -> str:
+        return f"run {self.pk} of {self.agent_id} ({self.status})"
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+
+class RunEvent(models.Model):
+    """One step in a run's status history."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    status = models.CharField(max_length=16, choices=RunStatus.choices)
+    detail = models.CharField(max_length=500, blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run_id", "at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.status}"

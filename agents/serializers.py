@@ -1,13 +1,15 @@
-"""API shapes of organisations, agents and agent versions."""
+"""API shapes of organisations, agents, agent versions and runs."""
 
 from typing import Any
 
 from rest_framework import serializers
 
-from agents import services
-from agents.models import Agent, AgentVersion, Organisation
+from agents import runs, services
+from agents.models import Agent, AgentVersion, Organisation, Role, Run, RunEvent
+from agents.roles import role_of
 from covey.api import OrganisationField, ScopedRelatedField
 from egress.fields import AllowlistSerializerField
+from runners.models import Runner
 from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
 
@@ -48,6 +50,15 @@ class AgentSerializer(serializers.ModelSerializer):
     workplace = ScopedRelatedField(
         queryset=Workplace.objects.all(), allow_null=True, required=False
     )
+    runtime_command = serializers.ListField(
+        child=serializers.CharField(trim_whitespace=False), required=False
+    )
+    home_runner = ScopedRelatedField(
+        queryset=Runner.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text="Where its home is; runs go there. Set null to let the next run choose again.",
+    )
 
     class Meta:
         model = Agent
@@ -61,6 +72,12 @@ class AgentSerializer(serializers.ModelSerializer):
             "allowlist",
             "required_labels",
             "workplace",
+            "runtime_command",
+            "cpus",
+            "memory_mb",
+            "pids_limit",
+            "run_timeout",
+            "home_runner",
             "version",
             "created_at",
             "updated_at",
@@ -96,3 +113,59 @@ class AgentVersionSerializer(serializers.ModelSerializer):
         model = AgentVersion
         fields = ["number", "config", "changes", "created_by", "created_at"]
         read_only_fields = fields
+
+
+class RunEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = RunEvent
+        fields = ["status", "detail", "at"]
+        read_only_fields = fields
+
+
+class RunSerializer(serializers.ModelSerializer):
+    """A run: queue one with ``agent`` and ``task``; the rest is what happened to it."""
+
+    agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))
+    agent_version = serializers.IntegerField(source="agent_version.number", read_only=True)
+    runner: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
+    created_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+    events = RunEventSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "agent",
+            "task",
+            "status",
+            "status_detail",
+            "agent_version",
+            "runner",
+            "exit_code",
+            "log_tail",
+            "timeout",
+            "created_by",
+            "created_at",
+            "placed_at",
+            "started_at",
+            "finished_at",
+            "cancel_requested_at",
+            "events",
+        ]
+        read_only_fields = [f for f in fields if f not in ("agent", "task")]
+
+    def validate_agent(self, agent: Agent) -> Agent:
+        if role_of(self.context["request"].user, agent.organisation) != Role.ADMIN:
+            raise serializers.ValidationError(
+                f"Your role in {agent.organisation.name!r} does not allow starting runs."
+            )
+        return agent
+
+    def create(self, validated_data: dict[str, Any]) -> Run:
+        return runs.queue_run(
+            validated_data["agent"], validated_data["task"], by=self.context["request"].user
+        )

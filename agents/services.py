@@ -18,8 +18,25 @@ from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
 
 AGENT_FIELDS = frozenset(
-    {"name", "slug", "enabled", "templates", "allowlist", "required_labels", "workplace"}
+    {
+        "name",
+        "slug",
+        "enabled",
+        "templates",
+        "allowlist",
+        "required_labels",
+        "workplace",
+        "runtime_command",
+        "cpus",
+        "memory_mb",
+        "pids_limit",
+        "run_timeout",
+        "home_runner",
+    }
 )
+
+
+SANDBOX_FIELDS = frozenset({"runtime_command", "cpus", "memory_mb", "pids_limit", "run_timeout"})
 
 
 def find_agent(reference: str) -> Agent:
@@ -52,6 +69,7 @@ def slug_for(name: str, field: str = "name") -> str:
 
 
 @transaction.atomic
+@transaction.atomic
 def create_organisation(
     name: str,
     *,
@@ -74,6 +92,9 @@ def create_organisation(
     organisation.save()
     if by is not None and by.is_authenticated:
         Membership.objects.create(organisation=organisation, user=by, role=Role.ADMIN)
+    from runners.services import ensure_builtin_runner  # runners build on agents
+
+    ensure_builtin_runner(organisation)
     return organisation
 
 
@@ -101,6 +122,13 @@ def agent_config(agent: Agent) -> dict[str, Any]:
         "allowlist": list(agent.allowlist),
         "required_labels": list(agent.required_labels),
         "workplace": None if workplace is None else {"id": workplace.pk, "image": workplace.image},
+        "sandbox": {
+            "command": list(agent.runtime_command),
+            "cpus": float(agent.cpus),
+            "memory_mb": agent.memory_mb,
+            "pids": agent.pids_limit,
+            "timeout": agent.run_timeout,
+        },
     }
 
 
@@ -125,8 +153,13 @@ def create_agent(
     allowlist: Iterable[str] = (),
     required_labels: Iterable[str] = (),
     workplace: Workplace | None = None,
+    **sandbox: Any,
 ) -> Agent:
-    """Create an agent at version 1."""
+    """Create an agent at version 1 (``sandbox``: runtime_command, cpus, memory_mb,
+    pids_limit, run_timeout, home_runner; defaults otherwise)."""
+    unknown = set(sandbox) - SANDBOX_FIELDS - {"home_runner"}
+    if unknown:
+        raise TypeError(f"unknown agent fields: {', '.join(sorted(unknown))}")
     agent = Agent(
         organisation=organisation,
         name=name,
@@ -134,6 +167,7 @@ def create_agent(
         enabled=enabled,
         allowlist=list(allowlist),
         workplace=workplace,
+        **sandbox,
     )
     agent.required_labels = _labels(required_labels)
     _validate(agent)
@@ -208,7 +242,16 @@ def _validate(agent: Agent) -> None:
         raise ValidationError(
             {"name": [f"an agent with the slug {agent.slug!r} exists already; choose another name"]}
         )
+    command = agent.runtime_command
+    if not isinstance(command, list) or not all(
+        isinstance(arg, str) and arg and "\0" not in arg for arg in command
+    ):
+        raise ValidationError(
+            {"runtime_command": ["a list of arguments (non-empty strings), or empty for Claude"]}
+        )
     agent.full_clean(exclude=["templates"])
+    if agent.home_runner is not None and agent.home_runner.organisation_id != agent.organisation_id:
+        raise ValidationError({"home_runner": ["the runner belongs to another organisation"]})
     if agent.workplace is not None and agent.workplace.organisation_id != agent.organisation_id:
         raise ValidationError({"workplace": ["the workplace belongs to another organisation"]})
 

@@ -1,18 +1,24 @@
-"""API resources: organisations and agents (with versions and effective allowlist)."""
+"""API resources: organisations, agents (with versions and effective allowlist), and runs."""
 
 from typing import Any
 
+from django.http import FileResponse, HttpResponse, HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
-from rest_framework import exceptions, permissions, serializers
+from rest_framework import exceptions, mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from agents import services
-from agents.models import Agent, AgentVersion, Organisation
-from agents.serializers import AgentSerializer, AgentVersionSerializer, OrganisationSerializer
-from covey.api import OrganisationScopedViewSet
+from agents import runs, services
+from agents.models import Agent, AgentVersion, Organisation, Role, Run
+from agents.serializers import (
+    AgentSerializer,
+    AgentVersionSerializer,
+    OrganisationSerializer,
+    RunSerializer,
+)
+from covey.api import OrganisationRolePermission, OrganisationScopedViewSet
 
 
 class CanCreateOrganisations(permissions.BasePermission):
@@ -113,3 +119,47 @@ class AgentViewSet(OrganisationScopedViewSet):
                 "sources": {entry.host_port: where for entry, where in sources.items()},
             }
         )
+
+
+class RunViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Runs of your organisations' agents: queue one, follow it, cancel it, read its output."""
+
+    queryset = Run.objects.select_related(
+        "agent__organisation", "agent_version", "runner", "created_by"
+    ).prefetch_related("events")
+    serializer_class = RunSerializer
+    permission_classes = [permissions.IsAuthenticated, OrganisationRolePermission]
+    write_roles = frozenset({Role.ADMIN})
+    filterset_fields = ["agent", "status", "runner"]
+    ordering_fields = ["created_at", "finished_at"]
+
+    def get_queryset(self) -> Any:
+        return self.queryset.for_user(self.request.user)
+
+    def organisation_of(self, obj: Run) -> Organisation:
+        return obj.agent.organisation
+
+    @extend_schema(request=None, responses=RunSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        """Cancel the run: at once while it waits, through its runner once it has one."""
+        run = self.get_object()
+        try:
+            run = runs.cancel(run, by=request.user)
+        except runs.RunError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(self.get_serializer(self.get_queryset().get(pk=run.pk)).data)
+
+    @extend_schema(responses={(200, "text/plain"): str})
+    @action(detail=True, methods=["get"])
+    def log(self, request: Request, pk: str | None = None) -> HttpResponseBase:
+        """The run's whole output as text (its tail until the runner has sent the whole)."""
+        run = self.get_object()
+        if run.log:
+            return FileResponse(run.log.open("rb"), content_type="text/plain; charset=utf-8")
+        return HttpResponse(run.log_tail, content_type="text/plain; charset=utf-8")

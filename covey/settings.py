@@ -107,6 +107,8 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env.str("COVEY_LOG_LEVEL", default="INFO")},
+    # One line per request to the control plane would drown a runner's own log.
+    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }
 
 # --- API ----------------------------------------------------------------------------------
@@ -191,7 +193,30 @@ COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=15.0)
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
 
+# --- runs and runners -----------------------------------------------------------------------
+
+# The image of agents without a workplace.
+COVEY_DEFAULT_IMAGE = env.str("COVEY_DEFAULT_IMAGE", default="covey-base:trixie")
+# The control-plane host runs sandboxes itself: one built-in runner per organisation.
+COVEY_BUILTIN_RUNNER = env.bool("COVEY_BUILTIN_RUNNER", default=True)
+# Runners send a heartbeat this often; one not heard from for COVEY_RUNNER_STALE_SECONDS is
+# stale (offline) and gets no new work.
+COVEY_RUNNER_HEARTBEAT_SECONDS = env.float("COVEY_RUNNER_HEARTBEAT_SECONDS", default=5.0)
+COVEY_RUNNER_STALE_SECONDS = env.float("COVEY_RUNNER_STALE_SECONDS", default=30.0)
+# What happens to a run whose sandbox vanished (the host rebooted, someone removed it):
+# "fail" marks it failed, "retry" queues it again (its home is kept either way).
+COVEY_RUN_LOST = env.str("COVEY_RUN_LOST", default="fail")
+# Runner host side: where agents' homes live, the egress proxy as sandboxes reach it
+# (host:port; required while COVEY_EGRESS_ENFORCE is on), the Docker network sandboxes join.
+COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "homes")))
+COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
+COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
+
+# Whole run logs (and other uploads) are kept here.
+MEDIA_ROOT = VAR_DIR / "media"
+
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
+    "place-waiting-runs": {"task": "agents.place_waiting_runs", "schedule": 10.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

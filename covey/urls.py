@@ -6,14 +6,23 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from agents.views import AgentViewSet, OrganisationViewSet
+from agents.views import AgentViewSet, OrganisationViewSet, RunViewSet
 from egress.views import (
     DecisionIngestView,
     DecisionViewSet,
     EgressPolicyView,
     EgressTokenViewSet,
 )
-from runners.views import RegisterRunnerView, RunnerViewSet
+from runners.views import (
+    RegisterRunnerView,
+    RunLogView,
+    RunnerPauseView,
+    RunnerRunsView,
+    RunnerSelfView,
+    RunnerViewSet,
+    RunReportView,
+    RunStartView,
+)
 from templates.views import AllowlistTemplateViewSet
 from workplaces.views import WorkplaceViewSet
 
@@ -25,6 +34,7 @@ router.register("workplaces", WorkplaceViewSet)
 router.register("egress-tokens", EgressTokenViewSet)
 router.register("egress-decisions", DecisionViewSet)
 router.register("runners", RunnerViewSet)
+router.register("runs", RunViewSet)
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
@@ -35,5 +45,11 @@ urlpatterns = [
     path("api/v1/egress/policy/", EgressPolicyView.as_view(), name="egress-policy"),
     path("api/v1/egress/decisions/", DecisionIngestView.as_view(), name="egress-decisions-ingest"),
     path("api/v1/runners/register/", RegisterRunnerView.as_view(), name="runner-register"),
+    path("api/v1/runner/", RunnerSelfView.as_view(), name="runner-self"),
+    path("api/v1/runner/pause/", RunnerPauseView.as_view(), name="runner-pause"),
+    path("api/v1/runner/runs/", RunnerRunsView.as_view(), name="runner-runs"),
+    path("api/v1/runner/runs/<str:run_id>/start/", RunStartView.as_view(), name="runner-start"),
+    path("api/v1/runner/runs/<str:run_id>/report/", RunReportView.as_view(), name="runner-report"),
+    path("api/v1/runner/runs/<str:run_id>/log/", RunLogView.as_view(), name="runner-log"),
     path("api/v1/", include(router.urls)),
 ]

@@ -9,6 +9,10 @@ import httpx
 class ControlPlaneError(Exception):
     """The control plane refused or could not be reached; the message says which."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of a refusal; None when unreachable
+
 
 class ControlPlaneClient:
     """A runner's view of the control-plane API."""
@@ -26,6 +30,56 @@ class ControlPlaneClient:
         """Close the connection pool."""
         self._client.close()
 
+    def set_token(self, token: str) -> None:
+        """Use a renewed runner token from now on."""
+        self._client.headers["Authorization"] = f"Runner {token}"
+
+    def me(self) -> Mapping[str, Any]:
+        """Who this runner is (id, name, organisation, labels, paused, queue)."""
+        data: Mapping[str, Any] = self._request("GET", "/api/v1/runner/").json()
+        return data
+
+    def heartbeat(self) -> Mapping[str, Any]:
+        """Tell the control plane this runner is alive; answers like :meth:`me`."""
+        data: Mapping[str, Any] = self._request("POST", "/api/v1/runner/").json()
+        return data
+
+    def pause(self, paused: bool) -> Mapping[str, Any]:
+        data: Mapping[str, Any] = self._request(
+            "POST", "/api/v1/runner/pause/", json={"paused": paused}
+        ).json()
+        return data
+
+    def active_runs(self) -> list[Mapping[str, Any]]:
+        """The runs the control plane expects this runner to have a sandbox for."""
+        runs: list[Mapping[str, Any]] = self._request("GET", "/api/v1/runner/runs/").json()["runs"]
+        return runs
+
+    def start_run(self, run_id: str) -> Mapping[str, Any] | None:
+        """The sandbox spec of a run this runner is to start; None when it no longer is."""
+        response = self._request("POST", f"/api/v1/runner/runs/{run_id}/start/", allow=(409,))
+        if response.status_code == 409:
+            return None
+        data: Mapping[str, Any] = response.json()
+        return data
+
+    def report(self, run_id: str, state: str, **fields: Any) -> Mapping[str, Any]:
+        """What this runner saw of a run's sandbox: running, exited, built (failed), vanished."""
+        data: Mapping[str, Any] = self._request(
+            "POST", f"/api/v1/runner/runs/{run_id}/report/", json={"state": state, **fields}
+        ).json()
+        return data
+
+    def put_log(self, run_id: str, text: str) -> None:
+        """Send a finished run's whole output."""
+        self._request(
+            "PUT",
+            f"/api/v1/runner/runs/{run_id}/log/",
+            content=text.encode(),
+            headers={"Content-Type": "text/plain; charset=utf-8"},
+            timeout=60,
+        )
+
     def egress_policy(self, known_generation: str | None) -> Mapping[str, Any] | None:
         """The runner's organisation's egress policy; None when it has not changed."""
         headers = {"If-None-Match": f'"{known_generation}"'} if known_generation else {}
@@ -39,14 +93,17 @@ class ControlPlaneClient:
         """Send a batch of decision events to the control plane's log."""
         self._request("POST", "/api/v1/egress/decisions/", json={"events": events})
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, allow: tuple[int, ...] = (), **kwargs: Any
+    ) -> httpx.Response:
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise ControlPlaneError(f"{method} {self.url}{path}: {exc}") from exc
-        if response.status_code >= 400:
+        if response.status_code >= 400 and response.status_code not in allow:
             raise ControlPlaneError(
-                f"{method} {self.url}{path}: {response.status_code} {response.text[:200]}"
+                f"{method} {self.url}{path}: {response.status_code} {response.text[:200]}",
+                response.status_code,
             )
         return response
 

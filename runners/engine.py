@@ -35,6 +35,7 @@ from docker.types import LogConfig, Mount
 LABEL_RUN = "covey.run"  # run id
 LABEL_AGENT = "covey.agent"  # agent id
 LABEL_RUNNER = "covey.runner"  # runner name: other runners' containers are never touched
+LABEL_TIMEOUT = "covey.timeout"  # seconds the run may take, so a restarted runner still knows
 
 HOME = "/home/agent"
 TASK_DIR = "/run/covey"
@@ -77,6 +78,7 @@ class SandboxSpec:
     tmp_mb: int = 256  # size of the /tmp tmpfs
     network: str | None = None  # None: the engine's default bridge
     user: str = "1000:1000"
+    timeout: int | None = None  # seconds; recorded on the container, enforced by the runner
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Sandbox:
     exit_code: int | None  # None until the process has exited
     started_at: datetime | None
     finished_at: datetime | None
+    timeout: int | None = None
 
 
 class Engine:
@@ -205,6 +208,7 @@ class Engine:
                 LABEL_RUN: spec.run_id,
                 LABEL_AGENT: str(spec.agent_id),
                 LABEL_RUNNER: self.runner,
+                **({LABEL_TIMEOUT: str(spec.timeout)} if spec.timeout is not None else {}),
             },
             "environment": {
                 **spec.environment,
@@ -327,6 +331,8 @@ def check_spec(spec: SandboxSpec) -> Path:
         raise ValueError(f"user {spec.user!r} must be numeric uid:gid, e.g. 1000:1000")
     if _ids(spec.user)[0] == 0:
         raise ValueError("a sandbox never runs as root (uid 0)")
+    if spec.timeout is not None and spec.timeout < 1:
+        raise ValueError(f"timeout must be at least 1 second, not {spec.timeout}")
     if spec.network is not None and not spec.network:
         raise ValueError("the network must be a name or None")
     return _check_home(spec.home)
@@ -401,6 +407,7 @@ def _sandbox(container: Any) -> Sandbox:
         exit_code=state["ExitCode"] if status in ("exited", "dead") else None,
         started_at=_time(state.get("StartedAt")),
         finished_at=_time(state.get("FinishedAt")),
+        timeout=int(labels[LABEL_TIMEOUT]) if labels.get(LABEL_TIMEOUT, "").isdigit() else None,
     )
 
 

@@ -1,7 +1,10 @@
 """Runners: hosts that run sandboxes for one organisation, and how they register."""
 
+from datetime import datetime, timedelta
+
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from agents.models import TenantQuerySet
 
@@ -42,9 +45,15 @@ class Runner(models.Model):
     labels = models.JSONField(default=list, blank=True)
     token_sha256 = models.CharField(max_length=64, unique=True, editable=False)
     token_prefix = models.CharField(max_length=8, editable=False)
-    paused = models.BooleanField(default=False)
+    paused = models.BooleanField(
+        default=False, help_text="A paused runner finishes what runs and accepts nothing new."
+    )
+    builtin = models.BooleanField(
+        default=False, editable=False, help_text="The control-plane host's own runner."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    token_renewed_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     objects = TenantQuerySet.as_manager()
 
@@ -56,3 +65,21 @@ class Runner(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.organisation})"
+
+    @property
+    def queue(self) -> str:
+        """The Celery queue its orders go to (the built-in runners share one host)."""
+        return BUILTIN_QUEUE if self.builtin else f"runner.{self.pk}"
+
+    @property
+    def online(self) -> bool:
+        """It has sent a heartbeat recently (COVEY_RUNNER_STALE_SECONDS)."""
+        return self.last_seen_at is not None and self.last_seen_at >= stale_before()
+
+
+BUILTIN_QUEUE = "runners.builtin"
+
+
+def stale_before() -> datetime:
+    """Runners last seen before this are stale (offline)."""
+    return timezone.now() - timedelta(seconds=settings.COVEY_RUNNER_STALE_SECONDS)

@@ -1,9 +1,15 @@
-"""Registering runners and checking their tokens."""
+"""Registering runners, their tokens (renewed at every control-plane start), pause, and the
+built-in runners of the control-plane host."""
 
+import json
+import os
 import secrets
 from collections.abc import Iterable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q
@@ -11,8 +17,11 @@ from django.utils import timezone
 
 from agents.models import Organisation
 from egress.policy import hash_token
+from runners import dispatch
 from runners.labels import normalise_labels
 from runners.models import RegistrationToken, Runner
+
+BUILTIN_NAME = "builtin"
 
 
 def create_registration_token(
@@ -50,7 +59,7 @@ def register_runner(
         raise ValidationError({"labels": [str(exc)]}) from None
     if Runner.objects.filter(organisation=registration.organisation, name=name).exists():
         raise ValidationError({"name": [f"a runner named {name!r} exists already"]})
-    secret = "covey-run-" + secrets.token_urlsafe(32)
+    secret = new_runner_token()
     runner = Runner(
         organisation=registration.organisation,
         name=name,
@@ -72,3 +81,102 @@ def runner_for_token(secret: str) -> Runner | None:
         .filter(token_sha256=hash_token(secret))
         .first()
     )
+
+
+def new_runner_token() -> str:
+    return "covey-run-" + secrets.token_urlsafe(32)
+
+
+def set_paused(runner: Runner, paused: bool) -> Runner:
+    """Pause (finish what runs, take nothing new) or resume; resuming places waiting runs."""
+    Runner.objects.filter(pk=runner.pk).update(paused=paused)
+    runner.paused = paused
+    if not paused:
+        from agents.runs import place_waiting
+
+        place_waiting(runner.organisation_id)
+    return runner
+
+
+def heartbeat(runner: Runner) -> None:
+    """The runner is alive (the authentication marked it seen); place what waits for it."""
+    from agents.models import Run, RunStatus
+    from agents.runs import place_waiting
+
+    now = timezone.now()
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=now)
+    runner.last_seen_at = now
+    waiting = Run.objects.filter(
+        status=RunStatus.QUEUED, agent__organisation_id=runner.organisation_id
+    )
+    if not runner.paused and waiting.exists():
+        place_waiting(runner.organisation_id)
+
+
+# --- the control-plane host's own runners ----------------------------------------------------
+
+
+def builtin_dir() -> Path:
+    """Where the control plane leaves the built-in runners' identities for the runner host."""
+    return Path(settings.VAR_DIR) / "runners" / "builtin"
+
+
+def ensure_builtin_runner(organisation: Organisation) -> Runner | None:
+    """The organisation's built-in runner (made when missing), or None when they are off."""
+    if not settings.COVEY_BUILTIN_RUNNER:
+        return None
+    runner = Runner.objects.filter(organisation=organisation, builtin=True).first()
+    if runner is not None:
+        return runner
+    name = BUILTIN_NAME
+    if Runner.objects.filter(organisation=organisation, name=name).exists():
+        name = f"{BUILTIN_NAME}-{secrets.token_hex(3)}"
+    secret = new_runner_token()
+    runner = Runner.objects.create(
+        organisation=organisation,
+        name=name,
+        builtin=True,
+        token_sha256=hash_token(secret),
+        token_prefix=secret[10:18],
+        token_renewed_at=timezone.now(),
+    )
+    transaction.on_commit(lambda: write_builtin_identity(runner, secret))
+    return runner
+
+
+def write_builtin_identity(runner: Runner, secret: str) -> None:
+    """Atomically (re)write a built-in runner's identity file (mode 0600)."""
+    directory = builtin_dir()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / f"{runner.pk}.json"
+    temporary = path.with_suffix(".tmp")
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+        json.dump({"id": runner.pk, "name": runner.name, "token": secret}, file)
+    temporary.replace(path)
+
+
+def renew_runner_tokens() -> int:
+    """Give every runner a new token (the old one stops working at once); returns how many.
+
+    Built-in runners get theirs in their identity file; remote runners in a sealed order on
+    their queue, which they read with their old token and apply without a restart.
+    """
+    renewed = 0
+    for organisation in Organisation.objects.all():
+        ensure_builtin_runner(organisation)
+    for runner_id in list(Runner.objects.values_list("pk", flat=True)):
+        with transaction.atomic():
+            runner = Runner.objects.select_for_update().get(pk=runner_id)
+            secret = new_runner_token()
+            old = runner.token_sha256
+            Runner.objects.filter(pk=runner.pk).update(
+                token_sha256=hash_token(secret),
+                token_prefix=secret[10:18],
+                token_renewed_at=timezone.now(),
+            )
+            if runner.builtin:
+                transaction.on_commit(partial(write_builtin_identity, runner, secret))
+            else:
+                transaction.on_commit(partial(dispatch.send_token, runner, old, secret))
+            renewed += 1
+    return renewed

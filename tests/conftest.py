@@ -64,6 +64,15 @@ def _required_services(request: pytest.FixtureRequest) -> None:
             pytest.skip(message)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_var_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What the control plane writes at run time (built-in runner identities, run logs) goes
+    to a directory of the test session, never to the project's var/."""
+    var = tmp_path_factory.mktemp("var")
+    settings.VAR_DIR = var
+    settings.MEDIA_ROOT = var / "media"
+
+
 @pytest.fixture
 def acme(db):
     return OrganisationFactory(name="Acme")

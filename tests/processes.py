@@ -51,17 +51,22 @@ def wait_for(condition, timeout: float, what: str, log: Path | None = None) -> N
 
 
 @contextmanager
-def control_plane(tmp_path: Path, database_url: str) -> Iterator[str]:
-    """The control plane's web server (gunicorn) on a free loopback port; yields its URL."""
-    port = free_port()
+def control_plane(
+    tmp_path: Path, database_url: str, *, port: int | None = None, **env_overrides: str
+) -> Iterator[str]:
+    """The control plane's web server (gunicorn) on a loopback port (a free one unless given);
+    yields its URL."""
+    port = port or free_port()
     env = {
         **os.environ,
         "DATABASE_URL": database_url,
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
+        "COVEY_VAR_DIR": str(tmp_path / "control-plane-var"),
+        **env_overrides,
     }
     args = [str(VENV_BIN / "gunicorn"), "covey.wsgi", "--bind", f"127.0.0.1:{port}", "-w", "2"]
-    log = tmp_path / f"control-plane-{port}.log"
+    log = tmp_path / f"control-plane-{port}-{time.monotonic_ns()}.log"
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:

@@ -9,6 +9,15 @@ from tests.factories import AgentFactory
 
 pytestmark = pytest.mark.django_db
 
+# The sandbox fields of the agent form, as the admin shows them for a new agent.
+SANDBOX_DEFAULTS = {
+    "runtime_command": "[]",
+    "cpus": "1",
+    "memory_mb": "2048",
+    "pids_limit": "512",
+    "run_timeout": "3600",
+}
+
 
 @pytest.fixture
 def operator(client, root):
@@ -23,6 +32,8 @@ def operator(client, root):
         "agents_membership",
         "agents_agent",
         "agents_agentversion",
+        "agents_run",
+        "runners_runner",
         "templates_allowlisttemplate",
         "workplaces_workplace",
     ],
@@ -52,6 +63,7 @@ def test_an_agent_saved_in_the_admin_gets_a_new_version(operator, acme, root):
             "templates": [npm.pk],
             "allowlist": "one.example\n  # a comment line\nTWO.example:8080\n",
             "required_labels": "EU, gpu",
+            **SANDBOX_DEFAULTS,
             "versions-TOTAL_FORMS": "0",
             "versions-INITIAL_FORMS": "1",
             "versions-MIN_NUM_FORMS": "0",
@@ -104,6 +116,7 @@ def test_an_agent_added_in_the_admin_starts_at_version_one(operator, acme):
             "enabled": "on",
             "allowlist": "",
             "required_labels": "",
+            **SANDBOX_DEFAULTS,
             "versions-TOTAL_FORMS": "0",
             "versions-INITIAL_FORMS": "0",
             "versions-MIN_NUM_FORMS": "0",
@@ -153,3 +166,31 @@ def test_organisation_history_shows_who_changed_the_base_allowlist(operator, acm
 def test_memberships_are_edited_inline(operator, acme):
     page = operator.get(reverse("admin:agents_organisation_change", args=[acme.pk]))
     assert b"memberships-TOTAL_FORMS" in page.content
+
+
+def test_runs_are_listed_filtered_and_cancelled_in_the_admin(operator, acme):
+    from agents import runs
+    from agents.models import Run
+
+    run = runs.queue_run(AgentFactory(organisation=acme), "something")
+    url = reverse("admin:agents_run_changelist")
+    assert operator.get(url, {"status__exact": "queued"}).status_code == 200
+    assert operator.get(reverse("admin:agents_run_change", args=[run.pk])).status_code == 200
+    response = operator.post(
+        url, {"action": "cancel_runs", "_selected_action": [run.pk]}, follow=True
+    )
+    assert b"1 run(s) cancelled" in response.content
+    assert Run.objects.get().status == "cancelled"
+
+
+def test_runners_are_paused_and_resumed_in_the_admin(operator, acme):
+    from runners.models import Runner
+
+    runner = Runner.objects.get(organisation=acme, builtin=True)
+    url = reverse("admin:runners_runner_changelist")
+    operator.post(url, {"action": "pause_runners", "_selected_action": [runner.pk]})
+    runner.refresh_from_db()
+    assert runner.paused
+    operator.post(url, {"action": "resume_runners", "_selected_action": [runner.pk]})
+    runner.refresh_from_db()
+    assert not runner.paused

@@ -1,0 +1,263 @@
+"""Runs: queueing work for an agent, placing it on a runner, and following it to the end.
+
+Every status change goes through :func:`_move`, which records it in the run's history. Orders
+to runners leave only after the transaction that decided them commits.
+"""
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.files.base import ContentFile
+from django.db import transaction
+from django.utils import timezone
+
+from agents.models import ACTIVE, FINISHED, Agent, Run, RunEvent, RunStatus
+from egress.models import EgressToken
+from egress.services import issue_token, revoke_tokens
+from runners import dispatch
+from runners.models import Runner
+from runners.placement import place
+
+MAX_TASK_BYTES = 100 * 1024  # it travels in an environment variable too
+LOG_TAIL_CHARS = 16_000
+# Without a command of its own, an agent runs the Claude runtime on its task.
+DEFAULT_RUNTIME = ["sh", "-c", 'exec claude --print "$COVEY_TASK"']
+
+
+class RunError(Exception):
+    """A run cannot do what was asked in its current state; the message says why."""
+
+
+@transaction.atomic
+def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
+    """Queue work for an agent at its current configuration version, and place it."""
+    if not agent.enabled:
+        raise ValidationError({"agent": ["the agent is disabled"]})
+    if not task.strip():
+        raise ValidationError({"task": ["the task is empty"]})
+    if len(task.encode()) > MAX_TASK_BYTES or "\0" in task:
+        raise ValidationError({"task": [f"a task is text of at most {MAX_TASK_BYTES} bytes"]})
+    run = Run.objects.create(
+        agent=agent,
+        agent_version=agent.versions.get(number=agent.version),
+        task=task,
+        timeout=agent.run_timeout,
+        created_by=by if by is not None and by.is_authenticated else None,
+    )
+    RunEvent.objects.create(run=run, status=RunStatus.QUEUED)
+    _place(run)
+    return run
+
+
+def place_waiting(organisation_id: int | None = None) -> int:
+    """Place queued runs, oldest first; returns how many found a runner."""
+    placed = 0
+    queued = Run.objects.filter(status=RunStatus.QUEUED).order_by("created_at")
+    if organisation_id is not None:
+        queued = queued.filter(agent__organisation_id=organisation_id)
+    for run_id in list(queued.values_list("pk", flat=True)[:500]):
+        with transaction.atomic():
+            run = (
+                Run.objects.select_for_update(skip_locked=True)
+                .filter(pk=run_id, status=RunStatus.QUEUED)
+                .first()
+            )
+            if run is not None and _place(run):
+                placed += 1
+    return placed
+
+
+def _place(run: Run) -> bool:
+    agent = Agent.objects.select_for_update().get(pk=run.agent_id)
+    placement = place(agent)
+    if placement.runner is None:
+        if placement.reason != run.status_detail:
+            run.status_detail = placement.reason
+            run.save(update_fields=["status_detail"])
+        return False
+    runner = placement.runner
+    if agent.home_runner_id is None:
+        # The first run makes the home: from now on the agent's work goes where its home is.
+        Agent.objects.filter(pk=agent.pk).update(home_runner=runner)
+    run.runner = runner
+    run.placed_at = timezone.now()
+    _move(run, RunStatus.PLACED, f"on {runner.name}", fields=["runner", "placed_at"])
+    transaction.on_commit(lambda: dispatch.send_launch(runner, str(run.pk)))
+    return True
+
+
+@transaction.atomic
+def cancel(run: Run, *, by: Any = None) -> Run:
+    """Cancel a run: at once when it waits, through its runner when it has one."""
+    run = Run.objects.select_for_update().get(pk=run.pk)
+    if run.status in FINISHED:
+        raise RunError(f"the run has ended already ({run.status})")
+    who = f" by {by.get_username()}" if by is not None and by.is_authenticated else ""
+    if run.status == RunStatus.QUEUED or run.runner is None:
+        run.finished_at = timezone.now()
+        _move(run, RunStatus.CANCELLED, f"cancelled{who} before it started", ["finished_at"])
+        return run
+    if run.cancel_requested_at is None:
+        run.cancel_requested_at = timezone.now()
+        run.status_detail = f"cancelling{who}"
+        run.save(update_fields=["cancel_requested_at", "status_detail"])
+        runner = run.runner
+        transaction.on_commit(lambda: dispatch.send_cancel(runner, str(run.pk)))
+    return run
+
+
+# --- what runners report ---------------------------------------------------------------------
+
+
+@transaction.atomic
+def start(run_id: str, runner: Runner) -> dict[str, Any] | None:
+    """A runner is about to build the sandbox: mark it starting and return what it needs
+    (None when the run is no longer this runner's to start)."""
+    run = _runners_run(run_id, runner)
+    if run is None or run.status not in (RunStatus.PLACED, RunStatus.STARTING):
+        return None
+    if run.cancel_requested_at is not None:
+        run.finished_at = timezone.now()
+        _move(run, RunStatus.CANCELLED, "cancelled before it started", ["finished_at"])
+        return None
+    if run.egress_token is not None:  # the first try died mid-launch: a fresh credential
+        revoke_tokens([run.egress_token])
+    token, credentials = issue_token(
+        run.agent,
+        ttl=timedelta(seconds=run.timeout + 600),
+        purpose=f"run {run.pk}",
+    )
+    run.egress_token = token
+    if run.status == RunStatus.PLACED:
+        _move(run, RunStatus.STARTING, "", ["egress_token"])
+    else:
+        run.save(update_fields=["egress_token"])
+    return sandbox_spec(run, credentials)
+
+
+def sandbox_spec(run: Run, credentials: str) -> dict[str, Any]:
+    """What the runner builds, from the agent's configuration version the run was queued at."""
+    config = run.agent_version.config
+    workplace = config.get("workplace") or {}
+    sandbox = config.get("sandbox") or {}
+    return {
+        "run": str(run.pk),
+        "agent": run.agent_id,
+        "image": workplace.get("image") or settings.COVEY_DEFAULT_IMAGE,
+        "command": sandbox.get("command") or DEFAULT_RUNTIME,
+        "task": run.task,
+        "cpus": float(sandbox.get("cpus", 1)),
+        "memory_mb": int(sandbox.get("memory_mb", 2048)),
+        "pids": int(sandbox.get("pids", 512)),
+        "timeout": run.timeout,
+        "egress": {"enforce": settings.COVEY_EGRESS_ENFORCE, "credentials": credentials},
+    }
+
+
+@transaction.atomic
+def report(
+    run_id: str,
+    runner: Runner,
+    *,
+    state: str,
+    exit_code: int | None = None,
+    log_tail: str = "",
+    detail: str = "",
+) -> Run | None:
+    """What a runner saw: the sandbox is ``running``, has ``exited`` (with its code, or
+    ``timeout`` in detail), could not be ``built``, or ``vanished``. None: not this runner's."""
+    run = _runners_run(run_id, runner)
+    if run is None:
+        return None
+    if run.status in FINISHED:
+        return run  # a late or repeated report changes nothing
+    now = timezone.now()
+    if state == "running":
+        if run.status != RunStatus.RUNNING:
+            run.started_at = now
+            _move(run, RunStatus.RUNNING, detail, ["started_at"])
+        return run
+    if state == "vanished" and settings.COVEY_RUN_LOST == "retry":
+        _end_credential(run)
+        run.runner = None
+        run.egress_token = None
+        _move(
+            run,
+            RunStatus.QUEUED,
+            f"its sandbox vanished ({detail}); queued again",
+            ["runner", "egress_token"],
+        )
+        _place(run)
+        return run
+    run.exit_code = exit_code
+    run.log_tail = log_tail[-LOG_TAIL_CHARS:]
+    run.finished_at = now
+    if run.cancel_requested_at is not None:
+        status, why = RunStatus.CANCELLED, "cancelled"
+    elif state == "exited" and detail == "timeout":
+        status, why = RunStatus.TIMED_OUT, f"stopped after {run.timeout} s"
+    elif state == "exited" and exit_code == 0:
+        status, why = RunStatus.SUCCEEDED, ""
+    elif state == "exited":
+        status, why = RunStatus.FAILED, f"exit code {exit_code}"
+    elif state == "built":
+        status, why = RunStatus.FAILED, f"the sandbox could not be built: {detail}"
+    elif state == "vanished":
+        status, why = RunStatus.FAILED, f"its sandbox vanished ({detail})"
+    else:
+        raise ValidationError({"state": [f"unknown state {state!r}"]})
+    _end_credential(run)
+    _move(run, status, why, ["exit_code", "log_tail", "finished_at"])
+    return run
+
+
+@transaction.atomic
+def save_log(run_id: str, runner: Runner, text: str) -> Run | None:
+    """Keep a run's whole output (a runner sends it once the sandbox has ended)."""
+    run = _runners_run(run_id, runner)
+    if run is None:
+        return None
+    if run.log:
+        run.log.delete(save=False)
+    run.log.save(f"{run.pk}.log", ContentFile(text.encode()), save=False)
+    Run.objects.filter(pk=run.pk).update(log=run.log.name)
+    return run
+
+
+def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
+    """The runs a runner should have a sandbox for (what it reconciles against)."""
+    now = timezone.now()
+    return [
+        {
+            "run": str(pk),
+            "status": status,
+            "cancel": cancel is not None,
+            "waited": (now - placed_at).total_seconds() if placed_at else 0.0,
+        }
+        for pk, status, cancel, placed_at in Run.objects.filter(runner=runner, status__in=ACTIVE)
+        .order_by("created_at")
+        .values_list("pk", "status", "cancel_requested_at", "placed_at")
+    ]
+
+
+def _runners_run(run_id: str, runner: Runner) -> Run | None:
+    return (
+        Run.objects.select_for_update(of=("self",))
+        .select_related("agent", "agent_version", "egress_token")
+        .filter(pk=run_id, runner=runner)
+        .first()
+    )
+
+
+def _end_credential(run: Run) -> None:
+    if run.egress_token_id is not None:
+        revoke_tokens(EgressToken.objects.filter(pk=run.egress_token_id))
+
+
+def _move(run: Run, status: RunStatus, detail: str = "", fields: list[str] | None = None) -> None:
+    run.status = status
+    run.status_detail = detail
+    run.save(update_fields=["status", "status_detail", *(fields or [])])
+    RunEvent.objects.create(run=run, status=status, detail=detail)

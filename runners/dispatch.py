@@ -1,0 +1,48 @@
+"""Orders to runners, over Celery: each runner consumes its own queue (``Runner.queue``).
+
+An order carries ids, never secrets, with one exception: a renewed runner token, which is
+sealed with a key only the runner and the control plane can derive (from the old token's hash,
+which the control plane stores and the runner can compute), so the broker never sees it.
+"""
+
+import base64
+import hashlib
+
+from cryptography.fernet import Fernet, InvalidToken
+
+from covey.celery import app
+from runners.models import Runner
+
+LAUNCH = "covey.runner.launch"
+CANCEL = "covey.runner.cancel"
+RENEW = "covey.runner.renew_token"
+
+
+def send_launch(runner: Runner, run_id: str) -> None:
+    app.send_task(LAUNCH, args=[runner.pk, run_id], queue=runner.queue)
+
+
+def send_cancel(runner: Runner, run_id: str) -> None:
+    app.send_task(CANCEL, args=[runner.pk, run_id], queue=runner.queue)
+
+
+def send_token(runner: Runner, old_token_sha256: str, new_token: str) -> None:
+    app.send_task(RENEW, args=[runner.pk, seal(old_token_sha256, new_token)], queue=runner.queue)
+
+
+def _key(old_token_sha256: str) -> bytes:
+    digest = hashlib.sha256(b"covey runner token renewal\0" + old_token_sha256.encode()).digest()
+    return base64.urlsafe_b64encode(digest)
+
+
+def seal(old_token_sha256: str, new_token: str) -> str:
+    """The new token, readable only with the old token's hash."""
+    return Fernet(_key(old_token_sha256)).encrypt(new_token.encode()).decode()
+
+
+def unseal(old_token_sha256: str, sealed: str) -> str:
+    """The new token; ValueError when it was not sealed for this old token."""
+    try:
+        return Fernet(_key(old_token_sha256)).decrypt(sealed.encode()).decode()
+    except InvalidToken:
+        raise ValueError("the renewed token was not sealed for this runner's token") from None

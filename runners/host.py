@@ -1,0 +1,321 @@
+"""A runner host: builds sandboxes on orders from its Celery queue, watches them, reports.
+
+It never touches the database. Everything it knows comes from its identities (runner id and
+token, in files) and the control-plane API; everything it does to Docker goes through
+:class:`~runners.engine.Engine`. One host serves one remote runner, or, on the control-plane
+host, the built-in runners of every organisation (identity files the control plane writes).
+
+Launching is short (ask for the spec, create and start, report): the order is acknowledged
+only once it is done, so a worker killed mid-launch gets the order again, and launching is
+idempotent per run. Completion is seen by polling the engine, never by holding an order open.
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from egress.environment import proxy_environment
+from egress.policy import hash_token
+from runners.client import ControlPlaneClient, ControlPlaneError
+from runners.dispatch import unseal
+from runners.engine import Engine, EngineError, Sandbox, SandboxSpec
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_CHARS = 16_000
+RECONCILE_SECONDS = 30.0
+# A run placed this long ago with no sandbox lost its order (a worker died holding it): the
+# runner launches it itself. Sooner, the order may still be on its way.
+RELAUNCH_AFTER_SECONDS = 60.0
+STOP_GRACE_SECONDS = 10
+
+
+class Identity:
+    """One runner this host serves: its id, name and token, kept in a JSON file (mode 0600)
+    that token renewals rewrite."""
+
+    def __init__(self, path: Path, url: str) -> None:
+        self.path = path
+        self.url = url
+        data = json.loads(path.read_text())
+        self.id = int(data["id"])
+        self.name = str(data.get("name", data["id"]))
+        self._token = str(data["token"])
+        self._mtime = path.stat().st_mtime_ns
+        self._client = ControlPlaneClient(url, self._token)
+        self._lock = threading.Lock()
+
+    @property
+    def token(self) -> str:
+        """The current token (re-read when the control plane rewrote the file)."""
+        with self._lock:
+            mtime = self.path.stat().st_mtime_ns
+            if mtime != self._mtime:
+                self._token = str(json.loads(self.path.read_text())["token"])
+                self._mtime = mtime
+                self._client.set_token(self._token)
+            return self._token
+
+    @property
+    def client(self) -> ControlPlaneClient:
+        self.token  # noqa: B018 - picks up a renewed token
+        return self._client
+
+    def replace_token(self, token: str) -> None:
+        """Keep a renewed token: in the file first (atomically), then in use."""
+        with self._lock:
+            data = json.loads(self.path.read_text())
+            data["token"] = token
+            temporary = self.path.with_name(self.path.name + ".tmp")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            with open(os.open(temporary, flags, 0o600), "w") as file:
+                json.dump(data, file, indent=2)
+            temporary.replace(self.path)
+            self._token = token
+            self._mtime = self.path.stat().st_mtime_ns
+            self._client.set_token(token)
+
+
+@dataclass
+class HostSettings:
+    homes: Path  # <homes>/<runner id>/<agent id> is an agent's home
+    proxy: str = ""  # host:port of the egress proxy as sandboxes reach it
+    network: str | None = None
+    poll: float = 0.5
+
+
+@dataclass
+class RunnerHost:
+    """The runners this process serves, and what it does for them."""
+
+    identities: dict[int, Identity]
+    settings: HostSettings
+    builtin_dir: Path | None = None  # where built-in identities appear (control-plane host)
+    url: str = ""
+    _engines: dict[int, Engine] = field(default_factory=dict)
+    _timed_out: set[str] = field(default_factory=set)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _last_reconcile: dict[int, float] = field(default_factory=dict)
+
+    # --- identities ------------------------------------------------------------------------
+
+    @classmethod
+    def builtin(cls, directory: Path, url: str, settings: HostSettings) -> "RunnerHost":
+        host = cls({}, settings, builtin_dir=directory, url=url)
+        host.rescan()
+        return host
+
+    def rescan(self) -> None:
+        """Pick up built-in identities the control plane has written since."""
+        if self.builtin_dir is None or not self.builtin_dir.is_dir():
+            return
+        for path in sorted(self.builtin_dir.glob("*.json")):
+            try:
+                identity = Identity(path, self.url)
+            except (OSError, ValueError, KeyError) as exc:
+                logger.warning("covey runner: cannot read %s: %s", path, exc)
+                continue
+            self.identities.setdefault(identity.id, identity)
+
+    def identity(self, runner_id: int) -> Identity:
+        if runner_id not in self.identities:
+            self.rescan()
+        try:
+            return self.identities[runner_id]
+        except KeyError:
+            raise LookupError(f"this host does not serve runner {runner_id}") from None
+
+    def engine(self, identity: Identity) -> Engine:
+        if identity.id not in self._engines:
+            self._engines[identity.id] = Engine(f"runner-{identity.id}")
+        return self._engines[identity.id]
+
+    # --- orders ----------------------------------------------------------------------------
+
+    def launch(self, runner_id: int, run_id: str) -> None:
+        """Build and start a run's sandbox; report it running (or why it could not be)."""
+        identity = self.identity(runner_id)
+        client = identity.client
+        spec = client.start_run(run_id)
+        if spec is None:
+            logger.info("covey runner: run %s is no longer ours to start", run_id)
+            return
+        try:
+            sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec))
+        except (EngineError, ValueError) as exc:
+            logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
+            client.report(run_id, "built", detail=str(exc)[:400])
+            return
+        if sandbox.status in ("exited", "dead"):
+            self._finish(identity, sandbox)  # it was done before this order came back
+        else:
+            client.report(run_id, "running")
+
+    def cancel(self, runner_id: int, run_id: str) -> None:
+        """Stop a run's sandbox; the watcher reports how it ended."""
+        identity = self.identity(runner_id)
+        self.engine(identity).stop(run_id, timeout=STOP_GRACE_SECONDS)
+
+    def renew_token(self, runner_id: int, sealed: str) -> None:
+        """Apply a token the control plane renewed (sealed with the current one)."""
+        identity = self.identity(runner_id)
+        identity.replace_token(unseal(hash_token(identity.token), sealed))
+        logger.info("covey runner: runner %s has a renewed token", identity.name)
+
+    def _sandbox_spec(self, identity: Identity, spec: Mapping[str, Any]) -> SandboxSpec:
+        egress = spec["egress"]
+        environment: dict[str, str] = {"COVEY_RUN": str(spec["run"])}
+        if egress["enforce"]:
+            if not self.settings.proxy:
+                raise ValueError(
+                    "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
+                )
+            host, _, port = self.settings.proxy.rpartition(":")
+            environment.update(proxy_environment(host, int(port), egress["credentials"]))
+        return SandboxSpec(
+            run_id=str(spec["run"]),
+            agent_id=int(spec["agent"]),
+            image=str(spec["image"]),
+            command=[str(arg) for arg in spec["command"]],
+            task=str(spec["task"]),
+            environment=environment,
+            home=self.settings.homes / str(identity.id) / str(spec["agent"]),
+            cpus=float(spec["cpus"]),
+            memory_mb=int(spec["memory_mb"]),
+            pids=int(spec["pids"]),
+            network=self.settings.network,
+            timeout=int(spec["timeout"]),
+        )
+
+    # --- watching --------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Until :meth:`stop`: finish exited sandboxes, stop overdue ones, reconcile."""
+        warned: dict[int, float] = {}
+        while not self._stop.is_set():
+            self.rescan()
+            for identity in list(self.identities.values()):
+                try:
+                    self.sweep(identity)
+                except (ControlPlaneError, EngineError, OSError) as exc:
+                    # Once a minute: the same trouble comes back every poll.
+                    if time.monotonic() - warned.get(identity.id, -60.0) >= 60:
+                        warned[identity.id] = time.monotonic()
+                        logger.warning("covey runner %s: %s", identity.name, exc)
+                else:
+                    warned.pop(identity.id, None)
+            self._stop.wait(self.settings.poll)
+
+    def heartbeats(self, interval: float) -> None:
+        """Until :meth:`stop`: tell the control plane each runner is alive."""
+        while not self._stop.is_set():
+            self.rescan()
+            for identity in list(self.identities.values()):
+                try:
+                    identity.client.heartbeat()
+                except ControlPlaneError as exc:
+                    logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
+            self._stop.wait(interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sweep(self, identity: Identity) -> None:
+        engine = self.engine(identity)
+        sandboxes = engine.sandboxes()
+        now = datetime.now(UTC)
+        for sandbox in sandboxes:
+            if sandbox.status in ("exited", "dead"):
+                self._finish(identity, sandbox)
+            elif _overdue(sandbox, now) and sandbox.run_id not in self._timed_out:
+                logger.info("covey runner: run %s ran out of time; stopping", sandbox.run_id)
+                self._timed_out.add(sandbox.run_id)
+                engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
+        last = self._last_reconcile.get(identity.id, 0.0)
+        if time.monotonic() - last >= RECONCILE_SECONDS:
+            self.reconcile(identity, sandboxes)
+            self._last_reconcile[identity.id] = time.monotonic()
+
+    def reconcile(self, identity: Identity, sandboxes: list[Sandbox] | None = None) -> None:
+        """Make Docker and the control plane agree: sandboxes without a live run go, runs
+        whose sandbox vanished are reported, cancellations that were missed are carried out."""
+        engine = self.engine(identity)
+        client = identity.client
+        sandboxes = engine.sandboxes() if sandboxes is None else sandboxes
+        active = {str(run["run"]): run for run in client.active_runs()}
+        held = {sandbox.run_id: sandbox for sandbox in sandboxes}
+        for run_id, sandbox in held.items():
+            run = active.get(run_id)
+            if run is None:
+                if sandbox.status not in ("exited", "dead"):
+                    logger.info("covey runner: removing sandbox %s (no live run)", run_id)
+                engine.remove(run_id)
+            elif run["cancel"] and sandbox.status == "running":
+                engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
+            elif run["status"] != "running" and sandbox.status == "running":
+                client.report(run_id, "running")  # launched, but the report was lost
+        for run_id, run in active.items():
+            if run_id in held:
+                continue
+            if run["status"] == "running":
+                client.report(run_id, "vanished", detail=f"no sandbox on {identity.name}")
+            elif run["waited"] >= RELAUNCH_AFTER_SECONDS and not run["cancel"]:
+                logger.info("covey runner: run %s lost its order; launching it", run_id)
+                self.launch(identity.id, run_id)
+
+    def _finish(self, identity: Identity, sandbox: Sandbox) -> None:
+        """Report an exited sandbox with its output, then remove it."""
+        engine = self.engine(identity)
+        client = identity.client
+        run_id = sandbox.run_id
+        output = engine.logs(run_id)
+        timed_out = run_id in self._timed_out or _ran_out(sandbox)
+        try:
+            client.put_log(run_id, output)
+            client.report(
+                run_id,
+                "exited",
+                exit_code=sandbox.exit_code,
+                log_tail=output[-LOG_TAIL_CHARS:],
+                detail="timeout" if timed_out else "",
+            )
+        except ControlPlaneError as exc:
+            if exc.status != 404:  # 404: not a run of ours (any more): just clean up
+                raise  # keep the sandbox: the next sweep reports it again
+        engine.remove(run_id)
+        self._timed_out.discard(run_id)
+
+
+def _overdue(sandbox: Sandbox, now: datetime) -> bool:
+    if sandbox.timeout is None or sandbox.started_at is None:
+        return False
+    return (now - sandbox.started_at).total_seconds() > sandbox.timeout
+
+
+def _ran_out(sandbox: Sandbox) -> bool:
+    """It ran for its whole time (seen after a restart of the runner that stopped it)."""
+    if sandbox.timeout is None or sandbox.started_at is None or sandbox.finished_at is None:
+        return False
+    return (sandbox.finished_at - sandbox.started_at).total_seconds() >= sandbox.timeout
+
+
+_current: RunnerHost | None = None
+
+
+def set_current(host: RunnerHost | None) -> None:
+    """Make ``host`` the one this process's runner tasks act for."""
+    global _current
+    _current = host
+
+
+def current() -> RunnerHost:
+    if _current is None:
+        raise RuntimeError("this process is not a runner host (start it with manage.py runner)")
+    return _current

@@ -1,0 +1,101 @@
+"""Run this host as a runner: take orders from the queue, build sandboxes, watch, report."""
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from runners import host as runner_host
+from runners.client import ControlPlaneError
+from runners.models import BUILTIN_QUEUE
+from runners.services import builtin_dir
+
+logger = logging.getLogger(__name__)
+
+
+class Command(BaseCommand):
+    help = (
+        "Serve as a runner (no database needed): the remote runner registered in --config, or"
+        " with --builtin the control-plane host's built-in runners."
+    )
+    requires_system_checks: list[str] = []  # a runner host has no database to check
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--builtin", action="store_true", help="Serve the built-in runners.")
+        parser.add_argument(
+            "--config",
+            default=str(settings.VAR_DIR / "runner.json"),
+            help="The remote runner's file from runner_register (URL, id, token).",
+        )
+        parser.add_argument("--concurrency", type=int, default=4, help="Orders at once.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        host_settings = runner_host.HostSettings(
+            homes=Path(settings.COVEY_RUNNER_HOMES),
+            proxy=settings.COVEY_RUNNER_PROXY,
+            network=settings.COVEY_RUNNER_NETWORK or None,
+        )
+        if options["builtin"]:
+            host = runner_host.RunnerHost.builtin(
+                builtin_dir(), settings.COVEY_CONTROL_PLANE_URL, host_settings
+            )
+            queue, name = BUILTIN_QUEUE, "builtin"
+        else:
+            path = Path(options["config"])
+            if not path.exists():
+                raise CommandError(f"{path} does not exist: register first (runner_register)")
+            import json
+
+            url = json.loads(path.read_text())["url"]
+            identity = runner_host.Identity(path, url)
+            try:
+                me = identity.client.me()
+            except ControlPlaneError as exc:
+                raise CommandError(f"the control plane refuses this runner: {exc}") from None
+            host = runner_host.RunnerHost({identity.id: identity}, host_settings)
+            queue, name = str(me["queue"]), identity.name
+        runner_host.set_current(host)
+        threads = [
+            threading.Thread(target=host.watch, name="covey-watch", daemon=True),
+            threading.Thread(
+                target=host.heartbeats,
+                args=(settings.COVEY_RUNNER_HEARTBEAT_SECONDS,),
+                name="covey-heartbeat",
+                daemon=True,
+            ),
+        ]
+        for thread in threads:
+            thread.start()
+        self.stdout.write(f"covey runner {name} taking orders from queue {queue}")
+        self.stdout.flush()
+        try:
+            self._work(queue, name, options["concurrency"])
+        finally:
+            host.stop()
+            runner_host.set_current(None)
+
+    def _work(self, queue: str, name: str, concurrency: int) -> None:
+        from covey.celery import app
+
+        # The file-system broker of `make run` has no broadcast; runners need none.
+        app.conf.worker_enable_remote_control = False
+        # Celery's Django fix-up runs the model checks, which open a database connection.
+        os.environ["CELERY_SKIP_CHECKS"] = "true"
+        worker = app.Worker(
+            queues=[queue],
+            pool="threads",
+            concurrency=concurrency,
+            hostname=f"runner-{name}-{os.getpid()}@%h",
+            prefetch_multiplier=1,
+            without_gossip=True,
+            without_mingle=True,
+            without_heartbeat=True,
+            loglevel=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        )
+        worker.start()
+        if worker.exitcode:
+            raise CommandError(f"the runner's worker stopped with code {worker.exitcode}")

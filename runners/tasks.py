@@ -1,0 +1,28 @@
+"""Orders a runner host takes from its queue (see runners.dispatch for who sends them).
+
+They act for the host this process runs (``manage.py runner``); a launch is acknowledged only
+once done, so a worker killed mid-launch gets it again (launching is idempotent per run).
+"""
+
+from celery import shared_task
+
+from runners import dispatch, host
+from runners.client import ControlPlaneError
+
+# The control plane may be restarting: try again a few times, a little later each time.
+RETRY = {"autoretry_for": (ControlPlaneError,), "retry_backoff": 1, "max_retries": 6}
+
+
+@shared_task(name=dispatch.LAUNCH, acks_late=True, reject_on_worker_lost=True, **RETRY)
+def launch(runner_id: int, run_id: str) -> None:
+    host.current().launch(runner_id, run_id)
+
+
+@shared_task(name=dispatch.CANCEL, acks_late=True, reject_on_worker_lost=True, **RETRY)
+def cancel(runner_id: int, run_id: str) -> None:
+    host.current().cancel(runner_id, run_id)
+
+
+@shared_task(name=dispatch.RENEW, acks_late=True, reject_on_worker_lost=True)
+def renew_token(runner_id: int, sealed: str) -> None:
+    host.current().renew_token(runner_id, sealed)

@@ -1,0 +1,253 @@
+"""Runs through the API and the run services, without runner processes: queueing, placement
+and its reasons, cancelling, what runners may report, and the runner-facing endpoints."""
+
+import json
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from agents import runs
+from agents.models import Run, RunStatus
+from runners import dispatch
+from runners.models import Runner
+from runners.services import (
+    builtin_dir,
+    create_registration_token,
+    register_runner,
+    renew_runner_tokens,
+)
+from tests.factories import AgentFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def orders(monkeypatch):
+    """The orders that would go to runners' queues (no broker needed here)."""
+    sent: list[tuple[str, int, str]] = []
+    monkeypatch.setattr(dispatch, "send_launch", lambda r, run: sent.append(("launch", r.pk, run)))
+    monkeypatch.setattr(dispatch, "send_cancel", lambda r, run: sent.append(("cancel", r.pk, run)))
+    return sent
+
+
+def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:
+    _, secret = create_registration_token(organisation)
+    runner, token = register_runner(secret, name, labels)
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now(), paused=paused)
+    runner.refresh_from_db()
+    return runner, token
+
+
+def runner_api(client, token):
+    client.credentials(HTTP_AUTHORIZATION=f"Runner {token}")
+    return client
+
+
+class TestQueueing:
+    def test_admins_queue_runs_and_they_are_placed(self, api, alice, acme, orders):
+        runner, _ = online_runner(acme)
+        agent = AgentFactory(organisation=acme)
+        response = api(alice).post("/api/v1/runs/", {"agent": agent.pk, "task": "fix it"}, "json")
+        assert response.status_code == 201, response.json()
+        body = response.json()
+        assert (body["status"], body["runner"], body["agent_version"]) == ("placed", "edge-1", 1)
+        assert [e["status"] for e in body["events"]] == ["queued", "placed"]
+        agent.refresh_from_db()
+        assert agent.home_runner == runner
+
+    @pytest.mark.parametrize(
+        ("task", "message"), [("", "blank"), ("   ", "blank"), ("x" * 200_000, "at most")]
+    )
+    def test_a_task_must_be_text_of_sensible_size(self, api, alice, acme, task, message):
+        agent = AgentFactory(organisation=acme)
+        response = api(alice).post("/api/v1/runs/", {"agent": agent.pk, "task": task}, "json")
+        assert response.status_code == 400
+        assert message in json.dumps(response.json())
+        assert not Run.objects.exists()
+
+    def test_a_disabled_agent_cannot_run(self, api, alice, acme):
+        agent = AgentFactory(organisation=acme, enabled=False)
+        response = api(alice).post("/api/v1/runs/", {"agent": agent.pk, "task": "x"}, "json")
+        assert response.status_code == 400
+        assert "disabled" in json.dumps(response.json())
+
+    def test_viewers_cannot_start_runs_and_strangers_cannot_see_them(
+        self, api, vera, gary, alice, acme, orders
+    ):
+        agent = AgentFactory(organisation=acme)
+        response = api(vera).post("/api/v1/runs/", {"agent": agent.pk, "task": "x"}, "json")
+        assert response.status_code == 400
+        assert "does not allow" in json.dumps(response.json())
+        run = runs.queue_run(agent, "mine")
+        assert api(gary).get(f"/api/v1/runs/{run.pk}/").status_code == 404
+        assert api(gary).post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 404
+        other = api(gary).post("/api/v1/runs/", {"agent": agent.pk, "task": "x"}, "json")
+        assert other.status_code == 400  # acme's agent does not exist for gary
+        assert api(vera).get(f"/api/v1/runs/{run.pk}/").status_code == 200
+        assert api(vera).post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 403
+
+    def test_what_waits_and_what_happened_is_listed_per_agent(self, api, alice, acme, orders):
+        first, second = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
+        runs.queue_run(first, "a")
+        runs.queue_run(second, "b")
+        listed = api(alice).get(f"/api/v1/runs/?agent={first.pk}&status=queued").json()
+        assert [r["task"] for r in listed["results"]] == ["a"]
+
+
+class TestPlacement:
+    def test_without_runners_the_run_says_why_it_waits(self, acme, orders):
+        Runner.objects.filter(organisation=acme).delete()
+        run = runs.queue_run(AgentFactory(organisation=acme), "x")
+        assert (run.status, run.status_detail) == ("queued", "Acme has no runner; register one")
+        assert orders == []
+
+    def test_missing_labels_are_named(self, acme, orders):
+        online_runner(acme, "plain")
+        agent = AgentFactory(organisation=acme, required_labels=["gpu", "eu"])
+        run = runs.queue_run(agent, "x")
+        assert run.status == "queued"
+        assert run.status_detail == "no runner of Acme carries eu, gpu"
+
+    def test_only_online_unpaused_runners_with_every_label_take_work(
+        self, acme, orders, django_capture_on_commit_callbacks
+    ):
+        online_runner(acme, "paused", ["gpu"], paused=True)
+        stale, _ = online_runner(acme, "stale", ["gpu"])
+        Runner.objects.filter(pk=stale.pk).update(last_seen_at=None)
+        fit, _ = online_runner(acme, "fit", ["gpu", "eu"])
+        agent = AgentFactory(organisation=acme, required_labels=["gpu"])
+        with django_capture_on_commit_callbacks(execute=True):
+            run = runs.queue_run(agent, "x")
+        assert run.runner == fit
+        assert orders == [("launch", fit.pk, str(run.pk))]
+
+    def test_an_agent_stays_with_its_home_until_moved(self, api, alice, acme, orders):
+        home, _ = online_runner(acme, "home")
+        other, _ = online_runner(acme, "other")
+        agent = AgentFactory(organisation=acme, home_runner=home)
+        runs.queue_run(agent, "busy")  # home is now the busier one, yet:
+        assert runs.queue_run(agent, "again").runner == home
+        Runner.objects.filter(pk=home.pk).update(paused=True)
+        waiting = runs.queue_run(agent, "waits")
+        assert waiting.status_detail == "waiting for home, which holds the home: paused"
+        response = api(alice).patch(
+            f"/api/v1/agents/{agent.pk}/", {"home_runner": None}, format="json"
+        )
+        assert response.status_code == 200, response.json()
+        assert runs.place_waiting(acme.pk) == 1
+        waiting.refresh_from_db()
+        assert waiting.runner == other
+
+    def test_resuming_a_runner_places_what_waits(self, api, alice, acme, orders):
+        runner, _ = online_runner(acme, paused=True)
+        run = runs.queue_run(AgentFactory(organisation=acme), "x")
+        assert run.status == "queued"
+        response = api(alice).post(f"/api/v1/runners/{runner.pk}/resume/")
+        assert response.status_code == 200 and response.json()["paused"] is False
+        run.refresh_from_db()
+        assert run.status == "placed"
+
+    def test_viewers_cannot_pause_runners(self, api, vera, acme):
+        runner, _ = online_runner(acme)
+        assert api(vera).post(f"/api/v1/runners/{runner.pk}/pause/").status_code == 403
+
+
+class TestCancelling:
+    def test_a_waiting_run_is_cancelled_at_once(self, api, alice, acme, orders):
+        Runner.objects.filter(organisation=acme).delete()
+        run = runs.queue_run(AgentFactory(organisation=acme), "x")
+        body = api(alice).post(f"/api/v1/runs/{run.pk}/cancel/").json()
+        assert body["status"] == "cancelled"
+        again = api(alice).post(f"/api/v1/runs/{run.pk}/cancel/")
+        assert again.status_code == 409
+
+    def test_a_placed_run_is_cancelled_through_its_runner(
+        self, acme, orders, django_capture_on_commit_callbacks
+    ):
+        runner, _ = online_runner(acme)
+        with django_capture_on_commit_callbacks(execute=True):
+            run = runs.cancel(runs.queue_run(AgentFactory(organisation=acme), "x"))
+        assert run.status == "placed" and run.cancel_requested_at is not None
+        assert orders[-1] == ("cancel", runner.pk, str(run.pk))
+
+
+class TestRunnerEndpoints:
+    def test_a_runner_starts_reports_and_ends_a_run(self, acme, orders, settings):
+        settings.COVEY_EGRESS_ENFORCE = True
+        _, token = online_runner(acme)
+        agent = AgentFactory(organisation=acme, runtime_command=["make", "test"], memory_mb=512)
+        run = runs.queue_run(agent, "build")
+        client = runner_api(APIClient(), token)
+        spec = client.post(f"/api/v1/runner/runs/{run.pk}/start/").json()
+        assert spec["command"] == ["make", "test"] and spec["memory_mb"] == 512
+        assert spec["egress"]["enforce"] is True
+        username, _, secret = spec["egress"]["credentials"].partition(":")
+        assert username and secret
+        assert client.post(
+            f"/api/v1/runner/runs/{run.pk}/report/", {"state": "running"}, format="json"
+        ).json() == {"run": str(run.pk), "status": "running"}
+        log = client.put(
+            f"/api/v1/runner/runs/{run.pk}/log/", b"all of it\n", content_type="text/plain"
+        )
+        assert log.status_code == 204
+        done = client.post(
+            f"/api/v1/runner/runs/{run.pk}/report/",
+            {"state": "exited", "exit_code": 0, "log_tail": "it\n"},
+            format="json",
+        )
+        assert done.json()["status"] == "succeeded"
+        run.refresh_from_db()
+        assert run.egress_token.revoked_at is not None
+        assert run.log.read() == b"all of it\n"
+
+    def test_a_runner_cannot_touch_another_runners_run(self, acme, orders):
+        mine, _ = online_runner(acme, "mine")
+        run = runs.queue_run(AgentFactory(organisation=acme), "x")
+        assert run.runner == mine
+        _, other_token = online_runner(acme, "other")
+        client = runner_api(APIClient(), other_token)
+        assert client.post(f"/api/v1/runner/runs/{run.pk}/start/").status_code == 409
+        report = client.post(
+            f"/api/v1/runner/runs/{run.pk}/report/", {"state": "running"}, format="json"
+        )
+        assert report.status_code == 404
+        assert client.post("/api/v1/runner/runs/not-a-uuid/start/").status_code == 404
+
+    def test_a_cancelled_run_is_not_started(self, acme, orders):
+        _, token = online_runner(acme)
+        run = runs.cancel(runs.queue_run(AgentFactory(organisation=acme), "x"))
+        client = runner_api(APIClient(), token)
+        assert client.post(f"/api/v1/runner/runs/{run.pk}/start/").status_code == 409
+        run.refresh_from_db()
+        assert run.status == RunStatus.CANCELLED
+
+
+class TestTokens:
+    def test_a_renewed_token_is_sealed_for_the_old_one_only(self):
+        sealed = dispatch.seal("a" * 64, "covey-run-new")
+        assert dispatch.unseal("a" * 64, sealed) == "covey-run-new"
+        with pytest.raises(ValueError, match="not sealed for this runner"):
+            dispatch.unseal("b" * 64, sealed)
+
+    def test_renewal_replaces_every_token_and_writes_builtin_identities(
+        self, acme, monkeypatch, django_capture_on_commit_callbacks
+    ):
+        sent = []
+        monkeypatch.setattr(dispatch, "send_token", lambda r, old, new: sent.append((r, old)))
+        remote, old_token = online_runner(acme)
+        builtin = Runner.objects.get(organisation=acme, builtin=True)
+        with django_capture_on_commit_callbacks(execute=True):
+            assert renew_runner_tokens() == Runner.objects.count()
+        client = runner_api(APIClient(), old_token)
+        assert client.get("/api/v1/runner/").status_code == 401
+        assert [r.pk for r, _ in sent] == [remote.pk]
+        identity = json.loads((builtin_dir() / f"{builtin.pk}.json").read_text())
+        assert identity["id"] == builtin.pk
+        fresh = runner_api(APIClient(), identity["token"]).get("/api/v1/runner/").json()
+        assert (fresh["name"], fresh["builtin"], fresh["queue"]) == (
+            "builtin",
+            True,
+            "runners.builtin",
+        )
+        assert oct((builtin_dir() / f"{builtin.pk}.json").stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,324 @@
+"""Runs end to end: the real control plane (gunicorn), a real runner process with no database
+(its Celery worker on Redis), real sandboxes on the Docker engine, a real HTTP client."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from rest_framework.authtoken.models import Token
+
+from agents import runs as run_services
+from agents import services as agent_services
+from agents.models import FINISHED, Run, RunStatus
+from runners.models import Runner
+from runners.services import create_registration_token, register_runner, renew_runner_tokens
+from tests.egress.conftest import subprocess_database_url
+from tests.processes import control_plane, free_port, running, wait_for
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.redis,
+    pytest.mark.docker,
+    pytest.mark.django_db(transaction=True),
+]
+
+
+def docker(*args: str) -> str:
+    return subprocess.run(
+        ["docker", *args], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+
+
+def containers_of(runner: Runner) -> list[str]:
+    return docker(
+        "ps", "--all", "--quiet", "--filter", f"label=covey.runner=runner-{runner.pk}"
+    ).split()
+
+
+@dataclass
+class RunnerProcess:
+    runner: Runner
+    config: Path
+    var: Path
+    log: Path
+    process: subprocess.Popen
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Stack:
+    """A control plane, its API client, and runner processes, all cleaned up afterwards."""
+
+    def __init__(self, tmp_path: Path, base_image: str, **control_plane_env: str) -> None:
+        self.tmp = tmp_path
+        self.base_image = base_image
+        self.port = free_port()
+        self.env = {"COVEY_EGRESS_ENFORCE": "false", **control_plane_env}
+        self.stack = ExitStack()
+        self._control_plane: ExitStack | None = None
+        self.runners: list[RunnerProcess] = []
+        self.start_control_plane()
+
+    def start_control_plane(self) -> None:
+        self._control_plane = ExitStack()
+        self.url = self._control_plane.enter_context(
+            control_plane(self.tmp, subprocess_database_url(), port=self.port, **self.env)
+        )
+
+    def stop_control_plane(self) -> None:
+        assert self._control_plane is not None
+        self._control_plane.close()
+
+    def close(self) -> None:
+        for runner in self.runners:
+            left = containers_of(runner.runner)
+            if left:
+                docker("rm", "--force", *left)
+        self.stack.close()
+        if self._control_plane is not None:
+            self._control_plane.close()
+
+    def api(self, user) -> httpx.Client:
+        token, _ = Token.objects.get_or_create(user=user)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Token {token.key}"}, timeout=10
+        )
+
+    def register(self, organisation, name: str, labels=()) -> tuple[Runner, Path]:
+        _, secret = create_registration_token(organisation)
+        runner, token = register_runner(secret, name, labels)
+        config = self.tmp / f"runner-{runner.pk}.json"
+        config.write_text(
+            json.dumps({"url": self.url, "id": runner.pk, "name": name, "token": token})
+        )
+        return runner, config
+
+    @contextmanager
+    def runner(self, runner: Runner, config: Path, **env: str) -> Iterator[RunnerProcess]:
+        """``manage.py runner`` for a registered runner, with no database settings at all."""
+        var = self.tmp / f"runner-var-{runner.pk}"
+        environment = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+        environment.update(
+            COVEY_VAR_DIR=str(var),
+            COVEY_RUNNER_HOMES=str(self.tmp / "homes"),
+            COVEY_RUNNER_HEARTBEAT_SECONDS="0.5",
+            PYTHONUNBUFFERED="1",
+            **env,
+        )
+        log = self.tmp / f"runner-{runner.pk}-{time.monotonic_ns()}.log"
+        args = [sys.executable, "manage.py", "runner", "--config", str(config)]
+        with running(args, environment, log) as process:
+            handle = RunnerProcess(runner, config, var, log, process)
+            if handle not in self.runners:
+                self.runners.append(handle)
+            wait_for(lambda: "taking orders" in handle.output(), 30, "the runner starting", log)
+            yield handle
+        # It never had a database: nothing made one where the default would be.
+        assert not (var / "covey.sqlite3").exists()
+
+    def agent(self, organisation, name: str, command: list[str], **fields):
+        return agent_services.create_agent(organisation, name, runtime_command=command, **fields)
+
+    def wait(self, run: Run, *statuses: str, timeout: float = 30) -> Run:
+        def reached() -> bool:
+            run.refresh_from_db()
+            return run.status in statuses
+
+        try:
+            wait_for(reached, timeout, f"run {run.pk} reaching {', '.join(statuses)}")
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {r.log.name}\n{r.output()[-4000:]}" for r in self.runners)
+            raise AssertionError(f"{exc}: {run.status} {run.status_detail!r}\n{logs}") from None
+        return run
+
+
+@pytest.fixture
+def stack(tmp_path, base_image):
+    built = Stack(tmp_path, base_image)
+    yield built
+    built.close()
+
+
+def history(run: Run) -> list[str]:
+    return list(run.events.values_list("status", flat=True))
+
+
+def test_a_run_goes_from_the_api_to_a_sandbox_and_back(stack, acme, alice):
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(
+        acme,
+        "Builder",
+        ["sh", "-c", 'echo "hello from $COVEY_RUN as $(id -u)"; cat "$COVEY_TASK_FILE"'],
+    )
+    with stack.runner(runner, config), stack.api(alice) as api:
+        response = api.post("/api/v1/runs/", json={"agent": agent.pk, "task": "fix the build"})
+        assert response.status_code == 201, response.text
+        run = Run.objects.get(pk=response.json()["id"])
+        stack.wait(run, *FINISHED)
+        assert run.status == RunStatus.SUCCEEDED, run.status_detail
+        body = api.get(f"/api/v1/runs/{run.pk}/").json()
+        log = api.get(f"/api/v1/runs/{run.pk}/log/").text
+    assert body["exit_code"] == 0
+    assert body["runner"] == "edge-1" and body["agent_version"] == 1
+    assert f"hello from {run.pk} as 1000" in body["log_tail"]
+    assert "fix the build" in log
+    assert [e["status"] for e in body["events"]] == [
+        "queued",
+        "placed",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    assert run.egress_token.revoked_at is not None  # the run's credential ended with it
+    wait_for(lambda: not containers_of(runner), 10, "the sandbox removed")
+
+
+def test_failures_and_timeouts_are_told_apart(stack, acme):
+    runner, config = stack.register(acme, "edge-1")
+    failing = stack.agent(acme, "Failing", ["sh", "-c", "echo broken >&2; exit 3"])
+    slow = stack.agent(acme, "Slow", ["sleep", "600"], run_timeout=2)
+    with stack.runner(runner, config):
+        failed = run_services.queue_run(failing, "fail")
+        timed_out = run_services.queue_run(slow, "never ends")
+        stack.wait(failed, *FINISHED)
+        stack.wait(timed_out, *FINISHED)
+    assert (failed.status, failed.exit_code) == (RunStatus.FAILED, 3)
+    assert "broken" in failed.log_tail
+    assert timed_out.status == RunStatus.TIMED_OUT
+    assert timed_out.finished_at - timed_out.started_at < timedelta(seconds=20)
+
+
+def test_a_running_sandbox_has_the_agents_limits_and_can_be_cancelled(stack, acme, alice):
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Sleeper", ["sleep", "600"], cpus="0.5", memory_mb=256, pids_limit=64)
+    with stack.runner(runner, config), stack.api(alice) as api:
+        run = run_services.queue_run(agent, "wait")
+        stack.wait(run, RunStatus.RUNNING)
+        (container,) = containers_of(runner)
+        host = json.loads(docker("inspect", container))[0]["HostConfig"]
+        assert (host["NanoCpus"], host["Memory"], host["PidsLimit"]) == (5e8, 256 << 20, 64)
+        assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"]
+        assert api.post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 200
+        stack.wait(run, *FINISHED, timeout=20)
+    assert run.status == RunStatus.CANCELLED
+    assert history(run)[-1] == "cancelled"
+    assert not containers_of(runner)
+
+
+def test_the_home_survives_runs_and_nothing_else_does(stack, acme):
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(
+        acme,
+        "Keeper",
+        [
+            "sh",
+            "-c",
+            'cat ~/kept 2>/dev/null || echo "no home yet"; [ -e /tmp/gone ] || echo "tmp is fresh";'
+            " touch /etc/x 2>/dev/null || echo 'root is read-only';"
+            " echo kept > ~/kept; echo gone > /tmp/gone",
+        ],
+    )
+    with stack.runner(runner, config):
+        first = stack.wait(run_services.queue_run(agent, "one"), *FINISHED)
+        second = stack.wait(run_services.queue_run(agent, "two"), *FINISHED)
+    assert "no home yet" in first.log_tail
+    assert second.log_tail.split("\n")[:3] == ["kept", "tmp is fresh", "root is read-only"]
+    agent.refresh_from_db()
+    assert agent.home_runner == runner
+
+
+def test_a_runner_killed_mid_launch_leaves_no_orphan_when_it_comes_back(stack, acme):
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Patient", ["sh", "-c", "sleep 2; echo done"])
+    with stack.runner(runner, config) as first:
+        run = run_services.queue_run(agent, "survive")
+        wait_for(lambda: containers_of(runner), 20, "the sandbox being created")
+        os.killpg(first.process.pid, signal.SIGKILL)  # no goodbye, no report
+        first.process.wait()
+    with stack.runner(runner, config):
+        stack.wait(run, *FINISHED)
+        assert run.status == RunStatus.SUCCEEDED, run.status_detail
+        assert "done" in run.log_tail
+        wait_for(lambda: not containers_of(runner), 10, "the sandbox removed")
+        # A sandbox whose run is over is removed when the runner reconciles.
+        cancelled = run_services.queue_run(agent, "cancel me")
+        stack.wait(cancelled, RunStatus.RUNNING)
+    run_services.cancel(cancelled)  # while the runner is down: the order waits in its queue
+    with stack.runner(runner, config):
+        stack.wait(cancelled, *FINISHED)
+        wait_for(lambda: not containers_of(runner), 15, "the leftover sandbox removed")
+    assert cancelled.status == RunStatus.CANCELLED
+
+
+def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, acme, alice):
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Worker", ["sh", "-c", "sleep 2; echo finished"])
+    with stack.runner(runner, config) as process, stack.api(alice) as api:
+        running_run = stack.wait(run_services.queue_run(agent, "first"), RunStatus.RUNNING)
+        paused = subprocess.run(
+            [sys.executable, "manage.py", "runner_pause", "--config", str(config)],
+            env={k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+            | {"COVEY_VAR_DIR": str(process.var)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert paused.returncode == 0 and "is paused" in paused.stdout, paused.stderr
+        waiting = run_services.queue_run(agent, "second")
+        stack.wait(running_run, *FINISHED)
+        assert running_run.status == RunStatus.SUCCEEDED
+        waiting.refresh_from_db()
+        assert waiting.status == RunStatus.QUEUED
+        assert "paused" in waiting.status_detail
+        assert api.post(f"/api/v1/runners/{runner.pk}/resume/").json()["paused"] is False
+        stack.wait(waiting, *FINISHED)
+    assert waiting.status == RunStatus.SUCCEEDED
+
+
+def test_runs_go_only_to_runners_with_the_labels_and_of_the_organisation(stack, acme, globex):
+    gpu, gpu_config = stack.register(acme, "gpu-1", ["gpu"])
+    plain, plain_config = stack.register(acme, "plain-1")
+    needs_gpu = stack.agent(acme, "Trainer", ["true"], required_labels=["gpu"])
+    elsewhere = stack.agent(globex, "Other", ["true"])
+    with stack.runner(gpu, gpu_config), stack.runner(plain, plain_config):
+        trained = stack.wait(run_services.queue_run(needs_gpu, "train"), *FINISHED)
+        foreign = run_services.queue_run(elsewhere, "not on acme's runners")
+        time.sleep(1)
+        foreign.refresh_from_db()
+    assert trained.runner == gpu and trained.status == RunStatus.SUCCEEDED
+    assert foreign.status == RunStatus.QUEUED and foreign.runner is None
+    # Globex's only runner is its built-in one, which no process serves here.
+    assert foreign.status_detail == "no runner can take it now: builtin offline"
+
+
+def test_runner_tokens_are_renewed_when_the_control_plane_starts(stack, acme, settings):
+    settings.COVEY_BUILTIN_RUNNER = False  # no built-in identity files from this process
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Builder", ["echo", "still works"])
+    old_token = json.loads(config.read_text())["token"]
+    with stack.runner(runner, config):
+        stack.stop_control_plane()
+        renew_runner_tokens()  # what scripts/run does before the web server starts
+        stack.start_control_plane()
+        refused = httpx.get(
+            f"{stack.url}/api/v1/runner/", headers={"Authorization": f"Runner {old_token}"}
+        )
+        assert refused.status_code == 401
+        wait_for(
+            lambda: json.loads(config.read_text())["token"] != old_token,
+            20,
+            "the runner taking its renewed token",
+        )
+        run = stack.wait(run_services.queue_run(agent, "after renewal"), *FINISHED)
+    assert run.status == RunStatus.SUCCEEDED and "still works" in run.log_tail
