@@ -90,3 +90,46 @@ def test_the_policy_endpoint_needs_a_runner_token(client, acme):
     assert client.get("/api/v1/egress/policy/").status_code in (401, 403)
     response = client.get("/api/v1/egress/policy/", HTTP_AUTHORIZATION="Runner covey-run-no")
     assert response.status_code == 401
+
+
+def test_a_runner_proxy_follows_its_runners_renewed_token(net, tmp_path, django_db_setup):
+    """The runner host rewrites its file when it takes a renewed token; the proxy reads it."""
+    from runners.host import Identity
+    from runners.services import register_runner, renew_runner_tokens
+
+    acme = OrganisationFactory(name="Acme")
+    target = f"good.test:{net.tls.port}"
+    agent = agent_services.create_agent(acme, "builder", allowlist=[target])
+    _, credentials = issue_token(agent)
+    _, secret = create_registration_token(acme)
+    runner, token = register_runner(secret, "edge-1", [])
+    with ExitStack() as stack:
+        url = stack.enter_context(control_plane(tmp_path, subprocess_database_url()))
+        config = tmp_path / "runner.json"
+        config.write_text(json.dumps({"url": url, "id": runner.pk, "token": token}))
+        env = {
+            "DATABASE_URL": NO_DATABASE,
+            "COVEY_EGRESS_POLICY_GRACE": "2",
+            "EXTRA_ARGS": f"--runner-config {config}",
+        }
+        proxy = stack.enter_context(start_proxy(tmp_path, net, **env))
+        wait_for(lambda: connect(proxy, target, credentials).status == 200, 10, "allow")
+        sent = []
+        from runners import dispatch
+
+        original, dispatch.send_token = (
+            dispatch.send_token,
+            lambda r, old, new: sent.append((r.pk, new)),
+        )
+        try:
+            renew_runner_tokens()
+        finally:
+            dispatch.send_token = original
+        ((_, renewed),) = [s for s in sent if s[0] == runner.pk]
+        Identity(config, url).replace_token(renewed)  # what the runner host does
+        agent_services.update_agent(agent, enabled=False)
+        wait_for(lambda: connect(proxy, target, credentials).status == 403, 3, "the change")
+        time.sleep(2.5)  # past the grace period: the proxy still has a working source
+        assert connect(proxy, target, credentials).headers["x-covey-deny-reason"] == (
+            "agent-disabled"
+        )

@@ -1,9 +1,11 @@
 """Run the egress proxy in the foreground: mitmproxy with the covey addon."""
 
 import asyncio
+import json
 import logging
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -38,6 +40,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--runner-token", default=None, help="Runner token (default COVEY_RUNNER_TOKEN)."
         )
+        parser.add_argument(
+            "--runner-config",
+            default=None,
+            help="The runner's file from runner_register (URL and token): the token is re-read"
+            " whenever the runner host takes a renewed one, so the proxy needs no restart.",
+        )
         parser.add_argument("--name", default="", help="This proxy's name in the decision log.")
 
     def handle(self, *args: Any, **options_: Any) -> None:
@@ -48,14 +56,26 @@ class Command(BaseCommand):
         name = options_["name"] or f"{socket.gethostname()}:{port}"
         token = options_["runner_token"] or settings.COVEY_RUNNER_TOKEN
         url = options_["control_plane"] or (settings.COVEY_CONTROL_PLANE_URL if token else None)
-        if url and not token:
+        if options_["runner_config"]:
+            from runners.host import Identity
+
+            try:
+                path = Path(options_["runner_config"])
+                url = options_["control_plane"] or json.loads(path.read_text())["url"]
+                identity = Identity(path, url)
+            except (OSError, ValueError, KeyError) as exc:
+                raise CommandError(f"cannot read {options_['runner_config']}: {exc}") from None
+            source: Any = lambda known: identity.client.egress_policy(known)  # noqa: E731
+            sink: Any = lambda events: identity.client.post_decisions(events)  # noqa: E731
+            where = identity.url
+        elif url and not token:
             raise CommandError("--control-plane needs a runner token (--runner-token)")
-        if url:
+        elif url:
             from runners.client import ControlPlaneClient
 
             client = ControlPlaneClient(url, token)
-            source: Any = client.egress_policy
-            sink: Any = client.post_decisions
+            source = client.egress_policy
+            sink = client.post_decisions
             where = url
         else:
             # Its two threads each keep one connection (checked before use) instead of opening
