@@ -11,6 +11,7 @@ Who may see what:
 
 import os
 import socket
+import subprocess
 from collections.abc import Callable
 from functools import cache
 from urllib.parse import urlparse
@@ -137,3 +138,27 @@ def operator_client(client, root):
     """The Django test client, signed in to the admin as the superuser."""
     client.force_login(root)
     return client
+
+
+BASE_IMAGE = "covey-base:trixie"  # make base-image
+
+
+def _image_exists(image: str) -> bool:
+    try:
+        inspect = subprocess.run(
+            ["docker", "image", "inspect", image], capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return inspect.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    """The locally built base image; skips without it, but fails under CI=true."""
+    if _image_exists(BASE_IMAGE):
+        return BASE_IMAGE
+    message = f"{BASE_IMAGE} is not on this host: run `make base-image`"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)

@@ -1,7 +1,13 @@
 """`make run`'s script on embedded defaults: SQLite, a file-system broker, no servers."""
 
+import json
 import os
+import subprocess
+import time
 import urllib.request
+
+import httpx
+import pytest
 
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
 
@@ -14,19 +20,25 @@ def fetch(url):
         return None, b""
 
 
-def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_password(tmp_path):
-    port = free_port()
+def run_env(tmp_path, port: int, proxy: str) -> dict[str, str]:
+    """`make run`'s environment: nothing configured but where to keep things and listen."""
     env = {
         key: value
         for key, value in os.environ.items()
         if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "COVEY_ADMIN_PASSWORD")
     }
-    env |= {
+    return env | {
         "COVEY_VAR_DIR": str(tmp_path / "var"),
         "COVEY_BIND": f"127.0.0.1:{port}",
+        "COVEY_PROXY_LISTEN": proxy,
         "PATH": f"{VENV_BIN}:{env['PATH']}",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_password(tmp_path):
+    port = free_port()
+    env = run_env(tmp_path, port, f"127.0.0.1:{free_port()}")
     log = tmp_path / "run.log"
     base = f"http://127.0.0.1:{port}"
     with running([str(ROOT / "scripts" / "run")], env, log) as process:
@@ -45,3 +57,51 @@ def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_passwo
     output = log.read_text()
     assert "Created superuser 'admin' with password: " in output
     assert (tmp_path / "var" / "covey.sqlite3").exists()
+
+
+@pytest.mark.docker
+def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base_image):
+    """Out of the box: an organisation gets a built-in runner, a run gets a sandbox whose
+    traffic goes through covey's proxy (which refuses a name that is not on the list)."""
+    gateway = subprocess.run(
+        ["docker", "network", "inspect", "bridge", "--format",
+         "{{(index .IPAM.Config 0).Gateway}}"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout.strip()  # fmt: skip
+    port = free_port()
+    env = run_env(tmp_path, port, f"{gateway}:{free_port()}")
+    log = tmp_path / "run.log"
+    base = f"http://127.0.0.1:{port}"
+    with running([str(ROOT / "scripts" / "run")], env, log) as process:
+        wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 120, "the control plane", log)
+        with httpx.Client(base_url=base, timeout=10) as api:
+            token = subprocess.run(
+                [str(VENV_BIN / "python"), "manage.py", "drf_create_token", "admin"],
+                cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
+            ).stdout.split()[2]  # fmt: skip
+            api.headers["Authorization"] = f"Token {token}"
+            organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
+            assert "id" in organisation, organisation
+            command = [
+                "sh",
+                "-c",
+                "echo proxy=${HTTPS_PROXY##*@}; curl -s -o /dev/null -w 'connect=%{http_connect}\\n'"
+                " https://not-on-the-list.test/; echo done",
+            ]
+            agent = api.post(
+                "/api/v1/agents/",
+                json={"organisation": organisation["id"], "name": "Builder",
+                      "runtime_command": command},
+            ).json()  # fmt: skip
+            assert "id" in agent, agent
+            run = api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "hello"}).json()
+            deadline = time.monotonic() + 90
+            while run["status"] not in ("succeeded", "failed", "cancelled", "timed_out"):
+                assert time.monotonic() < deadline, (run, log.read_text()[-4000:])
+                assert process.poll() is None, log.read_text()[-4000:]
+                time.sleep(0.5)
+                run = api.get(f"/api/v1/runs/{run['id']}/").json()
+    assert run["status"] == "succeeded", json.dumps(run, indent=1)
+    assert run["runner"] == "builtin"
+    assert f"proxy={env['COVEY_PROXY_LISTEN']}" in run["log_tail"]
+    assert "connect=403" in run["log_tail"]  # covey's proxy answered: not on the allowlist
