@@ -4,7 +4,7 @@ Every status change goes through :func:`_move`, which records it in the run's hi
 to runners leave only after the transaction that decided them commits.
 """
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -165,20 +165,25 @@ def report(
     exit_code: int | None = None,
     log_tail: str = "",
     detail: str = "",
+    started_at: datetime | None = None,
+    finished_at: datetime | None = None,
 ) -> Run | None:
     """What a runner saw: the sandbox is ``running``, has ``exited`` (with its code, or
-    ``timeout`` in detail), could not be ``built``, or ``vanished``. None: not this runner's."""
+    ``timeout`` in detail), could not be ``built``, or ``vanished``; with the sandbox's own
+    start and end times when it has them. None: not this runner's."""
     run = _runners_run(run_id, runner)
     if run is None:
         return None
     if run.status in FINISHED:
         return run  # a late or repeated report changes nothing
     now = timezone.now()
-    if state == "running":
+    if state == "running" or (state == "exited" and run.status != RunStatus.RUNNING):
+        # A quick sandbox may have ended before its runner said it started: it still ran.
         if run.status != RunStatus.RUNNING:
-            run.started_at = now
-            _move(run, RunStatus.RUNNING, detail, ["started_at"])
-        return run
+            run.started_at = started_at or now
+            _move(run, RunStatus.RUNNING, detail if state == "running" else "", ["started_at"])
+        if state == "running":
+            return run
     if state == "vanished" and settings.COVEY_RUN_LOST == "retry":
         _end_credential(run)
         run.runner = None
@@ -193,7 +198,7 @@ def report(
         return run
     run.exit_code = exit_code
     run.log_tail = log_tail[-LOG_TAIL_CHARS:]
-    run.finished_at = now
+    run.finished_at = finished_at or now
     if run.cancel_requested_at is not None:
         status, why = RunStatus.CANCELLED, "cancelled"
     elif state == "exited" and detail == "timeout":

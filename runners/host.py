@@ -153,10 +153,9 @@ class RunnerHost:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             client.report(run_id, "built", detail=str(exc)[:400])
             return
+        client.report(run_id, "running", started_at=_iso(sandbox.started_at))
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
-        else:
-            client.report(run_id, "running")
 
     def cancel(self, runner_id: int, run_id: str) -> None:
         """Stop a run's sandbox; the watcher reports how it ended."""
@@ -260,7 +259,8 @@ class RunnerHost:
             elif run["cancel"] and sandbox.status == "running":
                 engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
             elif run["status"] != "running" and sandbox.status == "running":
-                client.report(run_id, "running")  # launched, but the report was lost
+                # Launched, but the report was lost.
+                client.report(run_id, "running", started_at=_iso(sandbox.started_at))
         for run_id, run in active.items():
             if run_id in held:
                 continue
@@ -285,12 +285,18 @@ class RunnerHost:
                 exit_code=sandbox.exit_code,
                 log_tail=output[-LOG_TAIL_CHARS:],
                 detail="timeout" if timed_out else "",
+                started_at=_iso(sandbox.started_at),
+                finished_at=_iso(sandbox.finished_at),
             )
         except ControlPlaneError as exc:
             if exc.status != 404:  # 404: not a run of ours (any more): just clean up
                 raise  # keep the sandbox: the next sweep reports it again
         engine.remove(run_id)
         self._timed_out.discard(run_id)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

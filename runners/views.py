@@ -164,6 +164,8 @@ class RunReportSerializer(serializers.Serializer):
     exit_code = serializers.IntegerField(required=False, allow_null=True)
     log_tail = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
     detail = serializers.CharField(required=False, allow_blank=True, max_length=400)
+    started_at = serializers.DateTimeField(required=False, allow_null=True)
+    finished_at = serializers.DateTimeField(required=False, allow_null=True)
 
 
 class RunReportView(RunnerEndpoint):

@@ -251,3 +251,30 @@ class TestTokens:
             "runners.builtin",
         )
         assert oct((builtin_dir() / f"{builtin.pk}.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_sandbox_that_ended_before_it_was_reported_running_still_ran(acme, orders):
+    runner, token = online_runner(acme)
+    run = runs.queue_run(AgentFactory(organisation=acme), "quick")
+    client = runner_api(APIClient(), token)
+    client.post(f"/api/v1/runner/runs/{run.pk}/start/")
+    report = client.post(
+        f"/api/v1/runner/runs/{run.pk}/report/",
+        {
+            "state": "exited",
+            "exit_code": 0,
+            "started_at": "2026-01-01T10:00:00Z",
+            "finished_at": "2026-01-01T10:00:01Z",
+        },
+        format="json",
+    )
+    assert report.json()["status"] == "succeeded"
+    run.refresh_from_db()
+    assert list(run.events.values_list("status", flat=True)) == [
+        "queued",
+        "placed",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    assert (run.finished_at - run.started_at).total_seconds() == 1

@@ -85,8 +85,9 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
             command = [
                 "sh",
                 "-c",
-                "echo proxy=${HTTPS_PROXY##*@}; curl -s -o /dev/null -w 'connect=%{http_connect}\\n'"
-                " https://not-on-the-list.test/; echo done",
+                "echo proxy=${HTTPS_PROXY##*@};"
+                " curl -s -o /dev/null -w 'connect=%{http_connect}\\n' https://not-on-the-list.test/;"
+                " echo done",
             ]
             agent = api.post(
                 "/api/v1/agents/",
