@@ -13,6 +13,7 @@ from simple_history.admin import SimpleHistoryAdmin
 
 from agents import runs, services
 from agents.models import (
+    AGENT_FIELDS,
     FINISHED,
     Agent,
     AgentVersion,
@@ -114,22 +115,7 @@ class AgentForm(forms.ModelForm):
 
     class Meta:
         model = Agent
-        fields = [
-            "organisation",
-            "name",
-            "slug",
-            "enabled",
-            "workplace",
-            "templates",
-            "allowlist",
-            "required_labels",
-            "runtime_command",
-            "cpus",
-            "memory_mb",
-            "pids_limit",
-            "run_timeout",
-            "home_runner",
-        ]
+        fields = ["organisation", *AGENT_FIELDS]
 
     def clean_runtime_command(self) -> Any:
         return self.cleaned_data.get("runtime_command") or []  # empty: the Claude runtime

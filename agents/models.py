@@ -163,6 +163,24 @@ class Agent(models.Model):
         return f"{self.organisation.slug}/{self.slug}"
 
 
+# What people set on an agent, in the order forms show it; changes go through agents.services.
+AGENT_FIELDS = (
+    "name",
+    "slug",
+    "enabled",
+    "workplace",
+    "templates",
+    "allowlist",
+    "required_labels",
+    "runtime_command",
+    "cpus",
+    "memory_mb",
+    "pids_limit",
+    "run_timeout",
+    "home_runner",
+)
+
+
 class AgentVersion(models.Model):
     """One numbered configuration of an agent; rows are never changed once written."""
 

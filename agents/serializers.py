@@ -5,7 +5,7 @@ from typing import Any
 from rest_framework import serializers
 
 from agents import runs, services
-from agents.models import Agent, AgentVersion, Organisation, Role, Run, RunEvent
+from agents.models import AGENT_FIELDS, Agent, AgentVersion, Organisation, Role, Run, RunEvent
 from agents.roles import role_of
 from covey.api import OrganisationField, ScopedRelatedField
 from egress.fields import AllowlistSerializerField
@@ -62,26 +62,7 @@ class AgentSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Agent
-        fields = [
-            "id",
-            "organisation",
-            "name",
-            "slug",
-            "enabled",
-            "templates",
-            "allowlist",
-            "required_labels",
-            "workplace",
-            "runtime_command",
-            "cpus",
-            "memory_mb",
-            "pids_limit",
-            "run_timeout",
-            "home_runner",
-            "version",
-            "created_at",
-            "updated_at",
-        ]
+        fields = ["id", "organisation", *AGENT_FIELDS, "version", "created_at", "updated_at"]
         read_only_fields = ["slug", "version", "created_at", "updated_at"]
         validators: list[Any] = []  # uniqueness is checked by the service, with field messages
 

@@ -11,29 +11,14 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils.text import slugify
 
+from agents import models
 from agents.models import Agent, AgentVersion, Membership, Organisation, Role
 from egress.entries import Entry, parse_entry
 from runners.labels import normalise_labels
 from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
 
-AGENT_FIELDS = frozenset(
-    {
-        "name",
-        "slug",
-        "enabled",
-        "templates",
-        "allowlist",
-        "required_labels",
-        "workplace",
-        "runtime_command",
-        "cpus",
-        "memory_mb",
-        "pids_limit",
-        "run_timeout",
-        "home_runner",
-    }
-)
+AGENT_FIELDS = frozenset(models.AGENT_FIELDS)  # what update_agent accepts
 
 
 SANDBOX_FIELDS = frozenset({"runtime_command", "cpus", "memory_mb", "pids_limit", "run_timeout"})

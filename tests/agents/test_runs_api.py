@@ -254,7 +254,7 @@ class TestTokens:
 
 
 def test_a_sandbox_that_ended_before_it_was_reported_running_still_ran(acme, orders):
-    runner, token = online_runner(acme)
+    _, token = online_runner(acme)
     run = runs.queue_run(AgentFactory(organisation=acme), "quick")
     client = runner_api(APIClient(), token)
     client.post(f"/api/v1/runner/runs/{run.pk}/start/")
