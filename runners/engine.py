@@ -79,6 +79,11 @@ class SandboxSpec:
     network: str | None = None  # None: the engine's default bridge
     user: str = "1000:1000"
     timeout: int | None = None  # seconds; recorded on the container, enforced by the runner
+    # Under hard isolation (runners/isolation.py, sandbox_network_options): the resolvers
+    # Docker's embedded DNS forwards to, resolv.conf options, and kernel settings.
+    dns: Sequence[str] = ()
+    dns_opt: Sequence[str] = ()
+    sysctls: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,9 @@ class Engine:
             "memswap_limit": memory,  # equal to the memory limit: no swap
             "init": True,  # reaps zombies and forwards SIGTERM, so stop() is not a SIGKILL
             "network": spec.network,
+            **({"dns": list(spec.dns)} if spec.dns else {}),
+            **({"dns_opt": list(spec.dns_opt)} if spec.dns_opt else {}),
+            **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
             "auto_remove": False,  # the runner reads the exit code and logs, then removes
             "stdin_open": False,
             "tty": False,

@@ -192,7 +192,9 @@ def test_the_home_survives_across_runs_and_nothing_else_does(engine, launch, mak
 
 
 def test_the_root_filesystem_is_read_only_and_the_process_is_not_root(engine, launch, make_spec):
-    spec = make_spec(["sh", "-c", "id -u; id -g; pwd; echo $HOME; touch /x /etc/x /run/covey/x"])
+    spec = make_spec(
+        ["sh", "-c", "id -u; id -g; pwd; echo $HOME; touch /x /etc/x /run/covey/x 2>&1"]
+    )
 
     launch(spec)
     done = engine.wait(spec.run_id, timeout=WAIT)
