@@ -1,0 +1,1037 @@
+"""Hard isolation (``COVEY_EGRESS_ISOLATION=network``): the egress proxy is a sandbox's only exit.
+
+Per runner, on its Docker engine:
+
+- ``covey-internal-<runner>``: an internal bridge network (no route out, IPv6 off, inter-container
+  communication off) on a fixed /24 from a pool; sandboxes join it and nothing else. The host
+  side of the bridge is named ``covey<10 hex>`` (a hash of the runner), so the firewall rules
+  name a stable interface.
+- ``covey-outward-<runner>``: an ordinary bridge, the proxy's way out.
+- ``covey-egress-<runner>``: the proxy container, from the pinned image ID, on both networks, at
+  ``.2`` of the internal /24 (sandboxes get addresses from ``.128/25`` only, so none can take it).
+- Host firewall rules, each commented ``covey:<runner>``, for what ``--internal`` leaves open.
+
+What Docker 20.10 leaves open, found on this project's runner (Debian 12, iptables-nft):
+
+- **The host.** ``--internal`` only adds FORWARD rules; a packet from a sandbox to any address
+  of the host itself (the bridge's gateway, docker0, the host's public interface, another
+  network's gateway) goes through INPUT and reaches every service listening on 0.0.0.0.
+  Closed by ``INPUT -i <bridge> -j DROP``.
+- **Inter-container traffic.** ``enable_icc=false`` makes Docker add ``FORWARD -i <bridge> -o
+  <bridge> -j DROP``, which also cuts sandbox → proxy (a connect to the proxy times out). ICC
+  stays off, so that without covey's rules nothing on the bridge talks (fail closed), and covey
+  puts in DOCKER-USER (which FORWARD consults first): ACCEPT sandbox → proxy:3128, ACCEPT the
+  proxy's replies (conntrack ESTABLISHED, from port 3128 only), then DROP everything else in or
+  out of the bridge. Bridged frames reach iptables only with ``bridge-nf-call-iptables=1``
+  (Docker sets it); :func:`preflight` checks it.
+- **DNS.** Docker's embedded resolver (127.0.0.11 in the container) *does* forward names it does
+  not know on an internal network: it dials the upstream from the container's own network
+  namespace (proved with a resolver listening on the bridge's gateway: it answered). The
+  firewall already leaves it nowhere to go, and sandboxes are also given ``dns=["0.0.0.0"]``,
+  so the only upstream is the sandbox's own namespace, never the host's resolvers. When no
+  upstream answers, 20.10 sends no reply at all (the client times out), so ``dns_opt`` keeps a
+  failed lookup to one second. Names on the network (the proxy's) still resolve.
+- **IPv6.** The network has IPv6 disabled, sandboxes get ``net.ipv6.conf.{all,default}.
+  disable_ipv6=1`` (Docker 20.10 already sets ``all`` in containers of IPv4-only networks, but
+  covey asks rather than assumes), and, where the host has IPv6, ip6tables drops everything in
+  and out of the bridge (the bridge itself gets an fe80:: address).
+
+The proxy itself refuses private, loopback and link-local targets (egress/policy.py), so it is
+no way back to the host or the internal network either (unless
+``COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS`` says otherwise).
+
+Pure Python, the docker SDK and the ``iptables``/``ip6tables`` commands; no Django (runner
+hosts have no database). Needs root (the firewall).
+"""
+
+import contextlib
+import hashlib
+import ipaddress
+import json
+import re
+import shlex
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import IPAMConfig, IPAMPool, LogConfig
+
+from runners.engine import LABEL_RUNNER
+
+PROXY_PORT = 3128
+DEFAULT_POOL = "10.213.0.0/16"
+# Labels. The proxy does not carry covey.runner: the engine treats every container with that
+# label as a sandbox (Engine.sandboxes), and the runner's reconcile would remove it.
+LABEL_ISOLATION = "covey.isolation"  # runner name, on the networks and the proxy
+LABEL_ROLE = "covey.role"  # internal, outward, egress-proxy
+LABEL_CONFIG = "covey.egress.config"  # hash of the proxy's environment
+ICC = "com.docker.network.bridge.enable_icc"
+BRIDGE_NAME = "com.docker.network.bridge.name"
+# The sandbox's resolver upstream: its own namespace, where nothing of the host answers.
+NO_RESOLVER = "0.0.0.0"  # noqa: S104 - an address to send to, not to bind
+SANDBOX_DNS_OPT = ("timeout:1", "attempts:1")
+SANDBOX_SYSCTLS = {
+    "net.ipv6.conf.all.disable_ipv6": "1",
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+DOCKER_USER = "DOCKER-USER"
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+IPV6 = Path("/proc/net/if_inet6")
+ROUTES = Path("/proc/net/route")
+
+_RUNNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_DANGEROUS_CAPS = frozenset({"ALL", "NET_ADMIN", "NET_RAW", "SYS_ADMIN", "CAP_NET_ADMIN"})
+
+
+class IsolationError(Exception):
+    """The isolation shape could not be built or repaired; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One runner's isolation, as built: what the runner needs to place sandboxes in it."""
+
+    runner: str
+    image_id: str  # the pin: the proxy runs this image ID, whatever its tag says later
+    internal_network: str
+    internal_network_id: str
+    outward_network: str
+    outward_network_id: str
+    bridge: str  # the internal network's interface on the host
+    subnet: str
+    gateway: str  # the host's address on the internal network
+    proxy_ip: str  # the proxy's address on the internal network
+    proxy_container: str
+    proxy_container_id: str = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One host firewall rule, spelled as ``iptables -S`` prints it (without ``-A CHAIN``)."""
+
+    binary: str  # iptables or ip6tables
+    chain: str
+    spec: tuple[str, ...]
+    why: str
+
+    def line(self) -> str:
+        """The rule as a command line appending it."""
+        return shlex.join([self.binary, "-A", self.chain, *self.spec])
+
+
+# --- names -----------------------------------------------------------------------------------
+
+
+def internal_network_name(runner: str) -> str:
+    """The name of the runner's internal network."""
+    return f"covey-internal-{runner}"
+
+
+def outward_network_name(runner: str) -> str:
+    """The name of the network the runner's proxy goes out through."""
+    return f"covey-outward-{runner}"
+
+
+def proxy_container_name(runner: str) -> str:
+    """The name of the runner's proxy container."""
+    return f"covey-egress-{runner}"
+
+
+def bridge_name(runner: str) -> str:
+    """The host interface of the runner's internal network (at most 15 characters)."""
+    return "covey" + hashlib.sha256(runner.encode()).hexdigest()[:10]
+
+
+def comment(runner: str) -> str:
+    """The comment every firewall rule of the runner carries."""
+    return f"covey:{runner}"
+
+
+def check_runner(runner: str) -> str:
+    """Refuse a runner name that cannot name networks, containers and rule comments."""
+    if not _RUNNER.match(runner):
+        raise ValueError(
+            f"runner name {runner!r} must be 1 to 63 letters, digits, '_', '.' or '-',"
+            " starting with a letter or digit"
+        )
+    return runner
+
+
+# --- what sandboxes get ---------------------------------------------------------------------
+
+
+def proxy_address(shape: Shape) -> str:
+    """The proxy as sandboxes reach it, ``ip:port``."""
+    return f"{shape.proxy_ip}:{PROXY_PORT}"
+
+
+def sandbox_network_options(shape: Shape) -> dict[str, Any]:
+    """Create options (docker SDK names, also SandboxSpec fields) that put a sandbox on the
+    internal network alone, with no resolver of the host and no IPv6."""
+    return {
+        "network": shape.internal_network,
+        "dns": [NO_RESOLVER],
+        "dns_opt": list(SANDBOX_DNS_OPT),
+        "sysctls": dict(SANDBOX_SYSCTLS),
+    }
+
+
+def check_sandbox_networks(container_attrs: Mapping[str, Any], shape: Shape) -> list[str]:
+    """What would give a sandbox (``docker inspect`` of it, created or running) a way around
+    the proxy; empty when nothing does."""
+    problems = []
+    host = container_attrs.get("HostConfig") or {}
+    mode = host.get("NetworkMode") or "default"
+    if mode not in (shape.internal_network, shape.internal_network_id):
+        problems.append(f"its network mode is {mode}, not {shape.internal_network}")
+    networks = (container_attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    others = sorted(set(networks) - {shape.internal_network})
+    if others:
+        problems.append(f"it is also on {', '.join(others)}")
+    if shape.internal_network not in networks:
+        problems.append(f"it is not on {shape.internal_network}")
+    else:
+        network_id = networks[shape.internal_network].get("NetworkID")
+        if network_id and network_id != shape.internal_network_id:
+            problems.append(f"it is on an older {shape.internal_network} ({network_id[:12]})")
+    if list(host.get("Dns") or []) != [NO_RESOLVER]:
+        problems.append(
+            f"its DNS upstream is {host.get('Dns') or 'the host resolvers'}, not {NO_RESOLVER}"
+        )
+    sysctls = host.get("Sysctls") or {}
+    for key, value in SANDBOX_SYSCTLS.items():
+        if sysctls.get(key) != value:
+            problems.append(f"it does not set {key}={value}")
+    if host.get("Privileged"):
+        problems.append("it is privileged")
+    caps = {str(cap).upper() for cap in host.get("CapAdd") or []}
+    if caps & _DANGEROUS_CAPS:
+        problems.append(f"it adds {', '.join(sorted(caps & _DANGEROUS_CAPS))}")
+    if host.get("PortBindings"):
+        problems.append("it publishes ports")
+    return problems
+
+
+# --- shape ----------------------------------------------------------------------------------
+
+
+def ensure_shape(
+    runner: str,
+    image: str,
+    control_plane_url: str,
+    runner_token: str,
+    *,
+    environment: Mapping[str, str] | None = None,
+    pool: str = DEFAULT_POOL,
+    client: docker.DockerClient | None = None,
+    ready_timeout: float = 60.0,
+) -> Shape:
+    """Build or repair the runner's networks, firewall rules and proxy; return the shape.
+
+    ``image`` is resolved to its ID once (the pin, in ``Shape.image_id``: the caller records
+    it). Everything is checked at every call: a wrong network is recreated when no sandbox is
+    on it (otherwise IsolationError says which are); a proxy that is missing, stopped, on
+    another image ID, on other networks or with another environment (a renewed token) is
+    recreated. Waits until the proxy accepts connections (``ready_timeout`` seconds; it listens
+    once it has policy, or after COVEY_EGRESS_POLICY_GRACE).
+    """
+    check_runner(runner)
+    if not control_plane_url or not runner_token:
+        raise ValueError("the proxy needs the control plane's URL and the runner token")
+    network_pool = _pool(pool)
+    client = _client(client)
+    image_id = resolve_image(client, image)
+    internal = _ensure_network(
+        client,
+        runner,
+        internal_network_name(runner),
+        lambda attrs: _internal_problems(attrs, runner, network_pool),
+        lambda: _create_internal(client, runner, network_pool),
+    )
+    outward = _ensure_network(
+        client,
+        runner,
+        outward_network_name(runner),
+        lambda attrs: _outward_problems(attrs, runner),
+        lambda: _create_outward(client, runner),
+    )
+    shape = _shape(runner, image_id, internal, outward)
+    ensure_rules(shape)  # before the proxy, and so before any sandbox can be attached
+    env = {
+        **(environment or {}),
+        "COVEY_CONTROL_PLANE_URL": control_plane_url,
+        "COVEY_RUNNER_TOKEN": runner_token,
+    }
+    proxy = _ensure_proxy(client, shape, env)
+    shape = replace(shape, proxy_container_id=proxy["Id"])
+    _wait_ready(client, shape, ready_timeout)
+    return shape
+
+
+def check_shape(
+    runner: str,
+    image_id: str,
+    *,
+    pool: str = DEFAULT_POOL,
+    client: docker.DockerClient | None = None,
+) -> list[str]:
+    """What is wrong with the runner's networks and proxy (nothing is changed); empty when
+    they are as :func:`ensure_shape` builds them, the proxy on ``image_id``."""
+    check_runner(runner)
+    network_pool = _pool(pool)
+    client = _client(client)
+    problems: list[str] = []
+    internal = _one_network(
+        client,
+        internal_network_name(runner),
+        lambda attrs: _internal_problems(attrs, runner, network_pool),
+        problems,
+    )
+    outward = _one_network(
+        client, outward_network_name(runner), lambda a: _outward_problems(a, runner), problems
+    )
+    if internal is None or outward is None:
+        return problems
+    shape = _shape(runner, image_id, internal, outward)
+    return problems + _proxy_state_problems(client, shape, image_id)
+
+
+def preflight(
+    shape: Shape,
+    expected_image_id: str,
+    runner: str,
+    *,
+    client: docker.DockerClient | None = None,
+) -> list[str]:
+    """Everything that must hold before a sandbox is placed in the shape; empty = ok.
+
+    The proxy runs ``expected_image_id`` (the recorded pin) and accepts connections; the
+    internal network exists, is internal and is the one in ``shape``; the outward network is
+    the one in ``shape``; the firewall rules are in place; the kernel filters bridged traffic.
+    """
+    if runner != shape.runner:
+        return [f"the shape is runner {shape.runner}'s, not {runner}'s"]
+    client = _client(client)
+    problems: list[str] = []
+    internal = _one_network(
+        client,
+        shape.internal_network,
+        lambda attrs: _internal_problems(attrs, runner, subnet=shape.subnet),
+        problems,
+    )
+    if internal is not None and internal["Id"] != shape.internal_network_id:
+        problems.append(f"network {shape.internal_network} was recreated since the shape was made")
+    outward = _one_network(
+        client, shape.outward_network, lambda a: _outward_problems(a, runner), problems
+    )
+    if outward is not None and outward["Id"] != shape.outward_network_id:
+        problems.append(f"network {shape.outward_network} was recreated since the shape was made")
+    problems += _proxy_state_problems(client, shape, expected_image_id)
+    problems += check_rules(shape)
+    if _read(BRIDGE_NF) != "1":
+        problems.append(
+            f"{BRIDGE_NF} is not 1: the firewall does not see traffic between containers"
+            " on one bridge (modprobe br_netfilter)"
+        )
+    return problems
+
+
+def teardown(runner: str, *, client: docker.DockerClient | None = None) -> None:
+    """Remove the runner's proxy, networks and firewall rules; IsolationError (and nothing
+    removed) while a sandbox is still on the internal network."""
+    check_runner(runner)
+    client = _client(client)
+    networks = _networks(client, internal_network_name(runner)) + _networks(
+        client, outward_network_name(runner)
+    )
+    for attrs in networks:
+        if others := _attached_others(client, attrs, runner):
+            raise IsolationError(
+                f"cannot remove network {attrs['Name']}: {', '.join(others)} still on it"
+            )
+    _remove_proxy(client, runner)
+    for attrs in networks:
+        _remove_network(client, attrs)
+    remove_rules(runner)
+
+
+def resolve_image(client: docker.DockerClient, image: str) -> str:
+    """The ID of a local image (never pulled)."""
+    try:
+        return str(client.images.get(image).id)
+    except ImageNotFound as exc:
+        raise IsolationError(
+            f"image {image} is not on this host; build it (make egress-image) or load it"
+        ) from exc
+    except APIError as exc:
+        raise IsolationError(f"cannot inspect image {image}: {_explain(exc)}") from exc
+
+
+def _client(client: docker.DockerClient | None) -> docker.DockerClient:
+    if client is not None:
+        return client
+    try:
+        return docker.from_env()
+    except DockerException as exc:
+        raise IsolationError(f"cannot reach the Docker engine: {exc}") from exc
+
+
+def _pool(pool: str) -> ipaddress.IPv4Network:
+    try:
+        network = ipaddress.ip_network(pool)
+    except ValueError as exc:
+        raise ValueError(f"the subnet pool {pool!r} is not a network: {exc}") from None
+    if not isinstance(network, ipaddress.IPv4Network) or network.prefixlen > 24:
+        raise ValueError(f"the subnet pool {pool} must be IPv4 and hold at least one /24")
+    return network
+
+
+def _shape(
+    runner: str, image_id: str, internal: Mapping[str, Any], outward: Mapping[str, Any]
+) -> Shape:
+    subnet = ipaddress.IPv4Network(internal["IPAM"]["Config"][0]["Subnet"])
+    return Shape(
+        runner=runner,
+        image_id=image_id,
+        internal_network=internal["Name"],
+        internal_network_id=internal["Id"],
+        outward_network=outward["Name"],
+        outward_network_id=outward["Id"],
+        bridge=bridge_name(runner),
+        subnet=str(subnet),
+        gateway=str(subnet.network_address + 1),
+        proxy_ip=str(subnet.network_address + 2),
+        proxy_container=proxy_container_name(runner),
+    )
+
+
+# --- networks -------------------------------------------------------------------------------
+
+
+def _networks(client: docker.DockerClient, name: str) -> list[dict[str, Any]]:
+    """Every network with exactly this name (Docker allows several), inspected."""
+    found = []
+    for summary in client.api.networks(names=[name]):
+        if summary["Name"] != name:  # the filter matches parts of names too
+            continue
+        with contextlib.suppress(NotFound):
+            found.append(client.api.inspect_network(summary["Id"]))
+    return found
+
+
+def _one_network(
+    client: docker.DockerClient,
+    name: str,
+    problems_of: Any,
+    problems: list[str],
+) -> dict[str, Any] | None:
+    """The network, when there is exactly one and it is right; otherwise say why."""
+    found = _networks(client, name)
+    if not found:
+        problems.append(f"network {name} is missing")
+        return None
+    if len(found) > 1:
+        problems.append(f"there are {len(found)} networks named {name}")
+        return None
+    if wrong := problems_of(found[0]):
+        problems.extend(f"network {name}: {problem}" for problem in wrong)
+        return None
+    return found[0]
+
+
+def _ensure_network(
+    client: docker.DockerClient,
+    runner: str,
+    name: str,
+    problems_of: Any,
+    create: Any,
+) -> dict[str, Any]:
+    found = _networks(client, name)
+    if len(found) == 1 and not problems_of(found[0]):
+        return found[0]
+    for attrs in found:
+        if others := _attached_others(client, attrs, runner):
+            wrong = "; ".join(problems_of(attrs)) or f"one of {len(found)} of that name"
+            raise IsolationError(
+                f"network {name} must be recreated ({wrong}) but {', '.join(others)}"
+                " are on it: stop them, then try again"
+            )
+    if found:
+        _remove_proxy(client, runner)
+        for attrs in found:
+            _remove_network(client, attrs)
+    created: dict[str, Any] = create()
+    return created
+
+
+def _internal_problems(
+    attrs: Mapping[str, Any],
+    runner: str,
+    pool: ipaddress.IPv4Network | None = None,
+    subnet: str | None = None,
+) -> list[str]:
+    problems = _common_problems(attrs, runner, "internal")
+    if not attrs.get("Internal"):
+        problems.append("it is not internal")
+    options = attrs.get("Options") or {}
+    if options.get(ICC) != "false":
+        problems.append("communication between its containers (ICC) is not off")
+    if options.get(BRIDGE_NAME) != bridge_name(runner):
+        problems.append(f"its bridge is not named {bridge_name(runner)}")
+    configs = (attrs.get("IPAM") or {}).get("Config") or []
+    if len(configs) != 1:
+        problems.append(f"it has {len(configs)} address pools, not one")
+        return problems
+    try:
+        network = ipaddress.IPv4Network(configs[0].get("Subnet", ""))
+    except ValueError:
+        problems.append(f"its subnet {configs[0].get('Subnet')!r} is not an IPv4 network")
+        return problems
+    if network.prefixlen != 24:
+        problems.append(f"its subnet {network} is not a /24")
+        return problems
+    if pool is not None and not network.subnet_of(pool):
+        problems.append(f"its subnet {network} is outside the pool {pool}")
+    if subnet is not None and str(network) != subnet:
+        problems.append(f"its subnet is {network}, not {subnet}")
+    if configs[0].get("Gateway") != str(network.network_address + 1):
+        problems.append(f"its gateway is {configs[0].get('Gateway')}, not .1")
+    if configs[0].get("IPRange") != str(_sandbox_range(network)):
+        problems.append(f"sandboxes may take addresses outside {_sandbox_range(network)}")
+    return problems
+
+
+def _outward_problems(attrs: Mapping[str, Any], runner: str) -> list[str]:
+    problems = _common_problems(attrs, runner, "outward")
+    if attrs.get("Internal"):
+        problems.append("it is internal: the proxy could not go out")
+    return problems
+
+
+def _common_problems(attrs: Mapping[str, Any], runner: str, role: str) -> list[str]:
+    problems = []
+    if attrs.get("Driver") != "bridge":
+        problems.append(f"its driver is {attrs.get('Driver')}, not bridge")
+    if attrs.get("EnableIPv6"):
+        problems.append("it has IPv6")
+    labels = attrs.get("Labels") or {}
+    wanted = {LABEL_RUNNER: runner, LABEL_ISOLATION: runner, LABEL_ROLE: role}
+    if any(labels.get(key) != value for key, value in wanted.items()):
+        problems.append("covey did not make it (labels)")
+    return problems
+
+
+def _sandbox_range(subnet: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    """Where Docker gives sandboxes addresses: the upper half, away from the proxy's .2."""
+    return ipaddress.IPv4Network((subnet.network_address + 128, 25))
+
+
+def _labels(runner: str, role: str) -> dict[str, str]:
+    return {LABEL_RUNNER: runner, LABEL_ISOLATION: runner, LABEL_ROLE: role}
+
+
+def _create_internal(
+    client: docker.DockerClient, runner: str, pool: ipaddress.IPv4Network
+) -> dict[str, Any]:
+    name = internal_network_name(runner)
+    taken = _taken_subnets(client)
+    refused = ""
+    for subnet in _candidates(runner, pool):
+        if any(subnet.overlaps(other) for other in taken):
+            continue
+        ipam = IPAMConfig(
+            pool_configs=[
+                IPAMPool(
+                    subnet=str(subnet),
+                    iprange=str(_sandbox_range(subnet)),
+                    gateway=str(subnet.network_address + 1),
+                )
+            ]
+        )
+        try:
+            network = client.networks.create(
+                name,
+                driver="bridge",
+                internal=True,
+                enable_ipv6=False,
+                check_duplicate=True,
+                labels=_labels(runner, "internal"),
+                options={ICC: "false", BRIDGE_NAME: bridge_name(runner)},
+                ipam=ipam,
+            )
+        except APIError as exc:
+            refused = _explain(exc)
+            if "overlap" in refused.lower():  # taken meanwhile (another runner)
+                continue
+            raise IsolationError(f"cannot create network {name}: {refused}") from exc
+        return dict(client.api.inspect_network(network.id))
+    raise IsolationError(f"no free /24 left in the pool {pool} for {name} {refused}".strip())
+
+
+def _create_outward(client: docker.DockerClient, runner: str) -> dict[str, Any]:
+    name = outward_network_name(runner)
+    try:
+        network = client.networks.create(
+            name,
+            driver="bridge",
+            enable_ipv6=False,
+            check_duplicate=True,
+            labels=_labels(runner, "outward"),
+        )
+    except APIError as exc:
+        raise IsolationError(f"cannot create network {name}: {_explain(exc)}") from exc
+    return dict(client.api.inspect_network(network.id))
+
+
+def _candidates(runner: str, pool: ipaddress.IPv4Network) -> list[ipaddress.IPv4Network]:
+    """The pool's /24s, starting at one picked by the runner's name, so a runner tends to get
+    the same one back."""
+    subnets = list(pool.subnets(new_prefix=24))
+    start = int(hashlib.sha256(runner.encode()).hexdigest(), 16) % len(subnets)
+    return subnets[start:] + subnets[:start]
+
+
+def _taken_subnets(client: docker.DockerClient) -> list[ipaddress.IPv4Network]:
+    """Subnets of every Docker network and every route of the host but the default one."""
+    taken = []
+    for summary in client.api.networks():
+        for config in (summary.get("IPAM") or {}).get("Config") or []:
+            with contextlib.suppress(ValueError):
+                network = ipaddress.ip_network(config.get("Subnet", ""), strict=False)
+                if isinstance(network, ipaddress.IPv4Network):
+                    taken.append(network)
+    return taken + _host_routes()
+
+
+def _host_routes() -> list[ipaddress.IPv4Network]:
+    routes = []
+    with contextlib.suppress(OSError):
+        for line in ROUTES.read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            destination, mask = (struct.pack("<I", int(fields[i], 16)) for i in (1, 7))
+            if mask == b"\0\0\0\0":
+                continue  # the default route overlaps everything
+            with contextlib.suppress(ValueError):
+                routes.append(
+                    ipaddress.IPv4Network(
+                        (socket.inet_ntoa(destination), socket.inet_ntoa(mask)), strict=False
+                    )
+                )
+    return routes
+
+
+def _attached_others(
+    client: docker.DockerClient, attrs: Mapping[str, Any], runner: str
+) -> list[str]:
+    """Names of containers on a network other than the runner's own proxy."""
+    names = {str(c.get("Name", "")) for c in (attrs.get("Containers") or {}).values()}
+    # Containers created but not started are not on it yet, but name it: the engine's filter
+    # finds them by the network's name (not by its ID).
+    for summary in client.api.containers(all=True, filters={"network": attrs["Name"]}):
+        if attrs["Name"] in ((summary.get("NetworkSettings") or {}).get("Networks") or {}):
+            names.update(name.lstrip("/") for name in summary.get("Names") or [])
+    proxy = proxy_container_name(runner)
+    return sorted(name for name in names if name and name != proxy)
+
+
+def _remove_network(client: docker.DockerClient, attrs: Mapping[str, Any]) -> None:
+    try:
+        client.api.remove_network(attrs["Id"])
+    except NotFound:
+        pass
+    except APIError as exc:
+        raise IsolationError(f"cannot remove network {attrs['Name']}: {_explain(exc)}") from exc
+
+
+# --- the proxy ------------------------------------------------------------------------------
+
+
+def _proxy(client: docker.DockerClient, runner: str) -> dict[str, Any] | None:
+    try:
+        return dict(client.api.inspect_container(proxy_container_name(runner)))
+    except NotFound:
+        return None
+
+
+def _config_digest(environment: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(dict(environment), sort_keys=True).encode()).hexdigest()
+
+
+def _proxy_state_problems(client: docker.DockerClient, shape: Shape, image_id: str) -> list[str]:
+    attrs = _proxy(client, shape.runner)
+    if attrs is None:
+        return [f"the proxy container {shape.proxy_container} is missing"]
+    problems = _proxy_problems(attrs, shape, image_id)
+    if not problems and not _listening(attrs, shape):
+        problems.append(f"the proxy does not accept connections on port {PROXY_PORT}")
+    return problems
+
+
+def _proxy_problems(attrs: Mapping[str, Any], shape: Shape, image_id: str) -> list[str]:
+    """What differs between a proxy container and the one :func:`ensure_shape` runs."""
+    problems = []
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    if labels.get(LABEL_ISOLATION) != shape.runner or labels.get(LABEL_ROLE) != "egress-proxy":
+        problems.append(f"{shape.proxy_container} is not covey's proxy (labels)")
+    status = (attrs.get("State") or {}).get("Status")
+    if status != "running":
+        problems.append(f"the proxy is {status}, not running")
+    if attrs.get("Image") != image_id:
+        problems.append(f"the proxy runs image {attrs.get('Image')}, not the pinned {image_id}")
+    host = attrs.get("HostConfig") or {}
+    if not host.get("ReadonlyRootfs"):
+        problems.append("the proxy's root file system is writable")
+    if host.get("Privileged") or "ALL" not in (host.get("CapDrop") or []) or host.get("CapAdd"):
+        problems.append("the proxy keeps capabilities")
+    if "no-new-privileges" not in (host.get("SecurityOpt") or []):
+        problems.append("the proxy may gain privileges (no-new-privileges is off)")
+    if (host.get("RestartPolicy") or {}).get("Name") != "unless-stopped":
+        problems.append("the proxy's restart policy is not unless-stopped")
+    networks = (attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    wanted = {shape.internal_network, shape.outward_network}
+    if set(networks) != wanted:
+        problems.append(
+            f"the proxy is on {', '.join(sorted(networks)) or 'no network'},"
+            f" not on {' and '.join(sorted(wanted))}"
+        )
+        return problems
+    internal, outward = networks[shape.internal_network], networks[shape.outward_network]
+    if status == "running":
+        if internal.get("NetworkID") != shape.internal_network_id:
+            problems.append(f"the proxy is on an older {shape.internal_network}")
+        if outward.get("NetworkID") != shape.outward_network_id:
+            problems.append(f"the proxy is on an older {shape.outward_network}")
+        if internal.get("IPAddress") != shape.proxy_ip:
+            problems.append(f"the proxy is at {internal.get('IPAddress')}, not {shape.proxy_ip}")
+    return problems
+
+
+def _ensure_proxy(
+    client: docker.DockerClient, shape: Shape, environment: Mapping[str, str]
+) -> dict[str, Any]:
+    digest = _config_digest(environment)
+    attrs = _proxy(client, shape.runner)
+    if attrs is not None:
+        labels = (attrs.get("Config") or {}).get("Labels") or {}
+        if labels.get(LABEL_ISOLATION) != shape.runner:
+            raise IsolationError(
+                f"a container named {shape.proxy_container} exists and covey did not make it"
+            )
+        problems = _proxy_problems(attrs, shape, shape.image_id)
+        if not problems and labels.get(LABEL_CONFIG) == digest:
+            return attrs
+        _remove_proxy(client, shape.runner)
+    return _create_proxy(client, shape, environment, digest)
+
+
+def _create_proxy(
+    client: docker.DockerClient, shape: Shape, environment: Mapping[str, str], digest: str
+) -> dict[str, Any]:
+    endpoint = client.api.create_endpoint_config(ipv4_address=shape.proxy_ip)
+    try:
+        container = client.containers.create(
+            shape.image_id,
+            name=shape.proxy_container,
+            hostname=shape.proxy_container,  # the proxy's name in the decision log
+            labels={
+                LABEL_ISOLATION: shape.runner,
+                LABEL_ROLE: "egress-proxy",
+                LABEL_CONFIG: digest,
+            },
+            environment=dict(environment),
+            read_only=True,
+            tmpfs={"/tmp": ""},  # noqa: S108 - the container's own (COVEY_VAR_DIR)
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            restart_policy={"Name": "unless-stopped"},
+            network=shape.internal_network,
+            networking_config={shape.internal_network: endpoint},
+            # A control plane on this host is reachable as host.docker.internal (outward side).
+            extra_hosts={"host.docker.internal": "host-gateway"},
+            log_config=LogConfig(
+                type=LogConfig.types.JSON, config={"max-size": "10m", "max-file": "2"}
+            ),
+        )
+    except APIError as exc:
+        raise IsolationError(
+            f"cannot create the proxy {shape.proxy_container}: {_explain(exc)}"
+        ) from exc
+    try:
+        client.api.connect_container_to_network(container.id, shape.outward_network_id)
+        container.start()
+    except APIError as exc:
+        _remove_proxy(client, shape.runner)
+        raise IsolationError(
+            f"cannot start the proxy {shape.proxy_container}: {_explain(exc)}"
+        ) from exc
+    attrs = _proxy(client, shape.runner)
+    if attrs is None or (problems := _proxy_problems(attrs, shape, shape.image_id)):
+        _remove_proxy(client, shape.runner)
+        raise IsolationError(f"the new proxy is not right: {'; '.join(problems or ['gone'])}")
+    return attrs
+
+
+def _remove_proxy(client: docker.DockerClient, runner: str) -> None:
+    attrs = _proxy(client, runner)
+    if attrs is None:
+        return
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    if labels.get(LABEL_ISOLATION) != runner:
+        raise IsolationError(
+            f"a container named {proxy_container_name(runner)} exists and covey did not make it"
+        )
+    try:
+        client.api.remove_container(attrs["Id"], force=True)
+    except NotFound:
+        pass
+    except APIError as exc:
+        if exc.status_code != 409:  # a removal already in progress
+            raise IsolationError(f"cannot remove the proxy: {_explain(exc)}") from exc
+
+
+def _outward_address(attrs: Mapping[str, Any], shape: Shape) -> str:
+    networks = (attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    return str((networks.get(shape.outward_network) or {}).get("IPAddress") or "")
+
+
+def _listening(attrs: Mapping[str, Any], shape: Shape) -> bool:
+    """Whether the proxy accepts a connection (tried from the host, on the outward side:
+    the host's own packets from the internal bridge are dropped)."""
+    address = _outward_address(attrs, shape)
+    if not address:
+        return False
+    try:
+        socket.create_connection((address, PROXY_PORT), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _wait_ready(client: docker.DockerClient, shape: Shape, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        attrs = _proxy(client, shape.runner)
+        status = ((attrs or {}).get("State") or {}).get("Status")
+        if attrs is None or status not in ("running", "restarting", "created"):
+            raise IsolationError(f"the proxy stopped ({status}): {_logs(client, shape)}")
+        if _listening(attrs, shape):
+            return
+        if time.monotonic() >= deadline:
+            raise IsolationError(
+                f"the proxy did not accept connections within {timeout} s: {_logs(client, shape)}"
+            )
+        time.sleep(0.2)
+
+
+def _logs(client: docker.DockerClient, shape: Shape) -> str:
+    try:
+        output = client.api.logs(shape.proxy_container, tail=20)
+    except (APIError, NotFound):
+        return "no logs"
+    return bytes(output).decode("utf-8", errors="replace").strip() or "no output"
+
+
+# --- firewall -------------------------------------------------------------------------------
+
+
+def rules(shape: Shape) -> list[Rule]:
+    """The host firewall rules of a shape, in the order they must be in each chain."""
+    bridge, subnet, proxy = shape.bridge, shape.subnet, f"{shape.proxy_ip}/32"
+    tag = ("-m", "comment", "--comment", comment(shape.runner))
+    on_bridge, port = f"-i {bridge} -o {bridge}", PROXY_PORT
+    accept = (*tag, "-j", "ACCEPT")
+    found = [
+        Rule(
+            "iptables",
+            DOCKER_USER,
+            (*f"-s {subnet} -d {proxy} {on_bridge} -p tcp -m tcp --dport {port}".split(), *accept),
+            "sandbox -> proxy:3128, the one way out (ICC off drops it otherwise)",
+        ),
+        Rule(
+            "iptables",
+            DOCKER_USER,
+            (
+                *f"-s {proxy} -d {subnet} {on_bridge} -p tcp -m tcp --sport {port}"
+                f" -m conntrack --ctstate RELATED,ESTABLISHED".split(),
+                *accept,
+            ),
+            "the proxy's replies on connections a sandbox opened",
+        ),
+        Rule(
+            "iptables",
+            DOCKER_USER,
+            ("-i", bridge, *tag, "-j", "DROP"),
+            "anything else from the bridge: sandbox <-> sandbox, sandbox -> anywhere",
+        ),
+        Rule(
+            "iptables",
+            DOCKER_USER,
+            ("-o", bridge, *tag, "-j", "DROP"),
+            "anything else into the bridge: other networks and forwarded traffic",
+        ),
+        Rule(
+            "iptables",
+            "INPUT",
+            ("-i", bridge, *tag, "-j", "DROP"),
+            "sandbox -> the host itself: the gateway and every other host address",
+        ),
+    ]
+    if _has_ipv6():
+        found += [
+            Rule("ip6tables", "INPUT", ("-i", bridge, *tag, "-j", "DROP"), "IPv6 to the host"),
+            Rule("ip6tables", "FORWARD", ("-i", bridge, *tag, "-j", "DROP"), "IPv6 out"),
+            Rule("ip6tables", "FORWARD", ("-o", bridge, *tag, "-j", "DROP"), "IPv6 in"),
+        ]
+    return found
+
+
+def check_rules(shape: Shape) -> list[str]:
+    """What is missing or out of place among the shape's firewall rules; empty when every
+    rule is there, in order, with nothing that could let the bridge's traffic through ahead
+    of it."""
+    problems = []
+    tag = comment(shape.runner)
+    for (binary, chain), wanted in _by_chain(rules(shape)).items():
+        try:
+            listed = _list(binary, chain)
+        except IsolationError as exc:
+            problems.append(str(exc))
+            continue
+        ours = [spec for spec in listed if _comment_of(spec) == tag]
+        if ours != wanted:
+            missing = [shlex.join(spec) for spec in wanted if spec not in ours]
+            extra = [shlex.join(spec) for spec in ours if spec not in wanted]
+            detail = "; ".join(
+                [f"missing {m}" for m in missing]
+                + [f"unexpected {e}" for e in extra]
+                + ([] if missing or extra else ["out of order"])
+            )
+            problems.append(f"{binary} {chain}: {detail}")
+            continue
+        first = listed.index(wanted[0])
+        for spec in listed[:first]:
+            if not _harmless(spec, shape.bridge):
+                problems.append(f"{binary} {chain}: {shlex.join(spec)} comes before covey's rules")
+    try:
+        forward = _list("iptables", "FORWARD")
+    except IsolationError as exc:
+        problems.append(str(exc))
+    else:
+        jump = ["-j", DOCKER_USER]
+        if jump not in forward:
+            problems.append(f"iptables FORWARD does not jump to {DOCKER_USER}")
+        else:
+            for spec in forward[: forward.index(jump)]:
+                if not _harmless(spec, shape.bridge):
+                    problems.append(
+                        f"iptables FORWARD: {shlex.join(spec)} comes before {DOCKER_USER}"
+                    )
+    return problems
+
+
+def ensure_rules(shape: Shape) -> None:
+    """Install the shape's firewall rules (idempotent: rules in place are left alone)."""
+    if not check_rules(shape):
+        return
+    remove_rules(shape.runner)
+    for (binary, chain), specs in _by_chain(rules(shape)).items():
+        for spec in reversed(specs):  # each at the top: the first ends up first
+            _iptables(binary, "-I", chain, "1", *spec)
+    if problems := check_rules(shape):
+        raise IsolationError(f"the firewall rules did not hold: {'; '.join(problems)}")
+
+
+def remove_rules(runner: str) -> None:
+    """Remove every firewall rule carrying the runner's comment; none is fine."""
+    tag = comment(check_runner(runner))
+    binaries = ("iptables", "ip6tables") if _has_ipv6() else ("iptables",)
+    for binary in binaries:
+        for chain in (DOCKER_USER, "INPUT", "FORWARD"):
+            try:
+                listed = _list(binary, chain)
+            except IsolationError:
+                continue  # no such chain (DOCKER-USER without Docker's iptables): nothing of ours
+            for spec in listed:
+                if _comment_of(spec) == tag:
+                    _iptables(binary, "-D", chain, *spec)
+
+
+def _by_chain(found: Iterable[Rule]) -> dict[tuple[str, str], list[list[str]]]:
+    chains: dict[tuple[str, str], list[list[str]]] = {}
+    for rule in found:
+        chains.setdefault((rule.binary, rule.chain), []).append(list(rule.spec))
+    return chains
+
+
+def _iptables(binary: str, *args: str) -> str:
+    try:
+        result = subprocess.run(  # noqa: S603 - fixed binary, arguments covey built
+            [binary, "-w", "10", *args], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise IsolationError(f"cannot run {binary}: {exc}") from exc
+    if result.returncode != 0:
+        raise IsolationError(
+            f"{binary} {shlex.join(args)} failed: {(result.stderr or result.stdout).strip()}"
+        )
+    return result.stdout
+
+
+def _list(binary: str, chain: str) -> list[list[str]]:
+    """The chain's rules as ``-S`` prints them, without ``-A CHAIN``, in order."""
+    specs = []
+    for line in _iptables(binary, "-S", chain).splitlines():
+        args = shlex.split(line)
+        if len(args) > 2 and args[0] == "-A" and args[1] == chain:
+            specs.append(args[2:])
+    return specs
+
+
+def _comment_of(spec: list[str]) -> str | None:
+    if "--comment" in spec:
+        index = spec.index("--comment")
+        return spec[index + 1] if index + 1 < len(spec) else None
+    return None
+
+
+def _harmless(spec: list[str], bridge: str) -> bool:
+    """Whether a rule ahead of covey's cannot let the bridge's traffic through."""
+    if (_comment_of(spec) or "").startswith("covey:"):
+        return True
+    target = spec[spec.index("-j") + 1] if "-j" in spec[:-1] else None
+    if target in ("DROP", "REJECT", "LOG"):
+        return True
+    if "-i" in spec[:-1]:
+        index = spec.index("-i")
+        interface = spec[index + 1]
+        negated = index > 0 and spec[index - 1] == "!"
+        matches = (
+            bridge.startswith(interface[:-1]) if interface.endswith("+") else (interface == bridge)
+        )
+        if not negated and not matches:
+            return True
+    return False
+
+
+def _has_ipv6() -> bool:
+    return IPV6.exists()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _explain(exc: APIError) -> str:
+    return str(exc.explanation or exc)
