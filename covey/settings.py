@@ -218,6 +218,13 @@ COVEY_RUN_LOST = env.str("COVEY_RUN_LOST", default="fail")
 COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "homes")))
 COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
 COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
+# Under COVEY_EGRESS_ISOLATION=network (read on the runner host): the image of the runner's proxy
+# container (pinned to its ID when the runner starts), and the control plane's URL as that
+# container reaches it (default: the runner's own URL; a localhost URL is the container's own
+# loopback, the host is host.docker.internal). The proxy also gets the runner host's
+# COVEY_EGRESS_NAMESERVERS and COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS.
+COVEY_RUNNER_PROXY_IMAGE = env.str("COVEY_RUNNER_PROXY_IMAGE", default="covey-egress:latest")
+COVEY_RUNNER_PROXY_CONTROL_PLANE_URL = env.str("COVEY_RUNNER_PROXY_CONTROL_PLANE_URL", default="")
 
 # Whole run logs (and other uploads) are kept here.
 MEDIA_ROOT = VAR_DIR / "media"

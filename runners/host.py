@@ -8,6 +8,11 @@ host, the built-in runners of every organisation (identity files the control pla
 Launching is short (ask for the spec, create and start, report): the order is acknowledged
 only once it is done, so a worker killed mid-launch gets the order again, and launching is
 idempotent per run. Completion is seen by polling the engine, never by holding an order open.
+
+Under hard isolation (``HostSettings.isolation``, COVEY_EGRESS_ISOLATION=network) each runner's
+sandboxes go on its internal network, whose only exit is its proxy container
+(runners/isolation.py). The shape is built at start and repaired at every reconcile, and checked
+before every launch; a launch it cannot vouch for is refused (fail closed), never run without it.
 """
 
 import json
@@ -23,9 +28,11 @@ from typing import Any
 
 from egress.environment import proxy_environment
 from egress.policy import hash_token
+from runners import isolation
 from runners.client import ControlPlaneClient, ControlPlaneError
 from runners.dispatch import unseal
 from runners.engine import Engine, EngineError, Sandbox, SandboxSpec
+from runners.isolation import IsolationError, Shape
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ RECONCILE_SECONDS = 30.0
 # runner launches it itself. Sooner, the order may still be on its way.
 RELAUNCH_AFTER_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10
+WARN_EVERY_SECONDS = 60.0  # the same trouble comes back every poll: say it once a minute
 
 
 class Identity:
@@ -89,6 +97,13 @@ class HostSettings:
     proxy: str = ""  # host:port of the egress proxy as sandboxes reach it
     network: str | None = None
     poll: float = 0.5
+    # Hard isolation: the proxy container's image (pinned to its ID at the first build), the
+    # control plane's URL as that container reaches it ("": the runner's own), and more
+    # variables for it (its resolvers, the private ranges it may reach).
+    isolation: bool = False
+    proxy_image: str = "covey-egress:latest"
+    proxy_control_plane_url: str = ""
+    proxy_environment: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +118,12 @@ class RunnerHost:
     _timed_out: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _last_reconcile: dict[int, float] = field(default_factory=dict)
+    # Per runner: the shape last built (its image_id is the pin) and the token last tried.
+    _shapes: dict[int, Shape] = field(default_factory=dict)
+    _shape_tokens: dict[int, str] = field(default_factory=dict)
+    _isolation_warned: dict[int, float] = field(default_factory=dict)
+    # Builds one at a time: workers and the watcher must not make one runner's shape twice.
+    _isolation_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- identities ------------------------------------------------------------------------
 
@@ -134,7 +155,7 @@ class RunnerHost:
 
     def engine(self, identity: Identity) -> Engine:
         if identity.id not in self._engines:
-            self._engines[identity.id] = Engine(f"runner-{identity.id}")
+            self._engines[identity.id] = Engine(runner_name(identity))
         return self._engines[identity.id]
 
     # --- orders ----------------------------------------------------------------------------
@@ -148,8 +169,9 @@ class RunnerHost:
             logger.info("covey runner: run %s is no longer ours to start", run_id)
             return
         try:
-            sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec))
-        except (EngineError, ValueError) as exc:
+            shape = self._checked_shape(identity) if self.settings.isolation else None
+            sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec, shape))
+        except (EngineError, IsolationError, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             client.report(run_id, "built", detail=str(exc)[:400])
             return
@@ -168,10 +190,20 @@ class RunnerHost:
         identity.replace_token(unseal(hash_token(identity.token), sealed))
         logger.info("covey runner: runner %s has a renewed token", identity.name)
 
-    def _sandbox_spec(self, identity: Identity, spec: Mapping[str, Any]) -> SandboxSpec:
+    def _sandbox_spec(
+        self, identity: Identity, spec: Mapping[str, Any], shape: Shape | None = None
+    ) -> SandboxSpec:
         egress = spec["egress"]
         environment: dict[str, str] = {"COVEY_RUN": str(spec["run"])}
-        if egress["enforce"]:
+        network: dict[str, Any] = {"network": self.settings.network}
+        if shape is not None:
+            # The proxy is the only way out, so the sandbox is told where it is whatever the
+            # control plane's COVEY_EGRESS_ENFORCE says.
+            environment.update(
+                proxy_environment(shape.proxy_ip, isolation.PROXY_PORT, egress["credentials"])
+            )
+            network = isolation.sandbox_network_options(shape)
+        elif egress["enforce"]:
             if not self.settings.proxy:
                 raise ValueError(
                     "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
@@ -189,9 +221,87 @@ class RunnerHost:
             cpus=float(spec["cpus"]),
             memory_mb=int(spec["memory_mb"]),
             pids=int(spec["pids"]),
-            network=self.settings.network,
             timeout=int(spec["timeout"]),
+            **network,
         )
+
+    # --- isolation -------------------------------------------------------------------------
+
+    def start_isolation(self) -> dict[int, Shape | None]:
+        """At start: build every runner's shape, resolving the proxy image anew (the pin)."""
+        return {
+            identity.id: self.ensure_isolation(identity, repin=True)
+            for identity in list(self.identities.values())
+        }
+
+    def ensure_isolation(self, identity: Identity, *, repin: bool = False) -> Shape | None:
+        """Build or repair the runner's shape (at start, at every reconcile, after a token
+        renewal). Trouble is logged once a minute and the runner carries on; its launches are
+        refused meanwhile (each tries to repair once itself). None: no shape."""
+        if not self.settings.isolation:
+            return None
+        try:
+            shape = self._build_shape(identity, repin=repin)
+        except IsolationError as exc:
+            last = self._isolation_warned.get(identity.id, -WARN_EVERY_SECONDS)
+            if time.monotonic() - last >= WARN_EVERY_SECONDS:
+                self._isolation_warned[identity.id] = time.monotonic()
+                logger.warning("covey runner %s: isolation: %s", identity.name, exc)
+            return None
+        if self._isolation_warned.pop(identity.id, None) is not None:
+            logger.info("covey runner %s: isolation is in place again", identity.name)
+        return shape
+
+    def _build_shape(self, identity: Identity, *, repin: bool = False) -> Shape:
+        with self._isolation_lock:
+            built = self._shapes.get(identity.id)
+            # The pinned ID, once there is one: a rebuilt image under the same tag reaches this
+            # runner only when it restarts.
+            image = self.settings.proxy_image if repin or built is None else built.image_id
+            token = self._shape_tokens[identity.id] = identity.token
+            try:
+                shape = isolation.ensure_shape(
+                    runner_name(identity),
+                    image,
+                    self.settings.proxy_control_plane_url or identity.url,
+                    token,  # a renewed one changes the proxy's config hash: it is recreated
+                    environment=self.settings.proxy_environment,
+                )
+            except IsolationError:
+                raise
+            except Exception as exc:
+                # The docker SDK's own errors too (this module does not import docker): the
+                # runner stays up and refuses launches instead (fail closed).
+                raise IsolationError(f"{type(exc).__name__}: {exc}") from exc
+            self._shapes[identity.id] = shape
+            return shape
+
+    def _checked_shape(self, identity: Identity) -> Shape:
+        """The runner's shape, checked just before a sandbox goes in; IsolationError (with the
+        run's status detail) when it cannot be vouched for, even after one repair."""
+        shape = self._shapes.get(identity.id)
+        problems = ["it was never built"] if shape is None else self._preflight(identity, shape)
+        if problems:
+            logger.warning(
+                "covey runner %s: isolation preflight: %s; repairing",
+                identity.name,
+                "; ".join(problems),
+            )
+            try:
+                shape = self._build_shape(identity)
+            except IsolationError as exc:
+                problems = [str(exc)]
+            else:
+                problems = self._preflight(identity, shape)
+        if problems or shape is None:
+            raise IsolationError(f"isolation preflight failed: {'; '.join(problems)}")
+        return shape
+
+    def _preflight(self, identity: Identity, shape: Shape) -> list[str]:
+        try:
+            return isolation.preflight(shape, shape.image_id, runner_name(identity))
+        except Exception as exc:  # whatever it is, the shape is not vouched for
+            return [f"{type(exc).__name__}: {exc}"]
 
     # --- watching --------------------------------------------------------------------------
 
@@ -237,6 +347,12 @@ class RunnerHost:
                 logger.info("covey runner: run %s ran out of time; stopping", sandbox.run_id)
                 self._timed_out.add(sandbox.run_id)
                 engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
+        built_with = self._shape_tokens.get(identity.id)
+        if built_with is not None and built_with != identity.token:
+            # A renewed token (an order, or a rewritten built-in identity): the proxy polls
+            # policy with the old one, which no longer works; give it the new one now (once:
+            # if that fails, the reconcile tries again).
+            self.ensure_isolation(identity)
         last = self._last_reconcile.get(identity.id, 0.0)
         if time.monotonic() - last >= RECONCILE_SECONDS:
             self.reconcile(identity, sandboxes)
@@ -245,6 +361,7 @@ class RunnerHost:
     def reconcile(self, identity: Identity, sandboxes: list[Sandbox] | None = None) -> None:
         """Make Docker and the control plane agree: sandboxes without a live run go, runs
         whose sandbox vanished are reported, cancellations that were missed are carried out."""
+        self.ensure_isolation(identity)  # before any relaunch below: it needs the shape
         engine = self.engine(identity)
         client = identity.client
         sandboxes = engine.sandboxes() if sandboxes is None else sandboxes
@@ -293,6 +410,11 @@ class RunnerHost:
                 raise  # keep the sandbox: the next sweep reports it again
         engine.remove(run_id)
         self._timed_out.discard(run_id)
+
+
+def runner_name(identity: Identity) -> str:
+    """The runner's name on the Docker engine: its containers' label, its isolation's names."""
+    return f"runner-{identity.id}"
 
 
 def _iso(moment: datetime | None) -> str | None:

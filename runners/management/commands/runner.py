@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runners import host as runner_host
+from runners import isolation
 from runners.client import ControlPlaneError
 from runners.models import BUILTIN_QUEUE
 from runners.services import builtin_dir
@@ -38,6 +39,10 @@ class Command(BaseCommand):
             homes=Path(settings.COVEY_RUNNER_HOMES),
             proxy=settings.COVEY_RUNNER_PROXY,
             network=settings.COVEY_RUNNER_NETWORK or None,
+            isolation=settings.COVEY_EGRESS_ISOLATION == "network",
+            proxy_image=settings.COVEY_RUNNER_PROXY_IMAGE,
+            proxy_control_plane_url=settings.COVEY_RUNNER_PROXY_CONTROL_PLANE_URL,
+            proxy_environment=proxy_environment(),
         )
         if options["builtin"]:
             host = runner_host.RunnerHost.builtin(
@@ -58,6 +63,14 @@ class Command(BaseCommand):
                 raise CommandError(f"the control plane refuses this runner: {exc}") from None
             host = runner_host.RunnerHost({identity.id: identity}, host_settings)
             queue, name = str(me["queue"]), identity.name
+        for runner_id, shape in host.start_isolation().items():
+            # Without a shape the runner still starts: it refuses launches until one is built.
+            self.stdout.write(
+                f"covey runner {runner_id}: sandboxes on {shape.internal_network},"
+                f" their proxy at {isolation.proxy_address(shape)}"
+                if shape is not None
+                else f"covey runner {runner_id}: no isolation yet; launches are refused"
+            )
         runner_host.set_current(host)
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),
@@ -99,3 +112,14 @@ class Command(BaseCommand):
         worker.start()
         if worker.exitcode:
             raise CommandError(f"the runner's worker stopped with code {worker.exitcode}")
+
+
+def proxy_environment() -> dict[str, str]:
+    """What the proxy container takes from this host's settings: it resolves and connects
+    from here, so where it asks for names and which private ranges it may reach are the
+    runner host's to say."""
+    environment = {}
+    for name in ("COVEY_EGRESS_NAMESERVERS", "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS"):
+        if values := getattr(settings, name):
+            environment[name] = ",".join(values)
+    return environment

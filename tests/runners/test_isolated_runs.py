@@ -1,0 +1,299 @@
+"""Runs under hard isolation end to end (COVEY_EGRESS_ISOLATION=network on the runner host):
+the control plane (gunicorn), a runner process with no database, its proxy container from the
+real image (`make egress-image`), real sandboxes on the runner's internal network.
+
+What the proxy container reaches lives on the host's address on Docker's default bridge, which
+is what ``host.docker.internal`` means inside it (Docker 20.10's host-gateway): a relay to the
+control plane (gunicorn listens on loopback only), a DNS server that names the upstream, and the
+upstream itself (port 80: plain HTTP goes only to entries naming port 80). The proxy reaches
+them from its outward network; sandboxes must not reach any of them but through the proxy.
+"""
+
+import http.server
+import ipaddress
+import json
+import random
+import re
+import socket
+import socketserver
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, closing, suppress
+from uuid import uuid4
+
+import pytest
+from django.db import connection
+from dnslib import QTYPE, RCODE, RR, A  # type: ignore[import-untyped]
+from dnslib.server import BaseResolver, DNSLogger, DNSServer  # type: ignore[import-untyped]
+
+from agents import runs as run_services
+from agents.models import FINISHED, RunStatus
+from runners import isolation
+from runners.models import Runner
+from runners.services import renew_runner_tokens
+from tests.processes import wait_for
+from tests.runners.test_isolation import egress_image, firewall, leftovers  # noqa: F401
+from tests.runners.test_runs import Stack, containers_of, docker
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.redis,
+    pytest.mark.docker,
+    pytest.mark.django_db(transaction=True),
+]
+
+UPSTREAM_NAME = "upstream.isolated-runs.example"
+OFF_LIST_NAME = "off-list.isolated-runs.example"
+
+
+def host_bridge_address() -> str:
+    """The host's address on Docker's default bridge: host.docker.internal in the proxy."""
+    bridge = json.loads(docker("network", "inspect", "bridge"))[0]
+    return str(bridge["IPAM"]["Config"][0]["Gateway"])
+
+
+class OneName(BaseResolver):
+    """Answers one name with one IPv4 address; NXDOMAIN for every other name."""
+
+    def __init__(self, name: str, address: str) -> None:
+        self.name, self.address = name, address
+
+    def resolve(self, request, handler):
+        reply = request.reply()
+        question = request.q
+        if str(question.qname).rstrip(".").lower() != self.name:
+            reply.header.rcode = RCODE.NXDOMAIN
+        elif question.qtype == QTYPE.A:
+            reply.add_answer(RR(question.qname, QTYPE.A, rdata=A(self.address), ttl=0))
+        return reply
+
+
+class Upstream(http.server.BaseHTTPRequestHandler):
+    body = b""
+    seen: list[str] = []
+
+    def do_GET(self) -> None:
+        self.seen.append(self.headers.get("Host", ""))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class Relay(socketserver.ThreadingTCPServer):
+    """Forwards every connection to a loopback port (the control plane listens only there)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], target_port: int) -> None:
+        self.target_port = target_port
+        super().__init__(address, RelayHandler)
+
+
+class RelayHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        assert isinstance(self.server, Relay)
+        try:
+            target = socket.create_connection(("127.0.0.1", self.server.target_port))
+        except OSError:
+            return  # the control plane is down (restarting, or the test is over)
+        with closing(target):
+            back = threading.Thread(target=_pipe, args=(target, self.request), daemon=True)
+            back.start()
+            _pipe(self.request, target)
+            back.join(30)
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with suppress(OSError):  # the other side is gone already
+            sink.shutdown(socket.SHUT_WR)
+
+
+def serve(stack: ExitStack, server: socketserver.BaseServer) -> None:
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    stack.callback(server.server_close)
+    stack.callback(server.shutdown)
+
+
+class World:
+    """The control plane, what the proxy reaches on the host, and the runner's cleanup."""
+
+    def __init__(self, tmp_path, base_image: str, proxy_image: str) -> None:
+        self.proxy_image = proxy_image
+        self.resources = ExitStack()
+        self.runner_names: list[str] = []
+        try:
+            self._start(tmp_path, base_image)
+        except BaseException:
+            self.resources.close()
+            raise
+
+    def _start(self, tmp_path, base_image: str) -> None:
+        self.host = host_bridge_address()
+        self.body = f"hello from upstream {uuid4().hex}"
+        Upstream.body, Upstream.seen = self.body.encode(), []
+        try:
+            upstream = http.server.ThreadingHTTPServer((self.host, 80), Upstream)
+        except OSError as exc:
+            pytest.fail(f"cannot listen on {self.host}:80 for the upstream: {exc}")
+        serve(self.resources, upstream)
+        quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda _message: None)
+        dns = DNSServer(OneName(UPSTREAM_NAME, self.host), address=self.host, port=0, logger=quiet)
+        self.dns_port = dns.server.server_address[1]
+        dns.start_thread()
+        self.resources.callback(dns.stop)
+        self.stack = Stack(
+            tmp_path,
+            base_image,
+            COVEY_EGRESS_ISOLATION="network",
+            # The proxy's requests arrive through the relay under this name.
+            DJANGO_ALLOWED_HOSTS="127.0.0.1,host.docker.internal",
+        )
+        self.resources.callback(self.stack.close)
+        relay = Relay((self.host, 0), self.stack.port)
+        self.relay_port = relay.server_address[1]
+        serve(self.resources, relay)
+
+    def runner_env(self, **changes: str) -> dict[str, str]:
+        """The runner host's isolation settings (its proxy gets the last two)."""
+        return {
+            "COVEY_EGRESS_ISOLATION": "network",
+            "COVEY_RUNNER_PROXY_IMAGE": self.proxy_image,
+            "COVEY_RUNNER_PROXY_CONTROL_PLANE_URL": (
+                f"http://host.docker.internal:{self.relay_port}"
+            ),
+            "COVEY_EGRESS_NAMESERVERS": f"{self.host}@{self.dns_port}",
+            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{self.host}/32",
+            **changes,
+        }
+
+    def register(self, organisation, name: str):
+        runner, config = self.stack.register(organisation, name)
+        self.runner_names.append(f"runner-{runner.pk}")
+        return runner, config
+
+    def close(self) -> None:
+        try:
+            self.resources.close()  # the runners' sandboxes go with the stack
+        finally:
+            for name in self.runner_names:
+                isolation.teardown(name)
+                isolation.remove_rules(name)
+        for name in self.runner_names:
+            assert leftovers(name) == [], f"runner {name}'s isolation was left behind"
+
+
+@pytest.fixture
+def world(tmp_path, base_image, egress_image) -> Iterator[World]:  # noqa: F811
+    # Networks, the proxy and firewall rules are the host's, named after the runner id: start
+    # the ids far from where other sessions' test databases (and this one's) hand them out.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT setval(pg_get_serial_sequence(%s, 'id'), %s)",
+            [Runner._meta.db_table, random.randrange(10**6, 10**9)],
+        )
+    built = World(tmp_path, base_image, egress_image)
+    yield built
+    built.close()
+
+
+def test_a_sandbox_reaches_its_upstream_through_the_proxy_and_nothing_directly(world, acme):
+    runner, config = world.register(acme, "isolated-1")
+    name = f"runner-{runner.pk}"
+    with world.stack.runner(runner, config, **world.runner_env()) as process:
+        assert f"sandboxes on {isolation.internal_network_name(name)}" in process.output()
+        internal = json.loads(docker("network", "inspect", isolation.internal_network_name(name)))
+        gateway = internal[0]["IPAM"]["Config"][0]["Gateway"]  # the host, on the sandbox's side
+        script = f"""
+echo "proxy=$HTTP_PROXY" | sed 's|//.*@|//***@|'
+echo "via proxy: $(curl -sS --max-time 10 http://{UPSTREAM_NAME}/)"
+curl -sS --max-time 10 -o /dev/null -D - http://{OFF_LIST_NAME}/ | tr -d '\\r' | grep -i -e '^HTTP/' -e '^x-covey-deny-reason'
+curl -sS --noproxy '*' --connect-timeout 3 http://{world.host}/; echo "direct upstream: exit $?"
+curl -sS --noproxy '*' --connect-timeout 3 http://{gateway}:{world.relay_port}/; echo "direct host: exit $?"
+"""  # noqa: E501
+        agent = world.stack.agent(
+            acme, "Isolated", ["sh", "-c", script], allowlist=[f"{UPSTREAM_NAME}:80"]
+        )
+        run = world.stack.wait(run_services.queue_run(agent, "fetch"), *FINISHED, timeout=60)
+        assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+        log = run.log_tail
+        proxy_ip = str(ipaddress.ip_network(internal[0]["IPAM"]["Config"][0]["Subnet"])[2])
+
+        # A rule removed behind the runner's back: the next launch's preflight repairs it.
+        isolation.remove_rules(name)
+        again = world.stack.wait(run_services.queue_run(agent, "again"), *FINISHED, timeout=60)
+        assert again.status == RunStatus.SUCCEEDED, (again.status_detail, again.log_tail)
+        assert re.search(r"isolation preflight: .*missing .*; repairing", process.output())
+
+    # (a) Through the proxy, which the sandbox is told of although COVEY_EGRESS_ENFORCE is off.
+    assert f"proxy=http://***@{proxy_ip}:3128\n" in log, log
+    assert f"via proxy: {world.body}" in log
+    assert Upstream.seen.count(UPSTREAM_NAME) == 2  # both runs
+    # (c) A name off the allowlist: the proxy refuses it.
+    assert re.search(r"^HTTP/1\.1 403", log, re.M), log
+    assert re.search(r"^x-covey-deny-reason: not-on-allowlist$", log, re.M | re.I), log
+    # (b) Nothing directly: the upstream's address and the host time out (dropped; a
+    # connection refused would mean the packets got there).
+    assert "direct upstream: exit 28" in log, log
+    assert "direct host: exit 28" in log, log
+    assert f"via proxy: {world.body}" in again.log_tail
+    assert not containers_of(runner)
+
+
+def test_a_launch_the_isolation_cannot_vouch_for_is_refused(world, acme):
+    runner, config = world.register(acme, "isolated-2")
+    missing = f"covey-egress-missing-{uuid4().hex[:8]}:none"
+    agent = world.stack.agent(acme, "Refused", ["echo", "must not run"])
+    with world.stack.runner(runner, config, **world.runner_env(COVEY_RUNNER_PROXY_IMAGE=missing)):
+        run = world.stack.wait(run_services.queue_run(agent, "nope"), *FINISHED, timeout=60)
+        assert not containers_of(runner)  # no sandbox was ever created
+        output = world.stack.runners[-1].output()
+    assert run.status == RunStatus.FAILED
+    assert run.status_detail.startswith(
+        "the sandbox could not be built: isolation preflight failed: "
+    ), run.status_detail
+    assert f"image {missing} is not on this host" in run.status_detail
+    assert "must not run" not in run.log_tail
+    # The runner kept running: it said so once at start, and refused the launch.
+    assert "no isolation yet; launches are refused" in output
+    assert output.count(f"isolation: image {missing} is not on this host") == 1, output
+
+
+def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
+    settings.COVEY_BUILTIN_RUNNER = False  # no built-in identity files from this process
+    runner, config = world.register(acme, "isolated-3")
+    proxy = isolation.proxy_container_name(f"runner-{runner.pk}")
+    agent = world.stack.agent(
+        acme,
+        "Fetcher",
+        ["sh", "-c", f"curl -sS --max-time 10 http://{UPSTREAM_NAME}/"],
+        allowlist=[f"{UPSTREAM_NAME}:80"],
+    )
+    with world.stack.runner(runner, config, **world.runner_env()):
+        before = json.loads(docker("inspect", proxy))[0]["Id"]
+        world.stack.stop_control_plane()
+        renew_runner_tokens()
+        world.stack.start_control_plane()
+        wait_for(
+            lambda: (
+                f"COVEY_RUNNER_TOKEN={json.loads(config.read_text())['token']}"
+                in json.loads(docker("inspect", proxy))[0]["Config"]["Env"]
+            ),
+            30,
+            "the proxy recreated with the renewed token",
+        )
+        run = world.stack.wait(run_services.queue_run(agent, "after"), *FINISHED, timeout=60)
+    assert json.loads(docker("inspect", proxy))[0]["Id"] != before
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+    assert run.log_tail == world.body
