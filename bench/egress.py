@@ -50,16 +50,13 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +64,23 @@ BENCH_DIR = Path(__file__).resolve().parent
 # Run as a script, this folder would come first on sys.path and this file would shadow the
 # project's ``egress`` package: the project root goes there instead.
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
+
+from bench.support import (  # noqa: E402 - after the path is set
+    OTHER_SETTINGS,
+    BenchError,
+    BenchStop,
+    Processes,
+    accepts,
+    alive,
+    free_port,
+    percentile,
+    process_tree,
+    ratio,
+    run_bench,
+    step,
+    verdict,
+    wait_until,
+)
 
 UPSTREAM_IP = "127.0.0.2"  # "the internet"; covey may reach it (COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS)
 DNS_IP = "127.0.0.1"
@@ -99,18 +113,8 @@ THROUGHPUT_RATIO = 0.90
 PROPAGATION_LIMIT_S = 1.0
 
 
-class BenchError(Exception):
-    """Something the benchmark needs did not work."""
-
-
 class TunnelError(Exception):
     """A tunnel could not be opened (a refusal, or a broken answer)."""
-
-
-class BenchStop(SystemExit):
-    """The run must stop now: its time is up, or SIGTERM. A SystemExit, so that no handler on
-    the way swallows it: socket errors (TimeoutError is an OSError) are counted, and asyncio
-    keeps other exceptions raised in its callbacks and tasks."""
 
 
 @dataclass(frozen=True)
@@ -303,109 +307,6 @@ def start_child(name: str, target: Callable[..., None], *args: object) -> tuple[
 # --------------------------------------------------------------------------------------------
 
 
-class Processes:
-    """Every process this run starts; ``stop_all`` stops them by pid (and their own group)."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = self.logs / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(  # noqa: S603 - our own fixed command lines
-                list(args),
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.started.append(process)
-        return process
-
-    def log(self, name: str) -> str:
-        path = self.logs / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def stop_all(self) -> None:
-        for process in reversed(self.started):
-            stop_process(process)
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process, SIGKILL it after 15 s; then its descendants still left over."""
-    # Each process runs in a session of its own, so its group id is its pid: a leftover still
-    # in that group is one of ours (a recycled pid would not be).
-    members = process_tree(process.pid)[1:] if process.poll() is None else []
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-            process.wait(5)
-    for member in members:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(member) == process.pid:
-                os.kill(member, signal.SIGKILL)
-
-
-def wait_until(
-    condition: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]
-) -> None:
-    """Poll condition() every 0.1 s; fail with the end of log() when it stays false."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise BenchError(f"{what} did not happen within {timeout:.0f} s\n{log()[-3000:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
-def alive(process: subprocess.Popen[bytes], name: str, processes: Processes) -> bool:
-    if process.poll() is not None:
-        raise BenchError(f"{name} exited with {process.returncode}\n{processes.log(name)[-3000:]}")
-    return True
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
 def rss_mib(pids: Sequence[int]) -> float:
     """Sum of VmRSS over the processes, in MiB."""
     total_kib = 0
@@ -514,9 +415,6 @@ def start_squid(
 # --------------------------------------------------------------------------------------------
 # covey: database, proxy, control plane
 # --------------------------------------------------------------------------------------------
-
-
-OTHER_SETTINGS = ("COVEY_", "DJANGO_", "DATABASE_", "CELERY_")  # from the caller's shell
 
 
 def django_env(var_dir: Path) -> dict[str, str]:
@@ -700,12 +598,6 @@ def connect_status(route: Route, host: str, port: int, timeout: float = 2.0) -> 
     with socket.create_connection(route.proxy, timeout=timeout) as sock:
         sock.sendall(connect_request(host, port, route.credentials))
         return status_of(read_head(sock))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -974,14 +866,6 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("met" if ok else "NOT MET")
-
-
 def report(results: Results) -> str:
     out: list[str] = []
     add = out.append
@@ -1168,30 +1052,6 @@ def make_ca(work: Path) -> tuple[ssl.SSLContext, Path]:
     return ca.client_context(), cert_file
 
 
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    """Raise BenchStop in the main thread after ``seconds``, or on SIGTERM."""
-
-    def expire(signum: int, frame: FrameType | None) -> None:
-        raise BenchStop(f"the benchmark ran over its {seconds} s limit")
-
-    def terminate(signum: int, frame: FrameType | None) -> None:
-        raise BenchStop(f"stopped by signal {signum}")
-
-    previous = signal.signal(signal.SIGALRM, expire), signal.signal(signal.SIGTERM, terminate)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
-
-
-def step(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
-
-
 def run(
     plan: Plan,
     results: Results,
@@ -1281,23 +1141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = Plan.make(args.quick)
     results = Results(quick=args.quick)
     raise_fd_limit()
-    work = Path(tempfile.mkdtemp(prefix="covey-bench-"))
-    work.chmod(0o711)  # squid's own user must reach its folder inside
-    failed = False
-    try:
-        # The alarm ends before the clean-up starts; each clean-up step is bounded itself.
-        with contextlib.ExitStack() as stack, time_limit(plan.time_limit):
-            stack.callback(shutil.rmtree, work, ignore_errors=True)
-            processes = Processes(work)
-            stack.callback(processes.stop_all)
-            run(plan, results, work, processes, stack)
-    except BenchStop as exc:
-        failed = True
-        print(f"benchmark stopped: {exc}", file=sys.stderr, flush=True)
-    except Exception:
-        failed = True
-        traceback.print_exc()
-        print("benchmark failed; figures below are what was measured", file=sys.stderr)
+    failed = run_bench(
+        "covey-bench-",
+        plan.time_limit,
+        lambda work, processes, stack: run(plan, results, work, processes, stack),
+    )
     print(report(results), flush=True)
     return 1 if failed else 0
 

@@ -1,0 +1,197 @@
+"""What both benchmarks need: their own processes (started in sessions of their own and stopped
+by pid), polling, a time limit for the whole run, and the figures' arithmetic."""
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+
+ROOT = Path(__file__).resolve().parent.parent
+# Settings from the caller's shell that the benches' own covey processes must not inherit.
+OTHER_SETTINGS = ("COVEY_", "DJANGO_", "DATABASE_", "CELERY_")
+
+
+class BenchError(Exception):
+    """Something the benchmark needs did not work."""
+
+
+class BenchStop(SystemExit):
+    """The run must stop now: its time is up, or SIGTERM. A SystemExit, so that no handler on
+    the way swallows it: socket errors (TimeoutError is an OSError) are counted, and asyncio
+    keeps other exceptions raised in its callbacks and tasks."""
+
+
+class Processes:
+    """Every process this run starts; ``stop_all`` stops them by pid (and their own group)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = self.logs / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(  # noqa: S603 - our own fixed command lines
+                list(args),
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for process in reversed(self.started):
+            stop_process(process)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process, SIGKILL it after 20 s; then its descendants still left over."""
+    # Each process runs in a session of its own, so its group id is its pid: a leftover still
+    # in that group is one of ours (a recycled pid would not be).
+    members = process_tree(process.pid)[1:] if process.poll() is None else []
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            process.wait(5)
+    for member in members:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(member) == process.pid:
+                os.kill(member, signal.SIGKILL)
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]
+) -> None:
+    """Poll condition() every 0.1 s; fail with the end of log() when it stays false."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise BenchError(f"{what} did not happen within {timeout:.0f} s\n{log()[-3000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def alive(process: subprocess.Popen[bytes], name: str, processes: Processes) -> bool:
+    if process.poll() is not None:
+        raise BenchError(f"{name} exited with {process.returncode}\n{processes.log(name)[-3000:]}")
+    return True
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def step(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """Raise BenchStop in the main thread after ``seconds``, or on SIGTERM."""
+
+    def expire(signum: int, frame: FrameType | None) -> None:
+        raise BenchStop(f"the benchmark ran over its {seconds} s limit")
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise BenchStop(f"stopped by signal {signum}")
+
+    previous = signal.signal(signal.SIGALRM, expire), signal.signal(signal.SIGTERM, terminate)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT MET")
+
+
+def run_bench(
+    prefix: str, limit: int, body: Callable[[Path, Processes, contextlib.ExitStack], None]
+) -> bool:
+    """Run ``body`` in a temporary folder of its own (mode 0711: other users' processes, such as
+    Squid's or a sandbox's, must reach into it) within ``limit`` seconds, then stop every process
+    it started and remove the folder. Returns whether it failed (it says why on stderr)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    work.chmod(0o711)
+    try:
+        # The alarm ends before the clean-up starts; each clean-up step is bounded itself.
+        with contextlib.ExitStack() as stack, time_limit(limit):
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
+            processes = Processes(work)
+            stack.callback(processes.stop_all)
+            body(work, processes, stack)
+    except BenchStop as exc:
+        print(f"benchmark stopped: {exc}", file=sys.stderr, flush=True)
+        return True
+    except Exception:
+        traceback.print_exc()
+        print("benchmark failed; figures below are what was measured", file=sys.stderr)
+        return True
+    return False
