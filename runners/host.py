@@ -118,6 +118,9 @@ class RunnerHost:
     _timed_out: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _last_reconcile: dict[int, float] = field(default_factory=dict)
+    # Runs being launched right now: the reconcile leaves them alone.
+    _launching: set[str] = field(default_factory=set)
+    _launching_lock: threading.Lock = field(default_factory=threading.Lock)
     # Per runner: the shape last built (its image_id is the pin) and the token last tried.
     _shapes: dict[int, Shape] = field(default_factory=dict)
     _shape_tokens: dict[int, str] = field(default_factory=dict)
@@ -163,6 +166,17 @@ class RunnerHost:
     def launch(self, runner_id: int, run_id: str) -> None:
         """Build and start a run's sandbox; report it running (or why it could not be)."""
         identity = self.identity(runner_id)
+        with self._launching_lock:
+            if run_id in self._launching:
+                return  # the same order twice, or the reconcile's relaunch: one is enough
+            self._launching.add(run_id)
+        try:
+            self._launch(identity, run_id)
+        finally:
+            with self._launching_lock:
+                self._launching.discard(run_id)
+
+    def _launch(self, identity: Identity, run_id: str) -> None:
         client = identity.client
         spec = client.start_run(run_id)
         if spec is None:
@@ -369,6 +383,8 @@ class RunnerHost:
         held = {sandbox.run_id: sandbox for sandbox in sandboxes}
         for run_id, sandbox in held.items():
             run = active.get(run_id)
+            if run is None and run_id in self._launching:
+                continue
             if run is None:
                 if sandbox.status not in ("exited", "dead"):
                     logger.info("covey runner: removing sandbox %s (no live run)", run_id)
@@ -379,10 +395,12 @@ class RunnerHost:
                 # Launched, but the report was lost.
                 client.report(run_id, "running", started_at=_iso(sandbox.started_at))
         for run_id, run in active.items():
-            if run_id in held:
+            if run_id in held or run_id in self._launching:
                 continue
             if run["status"] == "running":
-                client.report(run_id, "vanished", detail=f"no sandbox on {identity.name}")
+                # The list of sandboxes came first: one launched since is not in it. Ask again.
+                if engine.get(run_id) is None:
+                    client.report(run_id, "vanished", detail=f"no sandbox on {identity.name}")
             elif run["waited"] >= RELAUNCH_AFTER_SECONDS and not run["cancel"]:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
                 self.launch(identity.id, run_id)

@@ -322,3 +322,20 @@ def test_runner_tokens_are_renewed_when_the_control_plane_starts(stack, acme, se
         )
         run = stack.wait(run_services.queue_run(agent, "after renewal"), *FINISHED)
     assert run.status == RunStatus.SUCCEEDED and "still works" in run.log_tail
+
+
+def test_a_reconcile_that_listed_sandboxes_too_early_does_not_call_a_run_vanished(stack, acme):
+    from runners.host import HostSettings, Identity, RunnerHost
+
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Sleeper", ["sleep", "60"])
+    with stack.runner(runner, config):
+        run = stack.wait(run_services.queue_run(agent, "stay"), RunStatus.RUNNING)
+        identity = Identity(config, stack.url)
+        host = RunnerHost({identity.id: identity}, HostSettings(homes=stack.tmp / "homes"))
+        host.reconcile(identity, sandboxes=[])  # as if listed just before the launch
+        run.refresh_from_db()
+        assert run.status == RunStatus.RUNNING
+        run_services.cancel(run)
+        stack.wait(run, *FINISHED, timeout=20)
+    assert run.status == RunStatus.CANCELLED
