@@ -49,12 +49,10 @@ import hashlib
 import ipaddress
 import json
 import re
-import shlex
 import socket
 import struct
-import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +61,7 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import IPAMConfig, IPAMPool, LogConfig
 
+from runners import firewall
 from runners.engine import LABEL_RUNNER
 
 PROXY_PORT = 3128
@@ -81,9 +80,7 @@ SANDBOX_SYSCTLS = {
     "net.ipv6.conf.all.disable_ipv6": "1",
     "net.ipv6.conf.default.disable_ipv6": "1",
 }
-DOCKER_USER = "DOCKER-USER"
 BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
-IPV6 = Path("/proc/net/if_inet6")
 ROUTES = Path("/proc/net/route")
 
 _RUNNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -112,20 +109,6 @@ class Shape:
     proxy_container_id: str = ""
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One host firewall rule, spelled as ``iptables -S`` prints it (without ``-A CHAIN``)."""
-
-    binary: str  # iptables or ip6tables
-    chain: str
-    spec: tuple[str, ...]
-    why: str
-
-    def line(self) -> str:
-        """The rule as a command line appending it."""
-        return shlex.join([self.binary, "-A", self.chain, *self.spec])
-
-
 # --- names -----------------------------------------------------------------------------------
 
 
@@ -147,11 +130,6 @@ def proxy_container_name(runner: str) -> str:
 def bridge_name(runner: str) -> str:
     """The host interface of the runner's internal network (at most 15 characters)."""
     return "covey" + hashlib.sha256(runner.encode()).hexdigest()[:10]
-
-
-def comment(runner: str) -> str:
-    """The comment every firewall rule of the runner carries."""
-    return f"covey:{runner}"
 
 
 def check_runner(runner: str) -> str:
@@ -840,190 +818,37 @@ def _logs(client: docker.DockerClient, shape: Shape) -> str:
     return bytes(output).decode("utf-8", errors="replace").strip() or "no output"
 
 
-# --- firewall -------------------------------------------------------------------------------
+# --- firewall (runners/firewall.py) --------------------------------------------------------
 
 
-def rules(shape: Shape) -> list[Rule]:
+def wall(shape: Shape) -> firewall.Wall:
+    return firewall.Wall(shape.runner, shape.bridge, shape.subnet, shape.proxy_ip, PROXY_PORT)
+
+
+def rules(shape: Shape) -> list[firewall.Rule]:
     """The host firewall rules of a shape, in the order they must be in each chain."""
-    bridge, subnet, proxy = shape.bridge, shape.subnet, f"{shape.proxy_ip}/32"
-    tag = ("-m", "comment", "--comment", comment(shape.runner))
-    on_bridge, port = f"-i {bridge} -o {bridge}", PROXY_PORT
-    accept = (*tag, "-j", "ACCEPT")
-    found = [
-        Rule(
-            "iptables",
-            DOCKER_USER,
-            (*f"-s {subnet} -d {proxy} {on_bridge} -p tcp -m tcp --dport {port}".split(), *accept),
-            "sandbox -> proxy:3128, the one way out (ICC off drops it otherwise)",
-        ),
-        Rule(
-            "iptables",
-            DOCKER_USER,
-            (
-                *f"-s {proxy} -d {subnet} {on_bridge} -p tcp -m tcp --sport {port}"
-                f" -m conntrack --ctstate RELATED,ESTABLISHED".split(),
-                *accept,
-            ),
-            "the proxy's replies on connections a sandbox opened",
-        ),
-        Rule(
-            "iptables",
-            DOCKER_USER,
-            ("-i", bridge, *tag, "-j", "DROP"),
-            "anything else from the bridge: sandbox <-> sandbox, sandbox -> anywhere",
-        ),
-        Rule(
-            "iptables",
-            DOCKER_USER,
-            ("-o", bridge, *tag, "-j", "DROP"),
-            "anything else into the bridge: other networks and forwarded traffic",
-        ),
-        Rule(
-            "iptables",
-            "INPUT",
-            ("-i", bridge, *tag, "-j", "DROP"),
-            "sandbox -> the host itself: the gateway and every other host address",
-        ),
-    ]
-    if _has_ipv6():
-        found += [
-            Rule("ip6tables", "INPUT", ("-i", bridge, *tag, "-j", "DROP"), "IPv6 to the host"),
-            Rule("ip6tables", "FORWARD", ("-i", bridge, *tag, "-j", "DROP"), "IPv6 out"),
-            Rule("ip6tables", "FORWARD", ("-o", bridge, *tag, "-j", "DROP"), "IPv6 in"),
-        ]
-    return found
+    return firewall.rules(wall(shape))
 
 
 def check_rules(shape: Shape) -> list[str]:
-    """What is missing or out of place among the shape's firewall rules; empty when every
-    rule is there, in order, with nothing that could let the bridge's traffic through ahead
-    of it."""
-    problems = []
-    tag = comment(shape.runner)
-    for (binary, chain), wanted in _by_chain(rules(shape)).items():
-        try:
-            listed = _list(binary, chain)
-        except IsolationError as exc:
-            problems.append(str(exc))
-            continue
-        ours = [spec for spec in listed if _comment_of(spec) == tag]
-        if ours != wanted:
-            missing = [shlex.join(spec) for spec in wanted if spec not in ours]
-            extra = [shlex.join(spec) for spec in ours if spec not in wanted]
-            detail = "; ".join(
-                [f"missing {m}" for m in missing]
-                + [f"unexpected {e}" for e in extra]
-                + ([] if missing or extra else ["out of order"])
-            )
-            problems.append(f"{binary} {chain}: {detail}")
-            continue
-        first = listed.index(wanted[0])
-        for spec in listed[:first]:
-            if not _harmless(spec, shape.bridge):
-                problems.append(f"{binary} {chain}: {shlex.join(spec)} comes before covey's rules")
-    try:
-        forward = _list("iptables", "FORWARD")
-    except IsolationError as exc:
-        problems.append(str(exc))
-    else:
-        jump = ["-j", DOCKER_USER]
-        if jump not in forward:
-            problems.append(f"iptables FORWARD does not jump to {DOCKER_USER}")
-        else:
-            for spec in forward[: forward.index(jump)]:
-                if not _harmless(spec, shape.bridge):
-                    problems.append(
-                        f"iptables FORWARD: {shlex.join(spec)} comes before {DOCKER_USER}"
-                    )
-    return problems
+    """What is missing or out of place among the shape's firewall rules (empty: they hold)."""
+    return firewall.check_rules(wall(shape))
 
 
 def ensure_rules(shape: Shape) -> None:
-    """Install the shape's firewall rules (idempotent: rules in place are left alone)."""
-    if not check_rules(shape):
-        return
-    remove_rules(shape.runner)
-    for (binary, chain), specs in _by_chain(rules(shape)).items():
-        for spec in reversed(specs):  # each at the top: the first ends up first
-            _iptables(binary, "-I", chain, "1", *spec)
-    if problems := check_rules(shape):
-        raise IsolationError(f"the firewall rules did not hold: {'; '.join(problems)}")
+    """Install the shape's firewall rules (idempotent)."""
+    try:
+        firewall.ensure_rules(wall(shape))
+    except firewall.FirewallError as exc:
+        raise IsolationError(str(exc)) from exc
 
 
 def remove_rules(runner: str) -> None:
-    """Remove every firewall rule carrying the runner's comment; none is fine."""
-    tag = comment(check_runner(runner))
-    binaries = ("iptables", "ip6tables") if _has_ipv6() else ("iptables",)
-    for binary in binaries:
-        for chain in (DOCKER_USER, "INPUT", "FORWARD"):
-            try:
-                listed = _list(binary, chain)
-            except IsolationError:
-                continue  # no such chain (DOCKER-USER without Docker's iptables): nothing of ours
-            for spec in listed:
-                if _comment_of(spec) == tag:
-                    _iptables(binary, "-D", chain, *spec)
-
-
-def _by_chain(found: Iterable[Rule]) -> dict[tuple[str, str], list[list[str]]]:
-    chains: dict[tuple[str, str], list[list[str]]] = {}
-    for rule in found:
-        chains.setdefault((rule.binary, rule.chain), []).append(list(rule.spec))
-    return chains
-
-
-def _iptables(binary: str, *args: str) -> str:
+    """Remove every firewall rule of the runner; none is fine."""
     try:
-        result = subprocess.run(  # noqa: S603 - fixed binary, arguments covey built
-            [binary, "-w", "10", *args], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise IsolationError(f"cannot run {binary}: {exc}") from exc
-    if result.returncode != 0:
-        raise IsolationError(
-            f"{binary} {shlex.join(args)} failed: {(result.stderr or result.stdout).strip()}"
-        )
-    return result.stdout
-
-
-def _list(binary: str, chain: str) -> list[list[str]]:
-    """The chain's rules as ``-S`` prints them, without ``-A CHAIN``, in order."""
-    specs = []
-    for line in _iptables(binary, "-S", chain).splitlines():
-        args = shlex.split(line)
-        if len(args) > 2 and args[0] == "-A" and args[1] == chain:
-            specs.append(args[2:])
-    return specs
-
-
-def _comment_of(spec: list[str]) -> str | None:
-    if "--comment" in spec:
-        index = spec.index("--comment")
-        return spec[index + 1] if index + 1 < len(spec) else None
-    return None
-
-
-def _harmless(spec: list[str], bridge: str) -> bool:
-    """Whether a rule ahead of covey's cannot let the bridge's traffic through."""
-    if (_comment_of(spec) or "").startswith("covey:"):
-        return True
-    target = spec[spec.index("-j") + 1] if "-j" in spec[:-1] else None
-    if target in ("DROP", "REJECT", "LOG"):
-        return True
-    if "-i" in spec[:-1]:
-        index = spec.index("-i")
-        interface = spec[index + 1]
-        negated = index > 0 and spec[index - 1] == "!"
-        matches = (
-            bridge.startswith(interface[:-1]) if interface.endswith("+") else (interface == bridge)
-        )
-        if not negated and not matches:
-            return True
-    return False
-
-
-def _has_ipv6() -> bool:
-    return IPV6.exists()
+        firewall.remove_rules(check_runner(runner))
+    except firewall.FirewallError as exc:
+        raise IsolationError(str(exc)) from exc
 
 
 def _read(path: Path) -> str:

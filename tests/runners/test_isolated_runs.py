@@ -16,6 +16,7 @@ import random
 import re
 import socket
 import socketserver
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, closing, suppress
@@ -285,14 +286,15 @@ def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
         world.stack.stop_control_plane()
         renew_runner_tokens()
         world.stack.start_control_plane()
-        wait_for(
-            lambda: (
-                f"COVEY_RUNNER_TOKEN={json.loads(config.read_text())['token']}"
-                in json.loads(docker("inspect", proxy))[0]["Config"]["Env"]
-            ),
-            30,
-            "the proxy recreated with the renewed token",
-        )
+
+        def renewed() -> bool:
+            try:  # between its removal and its successor, there is no proxy to inspect
+                environment = json.loads(docker("inspect", proxy))[0]["Config"]["Env"]
+            except subprocess.CalledProcessError:
+                return False
+            return f"COVEY_RUNNER_TOKEN={json.loads(config.read_text())['token']}" in environment
+
+        wait_for(renewed, 30, "the proxy recreated with the renewed token")
         run = world.stack.wait(run_services.queue_run(agent, "after"), *FINISHED, timeout=60)
     assert json.loads(docker("inspect", proxy))[0]["Id"] != before
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
