@@ -266,3 +266,15 @@ def _move(run: Run, status: RunStatus, detail: str = "", fields: list[str] | Non
     run.status_detail = detail
     run.save(update_fields=["status", "status_detail", *(fields or [])])
     RunEvent.objects.create(run=run, status=status, detail=detail)
+
+
+def prune_logs(now: datetime | None = None) -> int:
+    """Delete the whole output of runs that ended more than COVEY_RUN_LOG_RETENTION_DAYS ago
+    (the run, its history and the tail of its output stay); returns how many."""
+    cutoff = (now or timezone.now()) - timedelta(days=settings.COVEY_RUN_LOG_RETENTION_DAYS)
+    pruned = 0
+    for run in Run.objects.filter(finished_at__lt=cutoff).exclude(log=""):
+        run.log.delete(save=False)
+        Run.objects.filter(pk=run.pk).update(log="")
+        pruned += 1
+    return pruned

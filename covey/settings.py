@@ -226,11 +226,14 @@ COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
 COVEY_RUNNER_PROXY_IMAGE = env.str("COVEY_RUNNER_PROXY_IMAGE", default="covey-egress:latest")
 COVEY_RUNNER_PROXY_CONTROL_PLANE_URL = env.str("COVEY_RUNNER_PROXY_CONTROL_PLANE_URL", default="")
 
-# Whole run logs (and other uploads) are kept here.
+# Whole run logs (and other uploads) are kept here; a run's whole log is deleted this many days
+# after the run ended (the run, its history and the tail of its output stay).
 MEDIA_ROOT = VAR_DIR / "media"
+COVEY_RUN_LOG_RETENTION_DAYS = env.int("COVEY_RUN_LOG_RETENTION_DAYS", default=30)
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
     "place-waiting-runs": {"task": "agents.place_waiting_runs", "schedule": 10.0},
+    "prune-run-logs": {"task": "agents.prune_run_logs", "schedule": 3600.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

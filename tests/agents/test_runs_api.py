@@ -2,6 +2,8 @@
 and its reasons, cancelling, what runners may report, and the runner-facing endpoints."""
 
 import json
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -278,3 +280,27 @@ def test_a_sandbox_that_ended_before_it_was_reported_running_still_ran(acme, ord
         "succeeded",
     ]
     assert (run.finished_at - run.started_at).total_seconds() == 1
+
+
+def test_whole_logs_are_pruned_after_the_retention_period(acme, orders, settings):
+    settings.COVEY_RUN_LOG_RETENTION_DAYS = 30
+    _, token = online_runner(acme)
+    client = runner_api(APIClient(), token)
+    old, recent = (runs.queue_run(AgentFactory(organisation=acme), t) for t in ("old", "new"))
+    for run in (old, recent):
+        client.post(f"/api/v1/runner/runs/{run.pk}/start/")
+        client.put(f"/api/v1/runner/runs/{run.pk}/log/", b"output\n", content_type="text/plain")
+        client.post(
+            f"/api/v1/runner/runs/{run.pk}/report/",
+            {"state": "exited", "exit_code": 0, "log_tail": "output\n"},
+            format="json",
+        )
+    Run.objects.filter(pk=old.pk).update(finished_at=timezone.now() - timedelta(days=31))
+    old.refresh_from_db()
+    path = Path(old.log.path)
+    assert path.exists()
+    assert runs.prune_logs() == 1
+    old.refresh_from_db()
+    recent.refresh_from_db()
+    assert not old.log and not path.exists() and old.log_tail == "output\n"
+    assert recent.log.read() == b"output\n"
