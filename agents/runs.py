@@ -197,7 +197,8 @@ def report(
         _place(run)
         return run
     run.exit_code = exit_code
-    run.log_tail = log_tail[-LOG_TAIL_CHARS:]
+    if log_tail:  # else the tail of the whole log the runner sent first
+        run.log_tail = log_tail[-LOG_TAIL_CHARS:]
     run.finished_at = finished_at or now
     if run.cancel_requested_at is not None:
         status, why = RunStatus.CANCELLED, "cancelled"
@@ -220,14 +221,15 @@ def report(
 
 @transaction.atomic
 def save_log(run_id: str, runner: Runner, text: str) -> Run | None:
-    """Keep a run's whole output (a runner sends it once the sandbox has ended)."""
+    """Keep a run's whole output and its tail (a runner sends it once the sandbox ended)."""
     run = _runners_run(run_id, runner)
     if run is None:
         return None
     if run.log:
         run.log.delete(save=False)
     run.log.save(f"{run.pk}.log", ContentFile(text.encode()), save=False)
-    Run.objects.filter(pk=run.pk).update(log=run.log.name)
+    run.log_tail = text[-LOG_TAIL_CHARS:]
+    Run.objects.filter(pk=run.pk).update(log=run.log.name, log_tail=run.log_tail)
     return run
 
 

@@ -67,22 +67,21 @@ class Tunnel:
     host: str
     port: int
     address: str
-    dial: "asyncio.Task[socket.socket] | None" = None  # ours, once the ClientHello passed
     started: bool = False  # the ClientHello was checked and the bytes flow
     bytes_up: int = 0  # before the relay took over; then the relay counts
     bytes_down: int = 0
+    handover: "asyncio.Task[None] | None" = None  # dials, sends the first bytes, starts the relay
+    upstream: socket.socket | None = None  # ours, once dialled (mitmproxy never sees it)
     relay: Relay | None = None
 
     def discard(self) -> None:
-        """Stop the relay and close the upstream connection, whatever state they are in."""
+        """Stop the hand-over and the relay and close the upstream, whatever state they are in."""
+        if self.handover is not None:
+            self.handover.cancel()  # a no-op once it is done
         if self.relay is not None:
             self.relay.close()
-        if self.dial is None:
-            return
-        if not self.dial.done():
-            self.dial.cancel()
-        elif not self.dial.cancelled() and self.dial.exception() is None:
-            self.dial.result().close()
+        if self.upstream is not None:
+            self.upstream.close()
 
     def totals(self) -> tuple[int, int]:
         """Bytes up and down so far."""
@@ -122,7 +121,6 @@ class Passthrough(layer.Layer):
         self.egress = egress
         self.tunnel = tunnel
         self.early: list[bytes] = []  # from the client, not yet sent upstream
-        self.handover: asyncio.Task[None] | None = None
 
     @property
     def forwarding(self) -> bool:
@@ -147,9 +145,8 @@ class Passthrough(layer.Layer):
                 return
             self.early.append(event.data)
             self.tunnel.bytes_up += len(event.data)
-            if self.handover is None:
-                self.tunnel.dial = asyncio.create_task(_dial(self.tunnel.address, self.tunnel.port))
-                self.handover = asyncio.create_task(self.egress.hand_over(self))
+            if self.tunnel.handover is None:
+                self.tunnel.handover = asyncio.create_task(self.egress.hand_over(self))
         elif isinstance(event, events.ConnectionClosed):
             # The client went (or mitmproxy is tearing the tunnel down): TLS has no use for a
             # half-open tunnel before the relay, and the relay passes half-closes on itself.
@@ -229,7 +226,8 @@ class CoveyEgress:
     # --- the relay ---------------------------------------------------------------------------
 
     async def hand_over(self, passthrough: Passthrough) -> None:
-        """Send the client's first bytes upstream, then give both sockets to a :class:`Relay`.
+        """Dial the vetted address, send the client's first bytes, then give both sockets to a
+        :class:`Relay`. Cancelled (by :meth:`Tunnel.discard`) when the client goes first.
 
         The client stops being read; once every byte mitmproxy read from it has been sent
         upstream and everything written to it (the 200) has left, the relay takes over. A
@@ -237,18 +235,13 @@ class CoveyEgress:
         """
         await asyncio.sleep(0)  # out of mitmproxy's event handling first
         client_id, tunnel = passthrough.context.client.id, passthrough.tunnel
-        if tunnel.dial is None:
-            return
         try:
-            upstream = await tunnel.dial
+            tunnel.upstream = await _dial(tunnel.address, tunnel.port)
         except (OSError, TimeoutError) as exc:
             logger.info("covey: could not reach %s:%s: %s", tunnel.address, tunnel.port, exc)
             self._close_client(client_id)
             return
-        except asyncio.CancelledError:
-            if tunnel.dial.cancelled():  # the client went first
-                return
-            raise
+        upstream = tunnel.upstream
         handler = _handler(client_id)
         io = handler.transports.get(handler.client) if handler else None
         if io is None or not (

@@ -28,6 +28,7 @@ class RunnerTokenAuthentication(authentication.BaseAuthentication):
         now = timezone.now()
         if runner.last_seen_at is None or (now - runner.last_seen_at).total_seconds() > 10:
             Runner.objects.filter(pk=runner.pk).update(last_seen_at=now)
+            runner.last_seen_at = now
         return AnonymousUser(), runner
 
     def authenticate_header(self, request: Request) -> str:

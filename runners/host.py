@@ -36,7 +36,6 @@ from runners.isolation import IsolationError, Shape
 
 logger = logging.getLogger(__name__)
 
-LOG_TAIL_CHARS = 16_000
 RECONCILE_SECONDS = 30.0
 # A run placed this long ago with no sandbox lost its order (a worker died holding it): the
 # runner launches it itself. Sooner, the order may still be on its way.
@@ -47,34 +46,39 @@ WARN_EVERY_SECONDS = 60.0  # the same trouble comes back every poll: say it once
 
 class Identity:
     """One runner this host serves: its id, name and token, kept in a JSON file (mode 0600)
-    that token renewals rewrite."""
+    that token renewals rewrite. The control plane's URL is the file's (runner_register writes
+    it) unless given."""
 
-    def __init__(self, path: Path, url: str) -> None:
+    def __init__(self, path: Path, url: str | None = None) -> None:
         self.path = path
-        self.url = url
         data = json.loads(path.read_text())
+        self.url = url or str(data["url"])
         self.id = int(data["id"])
         self.name = str(data.get("name", data["id"]))
         self._token = str(data["token"])
         self._mtime = path.stat().st_mtime_ns
-        self._client = ControlPlaneClient(url, self._token)
+        self._client = ControlPlaneClient(self.url, self._token)
         self._lock = threading.Lock()
 
     @property
     def token(self) -> str:
         """The current token (re-read when the control plane rewrote the file)."""
+        self._refresh()
+        return self._token
+
+    @property
+    def client(self) -> ControlPlaneClient:
+        """A client that uses the current token."""
+        self._refresh()
+        return self._client
+
+    def _refresh(self) -> None:
         with self._lock:
             mtime = self.path.stat().st_mtime_ns
             if mtime != self._mtime:
                 self._token = str(json.loads(self.path.read_text())["token"])
                 self._mtime = mtime
                 self._client.set_token(self._token)
-            return self._token
-
-    @property
-    def client(self) -> ControlPlaneClient:
-        self.token  # noqa: B018 - picks up a renewed token
-        return self._client
 
     def replace_token(self, token: str) -> None:
         """Keep a renewed token: in the file first (atomically), then in use."""
@@ -115,7 +119,7 @@ class RunnerHost:
     builtin_dir: Path | None = None  # where built-in identities appear (control-plane host)
     url: str = ""
     _engines: dict[int, Engine] = field(default_factory=dict)
-    _timed_out: set[str] = field(default_factory=set)
+    _timed_out: set[str] = field(default_factory=set)  # stopped for their time: stop once
     _stop: threading.Event = field(default_factory=threading.Event)
     _last_reconcile: dict[int, float] = field(default_factory=dict)
     # Runs being launched right now: the reconcile leaves them alone.
@@ -140,7 +144,10 @@ class RunnerHost:
         """Pick up built-in identities the control plane has written since."""
         if self.builtin_dir is None or not self.builtin_dir.is_dir():
             return
+        known = {identity.path for identity in self.identities.values()}
         for path in sorted(self.builtin_dir.glob("*.json")):
+            if path in known:
+                continue  # its token is re-read from the file when it changes
             try:
                 identity = Identity(path, self.url)
             except (OSError, ValueError, KeyError) as exc:
@@ -410,16 +417,13 @@ class RunnerHost:
         engine = self.engine(identity)
         client = identity.client
         run_id = sandbox.run_id
-        output = engine.logs(run_id)
-        timed_out = run_id in self._timed_out or _ran_out(sandbox)
         try:
-            client.put_log(run_id, output)
+            client.put_log(run_id, engine.logs(run_id))  # the control plane keeps its tail too
             client.report(
                 run_id,
                 "exited",
                 exit_code=sandbox.exit_code,
-                log_tail=output[-LOG_TAIL_CHARS:],
-                detail="timeout" if timed_out else "",
+                detail="timeout" if _ran_out(sandbox) else "",
                 started_at=_iso(sandbox.started_at),
                 finished_at=_iso(sandbox.finished_at),
             )
@@ -446,7 +450,7 @@ def _overdue(sandbox: Sandbox, now: datetime) -> bool:
 
 
 def _ran_out(sandbox: Sandbox) -> bool:
-    """It ran for its whole time (seen after a restart of the runner that stopped it)."""
+    """It ran for its whole time: stopped for it, by this runner or one before a restart."""
     if sandbox.timeout is None or sandbox.started_at is None or sandbox.finished_at is None:
         return False
     return (sandbox.finished_at - sandbox.started_at).total_seconds() >= sandbox.timeout

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from django.db.models import Count, Q
 
 from agents.models import ACTIVE, Agent
-from runners.models import Runner, stale_before
+from runners.models import Runner
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _unfit(runner: Runner, required: list[str]) -> str:
         return f"lacks label{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
     if runner.paused:
         return "paused"
-    if runner.last_seen_at is None or runner.last_seen_at < stale_before():
+    if not runner.online:
         return "offline"
     return ""
 

@@ -99,13 +99,10 @@ def set_paused(runner: Runner, paused: bool) -> Runner:
 
 
 def heartbeat(runner: Runner) -> None:
-    """The runner is alive (the authentication marked it seen); place what waits for it."""
+    """The runner is alive (its authentication marked it seen); place what waits for it."""
     from agents.models import Run, RunStatus
     from agents.runs import place_waiting
 
-    now = timezone.now()
-    Runner.objects.filter(pk=runner.pk).update(last_seen_at=now)
-    runner.last_seen_at = now
     waiting = Run.objects.filter(
         status=RunStatus.QUEUED, agent__organisation_id=runner.organisation_id
     )

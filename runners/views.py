@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents import runs
-from agents.models import Organisation, Role, Run, RunStatus
+from agents.models import Organisation, Role
 from covey.api import OrganisationRolePermission
 from runners import services
 from runners.auth import IsRunner, RunnerTokenAuthentication
@@ -208,7 +208,4 @@ def _me(runner: Runner) -> dict[str, Any]:
         "builtin": runner.builtin,
         "paused": runner.paused,
         "queue": runner.queue,
-        "waiting": Run.objects.filter(
-            status=RunStatus.QUEUED, agent__organisation_id=runner.organisation_id
-        ).count(),
     }

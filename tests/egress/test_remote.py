@@ -92,9 +92,13 @@ def test_the_policy_endpoint_needs_a_runner_token(client, acme):
     assert response.status_code == 401
 
 
-def test_a_runner_proxy_follows_its_runners_renewed_token(net, tmp_path, django_db_setup):
-    """The runner host rewrites its file when it takes a renewed token; the proxy reads it."""
-    from runners.host import Identity
+def test_a_runner_proxy_follows_its_runners_renewed_token(
+    net, tmp_path, django_db_setup, monkeypatch
+):
+    """The runner host rewrites its file when it takes a renewed token; the proxy reads it.
+    (The order's way through the broker is tested end to end in tests/runners/test_runs.py.)"""
+    from runners import dispatch
+    from runners.host import HostSettings, Identity, RunnerHost
     from runners.services import register_runner, renew_runner_tokens
 
     acme = OrganisationFactory(name="Acme")
@@ -114,19 +118,19 @@ def test_a_runner_proxy_follows_its_runners_renewed_token(net, tmp_path, django_
         }
         proxy = stack.enter_context(start_proxy(tmp_path, net, **env))
         wait_for(lambda: connect(proxy, target, credentials).status == 200, 10, "allow")
-        sent = []
-        from runners import dispatch
-
-        original, dispatch.send_token = (
-            dispatch.send_token,
-            lambda r, old, new: sent.append((r.pk, new)),
+        orders = []  # the sealed orders, as the runner's queue would carry them
+        monkeypatch.setattr(
+            dispatch,
+            "send_token",
+            lambda r, old, new: orders.append((r.pk, dispatch.seal(old, new))),
         )
-        try:
-            renew_runner_tokens()
-        finally:
-            dispatch.send_token = original
-        ((_, renewed),) = [s for s in sent if s[0] == runner.pk]
-        Identity(config, url).replace_token(renewed)  # what the runner host does
+        renew_runner_tokens()
+        identity = Identity(config)
+        host = RunnerHost({identity.id: identity}, HostSettings(homes=tmp_path / "homes"))
+        for runner_id, sealed in orders:
+            if runner_id == runner.pk:
+                host.renew_token(runner_id, sealed)  # what the order does on the runner host
+        assert json.loads(config.read_text())["token"] != token
         agent_services.update_agent(agent, enabled=False)
         wait_for(lambda: connect(proxy, target, credentials).status == 403, 3, "the change")
         time.sleep(2.5)  # past the grace period: the proxy still has a working source

@@ -1,7 +1,6 @@
 """Run the egress proxy in the foreground: mitmproxy with the covey addon."""
 
 import asyncio
-import json
 import logging
 import signal
 import socket
@@ -60,9 +59,7 @@ class Command(BaseCommand):
             from runners.host import Identity
 
             try:
-                path = Path(options_["runner_config"])
-                url = options_["control_plane"] or json.loads(path.read_text())["url"]
-                identity = Identity(path, url)
+                identity = Identity(Path(options_["runner_config"]), options_["control_plane"])
             except (OSError, ValueError, KeyError) as exc:
                 raise CommandError(f"cannot read {options_['runner_config']}: {exc}") from None
             source: Any = lambda known: identity.client.egress_policy(known)  # noqa: E731

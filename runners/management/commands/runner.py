@@ -53,10 +53,7 @@ class Command(BaseCommand):
             path = Path(options["config"])
             if not path.exists():
                 raise CommandError(f"{path} does not exist: register first (runner_register)")
-            import json
-
-            url = json.loads(path.read_text())["url"]
-            identity = runner_host.Identity(path, url)
+            identity = runner_host.Identity(path)
             try:
                 me = identity.client.me()
             except ControlPlaneError as exc:

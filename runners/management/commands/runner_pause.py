@@ -1,13 +1,13 @@
 """Pause or resume this runner host's runner from its command line (no database needed)."""
 
-import json
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners.client import ControlPlaneClient, ControlPlaneError
+from runners.client import ControlPlaneError
+from runners.host import Identity
 
 
 class Command(BaseCommand):
@@ -26,8 +26,7 @@ class Command(BaseCommand):
         path = Path(options["config"])
         if not path.exists():
             raise CommandError(f"{path} does not exist: register first (runner_register)")
-        data = json.loads(path.read_text())
-        client = ControlPlaneClient(data["url"], data["token"])
+        client = Identity(path).client
         try:
             me = client.pause(not options["resume"])
         except ControlPlaneError as exc:
