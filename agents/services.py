@@ -26,21 +26,30 @@ SANDBOX_FIELDS = frozenset({"runtime_command", "cpus", "memory_mb", "pids_limit"
 
 def find_agent(reference: str) -> Agent:
     """An agent by id, ``slug`` (when unique) or ``organisation-slug/agent-slug``."""
-    agents = Agent.objects.select_related("organisation")
+    agent: Agent = find_one(
+        Agent.objects.select_related("organisation"), reference, "slug", "agent"
+    )
+    return agent
+
+
+def find_one(queryset: Any, reference: str, field: str, noun: str) -> Any:
+    """One row of an organisation's by id, ``field`` (when unique across organisations) or
+    ``organisation-slug/<field>``; the model's DoesNotExist or MultipleObjectsReturned, saying
+    what to give instead."""
     if reference.isdigit():
-        found = list(agents.filter(pk=int(reference)))
+        found = list(queryset.filter(pk=int(reference)))
     elif "/" in reference:
-        org, _, slug = reference.partition("/")
-        found = list(agents.filter(organisation__slug=org, slug=slug))
+        org, _, value = reference.partition("/")
+        found = list(queryset.filter(organisation__slug=org, **{field: value}))
     else:
-        found = list(agents.filter(slug=reference)[:2])
+        found = list(queryset.filter(**{field: reference})[:2])
     if not found:
-        raise Agent.DoesNotExist(
-            f"no agent {reference!r} (give an id, a slug or org-slug/agent-slug)"
+        raise queryset.model.DoesNotExist(
+            f"no {noun} {reference!r} (give an id, a {field} or org-slug/{field})"
         )
     if len(found) > 1:
-        raise Agent.MultipleObjectsReturned(
-            f"several agents are called {reference!r}; use org-slug/agent-slug"
+        raise queryset.model.MultipleObjectsReturned(
+            f"several {noun}s are called {reference!r}; use org-slug/{field}"
         )
     return found[0]
 

@@ -226,6 +226,31 @@ COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
 COVEY_RUNNER_PROXY_IMAGE = env.str("COVEY_RUNNER_PROXY_IMAGE", default="covey-egress:latest")
 COVEY_RUNNER_PROXY_CONTROL_PLANE_URL = env.str("COVEY_RUNNER_PROXY_CONTROL_PLANE_URL", default="")
 
+# The egress probe (manage.py egress_probe; runners under isolation run it at start and take no
+# work until it passes). Control plane side: the vendor endpoint that must be reachable through
+# the proxy (default: the first entry of the organisation's base list) and a name that must be
+# refused. Runner host side (ip:port lists): what stands for the internet, private ranges, the
+# cloud metadata address, outside resolvers and IPv6; and how often a failed probe is retried.
+COVEY_EGRESS_PROBE_ALLOWED = env.str("COVEY_EGRESS_PROBE_ALLOWED", default="")
+COVEY_EGRESS_PROBE_OFF_LIST = env.str("COVEY_EGRESS_PROBE_OFF_LIST", default="example.com:443")
+COVEY_EGRESS_PROBE_INTERNET = env.list(
+    "COVEY_EGRESS_PROBE_INTERNET", default=["1.1.1.1:443", "8.8.8.8:443"]
+)
+COVEY_EGRESS_PROBE_PRIVATE = env.list(
+    "COVEY_EGRESS_PROBE_PRIVATE",
+    default=["10.0.0.1:80", "172.16.0.1:80", "192.168.0.1:80", "192.168.1.1:80"],
+)
+COVEY_EGRESS_PROBE_METADATA = env.list(
+    "COVEY_EGRESS_PROBE_METADATA", default=["169.254.169.254:80"]
+)
+COVEY_EGRESS_PROBE_RESOLVERS = env.list(
+    "COVEY_EGRESS_PROBE_RESOLVERS", default=["1.1.1.1:53", "8.8.8.8:53"]
+)
+COVEY_EGRESS_PROBE_IPV6 = env.list(
+    "COVEY_EGRESS_PROBE_IPV6", default=["[2606:4700:4700::1111]:443"]
+)
+COVEY_RUNNER_PROBE_RETRY_SECONDS = env.float("COVEY_RUNNER_PROBE_RETRY_SECONDS", default=300.0)
+
 # Whole run logs (and other uploads) are kept here; a run's whole log is deleted this many days
 # after the run ended (the run, its history and the tail of its output stay).
 MEDIA_ROOT = VAR_DIR / "media"

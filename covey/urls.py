@@ -17,6 +17,8 @@ from runners.views import (
     RegisterRunnerView,
     RunLogView,
     RunnerPauseView,
+    RunnerProbeReportView,
+    RunnerProbesView,
     RunnerRunsView,
     RunnerSelfView,
     RunnerViewSet,
@@ -51,5 +53,11 @@ urlpatterns = [
     path("api/v1/runner/runs/<str:run_id>/start/", RunStartView.as_view(), name="runner-start"),
     path("api/v1/runner/runs/<str:run_id>/report/", RunReportView.as_view(), name="runner-report"),
     path("api/v1/runner/runs/<str:run_id>/log/", RunLogView.as_view(), name="runner-log"),
+    path("api/v1/runner/probes/", RunnerProbesView.as_view(), name="runner-probes"),
+    path(
+        "api/v1/runner/probes/<str:probe_id>/report/",
+        RunnerProbeReportView.as_view(),
+        name="runner-probe-report",
+    ),
     path("api/v1/", include(router.urls)),
 ]

@@ -3,25 +3,82 @@
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils.html import format_html
 
-from runners import services
-from runners.models import RegistrationToken, Runner
+from egress.entries import EntryError
+from runners import probes, services
+from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
+
+PROBE_COLOURS = {
+    ProbeStatus.PASSED: "#2e7d32",
+    ProbeStatus.FAILED: "#c62828",
+    ProbeStatus.ERROR: "#c62828",
+    ProbeStatus.PENDING: "#757575",
+}
+
+
+def _probe_badge(probe: Probe | None) -> str:
+    if probe is None:
+        return "-"
+    when = probe.finished_at or probe.created_at
+    return format_html(
+        '<span style="color: {}; font-weight: bold">{}</span> {}',
+        PROBE_COLOURS.get(ProbeStatus(probe.status), "inherit"),
+        probe.status,
+        when.strftime("%Y-%m-%d %H:%M"),
+    )
+
+
+def _lines(probe: Probe) -> str:
+    return format_html("<pre>{}</pre>", "\n".join(probes.lines(probe)) or "(no checks yet)")
+
+
+class ProbeInline(admin.TabularInline):
+    """The runner's latest probes (newest first); each line is one check."""
+
+    model = Probe
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = True
+    fields = readonly_fields = ("created_at", "status", "isolation", "agent", "reason", "summary")
+    ordering = ["-created_at"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Probe]:
+        queryset: QuerySet[Probe] = super().get_queryset(request).select_related("agent")
+        return queryset
 
 
 @admin.register(Runner)
 class RunnerAdmin(admin.ModelAdmin):
-    """Online means a heartbeat within COVEY_RUNNER_STALE_SECONDS; stale runners get no work."""
+    """Online means a heartbeat within COVEY_RUNNER_STALE_SECONDS; stale runners get no work.
+    Under hard isolation a runner gets work only once its latest egress probe passed."""
 
-    list_display = ["name", "organisation", "labels", "builtin", "online", "paused", "last_seen_at"]
-    list_filter = ["paused", "builtin", "organisation"]
-    list_select_related = ["organisation"]
+    list_display = [
+        "name",
+        "organisation",
+        "labels",
+        "builtin",
+        "online",
+        "paused",
+        "isolation",
+        "last_probe_status",
+        "last_seen_at",
+    ]
+    list_filter = ["paused", "builtin", "isolation", "organisation"]
+    list_select_related = ["organisation", "last_probe"]
     search_fields = ["name", "organisation__name"]
     readonly_fields = [
         "organisation",
         "builtin",
         "online",
+        "isolation",
+        "trusted",
+        "last_probe_status",
+        "last_probe_lines",
         "token_prefix",
         "token_renewed_at",
         "created_at",
@@ -34,12 +91,47 @@ class RunnerAdmin(admin.ModelAdmin):
         "paused",
         "builtin",
         "online",
+        "isolation",
+        "trusted",
+        "last_probe_status",
+        "last_probe_lines",
         "token_prefix",
         "token_renewed_at",
         "created_at",
         "last_seen_at",
     ]
-    actions = ["pause_runners", "resume_runners"]
+    inlines = [ProbeInline]
+    actions = ["pause_runners", "resume_runners", "probe_runners"]
+
+    @admin.display(description="Last egress probe", ordering="last_probe__finished_at")
+    def last_probe_status(self, obj: Runner) -> str:
+        return _probe_badge(obj.last_probe)
+
+    @admin.display(description="What the last probe saw")
+    def last_probe_lines(self, obj: Runner) -> str:
+        return "-" if obj.last_probe is None else _lines(obj.last_probe)
+
+    @admin.display(boolean=True, description="Gets work")
+    def trusted(self, obj: Runner) -> bool:
+        return obj.trusted
+
+    @admin.action(description="Run the egress probe", permissions=["change"])
+    def probe_runners(self, request: HttpRequest, queryset: QuerySet[Runner]) -> None:
+        ordered = 0
+        for runner in queryset.select_related("organisation"):
+            try:
+                probes.order_probe(runner, by=request.user, reason="admin")
+            except (ValidationError, EntryError) as exc:
+                self.message_user(request, f"{runner.name}: {probes.words(exc)}", messages.ERROR)
+            else:
+                ordered += 1
+        if ordered:
+            self.message_user(
+                request,
+                f"Egress probe ordered on {ordered} runner(s); the result shows here when"
+                " the runner reports (a few seconds).",
+                messages.SUCCESS,
+            )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # runners register themselves with a registration token
@@ -67,6 +159,43 @@ class RunnerAdmin(admin.ModelAdmin):
     @admin.action(description="Resume selected runners", permissions=["change"])
     def resume_runners(self, request: HttpRequest, queryset: QuerySet[Runner]) -> None:
         self._set_paused(request, queryset, False)
+
+
+@admin.register(Probe)
+class ProbeAdmin(admin.ModelAdmin):
+    """Egress probes: what a sandbox in each runner's shape could reach. Read-only."""
+
+    list_display = ["created_at", "runner", "status_badge", "isolation", "agent", "reason"]
+    list_filter = ["status", "isolation", "runner__organisation"]
+    list_select_related = ["runner", "runner__organisation", "agent"]
+    search_fields = ["runner__name", "summary"]
+    fields = readonly_fields = (
+        "runner",
+        "status_badge",
+        "isolation",
+        "agent",
+        "reason",
+        "requested_by",
+        "created_at",
+        "finished_at",
+        "summary",
+        "detail",
+        "check_lines",
+    )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # ordered from a runner's page, the API or manage.py egress_probe
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # the record stays as the runner reported it
+
+    @admin.display(description="Status", ordering="status")
+    def status_badge(self, obj: Probe) -> str:
+        return _probe_badge(obj)
+
+    @admin.display(description="Checks")
+    def check_lines(self, obj: Probe) -> str:
+        return _lines(obj)
 
 
 @admin.register(RegistrationToken)

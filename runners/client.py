@@ -39,9 +39,34 @@ class ControlPlaneClient:
         data: Mapping[str, Any] = self._request("GET", "/api/v1/runner/").json()
         return data
 
-    def heartbeat(self) -> Mapping[str, Any]:
-        """Tell the control plane this runner is alive; answers like :meth:`me`."""
-        data: Mapping[str, Any] = self._request("POST", "/api/v1/runner/").json()
+    def heartbeat(self, isolation: str = "") -> Mapping[str, Any]:
+        """Tell the control plane this runner is alive (and what it enforces: network or
+        cooperative); answers like :meth:`me`."""
+        body = {"isolation": isolation} if isolation else {}
+        data: Mapping[str, Any] = self._request("POST", "/api/v1/runner/", json=body).json()
+        return data
+
+    def begin_probe(
+        self, probe_id: str | None, isolation: str, reason: str = ""
+    ) -> Mapping[str, Any] | None:
+        """What an egress probe is to try (a new one when ``probe_id`` is None); None when the
+        ordered probe is no longer this runner's to run."""
+        body = {"probe": probe_id, "isolation": isolation, "reason": reason}
+        response = self._request("POST", "/api/v1/runner/probes/", json=body, allow=(409,))
+        if response.status_code == 409:
+            return None
+        data: Mapping[str, Any] = response.json()
+        return data
+
+    def report_probe(
+        self, probe_id: str, checks: list[dict[str, str]], detail: str = ""
+    ) -> Mapping[str, Any]:
+        """What the probe saw, one entry per check (or why it could not run)."""
+        data: Mapping[str, Any] = self._request(
+            "POST",
+            f"/api/v1/runner/probes/{probe_id}/report/",
+            json={"checks": checks, "detail": detail},
+        ).json()
         return data
 
     def pause(self, paused: bool) -> Mapping[str, Any]:

@@ -16,6 +16,7 @@ from runners.models import Runner
 LAUNCH = "covey.runner.launch"
 CANCEL = "covey.runner.cancel"
 RENEW = "covey.runner.renew_token"
+PROBE = "covey.runner.probe"
 
 
 def send_launch(runner: Runner, run_id: str) -> None:
@@ -24,6 +25,10 @@ def send_launch(runner: Runner, run_id: str) -> None:
 
 def send_cancel(runner: Runner, run_id: str) -> None:
     app.send_task(CANCEL, args=[runner.pk, run_id], queue=runner.queue)
+
+
+def send_probe(runner: Runner, probe_id: str) -> None:
+    app.send_task(PROBE, args=[runner.pk, probe_id], queue=runner.queue)
 
 
 def send_token(runner: Runner, old_token_sha256: str, new_token: str) -> None:

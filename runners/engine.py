@@ -150,6 +150,22 @@ class Engine:
         )
         return sorted((_sandbox(c) for c in containers), key=lambda s: s.run_id)
 
+    def address(self, run_id: str, network: str | None = None) -> str:
+        """The sandbox's IPv4 address on a network (None: Docker's default bridge); '' when it
+        has none there."""
+        container = self._existing(run_id)
+        networks = (container.attrs.get("NetworkSettings") or {}).get("Networks") or {}
+        return str((networks.get(network or "bridge") or {}).get("IPAddress") or "")
+
+    def gateway(self, network: str | None = None) -> str:
+        """The host's address on a network (None: Docker's default bridge); '' when unknown."""
+        try:
+            attrs = self._client.api.inspect_network(network or "bridge")
+        except (NotFound, APIError):
+            return ""
+        configs = (attrs.get("IPAM") or {}).get("Config") or []
+        return next((str(c["Gateway"]) for c in configs if c.get("Gateway")), "")
+
     def logs(self, run_id: str, tail: int | None = None) -> str:
         """Standard output and error of a run, interleaved as written."""
         container = self._existing(run_id)

@@ -13,6 +13,8 @@ Under hard isolation (``HostSettings.isolation``, COVEY_EGRESS_ISOLATION=network
 sandboxes go on its internal network, whose only exit is its proxy container
 (runners/isolation.py). The shape is built at start and repaired at every reconcile, and checked
 before every launch; a launch it cannot vouch for is refused (fail closed), never run without it.
+Each runner is also probed (runners/probing.py) when it starts, on order, and again while its
+last probe failed; until one passes it refuses every launch.
 """
 
 import json
@@ -26,15 +28,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from egress import probe as egress_probe
 from egress.environment import proxy_environment
 from egress.policy import hash_token
-from runners import isolation
+from runners import isolation, probing
 from runners.client import ControlPlaneClient, ControlPlaneError
 from runners.dispatch import unseal
 from runners.engine import Engine, EngineError, Sandbox, SandboxSpec
 from runners.isolation import IsolationError, Shape
 
 logger = logging.getLogger(__name__)
+
+# As the control plane spells them (runners.models; this module imports no Django).
+ISOLATION_NETWORK = "network"
+ISOLATION_COOPERATIVE = "cooperative"
+
+
+class UntrustedError(Exception):
+    """The runner may not take work: its egress probe has not passed (hard isolation)."""
+
 
 RECONCILE_SECONDS = 30.0
 # A run placed this long ago with no sandbox lost its order (a worker died holding it): the
@@ -108,6 +120,23 @@ class HostSettings:
     proxy_image: str = "covey-egress:latest"
     proxy_control_plane_url: str = ""
     proxy_environment: Mapping[str, str] = field(default_factory=dict)
+    # The egress probe: what stands for the outside world, and how long a runner whose probe
+    # failed waits before it probes again on its own.
+    probe_targets: probing.Targets = field(default_factory=probing.Targets)
+    probe_retry: float = 300.0
+
+    @property
+    def isolation_mode(self) -> str:
+        return ISOLATION_NETWORK if self.isolation else ISOLATION_COOPERATIVE
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    """A runner's latest egress probe on this host."""
+
+    passed: bool
+    at: float  # time.monotonic()
+    summary: str
 
 
 @dataclass
@@ -131,6 +160,9 @@ class RunnerHost:
     _isolation_warned: dict[int, float] = field(default_factory=dict)
     # Builds one at a time: workers and the watcher must not make one runner's shape twice.
     _isolation_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Per runner: its latest egress probe, and one probe at a time.
+    _probes: dict[int, ProbeState] = field(default_factory=dict)
+    _probe_locks: dict[int, threading.Lock] = field(default_factory=dict)
 
     # --- identities ------------------------------------------------------------------------
 
@@ -190,9 +222,11 @@ class RunnerHost:
             logger.info("covey runner: run %s is no longer ours to start", run_id)
             return
         try:
+            if self.settings.isolation:
+                self._check_probe(identity)
             shape = self._checked_shape(identity) if self.settings.isolation else None
             sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec, shape))
-        except (EngineError, IsolationError, ValueError) as exc:
+        except (EngineError, IsolationError, UntrustedError, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             client.report(run_id, "built", detail=str(exc)[:400])
             return
@@ -324,6 +358,108 @@ class RunnerHost:
         except Exception as exc:  # whatever it is, the shape is not vouched for
             return [f"{type(exc).__name__}: {exc}"]
 
+    # --- the egress probe ---------------------------------------------------------------------
+
+    def start_probes(self) -> dict[int, probing.Report | None]:
+        """At start, under hard isolation: probe every runner before it takes work."""
+        if not self.settings.isolation:
+            return {}
+        return {
+            identity.id: self._probe_safely(identity, None, "runner start")
+            for identity in list(self.identities.values())
+        }
+
+    def probe(
+        self, runner_id: int, probe_id: str | None = None, reason: str = "ordered"
+    ) -> probing.Report | None:
+        """Run an egress probe (the one the control plane ordered, or a new one) in the
+        runner's real shape and report it; None when the order is no longer ours."""
+        identity = self.identity(runner_id)
+        lock = self._probe_locks.setdefault(identity.id, threading.Lock())
+        with lock:
+            client = identity.client
+            order = client.begin_probe(probe_id, self.settings.isolation_mode, reason)
+            if order is None:
+                logger.info("covey runner %s: probe %s is not ours to run", identity.name, probe_id)
+                return None
+            if "error" in order:  # the control plane finished it already
+                report = probing.failed(str(order["error"]))
+            else:
+                try:
+                    report = probing.run(
+                        self._probe_engine(identity),
+                        order,
+                        self.settings.probe_targets,
+                        self._probe_where(identity),
+                        self.settings.homes / str(identity.id),
+                    )
+                except (probing.ProbeError, EngineError, IsolationError, ValueError) as exc:
+                    report = probing.failed(str(exc))
+                client.report_probe(
+                    str(order["probe"]), [r.as_dict() for r in report.results], report.detail
+                )
+            summary = report.detail or egress_probe.summary(report.results)
+            self._probes[identity.id] = ProbeState(report.passed, time.monotonic(), summary)
+        level = logging.INFO if report.passed else logging.WARNING
+        logger.log(
+            level,
+            "covey runner %s: egress probe %s: %s\n%s",
+            identity.name,
+            "passed" if report.passed else "FAILED",
+            summary,
+            "\n".join(report.lines),
+        )
+        return report
+
+    def _probe_safely(
+        self, identity: Identity, probe_id: str | None, reason: str
+    ) -> probing.Report | None:
+        try:
+            return self.probe(identity.id, probe_id, reason)
+        except ControlPlaneError as exc:
+            logger.warning("covey runner %s: egress probe: %s", identity.name, exc)
+            return None
+
+    def _probe_engine(self, identity: Identity) -> Engine:
+        key = -identity.id  # beside the runner's own engine, under another name
+        if key not in self._engines:
+            self._engines[key] = Engine(f"{runner_name(identity)}.probe")
+        return self._engines[key]
+
+    def _probe_where(self, identity: Identity) -> probing.Where:
+        """The shape a sandbox of this runner would get right now."""
+        if self.settings.isolation:
+            shape = self._checked_shape(identity)
+            return probing.Where(
+                network=isolation.sandbox_network_options(shape),
+                proxy=isolation.proxy_address(shape),
+                gateway=shape.gateway,
+                isolation=ISOLATION_NETWORK,
+            )
+        network = self.settings.network
+        return probing.Where(
+            network={"network": network},
+            proxy=self.settings.proxy,
+            gateway=self.engine(identity).gateway(network),
+            isolation=ISOLATION_COOPERATIVE,
+        )
+
+    def _check_probe(self, identity: Identity) -> None:
+        """UntrustedError unless the runner's latest probe passed (hard isolation)."""
+        state = self._probes.get(identity.id)
+        if state is None:
+            raise UntrustedError("this runner has not passed an egress probe yet")
+        if not state.passed:
+            raise UntrustedError(f"this runner's last egress probe failed: {state.summary}")
+
+    def _probe_due(self, identity: Identity) -> bool:
+        if not self.settings.isolation:
+            return False
+        state = self._probes.get(identity.id)
+        if state is None:
+            return True
+        return not state.passed and time.monotonic() - state.at >= self.settings.probe_retry
+
     # --- watching --------------------------------------------------------------------------
 
     def watch(self) -> None:
@@ -349,7 +485,7 @@ class RunnerHost:
             self.rescan()
             for identity in list(self.identities.values()):
                 try:
-                    identity.client.heartbeat()
+                    identity.client.heartbeat(self.settings.isolation_mode)
                 except ControlPlaneError as exc:
                     logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
             self._stop.wait(interval)
@@ -368,6 +504,9 @@ class RunnerHost:
                 logger.info("covey runner: run %s ran out of time; stopping", sandbox.run_id)
                 self._timed_out.add(sandbox.run_id)
                 engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
+        if self._probe_due(identity):
+            first = identity.id not in self._probes
+            self._probe_safely(identity, None, "runner start" if first else "retry")
         built_with = self._shape_tokens.get(identity.id)
         if built_with is not None and built_with != identity.token:
             # A renewed token (an order, or a rewritten built-in identity): the proxy polls

@@ -1,5 +1,6 @@
 """Runners: hosts that run sandboxes for one organisation, and how they register."""
 
+import uuid
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -54,6 +55,21 @@ class Runner(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     token_renewed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    isolation = models.CharField(
+        max_length=20,
+        blank=True,
+        editable=False,
+        help_text="What the runner host says it enforces: network (hard) or cooperative.",
+    )
+    last_probe = models.ForeignKey(
+        "runners.Probe",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        editable=False,
+        related_name="+",
+        help_text="The runner's latest finished egress probe.",
+    )
 
     objects = TenantQuerySet.as_manager()
 
@@ -72,12 +88,86 @@ class Runner(models.Model):
         return BUILTIN_QUEUE if self.builtin else f"runner.{self.pk}"
 
     @property
+    def trusted(self) -> bool:
+        """Under hard isolation, only once its latest egress probe passed."""
+        if self.isolation != ISOLATION_NETWORK:
+            return True
+        return self.last_probe is not None and self.last_probe.status == ProbeStatus.PASSED
+
+    def untrusted_reason(self) -> str:
+        """Why a hard-isolation runner gets no work ('' when it does)."""
+        if self.trusted:
+            return ""
+        probe = self.last_probe
+        if probe is None:
+            return "has not passed an egress probe yet"
+        when = probe.finished_at.strftime("%Y-%m-%d %H:%M:%S %Z") if probe.finished_at else ""
+        return f"failed its egress probe at {when}: {probe.summary}"
+
+    @property
     def online(self) -> bool:
         """It has sent a heartbeat recently (COVEY_RUNNER_STALE_SECONDS)."""
         return self.last_seen_at is not None and self.last_seen_at >= stale_before()
 
 
 BUILTIN_QUEUE = "runners.builtin"
+ISOLATION_NETWORK = "network"
+ISOLATION_COOPERATIVE = "cooperative"
+
+
+class ProbeStatus(models.TextChoices):
+    PENDING = "pending"  # ordered; the runner has not reported yet
+    PASSED = "passed"  # every check held
+    FAILED = "failed"  # something leaked, or the allowed vendor could not be reached
+    ERROR = "error"  # the probe could not run (said in detail)
+
+
+class ProbeQuerySet(TenantQuerySet):
+    membership_lookup = "runner__organisation__memberships__user"
+
+
+class Probe(models.Model):
+    """One egress probe of a runner: what a sandbox in the runner's shape could reach.
+
+    Ordered by a person (``manage.py egress_probe``) or by the runner host itself (at start,
+    and again while the last one failed). The runner reports one line per check.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    runner = models.ForeignKey(Runner, on_delete=models.CASCADE, related_name="probes")
+    agent = models.ForeignKey(
+        "agents.Agent",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        help_text="Whose credentials and allowlist the proxy checks used.",
+    )
+    isolation = models.CharField(max_length=20, blank=True)
+    status = models.CharField(
+        max_length=10, choices=ProbeStatus.choices, default=ProbeStatus.PENDING
+    )
+    reason = models.CharField(max_length=100, help_text="Why it ran.")
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    checks = models.JSONField(default=list, blank=True)  # [{category, target, verdict, observed}]
+    summary = models.CharField(max_length=400, blank=True)
+    detail = models.TextField(blank=True, help_text="Why the probe could not run.")
+    egress_token = models.ForeignKey(
+        "egress.EgressToken", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+
+    objects = ProbeQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["runner", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"probe of {self.runner.name}: {self.status}"
 
 
 def stale_before() -> datetime:

@@ -1,5 +1,6 @@
 """Where a run goes: an online, unpaused runner of the agent's organisation with every label the
-agent requires, and the runner holding the agent's home when there is one."""
+agent requires (under hard isolation, one whose latest egress probe passed), and the runner
+holding the agent's home when there is one."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ def place(agent: Agent) -> Placement:
     """Choose a runner for the agent's next run: the least busy of those that fit."""
     runners = list(
         Runner.objects.filter(organisation_id=agent.organisation_id)
+        .select_related("last_probe")
         .annotate(busy=Count("runs", filter=Q(runs__status__in=ACTIVE)))
         .order_by("busy", "builtin", "name")
     )
@@ -48,7 +50,7 @@ def _unfit(runner: Runner, required: list[str]) -> str:
         return "paused"
     if not runner.online:
         return "offline"
-    return ""
+    return runner.untrusted_reason()
 
 
 def _why_none(runners: Sequence[Runner], agent: Agent) -> str:

@@ -26,3 +26,8 @@ def cancel(runner_id: int, run_id: str) -> None:
 @shared_task(name=dispatch.RENEW, acks_late=True, reject_on_worker_lost=True)
 def renew_token(runner_id: int, sealed: str) -> None:
     host.current().renew_token(runner_id, sealed)
+
+
+@shared_task(name=dispatch.PROBE, acks_late=True, reject_on_worker_lost=True, **RETRY)
+def probe(runner_id: int, probe_id: str) -> None:
+    host.current().probe(runner_id, probe_id)

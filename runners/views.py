@@ -4,6 +4,7 @@ the endpoints runners themselves call with their runner token (``/api/v1/runner/
 import uuid
 from typing import Any
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, status, viewsets
@@ -13,15 +14,56 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents import runs
-from agents.models import Organisation, Role
+from agents.models import Agent, Organisation, Role
+from agents.services import find_agent
 from covey.api import OrganisationRolePermission
-from runners import services
+from egress.entries import EntryError
+from egress.probe import Verdict
+from runners import probes, services
 from runners.auth import IsRunner, RunnerTokenAuthentication
-from runners.models import Runner
+from runners.models import Probe, Runner
+
+
+class ProbeSerializer(serializers.ModelSerializer):
+    """One egress probe of a runner, with one line per check."""
+
+    agent: serializers.Field = serializers.StringRelatedField()
+    lines = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Probe
+        fields = [
+            "id",
+            "runner",
+            "agent",
+            "isolation",
+            "status",
+            "reason",
+            "created_at",
+            "finished_at",
+            "summary",
+            "detail",
+            "checks",
+            "lines",
+        ]
+        read_only_fields = fields
+
+    def get_lines(self, obj: Probe) -> list[str]:
+        return probes.lines(obj)
+
+
+class LastProbeSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Probe
+        fields = ["id", "status", "isolation", "finished_at", "summary"]
+        read_only_fields = fields
 
 
 class RunnerSerializer(serializers.ModelSerializer):
-    """A runner (its token is never shown again after registration)."""
+    """A runner (its token is never shown again after registration). ``trusted``: it may get
+    work; a runner under hard isolation is trusted only once its latest probe passed."""
+
+    last_probe = LastProbeSerializer(read_only=True)
 
     class Meta:
         model = Runner
@@ -33,10 +75,19 @@ class RunnerSerializer(serializers.ModelSerializer):
             "builtin",
             "paused",
             "online",
+            "isolation",
+            "trusted",
+            "last_probe",
             "created_at",
             "last_seen_at",
         ]
         read_only_fields = fields
+
+
+class ProbeOrderSerializer(serializers.Serializer):
+    agent = serializers.CharField(
+        required=False, help_text="id, slug or org-slug/agent-slug; default: the first that can"
+    )
 
 
 class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -49,7 +100,7 @@ class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     filterset_fields = ["organisation", "paused", "builtin"]
 
     def get_queryset(self) -> Any:
-        return Runner.objects.for_user(self.request.user)
+        return Runner.objects.for_user(self.request.user).select_related("last_probe")
 
     def organisation_of(self, obj: Runner) -> Organisation:
         return obj.organisation
@@ -67,6 +118,35 @@ class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         """Accept work again; waiting runs that fit are placed at once."""
         runner = services.set_paused(self.get_object(), False)
         return Response(self.get_serializer(runner).data)
+
+    @extend_schema(request=ProbeOrderSerializer, responses={202: ProbeSerializer})
+    @action(detail=True, methods=["post"])
+    def probe(self, request: Request, pk: str | None = None) -> Response:
+        """Order an egress probe; follow it at ``probes/`` (it is pending until the runner
+        reports)."""
+        runner = self.get_object()
+        serializer = ProbeOrderSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        agent = None
+        if reference := serializer.validated_data.get("agent"):
+            try:
+                agent = find_agent(reference)
+            except (Agent.DoesNotExist, Agent.MultipleObjectsReturned) as exc:
+                raise serializers.ValidationError({"agent": [str(exc)]}) from None
+        try:
+            probe = probes.order_probe(runner, agent=agent, by=request.user, reason="API")
+        except (DjangoValidationError, EntryError) as exc:
+            raise serializers.ValidationError({"agent": [probes.words(exc)]}) from None
+        return Response(ProbeSerializer(probe).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(responses=ProbeSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def probes(self, request: Request, pk: str | None = None) -> Response:
+        """The runner's latest egress probes, newest first."""
+        runner = self.get_object()
+        page = self.paginate_queryset(runner.probes.select_related("agent"))
+        data = ProbeSerializer(page, many=True).data
+        return self.get_paginated_response(data)
 
 
 class RegistrationSerializer(serializers.Serializer):
@@ -107,6 +187,10 @@ class RunnerEndpoint(APIView):
         return runner
 
 
+class HeartbeatSerializer(serializers.Serializer):
+    isolation = serializers.ChoiceField(choices=probes.ISOLATIONS, required=False)
+
+
 class RunnerSelfView(RunnerEndpoint):
     """Who the calling runner is; calling it is also its heartbeat."""
 
@@ -114,10 +198,14 @@ class RunnerSelfView(RunnerEndpoint):
     def get(self, request: Request) -> Response:
         return Response(_me(self.runner(request)))
 
-    @extend_schema(request=None, responses=dict)
+    @extend_schema(request=HeartbeatSerializer, responses=dict)
     def post(self, request: Request) -> Response:
         """The heartbeat: the runner is alive; waiting runs that fit it are placed."""
+        serializer = HeartbeatSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
         runner = self.runner(request)
+        if isolation := serializer.validated_data.get("isolation"):
+            probes.note_isolation(runner, isolation)
         services.heartbeat(runner)
         return Response(_me(runner))
 
@@ -192,6 +280,62 @@ class RunLogView(RunnerEndpoint):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+class ProbeBeginSerializer(serializers.Serializer):
+    probe = serializers.UUIDField(required=False, allow_null=True)
+    isolation = serializers.ChoiceField(choices=probes.ISOLATIONS)
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=100)
+
+
+class RunnerProbesView(RunnerEndpoint):
+    """The runner starts an egress probe (ordered, or its own): what to try, and as whom."""
+
+    @extend_schema(request=ProbeBeginSerializer, responses={200: dict, 409: dict})
+    def post(self, request: Request) -> Response:
+        serializer = ProbeBeginSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        probe_id = data.get("probe")
+        try:
+            order = probes.begin(
+                self.runner(request),
+                None if probe_id is None else str(probe_id),
+                data["isolation"],
+                data.get("reason", ""),
+            )
+        except probes.ProbeConflict as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(order)
+
+
+class ProbeCheckSerializer(serializers.Serializer):
+    category = serializers.CharField(max_length=40)
+    target = serializers.CharField(max_length=300)
+    verdict = serializers.ChoiceField(choices=[v.value for v in Verdict])
+    observed = serializers.CharField(max_length=1000, allow_blank=True)
+
+
+class ProbeReportSerializer(serializers.Serializer):
+    checks = ProbeCheckSerializer(many=True)
+    detail = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+
+
+class RunnerProbeReportView(RunnerEndpoint):
+    """What the runner's probe saw; answers with the probe's status."""
+
+    @extend_schema(request=ProbeReportSerializer, responses=dict)
+    def post(self, request: Request, probe_id: str) -> Response:
+        serializer = ProbeReportSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        try:
+            probe = probes.finish(
+                self.runner(request), _run_id(probe_id), data["checks"], data.get("detail", "")
+            )
+        except probes.ProbeConflict as exc:
+            raise Http404(str(exc)) from None
+        return Response({"probe": str(probe.pk), "status": probe.status})
+
+
 def _run_id(text: str) -> str:
     try:
         return str(uuid.UUID(text))
@@ -208,4 +352,5 @@ def _me(runner: Runner) -> dict[str, Any]:
         "builtin": runner.builtin,
         "paused": runner.paused,
         "queue": runner.queue,
+        "isolation": runner.isolation,
     }

@@ -10,6 +10,7 @@ them from its outward network; sandboxes must not reach any of them but through 
 """
 
 import http.server
+import io
 import ipaddress
 import json
 import random
@@ -23,12 +24,14 @@ from contextlib import ExitStack, closing, suppress
 from uuid import uuid4
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection
 from dnslib import QTYPE, RCODE, RR, A  # type: ignore[import-untyped]
 from dnslib.server import BaseResolver, DNSLogger, DNSServer  # type: ignore[import-untyped]
 
 from agents import runs as run_services
 from agents.models import FINISHED, RunStatus
+from egress.models import EgressToken
 from runners import isolation
 from runners.models import Runner
 from runners.services import renew_runner_tokens
@@ -45,6 +48,76 @@ pytestmark = [
 
 UPSTREAM_NAME = "upstream.isolated-runs.example"
 OFF_LIST_NAME = "off-list.isolated-runs.example"
+SESSION = uuid4().hex[:8]
+OUTSIDE_LABEL = f"covey.test=outside-{SESSION}"
+
+# Runs as root in a stand-in container: TCP listeners on the given ports, and on UDP 53 a
+# resolver that answers every A question with 192.0.2.1.
+OUTSIDE = r"""
+import socket, sys, threading
+def tcp(port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.listen(64)
+    while True:
+        s.accept()[0].close()
+def dns():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", 53))
+    while True:
+        query, sender = s.recvfrom(512)
+        end = query.index(b"\0", 12) + 5
+        answer = b"\xc0\x0c\0\1\0\1\0\0\0\x3c\0\4" + bytes([192, 0, 2, 1])
+        s.sendto(query[:2] + b"\x81\x80\0\1\0\1\0\0\0\0" + query[12:end] + answer, sender)
+for port in sys.argv[1:]:
+    threading.Thread(target=tcp, args=(int(port),), daemon=True).start()
+print("ready", flush=True)
+dns()
+"""
+
+
+class Outside:
+    """What stands for the world outside a sandbox, as containers: "the internet" on Docker's
+    default bridge (TCP 443, a resolver on UDP 53) and a private LAN on a network of its own
+    (TCP 80 and 8080). Sandboxes must reach none of it directly."""
+
+    def __init__(self, base_image: str) -> None:
+        self.containers: list[str] = []
+        self.lan_network = f"covey-test-lan-{SESSION}"
+        try:
+            docker("network", "create", "--label", OUTSIDE_LABEL, self.lan_network)
+            self.internet = self._start("internet", "bridge", base_image, 443)
+            self.lan = self._start("lan", self.lan_network, base_image, 80, 8080)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, role: str, network: str, image: str, *ports: int) -> str:
+        name = f"covey-test-{role}-{SESSION}"
+        docker(
+            "run", "--detach", "--name", name, "--label", OUTSIDE_LABEL, "--network", network,
+            image, "python3", "-c", OUTSIDE, *map(str, ports),
+        )  # fmt: skip
+        self.containers.append(name)
+        wait_for(lambda: "ready" in docker("logs", name), 30, f"the {role} stand-in")
+        attrs = json.loads(docker("inspect", name))[0]
+        return str(attrs["NetworkSettings"]["Networks"][network]["IPAddress"])
+
+    def targets(self) -> dict[str, str]:
+        """The runner host's probe settings: every target is a stand-in on this machine."""
+        return {
+            "COVEY_EGRESS_PROBE_INTERNET": f"{self.internet}:443",
+            "COVEY_EGRESS_PROBE_PRIVATE": f"{self.lan}:8080",
+            "COVEY_EGRESS_PROBE_METADATA": f"{self.lan}:80",
+            "COVEY_EGRESS_PROBE_RESOLVERS": f"{self.internet}:53",
+            "COVEY_EGRESS_PROBE_IPV6": "[fd00:c0de::1]:443",  # unique local: no route anywhere
+        }
+
+    def close(self) -> None:
+        if self.containers:
+            subprocess.run(["docker", "rm", "--force", *self.containers], capture_output=True)
+        subprocess.run(["docker", "network", "rm", self.lan_network], capture_output=True)
 
 
 def host_bridge_address() -> str:
@@ -130,8 +203,9 @@ def serve(stack: ExitStack, server: socketserver.BaseServer) -> None:
 class World:
     """The control plane, what the proxy reaches on the host, and the runner's cleanup."""
 
-    def __init__(self, tmp_path, base_image: str, proxy_image: str) -> None:
+    def __init__(self, tmp_path, base_image: str, proxy_image: str, **control_plane_env) -> None:
         self.proxy_image = proxy_image
+        self.control_plane_env = control_plane_env
         self.resources = ExitStack()
         self.runner_names: list[str] = []
         try:
@@ -150,16 +224,23 @@ class World:
             pytest.fail(f"cannot listen on {self.host}:80 for the upstream: {exc}")
         serve(self.resources, upstream)
         quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda _message: None)
-        dns = DNSServer(OneName(UPSTREAM_NAME, self.host), address=self.host, port=0, logger=quiet)
+        self.names = OneName(UPSTREAM_NAME, self.host)  # tests may point the name elsewhere
+        dns = DNSServer(self.names, address=self.host, port=0, logger=quiet)
         self.dns_port = dns.server.server_address[1]
         dns.start_thread()
         self.resources.callback(dns.stop)
+        self.outside = Outside(base_image)
+        self.resources.callback(self.outside.close)
         self.stack = Stack(
             tmp_path,
             base_image,
             COVEY_EGRESS_ISOLATION="network",
             # The proxy's requests arrive through the relay under this name.
             DJANGO_ALLOWED_HOSTS="127.0.0.1,host.docker.internal",
+            # The probe's vendor: the upstream (agents that may reach it are probed as).
+            COVEY_EGRESS_PROBE_ALLOWED=f"{UPSTREAM_NAME}:80",
+            COVEY_EGRESS_PROBE_OFF_LIST=f"{OFF_LIST_NAME}:443",
+            **self.control_plane_env,
         )
         self.resources.callback(self.stack.close)
         relay = Relay((self.host, 0), self.stack.port)
@@ -176,6 +257,7 @@ class World:
             ),
             "COVEY_EGRESS_NAMESERVERS": f"{self.host}@{self.dns_port}",
             "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{self.host}/32",
+            **self.outside.targets(),
             **changes,
         }
 
@@ -252,23 +334,131 @@ curl -sS --noproxy '*' --connect-timeout 3 http://{gateway}:{world.relay_port}/;
     assert not containers_of(runner)
 
 
-def test_a_launch_the_isolation_cannot_vouch_for_is_refused(world, acme):
+def test_a_runner_whose_isolation_cannot_be_built_gets_no_work(world, acme):
     runner, config = world.register(acme, "isolated-2")
     missing = f"covey-egress-missing-{uuid4().hex[:8]}:none"
     agent = world.stack.agent(acme, "Refused", ["echo", "must not run"])
-    with world.stack.runner(runner, config, **world.runner_env(COVEY_RUNNER_PROXY_IMAGE=missing)):
-        run = world.stack.wait(run_services.queue_run(agent, "nope"), *FINISHED, timeout=60)
+    env = world.runner_env(COVEY_RUNNER_PROXY_IMAGE=missing)
+    with world.stack.runner(runner, config, **env) as process:
+        run = run_services.queue_run(agent, "nope")
+
+        def held() -> bool:
+            run.refresh_from_db()
+            return "isolated-2 failed its egress probe" in run.status_detail
+
+        wait_for(held, 30, "the run held back for the failed probe")
         assert not containers_of(runner)  # no sandbox was ever created
-        output = world.stack.runners[-1].output()
+        output = process.output()
+    runner.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    assert f"image {missing} is not on this host" in run.status_detail
+    assert (runner.isolation, runner.trusted) == ("network", False)
+    assert runner.last_probe.status == "error"
+    # The runner kept running: it said so at start, once, and took no work.
+    assert "no isolation yet; launches are refused" in output
+    assert "egress probe FAILED: no work until one passes" in output
+    assert output.count(f"isolation: image {missing} is not on this host") == 1, output
+    run_services.cancel(run)
+
+
+def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
+    runner, config = world.register(acme, "isolated-4")
+    name = f"runner-{runner.pk}"
+    proxy = isolation.proxy_container_name(name)
+    agent = world.stack.agent(acme, "Refused", ["echo", "must not run"])
+    with world.stack.runner(runner, config, **world.runner_env()):
+        runner.refresh_from_db()
+        assert runner.trusted, runner.last_probe and runner.last_probe.summary
+        # Something else takes the proxy's name: the runner may not remove it, so the launch's
+        # repair fails and the preflight cannot vouch for the shape.
+        docker("rm", "--force", proxy)
+        docker("create", "--name", proxy, "--label", OUTSIDE_LABEL, world.stack.base_image, "true")
+        try:
+            run = world.stack.wait(run_services.queue_run(agent, "nope"), *FINISHED, timeout=60)
+            assert not containers_of(runner)
+        finally:
+            docker("rm", "--force", proxy)
     assert run.status == RunStatus.FAILED
     assert run.status_detail.startswith(
         "the sandbox could not be built: isolation preflight failed: "
     ), run.status_detail
-    assert f"image {missing} is not on this host" in run.status_detail
+    assert f"a container named {proxy} exists and covey did not make it" in run.status_detail
     assert "must not run" not in run.log_tail
-    # The runner kept running: it said so once at start, and refused the launch.
-    assert "no isolation yet; launches are refused" in output
-    assert output.count(f"isolation: image {missing} is not on this host") == 1, output
+
+
+def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world, acme, alice):
+    runner, config = world.register(acme, "isolated-5")
+    agent = world.stack.agent(
+        acme,
+        "Fetcher",
+        ["sh", "-c", f"curl -sS --max-time 10 http://{UPSTREAM_NAME}/"],
+        allowlist=[f"{UPSTREAM_NAME}:80"],
+    )
+    bridge = isolation.bridge_name(f"runner-{runner.pk}")
+    hole = ["INPUT", "-i", bridge, "-m", "comment", "--comment", OUTSIDE_LABEL, "-j", "ACCEPT"]
+    with world.stack.runner(runner, config, **world.runner_env()) as process:
+        # At start: probed as the agent that may reach the vendor, and trusted.
+        runner.refresh_from_db()
+        assert runner.last_probe.status == "passed", runner.last_probe.checks
+        assert runner.last_probe.agent == agent
+        assert "egress probe passed" in process.output()
+
+        out = io.StringIO()
+        call_command("egress_probe", "--runner", str(runner.pk), stdout=out)
+        printed = out.getvalue()
+        assert f"egress probe of runner isolated-5 ({acme}), network isolation" in printed
+        assert re.search(r"^  ok +allowed +via proxy ", printed, re.M), printed
+        assert re.search(r"^  ok +host +tcp ", printed, re.M), printed
+        assert "passed: " in printed
+
+        # A hole ahead of covey's rules: the preflight before the probe puts them back first.
+        subprocess.run(["iptables", "-w", "10", "-I", *hole[:1], "1", *hole[1:]], check=True)
+        try:
+            call_command("egress_probe", "--runner", str(runner.pk), stdout=io.StringIO())
+            chain = subprocess.run(
+                ["iptables", "-w", "10", "-S", "INPUT"], capture_output=True, text=True
+            ).stdout
+            assert chain.index(f"covey:runner-{runner.pk}") < chain.index(OUTSIDE_LABEL), chain
+            assert "comes before covey's rules; repairing" in process.output()
+        finally:
+            subprocess.run(["iptables", "-w", "10", "-D", *hole], check=True)
+
+        # The vendor out of reach (its name now resolves to loopback, which the proxy refuses):
+        # the probe fails, and the runner gets no work until one passes.
+        world.names.address = "127.0.0.1"
+        try:
+            out = io.StringIO()
+            with pytest.raises(CommandError) as failed:
+                call_command("egress_probe", "--runner", f"{acme.slug}/isolated-5", stdout=out)
+            assert failed.value.returncode == 1
+            assert re.search(
+                r"^  FAIL +allowed +via proxy .* 403 non-public-address$", out.getvalue(), re.M
+            ), out.getvalue()
+            run = run_services.queue_run(agent, "after the failure")
+            run.refresh_from_db()
+            assert run.status == RunStatus.QUEUED
+            assert "isolated-5 failed its egress probe" in run.status_detail
+            assert "1 failed; first: allowed" in run.status_detail
+        finally:
+            world.names.address = world.host
+
+        # Closed again: the next probe passes and the waiting run goes.
+        call_command("egress_probe", "--runner", str(runner.pk), stdout=io.StringIO())
+        run = world.stack.wait(run, *FINISHED, timeout=60)
+        with world.stack.api(alice) as api:
+            body = api.get(f"/api/v1/runners/{runner.pk}/").json()
+            probes = api.get(f"/api/v1/runners/{runner.pk}/probes/").json()
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+    assert (body["isolation"], body["trusted"], body["last_probe"]["status"]) == (
+        "network",
+        True,
+        "passed",
+    )
+    statuses = [p["status"] for p in probes["results"]]
+    assert statuses == ["passed", "failed", "passed", "passed", "passed"], statuses
+    assert any(line.startswith("FAIL") for line in probes["results"][1]["lines"])
+    # The probes' credentials ended with them.
+    assert not EgressToken.objects.filter(purpose__startswith="egress probe").live().exists()
 
 
 def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runners import host as runner_host
-from runners import isolation
+from runners import isolation, probing
 from runners.client import ControlPlaneError
 from runners.models import BUILTIN_QUEUE
 from runners.services import builtin_dir
@@ -35,6 +35,17 @@ class Command(BaseCommand):
         parser.add_argument("--concurrency", type=int, default=4, help="Orders at once.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        targets = probing.Targets(
+            internet=settings.COVEY_EGRESS_PROBE_INTERNET,
+            private=settings.COVEY_EGRESS_PROBE_PRIVATE,
+            metadata=settings.COVEY_EGRESS_PROBE_METADATA,
+            resolvers=settings.COVEY_EGRESS_PROBE_RESOLVERS,
+            ipv6=settings.COVEY_EGRESS_PROBE_IPV6,
+        )
+        try:
+            targets.check()
+        except ValueError as exc:
+            raise CommandError(f"COVEY_EGRESS_PROBE_*: {exc}") from None
         host_settings = runner_host.HostSettings(
             homes=Path(settings.COVEY_RUNNER_HOMES),
             proxy=settings.COVEY_RUNNER_PROXY,
@@ -43,6 +54,8 @@ class Command(BaseCommand):
             proxy_image=settings.COVEY_RUNNER_PROXY_IMAGE,
             proxy_control_plane_url=settings.COVEY_RUNNER_PROXY_CONTROL_PLANE_URL,
             proxy_environment=proxy_environment(),
+            probe_targets=targets,
+            probe_retry=settings.COVEY_RUNNER_PROBE_RETRY_SECONDS,
         )
         if options["builtin"]:
             host = runner_host.RunnerHost.builtin(
@@ -68,6 +81,14 @@ class Command(BaseCommand):
                 if shape is not None
                 else f"covey runner {runner_id}: no isolation yet; launches are refused"
             )
+        for runner_id, report in host.start_probes().items():
+            # A runner whose probe did not pass starts all the same and takes no work.
+            verdict = "no probe (see the log)"
+            if report is not None:
+                verdict = "passed" if report.passed else "FAILED: no work until one passes"
+                for line in report.lines:
+                    self.stdout.write(f"covey runner {runner_id}: probe: {line}")
+            self.stdout.write(f"covey runner {runner_id}: egress probe {verdict}")
         runner_host.set_current(host)
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),

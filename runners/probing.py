@@ -1,0 +1,306 @@
+"""Running the egress probe (egress/probe.py) on a runner host, in the runner's real shape.
+
+Two containers are built through the runner's engine exactly like sandboxes (same hardening,
+same network options, under the name ``<runner>.probe`` so the runner's own sweep never takes
+them for runs): a *peer*, standing for another agent's sandbox, which listens on a port, and
+the *probe*, which tries every check at once and prints what it saw. Both are removed after.
+
+What is tried comes from three places: the control plane's order (the agent's credentials, the
+allowed vendor, an off-list name, the control plane's own services), this host's settings
+(:class:`Targets`: what stands for the internet, private ranges, the metadata address, outside
+resolvers, IPv6) and this host itself (every address it has, every port it listens on, the
+sandbox network's gateway). No Django: runner hosts have no database.
+"""
+
+import contextlib
+import ipaddress
+import json
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from egress import probe
+from egress.probe import Category, Check, Expect, Result, Verdict
+from runners.engine import Engine, EngineError, SandboxSpec
+
+PEER_PORT = 8080
+EMBEDDED_RESOLVER = "127.0.0.11"
+MAX_HOST_CHECKS = 96  # a host listening on many ports gets its gateway tried on all, others on some
+CHECK_TIMEOUT = 2.0  # seconds per connect or query (they all run at once)
+PEER_SCRIPT = f"""
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", {PEER_PORT}))
+s.listen(64)
+print("ready", flush=True)
+while True:
+    s.accept()[0].close()
+"""
+
+
+class ProbeError(Exception):
+    """The probe could not be run at all (not: something leaked); the message says why."""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What stands for the outside world, from this host's settings (``ip:port`` each).
+
+    The defaults are real public addresses and the cloud metadata address; tests and
+    air-gapped sites set their own (COVEY_EGRESS_PROBE_*).
+    """
+
+    internet: Sequence[str] = ("1.1.1.1:443", "8.8.8.8:443")
+    private: Sequence[str] = ("10.0.0.1:80", "172.16.0.1:80", "192.168.0.1:80", "192.168.1.1:80")
+    metadata: Sequence[str] = ("169.254.169.254:80",)
+    resolvers: Sequence[str] = ("1.1.1.1:53", "8.8.8.8:53")
+    ipv6: Sequence[str] = ("[2606:4700:4700::1111]:443",)
+
+    def check(self) -> None:
+        """ValueError naming the first entry that is not ``ip:port``."""
+        for name in ("internet", "private", "metadata", "resolvers", "ipv6"):
+            for text in getattr(self, name):
+                probe.parse_address(text)
+
+
+@dataclass(frozen=True)
+class Where:
+    """The shape the probe runs in: its network options and the proxy sandboxes are told of."""
+
+    network: Mapping[str, Any]  # SandboxSpec network fields (network, dns, dns_opt, sysctls)
+    proxy: str  # ip:port, or "" when there is none
+    gateway: str  # the host's address on the sandbox network ("" when unknown)
+    isolation: str  # "network" or "cooperative"
+
+
+@dataclass
+class Report:
+    """One probe's results, for the control plane and for people."""
+
+    results: list[Result]
+    detail: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.detail and probe.passed(self.results)
+
+
+def plan(
+    order: Mapping[str, Any],
+    targets: Targets,
+    where: Where,
+    peer: str,
+    host: Sequence[tuple[str, int]],
+) -> list[Check]:
+    """Every check of one probe, in the order they are printed."""
+    credentials = str(order.get("credentials") or "")
+    no_agent = "" if credentials else str(order.get("no_agent") or "no agent to probe as")
+    no_proxy = "" if where.proxy else "this runner has no proxy (COVEY_RUNNER_PROXY)"
+    via = no_proxy or no_agent
+    allowed_host, allowed_port = probe.parse_host_port(str(order["allowed"]))
+    off_host, off_port = probe.parse_host_port(str(order["off_list"]))
+    internet = [probe.parse_address(t) for t in targets.internet]
+    checks = [
+        Check(Category.ALLOWED, "proxy", allowed_host, allowed_port, expect=Expect.REACH, skip=via),
+        Check(Category.OFF_LIST, "proxy", off_host, off_port, expect=Expect.REFUSE, skip=via),
+    ]
+    if internet:
+        address, port = internet[0]
+        checks.append(
+            Check(Category.RAW_IP, "proxy", address, port, expect=Expect.REFUSE, skip=via)
+        )
+    checks += [Check(Category.INTERNET, "tcp", a, p) for a, p in internet]
+    checks += [_tcp(Category.PRIVATE, t) for t in targets.private]
+    checks += [_tcp(Category.METADATA, t) for t in targets.metadata]
+    checks += [Check(Category.HOST, "tcp", a, p) for a, p in host]
+    checks += [
+        Check(Category.CONTROL_PLANE, "tcp", a, p)
+        for a, p in control_plane_targets(order.get("services") or [], where.gateway)
+    ]
+    checks.append(Check(Category.PEER, "tcp", peer, PEER_PORT))
+    checks.append(Check(Category.DNS_EMBEDDED, "dns", EMBEDDED_RESOLVER, 53, allowed_host))
+    for text in targets.resolvers:
+        address, port = probe.parse_address(text, 53)
+        checks.append(Check(Category.DNS_OUTSIDE, "dns", address, port, allowed_host))
+    v6 = [probe.parse_address(t) for t in targets.ipv6] or [("", 0)]
+    checks += [Check(Category.IPV6, "ipv6", a, p) for a, p in v6]
+    return checks
+
+
+def _tcp(category: Category, text: str) -> Check:
+    address, port = probe.parse_address(text)
+    return Check(category, "tcp", address, port)
+
+
+def host_targets(gateway: str, extra_ports: Sequence[int] = ()) -> list[tuple[str, int]]:
+    """The runner host as a sandbox could try it: the gateway on every port the host listens
+    on (whatever address it listens on: a reset would still prove the path), every other
+    IPv4 address of the host on the ports listening there. At most MAX_HOST_CHECKS."""
+    addresses = sorted(_host_addresses() - {gateway})
+    listening: dict[int, set[str]] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr:
+            listening.setdefault(int(conn.laddr.port), set()).add(str(conn.laddr.ip))
+    ports = sorted(set(listening) | set(extra_ports))
+    found: list[tuple[str, int]] = [(gateway, port) for port in ports] if gateway else []
+    for address in addresses:
+        for port in ports:
+            bound = listening.get(port, set())
+            if bound & {"0.0.0.0", "::", address}:  # noqa: S104 - comparing, not binding
+                found.append((address, port))
+    return found[:MAX_HOST_CHECKS]
+
+
+def _host_addresses() -> set[str]:
+    found = set()
+    for entries in psutil.net_if_addrs().values():
+        for entry in entries:
+            if (
+                entry.family == socket.AF_INET
+                and not ipaddress.ip_address(entry.address).is_loopback
+            ):
+                found.add(entry.address)
+    return found
+
+
+def control_plane_targets(services: Sequence[str], gateway: str) -> list[tuple[str, int]]:
+    """Where a sandbox would find the control plane's services (``host:port`` each, as the
+    control plane knows them): on this host's gateway when they are on loopback (the same
+    host), else at the addresses their names have here."""
+    found: list[tuple[str, int]] = []
+    for text in services:
+        host, _, port_text = str(text).rpartition(":")
+        host = host.strip("[]")
+        if not host or not port_text.isdigit():
+            continue
+        port = int(port_text)
+        if host == "localhost" or _is_loopback(host):
+            if gateway:
+                found.append((gateway, port))
+            continue
+        with contextlib.suppress(OSError):
+            for info in socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM):
+                found.append((str(info[4][0]), port))
+    return sorted(set(found))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(
+    engine: Engine,
+    order: Mapping[str, Any],
+    targets: Targets,
+    where: Where,
+    scratch: Path,
+    *,
+    timeout: float = 60.0,
+) -> Report:
+    """Run one probe: the peer, then the probe container; both are gone afterwards."""
+    image = str(order["image"])
+    tag = uuid.uuid4().hex[:12]
+    peer_id, probe_id = f"probe-{tag}-peer", f"probe-{tag}"
+    home = scratch / f"probe-{tag}"
+    for stale in engine.sandboxes():  # a probe cut short (the runner was killed)
+        engine.remove(stale.run_id)
+    try:
+        engine.launch(_spec(peer_id, image, ["python3", "-c", PEER_SCRIPT], where, home, {}))
+        peer = _wait_ready(engine, peer_id, where, timeout)
+        checks = plan(order, targets, where, peer, host_targets(where.gateway))
+        script_plan = probe.plan_json(
+            checks, where.proxy, str(order.get("credentials") or ""), CHECK_TIMEOUT
+        )
+        engine.launch(
+            _spec(
+                probe_id,
+                image,
+                ["python3", "-c", probe.SCRIPT],
+                where,
+                home,
+                {"COVEY_PROBE": script_plan},
+            )
+        )
+        done = engine.wait(probe_id, timeout=timeout)
+        output = engine.logs(probe_id)
+        printed = _observations(output)
+        if printed is None:
+            raise ProbeError(
+                f"the probe container (image {image}) exited {done.exit_code} without a"
+                f" report: {output.strip()[-300:] or 'no output'}"
+            )
+    finally:
+        for run_id in (probe_id, peer_id):
+            with contextlib.suppress(EngineError):
+                engine.remove(run_id)
+        shutil.rmtree(home, ignore_errors=True)
+    results = probe.judge(checks, probe.observations(checks, printed))
+    return Report(results, lines=[r.line() for r in results])
+
+
+def _spec(
+    run_id: str,
+    image: str,
+    command: list[str],
+    where: Where,
+    home: Path,
+    environment: Mapping[str, str],
+) -> SandboxSpec:
+    return SandboxSpec(
+        run_id=run_id,
+        agent_id=0,
+        image=image,
+        command=command,
+        task="covey egress probe",
+        environment=dict(environment),
+        home=home,
+        cpus=0.5,
+        memory_mb=128,
+        pids=512,  # one thread per check
+        timeout=120,
+        **dict(where.network),
+    )
+
+
+def _wait_ready(engine: Engine, run_id: str, where: Where, timeout: float) -> str:
+    """The peer's address once it listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sandbox = engine.get(run_id)
+        if sandbox is None or sandbox.status in ("exited", "dead"):
+            output = engine.logs(run_id) if sandbox is not None else ""
+            raise ProbeError(f"the peer container stopped: {output.strip()[-300:] or 'no output'}")
+        if "ready" in engine.logs(run_id):
+            address = engine.address(run_id, where.network.get("network"))
+            if not address:
+                raise ProbeError("the peer container has no address on the sandbox network")
+            return address
+        if time.monotonic() >= deadline:
+            raise ProbeError(f"the peer container was not ready within {timeout} s")
+        time.sleep(0.05)
+
+
+def _observations(output: str) -> list[Any] | None:
+    for line in reversed(output.splitlines()):
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if isinstance(data, dict) and isinstance(data.get("observations"), list):
+                return list(data["observations"])
+    return None
+
+
+def failed(detail: str) -> Report:
+    """The report of a probe that could not run."""
+    return Report([], detail=detail, lines=[f"{Verdict.FAIL.value:<4}  {detail}"])
