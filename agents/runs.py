@@ -73,8 +73,9 @@ def _place(run: Run) -> bool:
     agent = Agent.objects.select_for_update().get(pk=run.agent_id)
     placement = place(agent)
     if placement.runner is None:
-        if placement.reason != run.status_detail:
-            run.status_detail = placement.reason
+        reason = _fit(placement.reason, Run._meta.get_field("status_detail").max_length)
+        if reason != run.status_detail:
+            run.status_detail = reason
             run.save(update_fields=["status_detail"])
         return False
     runner = placement.runner
@@ -263,7 +264,15 @@ def _end_credential(run: Run) -> None:
         revoke_tokens(EgressToken.objects.filter(pk=run.egress_token_id))
 
 
+def _fit(text: str, limit: int | None) -> str:
+    """Text cut to a column's length, saying it was cut."""
+    if limit is None or len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…"
+
+
 def _move(run: Run, status: RunStatus, detail: str = "", fields: list[str] | None = None) -> None:
+    detail = _fit(detail, Run._meta.get_field("status_detail").max_length)
     run.status = status
     run.status_detail = detail
     run.save(update_fields=["status", "status_detail", *(fields or [])])

@@ -67,6 +67,8 @@ class Check:
 
     @property
     def target(self) -> str:
+        if not self.host and self.kind != "ipv6":
+            return f"{self.kind} (nothing)"
         if self.kind == "ipv6":
             return "the sandbox's interfaces" + (f", {self.host}" if self.host else "")
         if self.kind == "dns":

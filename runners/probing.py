@@ -118,9 +118,17 @@ def plan(
         checks.append(
             Check(Category.RAW_IP, "proxy", address, port, expect=Expect.REFUSE, skip=via)
         )
-    checks += [Check(Category.INTERNET, "tcp", a, p) for a, p in internet]
-    checks += [_tcp(Category.PRIVATE, t) for t in targets.private]
-    checks += [_tcp(Category.METADATA, t) for t in targets.metadata]
+    else:
+        checks.append(_nothing(Category.RAW_IP, "proxy", "INTERNET"))
+    checks += [Check(Category.INTERNET, "tcp", a, p) for a, p in internet] or [
+        _nothing(Category.INTERNET, "tcp", "INTERNET")
+    ]
+    checks += [_tcp(Category.PRIVATE, t) for t in targets.private] or [
+        _nothing(Category.PRIVATE, "tcp", "PRIVATE")
+    ]
+    checks += [_tcp(Category.METADATA, t) for t in targets.metadata] or [
+        _nothing(Category.METADATA, "tcp", "METADATA")
+    ]
     checks += [Check(Category.HOST, "tcp", a, p) for a, p in host]
     checks += [
         Check(Category.CONTROL_PLANE, "tcp", a, p)
@@ -128,12 +136,18 @@ def plan(
     ]
     checks.append(Check(Category.PEER, "tcp", peer, PEER_PORT))
     checks.append(Check(Category.DNS_EMBEDDED, "dns", EMBEDDED_RESOLVER, 53, allowed_host))
-    for text in targets.resolvers:
-        address, port = probe.parse_address(text, 53)
-        checks.append(Check(Category.DNS_OUTSIDE, "dns", address, port, allowed_host))
+    resolvers = [probe.parse_address(text, 53) for text in targets.resolvers]
+    checks += [Check(Category.DNS_OUTSIDE, "dns", a, p, allowed_host) for a, p in resolvers] or [
+        _nothing(Category.DNS_OUTSIDE, "dns", "RESOLVERS")
+    ]
     v6 = [probe.parse_address(t) for t in targets.ipv6] or [("", 0)]
     checks += [Check(Category.IPV6, "ipv6", a, p) for a, p in v6]
     return checks
+
+
+def _nothing(category: Category, kind: str, setting: str) -> Check:
+    """The line of a category this host gave nothing to try."""
+    return Check(category, kind, skip=f"nothing to try: COVEY_EGRESS_PROBE_{setting} is empty")
 
 
 def _tcp(category: Category, text: str) -> Check:

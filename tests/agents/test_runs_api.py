@@ -111,6 +111,15 @@ class TestPlacement:
         assert run.status == "queued"
         assert run.status_detail == "no runner of Acme carries eu, gpu"
 
+    def test_a_long_reason_is_cut_to_fit_the_runs_status(self, acme, orders):
+        for n in range(12):
+            online_runner(acme, f"runner-with-a-rather-long-name-{n:02}-" + "x" * 40, paused=True)
+        run = runs.queue_run(AgentFactory(organisation=acme), "x")
+        run.refresh_from_db()
+        assert run.status == "queued"
+        assert len(run.status_detail) == 500 and run.status_detail.endswith("…")
+        assert run.status_detail.startswith("no runner can take it now: runner-with-a-rather-")
+
     def test_only_online_unpaused_runners_with_every_label_take_work(
         self, acme, orders, django_capture_on_commit_callbacks
     ):

@@ -32,7 +32,7 @@ from tests.runners.test_isolation import egress_image, firewall  # noqa: F401
 # The module's rows are committed once (the control plane is another process); a test's own
 # writes roll back. The mark also makes pytest-django create the test database when only these
 # tests are selected.
-pytestmark = [pytest.mark.django_db, pytest.mark.postgres, pytest.mark.redis]
+pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 
 SESSION = uuid4().hex[:8]
 HOLE = f"covey-test-hole-{SESSION}"
@@ -133,6 +133,23 @@ def test_results_round_trip_and_print_one_line_each():
     result = Result("host", "tcp 10.0.0.1:22", Verdict.LEAK, "connected")
     assert Result.from_dict(result.as_dict()) == result
     assert result.line().split() == ["LEAK", "host", "tcp", "10.0.0.1:22", "connected"]
+
+
+def test_a_category_with_nothing_to_try_says_so():
+    where = probing.Where(network={}, proxy="10.0.0.2:3128", gateway="10.0.0.1", isolation="x")
+    order = {"allowed": "vendor.test:443", "off_list": "off.test", "credentials": "a.b:c"}
+    empty = probing.Targets(internet=(), private=(), metadata=(), resolvers=(), ipv6=())
+
+    checks = probing.plan(order, empty, where, "10.0.0.130", [("10.0.0.1", 22)])
+
+    skipped = {c.category.value: c.skip for c in checks if c.skip}
+    assert set(skipped) == {"raw-ip", "internet", "private", "metadata", "dns-outside"}
+    assert skipped["private"] == "nothing to try: COVEY_EGRESS_PROBE_PRIVATE is empty"
+    assert [c.target for c in checks if c.category == "internet"] == ["tcp (nothing)"]
+    tried = [c.category.value for c in checks if not c.skip]
+    assert tried == [
+        "allowed", "off-list", "host", "peer", "dns-embedded", "ipv6",
+    ]  # fmt: skip
 
 
 # --- the real shape -------------------------------------------------------------------------
