@@ -1,12 +1,17 @@
 """The covey egress addon for mitmproxy: decide every CONNECT tunnel and plain-HTTP request.
 
-The decision order is DESIGN.md §3. Decisions are taken in ``http_connect`` (tunnels) and
-``requestheaders`` (plain HTTP) from the in-memory policy; the name is resolved once and the
-vetted address is pinned in ``server_connect``, so no second lookup can change the target.
-Tunnels are passed through, never decrypted: ``next_layer`` only lets a tunnel go on once its
-first bytes are a TLS ClientHello whose SNI is the CONNECT host; only then does covey dial the
-vetted address (itself, not through mitmproxy). From then on the bytes are opaque, and a
-:class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk machinery.
+The decision order is DESIGN.md §3, from the in-memory policy; the name is resolved once and
+the vetted address pinned, so no second lookup can change the target.
+
+A connection that opens with CONNECT (nearly all of them) is answered by covey's own
+:class:`Connect` layer: it reads the head, decides (at once when the name's addresses are
+cached, else through one hook while the resolver waits), answers 200 or the refusal, and lets
+the tunnel go on only once its first bytes are a TLS ClientHello whose SNI is the CONNECT host;
+only then does covey dial the vetted address (itself, not through mitmproxy). From then on the
+bytes are opaque, and a :class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk
+machinery. A connection that opens with a plain-HTTP request gets mitmproxy's HTTP layer, and
+its requests (a later CONNECT too) are decided in ``requestheaders`` and ``http_connect``; plain
+requests are sent only to the vetted address (``server_connect``).
 
 This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regular HTTP proxy
 and raw pass-through, nothing else.
@@ -25,6 +30,7 @@ from typing import Any, cast
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
 from mitmproxy.connection import ConnectionState
+from mitmproxy.net.http import http1
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.context import Context
@@ -51,6 +57,8 @@ from egress.resolver import ResolutionError, Resolver
 logger = logging.getLogger(__name__)
 
 MAX_CLIENT_HELLO = 64 * 1024
+MAX_HEAD = 64 * 1024  # a CONNECT request's head
+CONNECTED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 TUNNEL_RECHECK_SECONDS = 1.0
 HANDOVER_SECONDS = 2.0  # how long a client may take to read its 200 before the relay takes over
 CONNECT_SECONDS = 10.0  # how long dialling the upstream may take
@@ -97,6 +105,146 @@ class ClientState:
     tunnel: Tunnel | None = None
     # plain HTTP: (host, port) as mitmproxy will dial it → the vetted address
     pinned: dict[tuple[str, int], str] = field(default_factory=dict)
+
+
+@dataclass
+class Verdict:
+    """The outcome of deciding one CONNECT tunnel or plain-HTTP request."""
+
+    decision: Decision
+    username: str
+    agent: AgentPolicy | None = None
+    address: str | None = None  # the vetted address, when allowed
+    credential: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.decision.allowed
+
+
+@dataclass
+class _Allowed:
+    """A request allowed by name, before its name is resolved."""
+
+    policy: Policy
+    agent: AgentPolicy
+    decision: Decision
+    username: str
+    credential: str | None
+
+
+@dataclass
+class ConnectRequest:
+    """A CONNECT the :class:`Connect` layer read, and (once decided) its verdict."""
+
+    credential: str | None
+    host: str
+    port: int
+    verdict: Verdict | None = None
+
+
+@dataclass
+class CoveyDecideHook(commands.StartHook):
+    """The Connect layer asks the addon (``covey_decide``) to decide a CONNECT."""
+
+    request: ConnectRequest
+
+
+class Connect(layer.Layer):
+    """A client connection that opens with CONNECT, answered by covey itself.
+
+    mitmproxy's HTTP layer would parse the request, run several hooks, build a flow and a
+    response, then ask for the next layer again when the tunnel's first bytes come; this
+    layer reads the CONNECT head, asks for the decision (one hook, since resolving may wait),
+    answers 200 or the refusal, checks the ClientHello and hands the tunnel to a
+    :class:`Passthrough`. A refused CONNECT closes the connection. A connection that opens with
+    anything else gets mitmproxy's HTTP layer (:meth:`CoveyEgress.choose_layer`).
+    """
+
+    def __init__(self, context: Context, egress: "CoveyEgress") -> None:
+        super().__init__(context)
+        self.egress = egress
+        self.buffer = b""
+        self.tunnel: Tunnel | None = None
+        self.child: Passthrough | None = None
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self.child is not None:
+            yield from self.child.handle_event(event)
+        elif isinstance(event, events.DataReceived) and event.connection == self.context.client:
+            self.buffer += event.data
+            if self.tunnel is None:
+                yield from self._read_connect()
+            else:
+                yield from self._read_hello()
+        elif isinstance(event, events.ConnectionClosed):
+            yield from self._close()
+
+    def _read_connect(self) -> layer.CommandGenerator[None]:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD:
+                yield from self._answer(400, "the request head is too large")
+            return
+        head, self.buffer = self.buffer[:end], self.buffer[end + 4 :]
+        try:
+            request = http1.read_request_head(head.split(b"\r\n"))
+        except ValueError as exc:
+            yield from self._answer(400, f"bad request: {exc}")
+            return
+        if request.method != "CONNECT" or not request.host:
+            yield from self._answer(400, "only CONNECT host:port may open this connection")
+            return
+        asked = ConnectRequest(
+            request.headers.get("Proxy-Authorization"), request.host, request.port
+        )
+        yield CoveyDecideHook(asked)
+        verdict = asked.verdict
+        if verdict is None or not verdict.allowed:
+            decision = verdict.decision if verdict else Decision(Code.BAD_REQUEST, request.host)
+            response = refusal(decision, verdict.username if verdict else "")
+            response.headers["Connection"] = "close"
+            yield commands.SendData(self.context.client, http1.assemble_response(response))
+            yield from self._close()
+            return
+        self.tunnel = self.egress.admit(self.context.client.id, verdict, plain_http=False)
+        yield commands.SendData(self.context.client, CONNECTED)
+        if self.buffer:
+            yield from self._read_hello()
+
+    def _read_hello(self) -> layer.CommandGenerator[None]:
+        tunnel = self.tunnel
+        assert tunnel is not None  # noqa: S101 - only called once there is one
+        problem = _client_hello_problem(self.buffer, tunnel.host)
+        if problem is None:
+            return  # wait for the rest of the ClientHello
+        if problem:
+            refused = Decision(Code.BAD_REQUEST, tunnel.host, tunnel.port, detail=problem)
+            self.egress._record(refused, "", tunnel.agent_id, tunnel.address, False)
+            yield from self._close()
+            return
+        tunnel.started = True
+        self.child = Passthrough(self.context, self.egress, tunnel)
+        data, self.buffer = self.buffer, b""
+        yield from self.child.handle_event(events.Start())
+        yield from self.child.handle_event(events.DataReceived(self.context.client, data))
+
+    def _answer(self, status: int, reason: str) -> layer.CommandGenerator[None]:
+        response = http.Response.make(
+            status, reason + "\n", {"Content-Type": "text/plain", "Connection": "close"}
+        )
+        yield commands.SendData(self.context.client, http1.assemble_response(response))
+        yield from self._close()
+
+    def _close(self) -> layer.CommandGenerator[None]:
+        self._handle_event = self._done  # type: ignore[method-assign]
+        if self.tunnel is not None:
+            self.tunnel.discard()
+        if self.context.client.state is not ConnectionState.CLOSED:
+            yield commands.CloseConnection(self.context.client)
+
+    def _done(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from ()
 
 
 class Refuse(layer.Layer):
@@ -337,68 +485,127 @@ class CoveyEgress:
     async def _decide(self, flow: http.HTTPFlow, *, plain_http: bool) -> None:
         request = flow.request
         credential = request.headers.get("Proxy-Authorization")
+        problem = _plain_http_problem(request) if plain_http else ""
+        verdict = await self.decide(
+            credential, request.host, request.port, plain_http=plain_http, problem=problem
+        )
+        if not verdict.allowed:
+            flow.response = refusal(verdict.decision, verdict.username)
+            return
+        del request.headers["Proxy-Authorization"]
+        self.admit(flow.client_conn.id, verdict, plain_http=plain_http)
+        if plain_http:
+            host, port = verdict.decision.host, verdict.decision.port
+            request.host = host  # one canonical host for URL, Host header and dial
+            request.headers["Host"] = host if port == 80 else f"{host}:{port}"
+
+    async def decide(
+        self,
+        credential: str | None,
+        host: str,
+        port: int,
+        *,
+        plain_http: bool,
+        problem: str = "",
+    ) -> "Verdict":
+        """Decide one CONNECT tunnel or plain-HTTP request (a refusal is logged here; an
+        allowed one is logged by :meth:`admit`, which the caller calls when it goes ahead)."""
+        first = self._before_resolving(credential, host, port, plain_http, problem)
+        if isinstance(first, Verdict):
+            return first
+        try:
+            addresses = await self.resolver.resolve(first.decision.host)
+        except ResolutionError as exc:
+            addresses = []
+            logger.info("covey: %s", exc)
+        return self._after_resolving(first, addresses, plain_http)
+
+    def decide_now(self, credential: str | None, host: str, port: int) -> "Verdict | None":
+        """:meth:`decide` for a CONNECT, when nothing has to wait: refused before resolving,
+        or the name's addresses are cached. None when resolving must wait."""
+        first = self._before_resolving(credential, host, port, False, "")
+        if isinstance(first, Verdict):
+            return first
+        addresses = self.resolver.cached(first.decision.host)
+        if addresses is None:
+            return None
+        return self._after_resolving(first, addresses, False)
+
+    def _before_resolving(
+        self, credential: str | None, host: str, port: int, plain_http: bool, problem: str
+    ) -> "Verdict | _Allowed":
+        """Who asks, and may they reach the target by its name (DESIGN.md §3, steps 1 to 3)."""
         parsed = parse_basic(credential)
         username = parsed[0] if parsed else ""
-        host, port = request.host, request.port
-
         policy = self.feed.current()
         if policy is None:
-            return self._refuse(flow, Decision(Code.POLICY_UNAVAILABLE, host, port), username)
-        if plain_http:
-            problem = _plain_http_problem(request)
-            if problem:
-                return self._refuse(
-                    flow, Decision(Code.BAD_REQUEST, host, port, detail=problem), username
-                )
+            return self._refused(
+                Decision(Code.POLICY_UNAVAILABLE, host, port), username, plain_http
+            )
+        if problem:
+            refused = Decision(Code.BAD_REQUEST, host, port, detail=problem)
+            return self._refused(refused, username, plain_http)
         agent = policy.authenticate(credential, self.clock())
         if agent is None:
-            return self._refuse(flow, Decision(Code.PROXY_AUTH, host, port), username)
-
+            return self._refused(Decision(Code.PROXY_AUTH, host, port), username, plain_http)
         at_capacity = not plain_http and (
             self.open_tunnels >= ctx.options.covey_max_tunnels
             or self.tunnels_by_agent[agent.id] >= ctx.options.covey_max_tunnels_per_agent
         )
         decision = policy.decide(agent, host, port, plain_http=plain_http, at_capacity=at_capacity)
         if not decision.allowed:
-            return self._refuse(flow, decision, username, agent)
+            return self._refused(decision, username, plain_http, agent)
+        return _Allowed(policy, agent, decision, username, credential)
 
-        try:
-            addresses = await self.resolver.resolve(decision.host)
-        except ResolutionError as exc:
-            addresses = []
-            logger.info("covey: %s", exc)
+    def _after_resolving(
+        self, allowed: "_Allowed", addresses: list[str], plain_http: bool
+    ) -> "Verdict":
+        """May they reach what the name resolved to (step 4); the vetted address."""
+        decision, username, agent = allowed.decision, allowed.username, allowed.agent
         vetted, address = vet_addresses(
             decision.host, decision.port, addresses, self.allowed_private
         )
         if not vetted.allowed or address is None:
-            return self._refuse(flow, vetted, username, agent)
+            return self._refused(vetted, username, plain_http, agent)
         # The policy may have changed while we waited for DNS: decide again, from memory.
         latest = self.feed.current()
-        if latest is None or latest.generation != policy.generation:
-            again = self._redecide(latest, credential, host, port, plain_http)
+        if latest is None or latest.generation != allowed.policy.generation:
+            again = self._redecide(
+                latest, allowed.credential, decision.host, decision.port, plain_http
+            )
             if not again.allowed:
-                return self._refuse(flow, again, username, agent)
+                return self._refused(again, username, plain_http, agent)
+        return Verdict(decision, username, agent, str(address), allowed.credential or "")
 
-        del request.headers["Proxy-Authorization"]
-        decision_id = self._record(decision, username, agent.id, address, plain_http)
-        state = self.clients.setdefault(flow.client_conn.id, ClientState())
+    def admit(self, client_id: str, verdict: "Verdict", *, plain_http: bool) -> Tunnel | None:
+        """Log an allowed decision and remember it for the client connection: the vetted
+        address a plain request may be sent to, or the tunnel (returned)."""
+        decision, agent = verdict.decision, verdict.agent
+        assert agent is not None and verdict.address is not None  # noqa: S101 - allowed ones
+        decision_id = self._record(
+            decision, verdict.username, agent.id, verdict.address, plain_http
+        )
+        state = self.clients.setdefault(client_id, ClientState())
         if plain_http:
-            request.host = decision.host  # one canonical host for URL, Host header and dial
-            request.headers["Host"] = (
-                decision.host if decision.port == 80 else f"{decision.host}:{decision.port}"
-            )
-            state.pinned[(request.host, request.port)] = str(address)
-        else:
-            state.tunnel = Tunnel(
-                decision_id=decision_id,
-                agent_id=agent.id,
-                credential=credential or "",
-                host=decision.host,
-                port=decision.port,
-                address=str(address),
-            )
-            self.open_tunnels += 1
-            self.tunnels_by_agent[agent.id] += 1
+            state.pinned[(decision.host, decision.port)] = verdict.address
+            return None
+        state.tunnel = Tunnel(
+            decision_id=decision_id,
+            agent_id=agent.id,
+            credential=verdict.credential,
+            host=decision.host,
+            port=decision.port,
+            address=verdict.address,
+        )
+        self.open_tunnels += 1
+        self.tunnels_by_agent[agent.id] += 1
+        return state.tunnel
+
+    async def covey_decide(self, request: "ConnectRequest") -> None:
+        """The :class:`Connect` layer's question (a hook, so that resolving may wait)."""
+        request.verdict = await self.decide(
+            request.credential, request.host, request.port, plain_http=False
+        )
 
     def _redecide(
         self,
@@ -415,17 +622,15 @@ class CoveyEgress:
             return Decision(Code.PROXY_AUTH, host, port)
         return policy.decide(agent, host, port, plain_http=plain_http, at_capacity=False)
 
-    def _refuse(
+    def _refused(
         self,
-        flow: http.HTTPFlow,
         decision: Decision,
         username: str,
+        plain_http: bool,
         agent: AgentPolicy | None = None,
-    ) -> None:
-        self._record(
-            decision, username, agent.id if agent else None, None, flow.request.method != "CONNECT"
-        )
-        flow.response = refusal(decision, username)
+    ) -> "Verdict":
+        self._record(decision, username, agent.id if agent else None, None, plain_http)
+        return Verdict(decision, username, agent)
 
     def _record(
         self,
@@ -461,8 +666,14 @@ class CoveyEgress:
         if nextlayer.layer is not None:
             return
         context = nextlayer.context
-        if len(context.layers) == 1:  # a new client connection: speak HTTP proxy
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.regular)
+        if len(context.layers) == 1:  # a new client connection
+            opening = nextlayer.data_client()
+            if opening.startswith(b"CONNECT "):
+                nextlayer.layer = Connect(context, self)
+            elif len(opening) < len(b"CONNECT ") and b"CONNECT ".startswith(opening):
+                return  # wait for the request line
+            else:  # a plain-HTTP proxy request (and whatever follows on the connection)
+                nextlayer.layer = layers.HttpLayer(context, HTTPMode.regular)
             return
         state = self.clients.get(context.client.id)
         tunnel = state.tunnel if state else None

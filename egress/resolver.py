@@ -10,6 +10,7 @@ caching, RFC 2308); without an SOA they are asked again every time.
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import dns.asyncresolver
 import dns.exception
@@ -58,23 +59,65 @@ class Resolver:
             self._resolver = dns.asyncresolver.Resolver()
         self._resolver.lifetime = timeout
         self._resolver.cache = _Cache(CACHE_SIZE)
+        # host → (expires at, every address): both families, as resolve() returns them, so
+        # that a cached name is answered without a task (the proxy's connect path asks this
+        # first). Kept as long as the shorter-lived of the two answers, at most MAX_TTL.
+        self._known: dict[str, tuple[float, list[str]]] = {}
 
     def forget(self) -> None:
         """Drop every cached answer."""
         self._resolver.cache.flush()
+        self._known.clear()
+
+    def cached(self, host: str) -> list[str] | None:
+        """The addresses resolve() would return now, when both answers are still cached;
+        None when it would have to ask."""
+        known = self._known.get(host)
+        if known is None:
+            return None
+        if known[0] <= time.time():
+            self._known.pop(host, None)
+            return None
+        return known[1]
 
     async def resolve(self, host: str) -> list[str]:
         """Every address the name has (IPv4 first); [] when it has none."""
+        if (known := self.cached(host)) is not None:
+            return known
         answers = await asyncio.gather(
             self._query(host, dns.rdatatype.A), self._query(host, dns.rdatatype.AAAA)
         )
-        return [address for family in answers for address in family]
+        addresses = [address for family, _ in answers for address in family]
+        expiries = [expires for _, expires in answers]
+        if all(e is not None for e in expiries):
+            expires = min(e for e in expiries if e is not None)
+            if expires > time.time():
+                if len(self._known) >= CACHE_SIZE:
+                    self._known.pop(next(iter(self._known)))  # the oldest entry
+                self._known[host] = (expires, addresses)
+        return addresses
 
-    async def _query(self, host: str, rdtype: dns.rdatatype.RdataType) -> list[str]:
+    async def _query(
+        self, host: str, rdtype: dns.rdatatype.RdataType
+    ) -> tuple[list[str], float | None]:
+        """The addresses of one type, and until when they may be kept (None: not at all)."""
         try:
             answer = await self._resolver.resolve(host + ".", rdtype, search=False)
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            return []
+        except dns.resolver.NoAnswer as exc:
+            return [], _negative_expiry(exc.kwargs.get("response"))
+        except dns.resolver.NXDOMAIN as exc:
+            responses = list((exc.kwargs.get("responses") or {}).values())
+            return [], _negative_expiry(responses[0] if responses else None)
         except dns.exception.DNSException as exc:
             raise ResolutionError(f"{host}: {exc}") from exc
-        return [record.to_text() for record in answer]
+        expires = min(answer.expiration, time.time() + MAX_TTL)
+        return [record.to_text() for record in answer], expires
+
+
+def _negative_expiry(response: Any) -> float | None:
+    """Until when an empty answer may be kept: the zone's SOA says (RFC 2308), else never."""
+    for rrset in getattr(response, "authority", None) or []:
+        if rrset.rdtype == dns.rdatatype.SOA and len(rrset):
+            ttl = min(rrset.ttl, rrset[0].minimum, MAX_TTL)
+            return time.time() + ttl
+    return None

@@ -21,6 +21,7 @@ from tests.egress.conftest import (
     basic,
     closed_by_peer,
     connect,
+    read_head,
     send,
     start_proxy,
 )
@@ -464,3 +465,93 @@ def test_it_fails_closed_when_the_database_is_gone(net, tmp_path, django_db_setu
             503,
             "policy-unavailable",
         )
+
+
+class TestConnectLayer:
+    """A connection that opens with CONNECT is answered by covey's own layer; one that opens
+    with a plain request gets mitmproxy's HTTP layer, CONNECTs after it included."""
+
+    def handshake(self, net, sock):
+        tls = net.ca.client_context().wrap_socket(sock, server_hostname="good.test")
+        tls.sendall(b"GET / HTTP/1.1\r\nHost: good.test\r\nConnection: close\r\n\r\n")
+        status, _, body = read_head(tls)
+        tls.close()
+        return status, body
+
+    def test_a_connect_sent_in_pieces_is_read_whole(self, proxy, net, world):
+        target = f"good.test:{net.tls.port}"
+        sock = socket.create_connection(proxy.address, timeout=10)
+        head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+        head += f"Proxy-Authorization: {basic(world[1])}\r\n\r\n"
+        for piece in (head[:4], head[4:9], head[9:40], head[40:]):
+            sock.sendall(piece.encode())
+            time.sleep(0.05)
+        assert read_head(sock)[0] == 200
+        assert self.handshake(net, sock) == (200, b"hello from good")
+
+    @pytest.mark.parametrize(
+        "head",
+        [
+            b"CONNECT good.test HTTP/1.1\r\n\r\n",  # no port
+            b"CONNECT good.test:99999 HTTP/1.1\r\n\r\n",
+            b"CONNECT  HTTP/1.1\r\n\r\n",
+            b"CONNECT good.test:443 HTTP/1.1\r\nbroken header line\r\n\r\n",
+        ],
+    )
+    def test_a_malformed_connect_is_answered_400_and_closed(self, proxy, net, world, head):
+        answer = send(proxy, head)
+        assert answer.status == 400, answer
+        assert answer.headers["connection"] == "close"
+        assert closed_by_peer(answer.sock)
+        assert net.tls.connections == 0
+
+    def test_a_head_that_never_ends_is_refused(self, proxy, net, world):
+        sock = socket.create_connection(proxy.address, timeout=10)
+        sock.sendall(b"CONNECT good.test:443 HTTP/1.1\r\n")
+        with contextlib.suppress(ConnectionError):
+            sock.sendall(b"X-Padding: " + b"x" * (70 * 1024) + b"\r\n")
+        status, _, _ = read_head(sock)
+        assert status == 400
+        assert closed_by_peer(sock)
+
+    def test_a_refused_connect_closes_the_connection(self, proxy, net, world):
+        answer = connect(proxy, f"evil.test:{net.tls.port}", world[1])
+        assert (answer.status, answer.headers["x-covey-deny-reason"]) == (403, "not-on-allowlist")
+        assert answer.headers["connection"] == "close"
+        assert b"ask for it" in answer.body
+        assert closed_by_peer(answer.sock)
+
+    def test_a_connect_after_a_plain_request_is_decided_too(self, proxy, net, world):
+        auth = f"Proxy-Authorization: {basic(world[1])}\r\n"
+        plain = send(
+            proxy, f"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n{auth}\r\n".encode()
+        )
+        assert (plain.status, plain.body) == (200, b"hello from plain")
+        target = f"good.test:{net.tls.port}"
+        tunnel = send(
+            proxy, f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode(), plain.sock
+        )
+        assert tunnel.status == 200
+        assert self.handshake(net, tunnel.sock) == (200, b"hello from good")
+
+    def test_a_cached_name_is_decided_at_once_and_its_addresses_still_vetted(
+        self, proxy, net, world
+    ):
+        port = net.tls.port
+        net.dns.set("good.test", UPSTREAM, ttl=60)
+        net.dns.set("private.test", "10.1.2.3", ttl=60)
+        try:
+            good_before = net.dns.queries("good.test")
+            private_before = net.dns.queries("private.test")
+            for _ in range(3):
+                answer = connect(proxy, f"good.test:{port}", world[1])
+                assert answer.status == 200
+                assert self.handshake(net, answer.sock) == (200, b"hello from good")
+                refused = connect(proxy, f"private.test:{port}", world[1])
+                assert refused.headers["x-covey-deny-reason"] == "non-public-address"
+            # One A and one AAAA query each: the later decisions used what was kept.
+            assert net.dns.queries("good.test") - good_before == 2
+            assert net.dns.queries("private.test") - private_before == 2
+        finally:
+            net.dns.set("good.test", UPSTREAM)
+            net.dns.set("private.test", "10.1.2.3")

@@ -53,8 +53,22 @@ def test_no_answer_is_kept_longer_than_max_ttl(dns):
     resolver = Resolver([dns.nameserver])
     resolve(resolver, "long.test")
     cached = [node.value.expiration for node in resolver._resolver.cache.data.values()]
-    assert cached
+    cached += [expires for expires, _ in resolver._known.values()]
+    assert len(cached) == 3  # A, AAAA, and the name's addresses
     assert all(expiration <= time.time() + MAX_TTL for expiration in cached)
+
+
+def test_what_is_kept_is_answered_at_once_and_nothing_else(dns):
+    dns.set("kept.test", "192.0.2.1", ttl=60)
+    dns.set("fresh.test", "192.0.2.2")
+    resolver = Resolver([dns.nameserver])
+    assert resolver.cached("kept.test") is None  # never asked
+    resolve(resolver, "kept.test")
+    resolve(resolver, "fresh.test")
+    resolve(resolver, "nowhere.test")  # NXDOMAIN without an SOA
+    assert resolver.cached("kept.test") == ["192.0.2.1"]
+    assert resolver.cached("fresh.test") is None  # TTL 0
+    assert resolver.cached("nowhere.test") is None
 
 
 def test_a_silent_nameserver_is_an_error_in_bounded_time():
