@@ -670,6 +670,8 @@ def _proxy_problems(attrs: Mapping[str, Any], shape: Shape, image_id: str) -> li
         problems.append("the proxy's root file system is writable")
     if host.get("Privileged") or "ALL" not in (host.get("CapDrop") or []) or host.get("CapAdd"):
         problems.append("the proxy keeps capabilities")
+    if not host.get("Init"):
+        problems.append("the proxy runs without an init process")
     if "no-new-privileges" not in (host.get("SecurityOpt") or []):
         problems.append("the proxy may gain privileges (no-new-privileges is off)")
     if (host.get("RestartPolicy") or {}).get("Name") != "unless-stopped":
@@ -727,6 +729,7 @@ def _create_proxy(
             },
             environment=dict(environment),
             read_only=True,
+            init=True,  # signals reach the proxy, whatever its image has for PID 1
             tmpfs={"/tmp": ""},  # noqa: S108 - the container's own (COVEY_VAR_DIR)
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],

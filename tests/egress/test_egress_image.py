@@ -29,6 +29,7 @@ from tests.processes import control_plane, free_port, wait_for
 IMAGE = "covey-egress:latest"
 # How a runner host should run it: unprivileged, nothing writable but a tmpfs on /tmp.
 LOCKED_DOWN = [
+    "--init",  # the image has no init of its own: docker's passes signals on
     "--read-only",
     "--tmpfs",
     "/tmp",  # noqa: S108 (the container's own, where COVEY_VAR_DIR is)
@@ -162,7 +163,7 @@ def test_the_proxy_refuses_everything_while_the_control_plane_is_unreachable(
         assert answer.status == 503, (answer, proxy.output())
         assert answer.headers["x-covey-deny-reason"] == "policy-unavailable"
 
-        # tini hands docker's SIGTERM to the proxy, which shuts down cleanly.
+        # docker's init hands SIGTERM to the proxy, which shuts down cleanly.
         started = time.monotonic()
         docker("stop", "--time", "20", proxy.name)
         assert time.monotonic() - started < 15, proxy.output()

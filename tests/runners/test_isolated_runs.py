@@ -369,10 +369,19 @@ def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
     with world.stack.runner(runner, config, **world.runner_env()):
         runner.refresh_from_db()
         assert runner.trusted, runner.last_probe and runner.last_probe.summary
+
         # Something else takes the proxy's name: the runner may not remove it, so the launch's
         # repair fails and the preflight cannot vouch for the shape.
-        docker("rm", "--force", proxy)
-        docker("create", "--name", proxy, "--label", OUTSIDE_LABEL, world.stack.base_image, "true")
+        def taken() -> bool:
+            # The runner's reconcile may put its proxy back between the two: try again.
+            subprocess.run(["docker", "rm", "--force", proxy], capture_output=True)
+            impostor = ["docker", "create", "--name", proxy, "--label", OUTSIDE_LABEL]
+            created = subprocess.run(
+                [*impostor, world.stack.base_image, "true"], capture_output=True
+            )
+            return created.returncode == 0
+
+        wait_for(taken, 30, "another container under the proxy's name")
         try:
             run = world.stack.wait(run_services.queue_run(agent, "nope"), *FINISHED, timeout=60)
             assert not containers_of(runner)

@@ -392,6 +392,7 @@ def test_ensure_shape_builds_both_networks_the_proxy_and_the_rules(shape, egress
     assert proxy["State"]["Status"] == "running"
     host = proxy["HostConfig"]
     assert host["ReadonlyRootfs"] is True
+    assert host["Init"] is True
     assert "/tmp" in host["Tmpfs"]  # noqa: S108
     assert host["CapDrop"] == ["ALL"]
     assert host["SecurityOpt"] == ["no-new-privileges"]
