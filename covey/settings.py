@@ -260,5 +260,6 @@ CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
     "place-waiting-runs": {"task": "agents.place_waiting_runs", "schedule": 10.0},
     "prune-run-logs": {"task": "agents.prune_run_logs", "schedule": 3600.0},
+    "expire-probes": {"task": "runners.expire_probes", "schedule": 60.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

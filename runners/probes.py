@@ -28,6 +28,9 @@ from runners import dispatch
 from runners.models import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, Probe, ProbeStatus, Runner
 
 TOKEN_TTL = timedelta(minutes=10)
+# A probe with no report after this long is ended as an error (the runner host stopped, or its
+# order was lost); it changes nothing about the runner's trust.
+REPORT_WITHIN = timedelta(minutes=5)
 ISOLATIONS = (ISOLATION_NETWORK, ISOLATION_COOPERATIVE)
 
 
@@ -184,7 +187,27 @@ def finish(
     return probe_row
 
 
-def _finish(probe_row: Probe, results: Sequence[probe.Result], detail: str) -> None:
+def expire(now: Any = None) -> int:
+    """End the pending probes nobody reported on within REPORT_WITHIN; returns how many."""
+    cutoff = (now or timezone.now()) - REPORT_WITHIN
+    ended = 0
+    for probe_id in Probe.objects.filter(
+        status=ProbeStatus.PENDING, created_at__lt=cutoff
+    ).values_list("pk", flat=True):
+        with transaction.atomic():
+            row = Probe.objects.select_for_update().filter(pk=probe_id).first()
+            if row is None or row.status != ProbeStatus.PENDING:
+                continue  # reported meanwhile
+            minutes = int(REPORT_WITHIN.total_seconds() // 60)
+            detail = f"no report from the runner within {minutes} minutes"
+            _finish(row, [], detail, trusts=False)
+            ended += 1
+    return ended
+
+
+def _finish(
+    probe_row: Probe, results: Sequence[probe.Result], detail: str, *, trusts: bool = True
+) -> None:
     if detail:
         status, summary = ProbeStatus.ERROR, detail[:400]
     elif probe.passed(results):
@@ -197,7 +220,8 @@ def _finish(probe_row: Probe, results: Sequence[probe.Result], detail: str) -> N
     probe_row.save(update_fields=["status", "summary", "detail", "checks", "finished_at"])
     if probe_row.egress_token_id is not None:
         revoke_tokens([probe_row.egress_token])
-    Runner.objects.filter(pk=probe_row.runner_id).update(last_probe=probe_row)
+    if trusts:  # the runner's trust follows what it reported
+        Runner.objects.filter(pk=probe_row.runner_id).update(last_probe=probe_row)
 
 
 def control_plane_services() -> list[str]:

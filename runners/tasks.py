@@ -1,12 +1,13 @@
-"""Orders a runner host takes from its queue (see runners.dispatch for who sends them).
+"""Orders a runner host takes from its queue (see runners.dispatch for who sends them), and
+the control plane's own housekeeping of runners (beat).
 
-They act for the host this process runs (``manage.py runner``); a launch is acknowledged only
+Orders act for the host this process runs (``manage.py runner``); a launch is acknowledged only
 once done, so a worker killed mid-launch gets it again (launching is idempotent per run).
 """
 
 from celery import shared_task
 
-from runners import dispatch, host
+from runners import dispatch, host, probes
 from runners.client import ControlPlaneError
 
 # The control plane may be restarting: try again a few times, a little later each time.
@@ -31,3 +32,9 @@ def renew_token(runner_id: int, sealed: str) -> None:
 @shared_task(name=dispatch.PROBE, acks_late=True, reject_on_worker_lost=True, **RETRY)
 def probe(runner_id: int, probe_id: str) -> None:
     host.current().probe(runner_id, probe_id)
+
+
+@shared_task(name="runners.expire_probes")
+def expire_probes() -> int:
+    """Control plane (beat, every minute): end probes no runner reported on."""
+    return probes.expire()

@@ -263,3 +263,27 @@ def test_probe_settings_are_checked(settings):
     settings.COVEY_EGRESS_PROBE_OFF_LIST = "not a host"
     ids = sorted(e.id for e in check_probe_settings())
     assert ids == ["egress.E005", "egress.E006"]
+
+
+def test_a_probe_nobody_reports_on_ends_as_an_error_and_changes_no_trust(runner, acme):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    AgentFactory(organisation=acme)
+    found, client = runner
+    passed = begin(client).json()
+    report(client, passed["probe"], [OK])
+    lost = begin(client).json()  # the runner host died before it reported
+    fresh = begin(client).json()
+    Probe.objects.filter(pk=lost["probe"]).update(created_at=timezone.now() - timedelta(minutes=6))
+
+    assert probes.expire() == 1
+
+    ended = Probe.objects.get(pk=lost["probe"])
+    assert (ended.status, ended.detail) == ("error", "no report from the runner within 5 minutes")
+    assert ended.egress_token.revoked_at is not None
+    assert Probe.objects.get(pk=fresh["probe"]).status == "pending"
+    found.refresh_from_db()
+    assert str(found.last_probe_id) == passed["probe"] and found.trusted
+    assert report(client, lost["probe"], [OK]).status_code == 404  # too late
