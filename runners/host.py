@@ -137,6 +137,8 @@ class ProbeState:
     passed: bool
     at: float  # time.monotonic()
     summary: str
+    retry: float | None = None  # seconds until the next try while it has not passed (None:
+    # HostSettings.probe_retry)
 
 
 @dataclass
@@ -417,7 +419,15 @@ class RunnerHost:
         try:
             return self.probe(identity.id, probe_id, reason)
         except ControlPlaneError as exc:
+            # Not run, or not reported: it proves nothing, and is tried again soon (not at
+            # every poll). A probe that had passed before still counts meanwhile.
             logger.warning("covey runner %s: egress probe: %s", identity.name, exc)
+            state = self._probes.get(identity.id)
+            if state is None or not state.passed:
+                summary = f"the probe could not run: {exc}"
+                self._probes[identity.id] = ProbeState(
+                    False, time.monotonic(), summary, retry=RECONCILE_SECONDS
+                )
             return None
 
     def _probe_engine(self, identity: Identity) -> Engine:
@@ -458,7 +468,8 @@ class RunnerHost:
         state = self._probes.get(identity.id)
         if state is None:
             return True
-        return not state.passed and time.monotonic() - state.at >= self.settings.probe_retry
+        retry = self.settings.probe_retry if state.retry is None else state.retry
+        return not state.passed and time.monotonic() - state.at >= retry
 
     # --- watching --------------------------------------------------------------------------
 

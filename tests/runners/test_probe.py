@@ -13,6 +13,7 @@ import json
 import random
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from uuid import uuid4
 
 import pytest
@@ -22,6 +23,7 @@ from agents import services as agent_services
 from agents.models import Agent, Organisation
 from egress.models import Decision
 from egress.probe import Category, Check, Expect, Result, Verdict, judge, parse_address
+from runners import host as host_module
 from runners import isolation, probing
 from runners.client import ControlPlaneClient
 from runners.engine import Engine
@@ -150,6 +152,24 @@ def test_a_category_with_nothing_to_try_says_so():
     assert tried == [
         "allowed", "off-list", "host", "peer", "dns-embedded", "ipv6",
     ]  # fmt: skip
+
+
+def test_a_probe_that_cannot_reach_the_control_plane_is_tried_again_soon(tmp_path):
+    config = tmp_path / "runner.json"  # a control plane where nothing listens
+    config.write_text(json.dumps({"url": "http://127.0.0.1:9", "id": 7, "name": "e", "token": "t"}))
+    identity = host_module.Identity(config)
+    settings = host_module.HostSettings(homes=tmp_path, isolation=True, probe_retry=300)
+    runner_host = host_module.RunnerHost({7: identity}, settings)
+    assert runner_host._probe_due(identity)  # never probed
+
+    assert runner_host.start_probes() == {7: None}
+
+    assert not runner_host._probe_due(identity)  # not again at every poll
+    with pytest.raises(host_module.UntrustedError, match="the probe could not run: "):
+        runner_host._check_probe(identity)  # and no work meanwhile
+    state = runner_host._probes[7]
+    runner_host._probes[7] = replace(state, at=state.at - host_module.RECONCILE_SECONDS)
+    assert runner_host._probe_due(identity)  # soon, not after probe_retry
 
 
 # --- the real shape -------------------------------------------------------------------------
