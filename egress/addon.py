@@ -135,11 +135,9 @@ class _Allowed:
 
 @dataclass
 class ConnectRequest:
-    """A CONNECT the :class:`Connect` layer read, and (once decided) its verdict."""
+    """A CONNECT allowed by name whose name must be resolved, and (once it is) its verdict."""
 
-    credential: str | None
-    host: str
-    port: int
+    allowed: "_Allowed"
     verdict: Verdict | None = None
 
 
@@ -195,11 +193,14 @@ class Connect(layer.Layer):
         if request.method != "CONNECT" or not request.host:
             yield from self._answer(400, "only CONNECT host:port may open this connection")
             return
-        asked = ConnectRequest(
-            request.headers.get("Proxy-Authorization"), request.host, request.port
+        credential = request.headers.get("Proxy-Authorization")
+        verdict: Verdict | _Allowed | None = self.egress.decide_now(
+            credential, request.host, request.port
         )
-        yield CoveyDecideHook(asked)
-        verdict = asked.verdict
+        if isinstance(verdict, _Allowed):  # the name must be resolved: a hook, the loop goes on
+            asked = ConnectRequest(verdict)
+            yield CoveyDecideHook(asked)
+            verdict = asked.verdict
         if verdict is None or not verdict.allowed:
             decision = verdict.decision if verdict else Decision(Code.BAD_REQUEST, request.host)
             response = refusal(decision, verdict.username if verdict else "")
@@ -513,23 +514,27 @@ class CoveyEgress:
         first = self._before_resolving(credential, host, port, plain_http, problem)
         if isinstance(first, Verdict):
             return first
-        try:
-            addresses = await self.resolver.resolve(first.decision.host)
-        except ResolutionError as exc:
-            addresses = []
-            logger.info("covey: %s", exc)
-        return self._after_resolving(first, addresses, plain_http)
+        return await self._resolved(first, plain_http)
 
-    def decide_now(self, credential: str | None, host: str, port: int) -> "Verdict | None":
-        """:meth:`decide` for a CONNECT, when nothing has to wait: refused before resolving,
-        or the name's addresses are cached. None when resolving must wait."""
+    def decide_now(self, credential: str | None, host: str, port: int) -> "Verdict | _Allowed":
+        """:meth:`decide` for a CONNECT as far as it goes without waiting: the verdict when it
+        is refused before resolving or the name's addresses are cached; else what resolving
+        must complete (:meth:`covey_decide`)."""
         first = self._before_resolving(credential, host, port, False, "")
         if isinstance(first, Verdict):
             return first
         addresses = self.resolver.cached(first.decision.host)
         if addresses is None:
-            return None
+            return first
         return self._after_resolving(first, addresses, False)
+
+    async def _resolved(self, allowed: "_Allowed", plain_http: bool) -> "Verdict":
+        try:
+            addresses = await self.resolver.resolve(allowed.decision.host)
+        except ResolutionError as exc:
+            addresses = []
+            logger.info("covey: %s", exc)
+        return self._after_resolving(allowed, addresses, plain_http)
 
     def _before_resolving(
         self, credential: str | None, host: str, port: int, plain_http: bool, problem: str
@@ -603,9 +608,7 @@ class CoveyEgress:
 
     async def covey_decide(self, request: "ConnectRequest") -> None:
         """The :class:`Connect` layer's question (a hook, so that resolving may wait)."""
-        request.verdict = await self.decide(
-            request.credential, request.host, request.port, plain_http=False
-        )
+        request.verdict = await self._resolved(request.allowed, plain_http=False)
 
     def _redecide(
         self,

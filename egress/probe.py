@@ -107,6 +107,11 @@ def passed(results: Sequence[Result]) -> bool:
     return bool(results) and all(r.verdict in (Verdict.OK, Verdict.SKIP) for r in results)
 
 
+def failure_line(detail: str) -> str:
+    """The one line of a probe that could not run."""
+    return f"{Verdict.FAIL.value:<4}  {detail}"
+
+
 def summary(results: Sequence[Result]) -> str:
     """One line: how many checks, leaks and failures, and the first of them."""
     leaks = [r for r in results if r.verdict is Verdict.LEAK]

@@ -52,6 +52,24 @@ class ProbeInline(admin.TabularInline):
         return queryset
 
 
+RUNNER_FIELDS = (
+    "organisation",
+    "name",
+    "labels",
+    "paused",
+    "builtin",
+    "online",
+    "isolation",
+    "trusted",
+    "last_probe_status",
+    "last_probe_lines",
+    "token_prefix",
+    "token_renewed_at",
+    "created_at",
+    "last_seen_at",
+)
+
+
 @admin.register(Runner)
 class RunnerAdmin(admin.ModelAdmin):
     """Online means a heartbeat within COVEY_RUNNER_STALE_SECONDS; stale runners get no work.
@@ -71,35 +89,10 @@ class RunnerAdmin(admin.ModelAdmin):
     list_filter = ["paused", "builtin", "isolation", "organisation"]
     list_select_related = ["organisation", "last_probe"]
     search_fields = ["name", "organisation__name"]
-    readonly_fields = [
-        "organisation",
-        "builtin",
-        "online",
-        "isolation",
-        "trusted",
-        "last_probe_status",
-        "last_probe_lines",
-        "token_prefix",
-        "token_renewed_at",
-        "created_at",
-        "last_seen_at",
-    ]
-    fields = [
-        "organisation",
-        "name",
-        "labels",
-        "paused",
-        "builtin",
-        "online",
-        "isolation",
-        "trusted",
-        "last_probe_status",
-        "last_probe_lines",
-        "token_prefix",
-        "token_renewed_at",
-        "created_at",
-        "last_seen_at",
-    ]
+    fields = RUNNER_FIELDS
+    readonly_fields = tuple(
+        name for name in RUNNER_FIELDS if name not in ("name", "labels", "paused")
+    )
     inlines = [ProbeInline]
     actions = ["pause_runners", "resume_runners", "probe_runners"]
 

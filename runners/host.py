@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from egress import probe as egress_probe
 from egress.environment import proxy_environment
 from egress.policy import hash_token
 from runners import isolation, probing
@@ -165,6 +164,7 @@ class RunnerHost:
     # Per runner: its latest egress probe, and one probe at a time.
     _probes: dict[int, ProbeState] = field(default_factory=dict)
     _probe_locks: dict[int, threading.Lock] = field(default_factory=dict)
+    _probe_engines: dict[int, Engine] = field(default_factory=dict)
 
     # --- identities ------------------------------------------------------------------------
 
@@ -400,7 +400,7 @@ class RunnerHost:
                 client.report_probe(
                     str(order["probe"]), [r.as_dict() for r in report.results], report.detail
                 )
-            summary = report.detail or egress_probe.summary(report.results)
+            summary = report.summary
             self._probes[identity.id] = ProbeState(report.passed, time.monotonic(), summary)
         level = logging.INFO if report.passed else logging.WARNING
         logger.log(
@@ -431,10 +431,10 @@ class RunnerHost:
             return None
 
     def _probe_engine(self, identity: Identity) -> Engine:
-        key = -identity.id  # beside the runner's own engine, under another name
-        if key not in self._engines:
-            self._engines[key] = Engine(f"{runner_name(identity)}.probe")
-        return self._engines[key]
+        if identity.id not in self._probe_engines:
+            # Another name than the runner's: its sweep never takes a probe for a run.
+            self._probe_engines[identity.id] = Engine(f"{runner_name(identity)}.probe")
+        return self._probe_engines[identity.id]
 
     def _probe_where(self, identity: Identity) -> probing.Where:
         """The shape a sandbox of this runner would get right now."""
@@ -444,14 +444,12 @@ class RunnerHost:
                 network=isolation.sandbox_network_options(shape),
                 proxy=isolation.proxy_address(shape),
                 gateway=shape.gateway,
-                isolation=ISOLATION_NETWORK,
             )
         network = self.settings.network
         return probing.Where(
             network={"network": network},
             proxy=self.settings.proxy,
             gateway=self.engine(identity).gateway(network),
-            isolation=ISOLATION_COOPERATIVE,
         )
 
     def _check_probe(self, identity: Identity) -> None:

@@ -88,7 +88,7 @@ def order_probe(
     with transaction.atomic():
         probe_row = Probe.objects.create(
             runner=runner,
-            agent=chosen if agent is not None else None,
+            agent=agent,  # None: the runner's order picks one when it starts
             reason=reason[:100],
             requested_by=by if by is not None and getattr(by, "is_authenticated", False) else None,
         )
@@ -209,12 +209,11 @@ def _finish(
     probe_row: Probe, results: Sequence[probe.Result], detail: str, *, trusts: bool = True
 ) -> None:
     if detail:
-        status, summary = ProbeStatus.ERROR, detail[:400]
-    elif probe.passed(results):
-        status, summary = ProbeStatus.PASSED, probe.summary(results)[:400]
+        probe_row.status = ProbeStatus.ERROR
     else:
-        status, summary = ProbeStatus.FAILED, probe.summary(results)[:400]
-    probe_row.status, probe_row.summary, probe_row.detail = status, summary, detail
+        probe_row.status = ProbeStatus.PASSED if probe.passed(results) else ProbeStatus.FAILED
+    probe_row.summary = (detail or probe.summary(results))[:400]
+    probe_row.detail = detail
     probe_row.checks = [r.as_dict() for r in results]
     probe_row.finished_at = timezone.now()
     probe_row.save(update_fields=["status", "summary", "detail", "checks", "finished_at"])
@@ -252,7 +251,7 @@ def wait(probes: Iterable[Probe], timeout: float, poll: float = 0.2) -> list[Pro
 def lines(probe_row: Probe) -> list[str]:
     """The probe as people read it: one line per check."""
     if probe_row.detail and not probe_row.checks:
-        return [f"FAIL  {probe_row.detail}"]
+        return [probe.failure_line(probe_row.detail)]
     return [probe.Result.from_dict(c).line() for c in probe_row.checks]
 
 

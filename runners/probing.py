@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from egress import probe
-from egress.probe import Category, Check, Expect, Result, Verdict
+from egress.probe import Category, Check, Expect, Result
 from runners.engine import Engine, EngineError, SandboxSpec
 
 PEER_PORT = 8080
@@ -78,7 +78,6 @@ class Where:
     network: Mapping[str, Any]  # SandboxSpec network fields (network, dns, dns_opt, sysctls)
     proxy: str  # ip:port, or "" when there is none
     gateway: str  # the host's address on the sandbox network ("" when unknown)
-    isolation: str  # "network" or "cooperative"
 
 
 @dataclass
@@ -92,6 +91,10 @@ class Report:
     @property
     def passed(self) -> bool:
         return not self.detail and probe.passed(self.results)
+
+    @property
+    def summary(self) -> str:
+        return self.detail or probe.summary(self.results)
 
 
 def plan(
@@ -317,4 +320,4 @@ def _observations(output: str) -> list[Any] | None:
 
 def failed(detail: str) -> Report:
     """The report of a probe that could not run."""
-    return Report([], detail=detail, lines=[f"{Verdict.FAIL.value:<4}  {detail}"])
+    return Report([], detail=detail, lines=[probe.failure_line(detail)])

@@ -162,3 +162,17 @@ def base_image() -> str:
     if IN_CI:
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture
+def orders(monkeypatch) -> list[tuple[str, int, str]]:
+    """The orders that would go to runners' queues (kind, runner id, run or probe id); no
+    broker needed."""
+    from runners import dispatch
+
+    sent: list[tuple[str, int, str]] = []
+    for kind in ("launch", "cancel", "probe"):
+        monkeypatch.setattr(
+            dispatch, f"send_{kind}", lambda r, item, kind=kind: sent.append((kind, r.pk, item))
+        )
+    return sent

@@ -24,15 +24,6 @@ from tests.factories import AgentFactory
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def orders(monkeypatch):
-    """The orders that would go to runners' queues (no broker needed here)."""
-    sent: list[tuple[str, int, str]] = []
-    monkeypatch.setattr(dispatch, "send_launch", lambda r, run: sent.append(("launch", r.pk, run)))
-    monkeypatch.setattr(dispatch, "send_cancel", lambda r, run: sent.append(("cancel", r.pk, run)))
-    return sent
-
-
 def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:
     _, secret = create_registration_token(organisation)
     runner, token = register_runner(secret, name, labels)

@@ -534,7 +534,7 @@ class TestConnectLayer:
         assert tunnel.status == 200
         assert self.handshake(net, tunnel.sock) == (200, b"hello from good")
 
-    def test_a_cached_name_is_decided_at_once_and_its_addresses_still_vetted(
+    def test_a_kept_name_is_not_asked_again_and_its_addresses_are_still_vetted(
         self, proxy, net, world
     ):
         port = net.tls.port

@@ -138,7 +138,7 @@ def test_results_round_trip_and_print_one_line_each():
 
 
 def test_a_category_with_nothing_to_try_says_so():
-    where = probing.Where(network={}, proxy="10.0.0.2:3128", gateway="10.0.0.1", isolation="x")
+    where = probing.Where(network={}, proxy="10.0.0.2:3128", gateway="10.0.0.1")
     order = {"allowed": "vendor.test:443", "off_list": "off.test", "credentials": "a.b:c"}
     empty = probing.Targets(internet=(), private=(), metadata=(), resolvers=(), ipv6=())
 
@@ -203,7 +203,6 @@ class ProbeWorld:
             network={**isolation.sandbox_network_options(self.shape), **network_changes},
             proxy=isolation.proxy_address(self.shape),
             gateway=self.shape.gateway,
-            isolation="network",
         )
 
     def targets(self) -> probing.Targets:
@@ -470,9 +469,7 @@ def test_cooperative_mode_is_bypassed_and_the_same_bypass_fails_under_isolation(
     # only told of the proxy. A process that ignores the proxy variables connects straight to
     # the internet stand-in, asks an outside resolver, and reaches the host's services.
     gateway = Engine("unused").gateway(None)
-    cooperative = probing.Where(
-        network={"network": None}, proxy="", gateway=gateway, isolation="cooperative"
-    )
+    cooperative = probing.Where(network={"network": None}, proxy="", gateway=gateway)
     bypassed = world.probe(cooperative)
     isolated = world.probe()
 

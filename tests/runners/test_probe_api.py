@@ -15,7 +15,7 @@ from agents.models import Run, RunStatus
 from egress.checks import check_probe_settings
 from egress.models import EgressToken
 from egress.probe import Result, Verdict
-from runners import dispatch, probes
+from runners import probes
 from runners.models import Probe, ProbeStatus, Runner
 from tests.agents.test_runs_api import online_runner
 from tests.factories import AgentFactory
@@ -24,15 +24,6 @@ pytestmark = pytest.mark.django_db
 
 OK = Result("internet", "tcp 192.0.2.1:443", Verdict.OK, "blocked (no answer in 2 s)")
 LEAK = Result("host", "tcp 10.213.0.1:22", Verdict.LEAK, "connected")
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    """Orders that would go to runners' queues."""
-    found: list[tuple[str, int, str]] = []
-    monkeypatch.setattr(dispatch, "send_launch", lambda r, run: found.append(("launch", r.pk, run)))
-    monkeypatch.setattr(dispatch, "send_probe", lambda r, p: found.append(("probe", r.pk, p)))
-    return found
 
 
 @pytest.fixture
@@ -111,7 +102,7 @@ def test_without_an_agent_the_wall_is_probed_and_the_proxy_checks_are_skipped(ru
     )
 
 
-def test_another_runners_probe_cannot_be_run_or_reported(runner, acme, sent):
+def test_another_runners_probe_cannot_be_run_or_reported(runner, acme, orders):
     AgentFactory(organisation=acme)
     _, client = runner
     other, _ = online_runner(acme, "edge-2")
@@ -142,7 +133,7 @@ def test_a_probe_the_settings_make_impossible_ends_as_an_error(runner, acme, set
     assert Probe.objects.get(pk=order["probe"]).status == ProbeStatus.ERROR
 
 
-def test_ordering_as_an_agent_that_cannot_do_it_is_refused(acme, sent, settings):
+def test_ordering_as_an_agent_that_cannot_do_it_is_refused(acme, orders, settings):
     runner, _ = online_runner(acme)
     from django.core.exceptions import ValidationError
 
@@ -151,11 +142,11 @@ def test_ordering_as_an_agent_that_cannot_do_it_is_refused(acme, sent, settings)
     settings.COVEY_EGRESS_PROBE_ALLOWED = "vendor.example:443"
     with pytest.raises(ValidationError, match=r"may not reach vendor.example:443"):
         probes.order_probe(runner, agent=AgentFactory(organisation=acme))
-    assert sent == [] and not Probe.objects.exists()
+    assert orders == [] and not Probe.objects.exists()
 
 
 def test_a_hard_isolation_runner_gets_work_only_after_a_passing_probe(
-    runner, acme, sent, django_capture_on_commit_callbacks
+    runner, acme, orders, django_capture_on_commit_callbacks
 ):
     agent = AgentFactory(organisation=acme)
     found, client = runner
@@ -172,7 +163,7 @@ def test_a_hard_isolation_runner_gets_work_only_after_a_passing_probe(
         report(client, order["probe"], [OK])
 
     assert Run.objects.get(pk=run.pk).status == RunStatus.PLACED  # placed when it passed
-    assert ("launch", found.pk, str(run.pk)) in sent
+    assert ("launch", found.pk, str(run.pk)) in orders
 
 
 def test_a_cooperative_runner_is_trusted_whatever_its_probe_says(runner, acme):
@@ -184,7 +175,7 @@ def test_a_cooperative_runner_is_trusted_whatever_its_probe_says(runner, acme):
 
 
 def test_admins_order_probes_through_the_api_and_read_them(
-    api, alice, april, acme, sent, django_capture_on_commit_callbacks
+    api, alice, april, acme, orders, django_capture_on_commit_callbacks
 ):
     AgentFactory(organisation=acme, slug="worker")
     runner, token = online_runner(acme)
@@ -197,7 +188,7 @@ def test_admins_order_probes_through_the_api_and_read_them(
     assert answer.status_code == 202, answer.content
     ordered = answer.json()
     assert (ordered["status"], ordered["reason"]) == ("pending", "API")
-    assert sent == [("probe", runner.pk, ordered["id"])]
+    assert orders == [("probe", runner.pk, ordered["id"])]
 
     runner_client = APIClient(HTTP_AUTHORIZATION=f"Runner {token}")
     report(runner_client, begin(runner_client, ordered["id"]).json()["probe"], [OK, LEAK])
@@ -212,7 +203,7 @@ def test_admins_order_probes_through_the_api_and_read_them(
 
 
 def test_the_admin_shows_each_runners_last_probe_and_orders_one(
-    client, root, acme, sent, django_capture_on_commit_callbacks
+    client, root, acme, orders, django_capture_on_commit_callbacks
 ):
     client.force_login(root)
     runner, token = online_runner(acme)
@@ -233,11 +224,11 @@ def test_the_admin_shows_each_runners_last_probe_and_orders_one(
             reverse("admin:runners_runner_changelist"),
             {"action": "probe_runners", "_selected_action": [runner.pk]},
         )
-    assert [kind for kind, *_ in sent] == ["probe"]
+    assert [kind for kind, *_ in orders] == ["probe"]
 
 
 def test_the_command_waits_for_the_report_and_says_when_none_came(
-    acme, sent, django_capture_on_commit_callbacks
+    acme, orders, django_capture_on_commit_callbacks
 ):
     runner, _ = online_runner(acme)
     out = io.StringIO()
@@ -245,10 +236,10 @@ def test_the_command_waits_for_the_report_and_says_when_none_came(
         call_command("egress_probe", "--runner", "edge-1", "--timeout", "0.3", stdout=out)
     assert late.value.returncode == 2
     assert "no report within 0.3 s: is its runner host running?" in out.getvalue()
-    assert sent == [("probe", runner.pk, str(runner.probes.get().pk))]
+    assert orders == [("probe", runner.pk, str(runner.probes.get().pk))]
 
 
-def test_the_command_refuses_what_it_cannot_probe(acme, sent):
+def test_the_command_refuses_what_it_cannot_probe(acme, orders):
     with pytest.raises(CommandError, match="no runner 'nowhere'"):
         call_command("egress_probe", "--runner", "nowhere")
     with pytest.raises(CommandError, match="no agent 'ghost'"):
