@@ -7,8 +7,16 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import Count, QuerySet
-from django.http import HttpRequest
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseRedirect,
+)
+from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 from simple_history.admin import SimpleHistoryAdmin
 
 from agents import runs, services
@@ -33,12 +41,51 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Organisation)
 class OrganisationAdmin(SimpleHistoryAdmin):
+    """Organisations are made and changed through the same service as in the API: a new one
+    starts with the base allowlist (COVEY_EGRESS_BASE_ALLOWLIST, shown filled in), gets its
+    built-in runner, and its creator becomes its admin."""
+
     list_display = ["name", "slug", "base_allowlist_size", "agent_count", "created_at"]
     search_fields = ["name", "slug"]
     prepopulated_fields = {"slug": ["name"]}
-    readonly_fields = ["created_at"]
     inlines = [MembershipInline]
     history_list_display = ["base_allowlist"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return ["created_at"] if obj is None else ["slug", "created_at"]
+
+    def get_prepopulated_fields(self, request: HttpRequest, obj: Any = None) -> dict[str, Any]:
+        return {"slug": ["name"]} if obj is None else {}
+
+    def save_model(self, request: HttpRequest, obj: Organisation, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        if change:
+            changes = {f: data[f] for f in ("name", "base_allowlist") if f in form.changed_data}
+            services.update_organisation(obj, by=request.user, **changes)
+            return
+        created = services.create_organisation(
+            data["name"], by=request.user, slug=data["slug"], base_allowlist=data["base_allowlist"]
+        )
+        obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
+        obj._state.adding = False
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        if formset.model is not Membership:
+            super().save_formset(request, form, formset, change)
+            return
+        # The creator is a member already (the service made them admin): a row for them in
+        # the inline sets their role instead of adding them twice.
+        for member in formset.save(commit=False):
+            existing = Membership.objects.filter(
+                organisation_id=member.organisation_id, user_id=member.user_id
+            ).first()
+            if existing is not None and existing.pk != member.pk:
+                existing.role = member.role
+                existing.save(update_fields=["role"])
+            else:
+                member.save()
+        for member in formset.deleted_objects:
+            member.delete()
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
         return super().get_queryset(request).annotate(agent_total=Count("agents"))
@@ -79,16 +126,49 @@ class AgentVersionInline(admin.TabularInline):
 
     @admin.display(description="Changes")
     def changes_shown(self, obj: AgentVersion) -> str:
-        if not obj.changes:
-            return "created"
-        return format_html_join(
-            "",
-            "<div><b>{}</b>: {} → {}</div>",
-            (
-                (field, json.dumps(old), json.dumps(new))
-                for field, (old, new) in obj.changes.items()
-            ),
-        )
+        return changes_table(obj)
+
+
+def _shown(value: Any) -> str:
+    """A configuration value as people read it: lists as comma-separated items."""
+    if value is None or value == [] or value == "":
+        return "—"
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return ", ".join(value)
+    if isinstance(value, str | int | float | bool):
+        return str(value)
+    return json.dumps(value, sort_keys=True)
+
+
+def _differences(field: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """A change as rows: a group of settings (the sandbox's) one row per setting that differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            (f"{field} {key.replace('_', ' ')}", old.get(key), new.get(key))
+            for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)
+        ]
+    return [(field, old, new)]
+
+
+def changes_table(version: AgentVersion) -> str:
+    """What a version changed, one row per field: before, after."""
+    if not version.changes:
+        return "created" if version.number == 1 else "no change"
+    rows = format_html_join(
+        "",
+        "<tr><th>{}</th><td>{}</td><td>{}</td></tr>",
+        (
+            (field, _shown(old), _shown(new))
+            for name, (old, new) in sorted(version.changes.items())
+            for field, old, new in _differences(name.replace("_", " "), old, new)
+        ),
+    )
+    return format_html(
+        '<table class="covey-changes"><thead><tr><th>field</th><th>before</th>'
+        "<th>after</th></tr></thead><tbody>{}</tbody></table>",
+        rows,
+    )
 
 
 class LabelsField(forms.CharField):
@@ -108,9 +188,33 @@ class LabelsField(forms.CharField):
             raise ValidationError(str(exc)) from None
 
 
+class CommandField(forms.JSONField):
+    """A command as a JSON list of arguments; empty means the Claude runtime."""
+
+    default_error_messages = {
+        "invalid": (
+            'Give the command as a JSON list of arguments, e.g. ["sh", "-c", "echo hi"]'
+            " (empty: the Claude runtime)."
+        ),
+    }
+
+    def to_python(self, value: Any) -> Any:
+        command = super().to_python(value)
+        if command in (None, ""):
+            return []
+        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+            raise ValidationError(self.error_messages["invalid"], code="invalid")
+        return command
+
+
 class AgentForm(forms.ModelForm):
     required_labels = LabelsField(
         required=False, help_text="Comma-separated; the agent runs only on runners with all."
+    )
+    runtime_command = CommandField(
+        required=False,
+        help_text='A JSON list of arguments, e.g. ["sh", "-c", "make test"]; empty: the Claude'
+        " runtime on the task.",
     )
 
     class Meta:
@@ -148,6 +252,13 @@ class AgentAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Agent]:
         return super().get_queryset(request).prefetch_related("templates")
+
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: Any = None
+    ) -> HttpResponse:
+        """An agent's history is its versions: who changed what, when."""
+        url = reverse("admin:agents_agentversion_changelist")
+        return HttpResponseRedirect(f"{url}?{urlencode({'agent__id__exact': object_id})}")
 
     @admin.display(description="Templates")
     def template_list(self, obj: Agent) -> str:
@@ -205,11 +316,22 @@ class AgentAdmin(admin.ModelAdmin):
 class AgentVersionAdmin(admin.ModelAdmin):
     """Read-only: versions are a record."""
 
-    list_display = ["agent", "number", "created_by", "created_at"]
-    list_filter = ["agent__organisation"]
+    list_display = ["agent", "number", "created_by", "created_at", "changes_shown"]
+    list_filter = ["agent__organisation", "agent"]
     list_select_related = ["agent__organisation", "created_by"]
     search_fields = ["agent__name", "agent__slug"]
-    readonly_fields = ["agent", "number", "config", "changes", "created_by", "created_at"]
+    readonly_fields = [
+        "agent", "number", "created_by", "created_at", "changes_shown", "config_shown"
+    ]  # fmt: skip
+    fields = tuple(readonly_fields)
+
+    @admin.display(description="Changes")
+    def changes_shown(self, obj: AgentVersion) -> str:
+        return changes_table(obj)
+
+    @admin.display(description="Configuration")
+    def config_shown(self, obj: AgentVersion) -> str:
+        return format_html("<pre>{}</pre>", json.dumps(obj.config, indent=2, sort_keys=True))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -254,7 +376,7 @@ class RunAdmin(admin.ModelAdmin):
         "timeout",
         "exit_code",
         "log_tail",
-        "log",
+        "log_link",
         "created_by",
         "created_at",
         "placed_at",
@@ -262,10 +384,32 @@ class RunAdmin(admin.ModelAdmin):
         "finished_at",
         "cancel_requested_at",
     ]
-    exclude = ["egress_token"]
+    exclude = ["egress_token", "log"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    def get_urls(self) -> list[Any]:
+        log = self.admin_site.admin_view(self.log_view)
+        return [
+            path("<uuid:object_id>/log/", log, name="agents_run_log"),
+            *super().get_urls(),
+        ]
+
+    @admin.display(description="Output")
+    def log_link(self, obj: Run) -> str:
+        if obj.pk is None:
+            return "-"
+        url = reverse("admin:agents_run_log", args=[obj.pk])
+        what = "the whole output" if obj.log else "the output so far"
+        return format_html('<a href="{}">{}</a>', url, what)
+
+    def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """The run's output as text: the whole log once kept, else what arrived so far."""
+        run = self.get_object(request, str(object_id))
+        if run is None or not self.has_view_permission(request, run):
+            raise Http404("no such run")
+        return runs.log_response(run)
 
     @admin.action(description="Cancel selected runs", permissions=["change"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:

@@ -202,7 +202,7 @@ class AgentVersion(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.agent_id} v{self.number}"
+        return f"{self.agent} v{self.number}"
 
 
 class RunStatus(models.TextChoices):
@@ -247,6 +247,9 @@ class Run(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     log_tail = models.TextField(blank=True, help_text="The end of the output.")
     log = models.FileField(upload_to="runs/%Y/%m/", blank=True, help_text="The whole output.")
+    output_size = models.BigIntegerField(
+        default=0, help_text="Bytes of output received so far (UTF-8), live or whole."
+    )
     egress_token = models.ForeignKey(
         "egress.EgressToken", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
@@ -266,11 +269,29 @@ class Run(models.Model):
         indexes = [models.Index(fields=["agent", "status"])]
 
     def __str__(self) -> str:
-        return f"run {self.pk} of {self.agent_id} ({self.status})"
+        return f"run {self.pk} of {self.agent} ({self.status})"
 
     @property
     def finished(self) -> bool:
         return self.status in FINISHED
+
+
+class RunOutput(models.Model):
+    """A piece of a running run's output, as its runner sent it, at its byte offset. The whole
+    log replaces them when the sandbox has ended."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="output")
+    start = models.BigIntegerField(help_text="Byte offset of the text in the output (UTF-8).")
+    text = models.TextField()
+
+    class Meta:
+        ordering = ["run_id", "start"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "start"], name="runoutput_unique_start")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} @{self.start}"
 
 
 class RunEvent(models.Model):

@@ -11,9 +11,10 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.files.base import ContentFile
 from django.db import transaction
+from django.http import HttpResponse
 from django.utils import timezone
 
-from agents.models import ACTIVE, FINISHED, Agent, Run, RunEvent, RunStatus
+from agents.models import ACTIVE, FINISHED, Agent, Run, RunEvent, RunOutput, RunStatus
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -22,8 +23,20 @@ from runners.placement import place
 
 MAX_TASK_BYTES = 100 * 1024  # it travels in an environment variable too
 LOG_TAIL_CHARS = 16_000
-# Without a command of its own, an agent runs the Claude runtime on its task.
-DEFAULT_RUNTIME = ["sh", "-c", 'exec claude --print "$COVEY_TASK"']
+# Live output: a runner sends at most this much at once, and a run keeps at most this much
+# before its sandbox ends (the whole log then replaces it; Docker keeps 20 MB of a sandbox's).
+MAX_OUTPUT_CHUNK_BYTES = 256 * 1024
+MAX_LIVE_OUTPUT_BYTES = 32 * 1024 * 1024
+# Without a command of its own, an agent runs the Claude runtime on its task; an image without
+# it ends with NO_RUNTIME_EXIT, which the run's status explains (see report).
+NO_RUNTIME_EXIT = 127
+DEFAULT_RUNTIME = [
+    "sh",
+    "-c",
+    "command -v claude >/dev/null 2>&1 || { echo 'covey: this image has no Claude runtime"
+    " (claude is not on its PATH): give the agent a workplace whose image has it, or a runtime"
+    f' command\' >&2; exit {NO_RUNTIME_EXIT}; }}; exec claude --print "$COVEY_TASK"',
+]
 
 
 class RunError(Exception):
@@ -138,15 +151,25 @@ def start(run_id: str, runner: Runner) -> dict[str, Any] | None:
     return sandbox_spec(run, credentials)
 
 
+def sandbox_image(run: Run) -> str:
+    """The image a run's sandbox is built from: its workplace's, else COVEY_DEFAULT_IMAGE."""
+    workplace = run.agent_version.config.get("workplace") or {}
+    return str(workplace.get("image") or settings.COVEY_DEFAULT_IMAGE)
+
+
+def _default_runtime(run: Run) -> bool:
+    """The run has no command of its own: it runs the Claude runtime."""
+    return not (run.agent_version.config.get("sandbox") or {}).get("command")
+
+
 def sandbox_spec(run: Run, credentials: str) -> dict[str, Any]:
     """What the runner builds, from the agent's configuration version the run was queued at."""
     config = run.agent_version.config
-    workplace = config.get("workplace") or {}
     sandbox = config.get("sandbox") or {}
     return {
         "run": str(run.pk),
         "agent": run.agent_id,
-        "image": workplace.get("image") or settings.COVEY_DEFAULT_IMAGE,
+        "image": sandbox_image(run),
         "command": sandbox.get("command") or DEFAULT_RUNTIME,
         "task": run.task,
         "cpus": float(sandbox.get("cpus", 1)),
@@ -207,6 +230,14 @@ def report(
         status, why = RunStatus.TIMED_OUT, f"stopped after {run.timeout} s"
     elif state == "exited" and exit_code == 0:
         status, why = RunStatus.SUCCEEDED, ""
+    elif state == "exited" and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):
+        image = sandbox_image(run)
+        status, why = (
+            RunStatus.FAILED,
+            f"exit code {exit_code}: the image {image} has no Claude runtime (claude is not on"
+            " its PATH). Give the agent a workplace whose image has it, or a runtime command"
+            ' (a list of arguments, e.g. ["sh", "-c", "make test"]).',
+        )
     elif state == "exited":
         status, why = RunStatus.FAILED, f"exit code {exit_code}"
     elif state == "built":
@@ -222,20 +253,97 @@ def report(
 
 @transaction.atomic
 def save_log(run_id: str, runner: Runner, text: str) -> Run | None:
-    """Keep a run's whole output and its tail (a runner sends it once the sandbox ended)."""
+    """Keep a run's whole output and its tail (a runner sends it once the sandbox ended); it
+    replaces the output sent while the run went."""
     run = _runners_run(run_id, runner)
     if run is None:
         return None
     if run.log:
         run.log.delete(save=False)
-    run.log.save(f"{run.pk}.log", ContentFile(text.encode()), save=False)
+    data = text.encode()
+    run.log.save(f"{run.pk}.log", ContentFile(data), save=False)
     run.log_tail = text[-LOG_TAIL_CHARS:]
-    Run.objects.filter(pk=run.pk).update(log=run.log.name, log_tail=run.log_tail)
+    run.output_size = len(data)
+    Run.objects.filter(pk=run.pk).update(
+        log=run.log.name, log_tail=run.log_tail, output_size=run.output_size
+    )
+    RunOutput.objects.filter(run=run).delete()
     return run
 
 
+class OutputConflict(Exception):
+    """Output sent at another offset than the run's size; ``size`` is where to go on from."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the run has {size} bytes of output; send from there")
+        self.size = size
+
+
+@transaction.atomic
+def append_output(run_id: str, runner: Runner, offset: int, text: str) -> Run | None:
+    """Keep output a runner sent while the sandbox runs, at ``offset`` bytes into it.
+
+    OutputConflict when the offset is not the run's current size (a resend, or a runner that
+    restarted: it goes on from the size it is told). Output of a run whose whole log is kept
+    already, or past MAX_LIVE_OUTPUT_BYTES, is dropped: the whole log comes at the end.
+    None: not this runner's run."""
+    run = _runners_run(run_id, runner)
+    if run is None:
+        return None
+    if run.log or run.status in FINISHED:
+        return run
+    if offset != run.output_size:
+        raise OutputConflict(run.output_size)
+    size = len(text.encode())
+    if not text or run.output_size + size > MAX_LIVE_OUTPUT_BYTES:
+        return run
+    RunOutput.objects.create(run=run, start=offset, text=text)
+    run.output_size += size
+    run.log_tail = (run.log_tail + text)[-LOG_TAIL_CHARS:]
+    Run.objects.filter(pk=run.pk).update(output_size=run.output_size, log_tail=run.log_tail)
+    return run
+
+
+def read_output(run: Run, offset: int = 0) -> bytes:
+    """The run's output from ``offset`` bytes on: from the whole log once it is kept, else
+    from what its runner sent so far."""
+    offset = max(0, offset)
+    if run.log:
+        with run.log.open("rb") as file:
+            file.seek(offset)
+            return bytes(file.read())
+    pieces = []
+    for start, text in (
+        RunOutput.objects.filter(run=run).order_by("start").values_list("start", "text")
+    ):
+        data = text.encode()
+        if start + len(data) <= offset:
+            continue
+        pieces.append(data[max(0, offset - start) :])
+    if not pieces and not RunOutput.objects.filter(run=run).exists():
+        # A run from before live output, or one whose output was never sent: its tail.
+        return run.log_tail.encode()[offset:] if run.output_size == 0 else b""
+    return b"".join(pieces)
+
+
+def log_response(run: Run, offset: int | None = None) -> HttpResponse:
+    """The run's output as text, from ``offset`` bytes on (all of it without one). The
+    headers say where to ask from next (``X-Covey-Log-Size``, a byte count) and whether more
+    can come (``X-Covey-Log-Complete``: the run has ended and its whole log is kept)."""
+    data = read_output(run, offset or 0)
+    response = HttpResponse(data, content_type="text/plain; charset=utf-8")
+    size = (offset or 0) + len(data)
+    # A runner sends the whole log before it reports the sandbox ended: a run that has ended
+    # has all the output it will ever have.
+    complete = run.status in FINISHED
+    response["X-Covey-Log-Size"] = str(max(size, run.output_size))
+    response["X-Covey-Log-Complete"] = "true" if complete else "false"
+    return response
+
+
 def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
-    """The runs a runner should have a sandbox for (what it reconciles against)."""
+    """The runs a runner should have a sandbox for (what it reconciles against), with how much
+    of their output the control plane has."""
     now = timezone.now()
     return [
         {
@@ -243,10 +351,13 @@ def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
             "status": status,
             "cancel": cancel is not None,
             "waited": (now - placed_at).total_seconds() if placed_at else 0.0,
+            "output_size": output_size,
         }
-        for pk, status, cancel, placed_at in Run.objects.filter(runner=runner, status__in=ACTIVE)
+        for pk, status, cancel, placed_at, output_size in Run.objects.filter(
+            runner=runner, status__in=ACTIVE
+        )
         .order_by("created_at")
-        .values_list("pk", "status", "cancel_requested_at", "placed_at")
+        .values_list("pk", "status", "cancel_requested_at", "placed_at", "output_size")
     ]
 
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from rest_framework import serializers
+from rest_framework import exceptions, serializers
 
 from agents import runs, services
 from agents.models import AGENT_FIELDS, Agent, AgentVersion, Organisation, Role, Run, RunEvent
@@ -140,8 +140,10 @@ class RunSerializer(serializers.ModelSerializer):
         read_only_fields = [f for f in fields if f not in ("agent", "task")]
 
     def validate_agent(self, agent: Agent) -> Agent:
+        # 403, not 400: the agent is visible to this member, who may not start its runs. An
+        # agent of another organisation stays a 400 ("does not exist"): that reveals nothing.
         if role_of(self.context["request"].user, agent.organisation) != Role.ADMIN:
-            raise serializers.ValidationError(
+            raise exceptions.PermissionDenied(
                 f"Your role in {agent.organisation.name!r} does not allow starting runs."
             )
         return agent

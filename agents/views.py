@@ -2,9 +2,14 @@
 
 from typing import Any
 
-from django.http import FileResponse, HttpResponse, HttpResponseBase
+from django.http import HttpResponseBase
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import exceptions, mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -155,11 +160,29 @@ class RunViewSet(
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(self.get_serializer(self.get_queryset().get(pk=run.pk)).data)
 
-    @extend_schema(responses={(200, "text/plain"): str})
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "offset",
+                int,
+                description="Bytes to skip: the X-Covey-Log-Size of the previous answer.",
+            )
+        ],
+        responses={
+            (200, "text/plain"): OpenApiResponse(
+                str,
+                description="X-Covey-Log-Size: bytes of output so far (ask from there next);"
+                " X-Covey-Log-Complete: true once the run has ended and no more will come.",
+            )
+        },
+    )
     @action(detail=True, methods=["get"])
     def log(self, request: Request, pk: str | None = None) -> HttpResponseBase:
-        """The run's whole output as text (its tail until the runner has sent the whole)."""
+        """The run's output as text, while it runs (sent every second or so) and once it has
+        ended. Follow it by asking again with ``?offset=`` the ``X-Covey-Log-Size`` of the last
+        answer until ``X-Covey-Log-Complete`` is ``true``."""
         run = self.get_object()
-        if run.log:
-            return FileResponse(run.log.open("rb"), content_type="text/plain; charset=utf-8")
-        return HttpResponse(run.log_tail, content_type="text/plain; charset=utf-8")
+        raw = request.query_params.get("offset")
+        if raw is not None and not raw.isdigit():
+            raise exceptions.ValidationError({"offset": "give a number of bytes (0 or more)"})
+        return runs.log_response(run, None if raw is None else int(raw))

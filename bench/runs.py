@@ -92,6 +92,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     verdict,
     wait_until,
 )
+from runners.host import docker_name  # noqa: E402 - after the path is set
 
 IMAGE = "covey-base:trixie"
 CLOCK = "date +%s%N"  # prints the wall clock in ns: the process has started
@@ -193,6 +194,7 @@ class Stack:
     broker: str
     port: int
     runner_id: int = 0
+    installation: str = ""
     runner_token: str = ""
     clock_agent: int = 0
     sleep_agent: int = 0
@@ -204,7 +206,7 @@ class Stack:
     @property
     def label(self) -> str:
         """The label the runner's engine puts on its containers."""
-        return f"covey.runner=runner-{self.runner_id}"
+        return f"covey.runner={docker_name(self.runner_id, self.installation)}"
 
     @property
     def runner_name(self) -> str:
@@ -222,21 +224,13 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     django.setup()
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
-    from django.db import connection, connections
+    from django.db import connections
     from rest_framework.authtoken.models import Token
 
     from agents import services
-    from runners.services import create_registration_token, register_runner
+    from runners.services import create_registration_token, installation_key, register_runner
 
     call_command("migrate", verbosity=0, interactive=False)
-    # Runner ids far from any other database's: the engine labels containers runner-<id>, and
-    # another covey on this Docker engine (the test suite, make run) must not share a label.
-    first_id = 10**9 + secrets.randbelow(10**9)
-    with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM sqlite_sequence WHERE name = %s", ["runners_runner"])
-        cursor.execute(
-            "INSERT INTO sqlite_sequence (name, seq) VALUES (%s, %s)", ["runners_runner", first_id]
-        )
     user = get_user_model().objects.create_superuser(
         "bench", "bench@example.test", secrets.token_urlsafe(24)
     )
@@ -245,9 +239,9 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
         organisation = services.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
         _, secret = create_registration_token(organisation)
         runner, stack.runner_token = register_runner(secret, stack.runner_name, [])
-        if runner.pk <= first_id:
-            raise BenchError(f"the runner got id {runner.pk}, not one above {first_id}")
-        stack.runner_id = runner.pk
+        # Its containers carry this database's installation key: another covey on this Docker
+        # engine (the test suite, make run) never shares their label.
+        stack.runner_id, stack.installation = runner.pk, installation_key()
         clock = services.create_agent(
             organisation, "clock", runtime_command=CLOCK_COMMAND, run_timeout=RUN_TIMEOUT
         )

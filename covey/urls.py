@@ -22,6 +22,7 @@ from runners.views import (
     RunnerRunsView,
     RunnerSelfView,
     RunnerViewSet,
+    RunOutputView,
     RunReportView,
     RunStartView,
 )
@@ -53,6 +54,7 @@ urlpatterns = [
     path("api/v1/runner/runs/<str:run_id>/start/", RunStartView.as_view(), name="runner-start"),
     path("api/v1/runner/runs/<str:run_id>/report/", RunReportView.as_view(), name="runner-report"),
     path("api/v1/runner/runs/<str:run_id>/log/", RunLogView.as_view(), name="runner-log"),
+    path("api/v1/runner/runs/<str:run_id>/output/", RunOutputView.as_view(), name="runner-output"),
     path("api/v1/runner/probes/", RunnerProbesView.as_view(), name="runner-probes"),
     path(
         "api/v1/runner/probes/<str:probe_id>/report/",

@@ -22,7 +22,7 @@ import logging
 import socket
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -133,11 +133,79 @@ class _Allowed:
     credential: str | None
 
 
+class _LookUp:
+    """The credential's token is not in the policy: ask the policy source once, then decide
+    again (a run's token is issued moments before its sandbox's first request)."""
+
+
+LOOK_UP = _LookUp()
+LOOKUP_SECONDS = 2.0  # how long a request waits for the policy source before it is refused
+
+
+class TokenLookups:
+    """Bounds the look-ups that unknown tokens cause. A token the source did not know when
+    asked was never handed out: it is not asked about again for ``remember`` seconds. A client
+    (its address) whose look-ups found nothing ``per_client`` times in ``window`` seconds is
+    not looked up for until the window moves on; look-ups that find their token cost nothing,
+    so sandboxes behind one address never lose a real credential to the bound. Look-ups that
+    come together share one ask of the source (PolicyFeed.refresh_now)."""
+
+    def __init__(
+        self,
+        *,
+        per_client: int = 10,
+        window: float = 10.0,
+        remember: float = 60.0,
+        max_tokens: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._per_client, self._window, self._remember = per_client, window, remember
+        self._max_tokens, self._clock = max_tokens, clock
+        self._missed: OrderedDict[str, float] = OrderedDict()  # token hash -> when
+        self._clients: dict[str, deque[float]] = {}  # client -> when its look-ups missed
+        self.refused = 0
+
+    def allow(self, token_hash: str, client: str) -> bool:
+        """Whether this unknown token may be looked up now."""
+        now = self._clock()
+        missed = self._missed.get(token_hash)
+        if missed is not None and now - missed < self._remember:
+            self.refused += 1
+            return False
+        if len(self._recent(client, now)) >= self._per_client:
+            self.refused += 1
+            return False
+        return True
+
+    def missed(self, token_hash: str, client: str) -> None:
+        """A look-up of this token from this client found nothing."""
+        now = self._clock()
+        self._missed[token_hash] = now
+        self._missed.move_to_end(token_hash)
+        while len(self._missed) > self._max_tokens:
+            self._missed.popitem(last=False)
+        self._recent(client, now).append(now)
+        if len(self._clients) > self._max_tokens:  # clients come and go: forget the idle
+            for idle in [c for c, times in self._clients.items() if not times]:
+                del self._clients[idle]
+
+    def _recent(self, client: str, now: float) -> deque[float]:
+        recent = self._clients.setdefault(client, deque())
+        while recent and now - recent[0] >= self._window:
+            recent.popleft()
+        return recent
+
+
 @dataclass
 class ConnectRequest:
-    """A CONNECT allowed by name whose name must be resolved, and (once it is) its verdict."""
+    """A CONNECT that must wait: its name must be resolved (``allowed``), or its token looked
+    up first (``allowed`` is None); and, once decided, its verdict."""
 
-    allowed: "_Allowed"
+    allowed: "_Allowed | None"
+    credential: str | None
+    host: str
+    port: int
+    client: str
     verdict: Verdict | None = None
 
 
@@ -194,11 +262,13 @@ class Connect(layer.Layer):
             yield from self._answer(400, "only CONNECT host:port may open this connection")
             return
         credential = request.headers.get("Proxy-Authorization")
-        verdict: Verdict | _Allowed | None = self.egress.decide_now(
-            credential, request.host, request.port
+        client = _peer(self.context.client)
+        verdict: Verdict | _Allowed | _LookUp | None = self.egress.decide_now(
+            credential, request.host, request.port, client
         )
-        if isinstance(verdict, _Allowed):  # the name must be resolved: a hook, the loop goes on
-            asked = ConnectRequest(verdict)
+        if not isinstance(verdict, Verdict):  # it must wait: a hook, the loop goes on
+            allowed = verdict if isinstance(verdict, _Allowed) else None
+            asked = ConnectRequest(allowed, credential, request.host, request.port, client)
             yield CoveyDecideHook(asked)
             verdict = asked.verdict
         if verdict is None or not verdict.allowed:
@@ -322,6 +392,7 @@ class CoveyEgress:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.feed = feed
+        self.lookups = TokenLookups()
         self.log = log
         self.clock = clock
         self.clients: dict[str, ClientState] = {}
@@ -488,7 +559,12 @@ class CoveyEgress:
         credential = request.headers.get("Proxy-Authorization")
         problem = _plain_http_problem(request) if plain_http else ""
         verdict = await self.decide(
-            credential, request.host, request.port, plain_http=plain_http, problem=problem
+            credential,
+            request.host,
+            request.port,
+            plain_http=plain_http,
+            problem=problem,
+            client=_peer(flow.client_conn),
         )
         if not verdict.allowed:
             flow.response = refusal(verdict.decision, verdict.username)
@@ -508,20 +584,32 @@ class CoveyEgress:
         *,
         plain_http: bool,
         problem: str = "",
+        client: str | None = "",
     ) -> "Verdict":
         """Decide one CONNECT tunnel or plain-HTTP request (a refusal is logged here; an
-        allowed one is logged by :meth:`admit`, which the caller calls when it goes ahead)."""
-        first = self._before_resolving(credential, host, port, plain_http, problem)
+        allowed one is logged by :meth:`admit`, which the caller calls when it goes ahead).
+        ``client``: the address it came from, which bounds its look-ups of unknown tokens
+        (None: no look-up)."""
+        first = self._before_resolving(credential, host, port, plain_http, problem, client)
+        if isinstance(first, _LookUp):
+            await self._look_up(credential, client or "")
+            # Without a client it never looks up: the token is known now, or refused.
+            first = cast(
+                "Verdict | _Allowed",
+                self._before_resolving(credential, host, port, plain_http, problem, None),
+            )
         if isinstance(first, Verdict):
             return first
         return await self._resolved(first, plain_http)
 
-    def decide_now(self, credential: str | None, host: str, port: int) -> "Verdict | _Allowed":
+    def decide_now(
+        self, credential: str | None, host: str, port: int, client: str = ""
+    ) -> "Verdict | _Allowed | _LookUp":
         """:meth:`decide` for a CONNECT as far as it goes without waiting: the verdict when it
-        is refused before resolving or the name's addresses are cached; else what resolving
-        must complete (:meth:`covey_decide`)."""
-        first = self._before_resolving(credential, host, port, False, "")
-        if isinstance(first, Verdict):
+        is refused before resolving or the name's addresses are cached; else what must be
+        waited for first (:meth:`covey_decide`): the name's addresses, or the token."""
+        first = self._before_resolving(credential, host, port, False, "", client)
+        if isinstance(first, Verdict | _LookUp):
             return first
         addresses = self.resolver.cached(first.decision.host)
         if addresses is None:
@@ -536,10 +624,31 @@ class CoveyEgress:
             logger.info("covey: %s", exc)
         return self._after_resolving(allowed, addresses, plain_http)
 
+    async def _look_up(self, credential: str | None, client: str) -> None:
+        """Ask the policy source now (shared with every other look-up in flight); a token it
+        does not know either counts against the client."""
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.feed.refresh_now, LOOKUP_SECONDS):
+            # Refused for now, but not held against the token: the source never said no.
+            logger.warning("covey: the policy source did not answer a token look-up in time")
+            return
+        policy = self.feed.current()
+        unknown = policy.unknown_token(credential) if policy is not None else None
+        if unknown is not None:
+            self.lookups.missed(unknown, client)
+
     def _before_resolving(
-        self, credential: str | None, host: str, port: int, plain_http: bool, problem: str
-    ) -> "Verdict | _Allowed":
-        """Who asks, and may they reach the target by its name (DESIGN.md §3, steps 1 to 3)."""
+        self,
+        credential: str | None,
+        host: str,
+        port: int,
+        plain_http: bool,
+        problem: str,
+        client: str | None = None,
+    ) -> "Verdict | _Allowed | _LookUp":
+        """Who asks, and may they reach the target by its name (DESIGN.md §3, steps 1 to 3).
+        A token the policy does not have yet is looked up (LOOK_UP) when ``client`` is given
+        and :class:`TokenLookups` allows it; else it is refused."""
         parsed = parse_basic(credential)
         username = parsed[0] if parsed else ""
         policy = self.feed.current()
@@ -552,6 +661,9 @@ class CoveyEgress:
             return self._refused(refused, username, plain_http)
         agent = policy.authenticate(credential, self.clock())
         if agent is None:
+            unknown = None if client is None else policy.unknown_token(credential)
+            if unknown is not None and client is not None and self.lookups.allow(unknown, client):
+                return LOOK_UP
             return self._refused(Decision(Code.PROXY_AUTH, host, port), username, plain_http)
         at_capacity = not plain_http and (
             self.open_tunnels >= ctx.options.covey_max_tunnels
@@ -607,8 +719,15 @@ class CoveyEgress:
         return state.tunnel
 
     async def covey_decide(self, request: "ConnectRequest") -> None:
-        """The :class:`Connect` layer's question (a hook, so that resolving may wait)."""
-        request.verdict = await self._resolved(request.allowed, plain_http=False)
+        """The :class:`Connect` layer's question (a hook, so that resolving or a token's
+        look-up may wait)."""
+        if request.allowed is not None:
+            request.verdict = await self._resolved(request.allowed, plain_http=False)
+            return
+        await self._look_up(request.credential, request.client)
+        request.verdict = await self.decide(
+            request.credential, request.host, request.port, plain_http=False, client=None
+        )
 
     def _redecide(
         self,
@@ -754,6 +873,12 @@ async def _dial(address: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _peer(client: connection.Client) -> str:
+    """The address a client connection came from (what look-ups are counted by)."""
+    peer = client.peername
+    return str(peer[0]) if peer else ""
 
 
 def _handler(client_id: str) -> Any:

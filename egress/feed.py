@@ -45,8 +45,15 @@ class PolicyFeed:
         self._confirmed_at = float("-inf")
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._wake = threading.Event()  # ask now, not at the next poll
+        # Refreshes started and the number of the last one that ended: a caller of
+        # refresh_now() waits for one that started after it asked.
+        self._rounds = threading.Condition()
+        self._started = 0
+        self._finished = 0
         self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
         self.failures = 0
+        self.asked_now = 0  # refreshes asked for by refresh_now (unknown tokens)
 
     def start(self) -> None:
         """Start polling."""
@@ -55,6 +62,7 @@ class PolicyFeed:
     def stop(self) -> None:
         """Stop polling and wait for the thread."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=10)
 
     def wait_ready(self, timeout: float) -> bool:
@@ -66,6 +74,23 @@ class PolicyFeed:
         if self._clock() - self._confirmed_at > self._grace:
             return None
         return self._policy
+
+    def refresh_now(self, timeout: float) -> bool:
+        """Have the polling thread ask the source at once, and wait (at most ``timeout``
+        seconds) until a refresh that started after this call has ended. Callers that come
+        while one runs share the next: the source is asked once for all of them. True when
+        one ended in time (whatever it found)."""
+        if not self._thread.is_alive():  # not started (tests, explain): ask here
+            try:
+                self.refresh()
+            except Exception as exc:
+                logger.warning("covey: could not refresh the egress policy: %s", exc)
+            return True
+        with self._rounds:
+            wanted = self._started + 1
+            self.asked_now += 1
+            self._wake.set()
+            return self._rounds.wait_for(lambda: self._finished >= wanted, timeout)
 
     def refresh(self) -> None:
         """Ask the source once; a new snapshot replaces the policy atomically."""
@@ -85,6 +110,10 @@ class PolicyFeed:
     def _run(self) -> None:
         last_warning = float("-inf")
         while not self._stop.is_set():
+            with self._rounds:
+                self._wake.clear()
+                self._started += 1
+                started = self._started
             try:
                 self.refresh()
             except Exception as exc:
@@ -99,7 +128,11 @@ class PolicyFeed:
                     logger.warning("covey: egress policy source answers again")
                     self.failures = 0
                     last_warning = float("-inf")
-            self._stop.wait(self._poll)
+            finally:
+                with self._rounds:
+                    self._finished = started
+                    self._rounds.notify_all()
+            self._wake.wait(self._poll)
 
 
 class DecisionLog:

@@ -67,6 +67,8 @@ class AllowlistField(models.JSONField):
             "required": not self.blank,
             "label": self.verbose_name.capitalize(),
             "help_text": self.help_text or "One entry per line: host or host:port (port 443).",
+            # A new object's form shows what it starts with (an organisation's base list).
+            "initial": self.get_default if self.has_default() else None,
         }
         defaults.update(kwargs)
         defaults.pop("form_class", None)

@@ -42,7 +42,7 @@ class EgressToken(models.Model):
         indexes = [models.Index(fields=["agent", "revoked_at", "expires_at"])]
 
     def __str__(self) -> str:
-        return f"{self.prefix}… for {self.agent_id}"
+        return f"{self.prefix}… for {self.agent}"
 
     @property
     def is_live(self) -> bool:

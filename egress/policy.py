@@ -155,6 +155,15 @@ class Policy:
             return None
         return agent
 
+    def unknown_token(self, header: str | None) -> str | None:
+        """The SHA-256 of the token in a well-formed ``Proxy-Authorization`` header when this
+        policy has no such token at all (issued after this snapshot, or never), else None."""
+        credentials = parse_basic(header)
+        if credentials is None:
+            return None
+        digest = hash_token(credentials[1])
+        return None if digest in self.tokens else digest
+
     def decide(
         self, agent: AgentPolicy, host: str, port: int, *, plain_http: bool, at_capacity: bool
     ) -> Decision:

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import serializers, status, viewsets
+from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -59,12 +59,15 @@ class EgressTokenSerializer(serializers.ModelSerializer):
         write_only=True, required=False, min_value=60, max_value=30 * 24 * 3600
     )
     credentials = serializers.SerializerMethodField()
+    live = serializers.BooleanField(
+        source="is_live", read_only=True, help_text="Neither revoked nor expired."
+    )
 
     class Meta:
         model = EgressToken
         fields = [
-            "id", "agent", "prefix", "purpose", "created_at", "expires_at", "revoked_at", "ttl",
-            "credentials",
+            "id", "agent", "prefix", "purpose", "created_at", "expires_at", "revoked_at", "live",
+            "ttl", "credentials",
         ]  # fmt: skip
         read_only_fields = ["prefix", "created_at", "expires_at", "revoked_at"]
 
@@ -73,7 +76,7 @@ class EgressTokenSerializer(serializers.ModelSerializer):
 
     def validate_agent(self, agent: Agent) -> Agent:
         if role_of(self.context["request"].user, agent.organisation) != Role.ADMIN:
-            raise serializers.ValidationError("Only admins of the agent's organisation may.")
+            raise exceptions.PermissionDenied("Only admins of the agent's organisation may.")
         return agent
 
     def create(self, validated_data: dict[str, Any]) -> EgressToken:

@@ -14,6 +14,14 @@ class ControlPlaneError(Exception):
         self.status = status  # the HTTP status of a refusal; None when unreachable
 
 
+class OutputBehind(Exception):
+    """The control plane holds another amount of a run's output than was assumed."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the control plane has {size} bytes of this run's output")
+        self.size = size
+
+
 class ControlPlaneClient:
     """A runner's view of the control-plane API."""
 
@@ -104,6 +112,19 @@ class ControlPlaneClient:
             headers={"Content-Type": "text/plain; charset=utf-8"},
             timeout=60,
         )
+
+    def put_output(self, run_id: str, offset: int, text: str) -> int:
+        """Send output of a running sandbox that starts ``offset`` bytes into it; returns the
+        size the control plane now has. OutputBehind when it has another size."""
+        response = self._request(
+            "POST",
+            f"/api/v1/runner/runs/{run_id}/output/",
+            json={"offset": offset, "text": text},
+            allow=(409,),
+        )
+        if response.status_code == 409:
+            raise OutputBehind(int(response.json()["size"]))
+        return int(response.json()["size"])
 
     def egress_policy(self, known_generation: str | None) -> Mapping[str, Any] | None:
         """The runner's organisation's egress policy; None when it has not changed."""

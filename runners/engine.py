@@ -18,23 +18,27 @@ What the rest of covey must know:
 """
 
 import contextlib
+import ipaddress
 import math
 import os
 import re
 import shutil
-from collections.abc import Generator, Mapping, Sequence
+import socket
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import docker
+import psutil
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Mount
 
 LABEL_RUN = "covey.run"  # run id
 LABEL_AGENT = "covey.agent"  # agent id
 LABEL_RUNNER = "covey.runner"  # runner name: other runners' containers are never touched
+LABEL_INSTALLATION = "covey.installation"  # nor other installations' on the same engine
 LABEL_TIMEOUT = "covey.timeout"  # seconds the run may take, so a restarted runner still knows
 
 HOME = "/home/agent"
@@ -100,13 +104,38 @@ class Sandbox:
     timeout: int | None = None
 
 
+class LogStream:
+    """A sandbox's output as it comes, in chunks of bytes; close() ends it from any thread."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for chunk in self._stream:
+                yield bytes(chunk)
+        except (OSError, ValueError, DockerException):
+            return  # closed underneath, or the engine went away: the whole log comes later
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stream.close()
+
+
 class Engine:
     """The sandboxes of one runner on one Docker engine."""
 
-    def __init__(self, runner: str, client: docker.DockerClient | None = None) -> None:
+    def __init__(
+        self, runner: str, client: docker.DockerClient | None = None, *, installation: str = ""
+    ) -> None:
         if not runner:
             raise ValueError("the runner name must not be empty")
         self.runner = runner
+        self.installation = installation
+        # Only what carries both: this runner's name and this installation's key.
+        self._labels = [f"{LABEL_RUNNER}={runner}"]
+        if installation:
+            self._labels.append(f"{LABEL_INSTALLATION}={installation}")
         try:
             self._client = client if client is not None else docker.from_env()
         except DockerException as exc:
@@ -146,7 +175,7 @@ class Engine:
     def sandboxes(self) -> list[Sandbox]:
         """Every container of this runner, in any state, ordered by run id."""
         containers = self._client.containers.list(
-            all=True, filters={"label": [f"{LABEL_RUNNER}={self.runner}"]}, ignore_removed=True
+            all=True, filters={"label": list(self._labels)}, ignore_removed=True
         )
         return sorted((_sandbox(c) for c in containers), key=lambda s: s.run_id)
 
@@ -160,17 +189,33 @@ class Engine:
     def gateway(self, network: str | None = None) -> str:
         """The host's address on a network (None: Docker's default bridge); '' when unknown."""
         try:
-            attrs = self._client.api.inspect_network(network or "bridge")
-        except (NotFound, APIError):
+            return self.bridge_address(network)
+        except EngineError:
             return ""
-        configs = (attrs.get("IPAM") or {}).get("Config") or []
-        return next((str(c["Gateway"]) for c in configs if c.get("Gateway")), "")
+
+    def bridge_address(self, network: str | None = None) -> str:
+        """The host's IPv4 address on a bridge network (None: Docker's default bridge), where
+        sandboxes on it reach the host: see :func:`bridge_address`."""
+        name = network or "bridge"
+        try:
+            attrs = self._client.api.inspect_network(name)
+        except NotFound:
+            raise EngineError(f"the Docker network {name!r} does not exist") from None
+        except (APIError, DockerException) as exc:
+            raise EngineError(f"cannot inspect the Docker network {name!r}: {exc}") from exc
+        return bridge_address(attrs, _interface_addresses())
 
     def logs(self, run_id: str, tail: int | None = None) -> str:
         """Standard output and error of a run, interleaved as written."""
         container = self._existing(run_id)
         output = container.logs(stdout=True, stderr=True, tail="all" if tail is None else tail)
         return bytes(output).decode("utf-8", errors="replace")
+
+    def follow_logs(self, run_id: str) -> "LogStream":
+        """Output of a run as it is written, from the start, until its process ends (or the
+        stream is closed)."""
+        container = self._existing(run_id)
+        return LogStream(container.logs(stdout=True, stderr=True, stream=True, follow=True))
 
     def stop(self, run_id: str, timeout: float = 10) -> None:
         """Send SIGTERM, then SIGKILL after ``timeout`` seconds; a run that is gone is fine."""
@@ -209,7 +254,7 @@ class Engine:
             decode=True,
             since=since,
             until=until,
-            filters={"label": [f"{LABEL_RUNNER}={self.runner}"], "type": "container"},
+            filters={"label": list(self._labels), "type": "container"},
         )
         try:
             for event in stream:
@@ -229,6 +274,7 @@ class Engine:
                 LABEL_RUN: spec.run_id,
                 LABEL_AGENT: str(spec.agent_id),
                 LABEL_RUNNER: self.runner,
+                **({LABEL_INSTALLATION: self.installation} if self.installation else {}),
                 **({LABEL_TIMEOUT: str(spec.timeout)} if spec.timeout is not None else {}),
             },
             "environment": {
@@ -307,7 +353,7 @@ class Engine:
         """This runner's container for a run, or None."""
         found = self._client.containers.list(
             all=True,
-            filters={"label": [f"{LABEL_RUNNER}={self.runner}", f"{LABEL_RUN}={run_id}"]},
+            filters={"label": [*self._labels, f"{LABEL_RUN}={run_id}"]},
             ignore_removed=True,
         )
         return found[0] if found else None
@@ -368,10 +414,10 @@ def _check_home(home: Path) -> Path:
     resolved = home.resolve()
     if resolved == Path("/"):
         raise ValueError(f"home {home} is the host's root directory")
-    for socket in _DOCKER_SOCKETS:
-        for path in (socket, socket.resolve()):  # /var/run is a link to /run
+    for docker_socket in _DOCKER_SOCKETS:
+        for path in (docker_socket, docker_socket.resolve()):  # /var/run is a link to /run
             if resolved == path or resolved in path.parents:
-                raise ValueError(f"home {home} would expose the Docker socket {socket}")
+                raise ValueError(f"home {home} would expose the Docker socket {docker_socket}")
     if resolved.exists() and not resolved.is_dir():
         raise ValueError(f"home {home} exists and is not a directory")
     return resolved
@@ -440,6 +486,62 @@ def _time(value: str | None) -> datetime | None:
     if not value or value.startswith("0001-01-01"):
         return None
     return datetime.fromisoformat(value)
+
+
+def bridge_address(attrs: Mapping[str, Any], interfaces: Mapping[str, Sequence[str]]) -> str:
+    """The host's IPv4 address on a Docker bridge network, from ``docker network inspect``
+    and the host's interfaces (name → IPv4 addresses).
+
+    The gateway Docker reports, when it reports one. An engine that found its bridge interface
+    already configured when it started (docker0 made by an earlier engine, or by hand) reports
+    a subnet and no gateway; the address is then the one the bridge interface named in the
+    network's options (``com.docker.network.bridge.name``; ``br-<id>`` by default) has inside
+    that subnet. EngineError, saying what was looked at, when neither gives one.
+    """
+    name = str(attrs.get("Name") or attrs.get("Id", "")[:12])
+    configs = [c for c in (attrs.get("IPAM") or {}).get("Config") or [] if c]
+    for config in configs:
+        gateway = str(config.get("Gateway") or "").split("/")[0]
+        if gateway and _is_ipv4(gateway):
+            return gateway
+    if attrs.get("Driver") not in (None, "bridge"):
+        raise EngineError(
+            f"the Docker network {name!r} is a {attrs.get('Driver')} network: sandboxes on it"
+            " reach no address of this host; use a bridge network"
+        )
+    options = attrs.get("Options") or {}
+    interface = options.get("com.docker.network.bridge.name") or f"br-{attrs.get('Id', '')[:12]}"
+    subnets = []
+    for config in configs:
+        with contextlib.suppress(ValueError):
+            subnet = ipaddress.ip_network(str(config.get("Subnet") or ""), strict=False)
+            if subnet.version == 4:
+                subnets.append(subnet)
+    addresses = [a for a in interfaces.get(interface, ()) if _is_ipv4(a)]
+    for address in addresses:
+        if not subnets or any(ipaddress.ip_address(address) in s for s in subnets):
+            return address
+    found = ", ".join(addresses) or "no IPv4 address"
+    raise EngineError(
+        f"cannot tell this host's address on the Docker network {name!r}: Docker reports no"
+        f" gateway, and its bridge interface {interface} has {found}"
+        f" in {', '.join(map(str, subnets)) or 'no subnet'}"
+    )
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 4
+    except ValueError:
+        return False
+
+
+def _interface_addresses() -> dict[str, list[str]]:
+    """This host's network interfaces and their IPv4 addresses."""
+    return {
+        name: [a.address for a in addresses if a.family == socket.AF_INET]
+        for name, addresses in psutil.net_if_addrs().items()
+    }
 
 
 def _explain(exc: APIError) -> str:

@@ -31,10 +31,11 @@ from typing import Any
 from egress.environment import proxy_environment
 from egress.policy import hash_token
 from runners import isolation, probing
-from runners.client import ControlPlaneClient, ControlPlaneError
+from runners.client import ControlPlaneClient, ControlPlaneError, OutputBehind
 from runners.dispatch import unseal
-from runners.engine import Engine, EngineError, Sandbox, SandboxSpec
+from runners.engine import Engine, EngineError, LogStream, Sandbox, SandboxSpec
 from runners.isolation import IsolationError, Shape
+from runners.output import LiveOutput
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Identity:
         self.url = url or str(data["url"])
         self.id = int(data["id"])
         self.name = str(data.get("name", data["id"]))
+        self._installation = str(data.get("installation") or "")
         self._token = str(data["token"])
         self._mtime = path.stat().st_mtime_ns
         self._client = ControlPlaneClient(self.url, self._token)
@@ -76,6 +78,14 @@ class Identity:
         """The current token (re-read when the control plane rewrote the file)."""
         self._refresh()
         return self._token
+
+    @property
+    def installation(self) -> str:
+        """The key of the installation this runner belongs to (asked for once when its file,
+        written by an older covey, does not have it)."""
+        if not self._installation:
+            self._installation = str(self.client.me()["installation"])
+        return self._installation
 
     @property
     def client(self) -> ControlPlaneClient:
@@ -123,6 +133,8 @@ class HostSettings:
     # failed waits before it probes again on its own.
     probe_targets: probing.Targets = field(default_factory=probing.Targets)
     probe_retry: float = 300.0
+    # The image the proxy check runs in (it needs python3): the default sandbox image.
+    check_image: str = "covey-base:trixie"
 
     @property
     def isolation_mode(self) -> str:
@@ -138,6 +150,17 @@ class ProbeState:
     summary: str
     retry: float | None = None  # seconds until the next try while it has not passed (None:
     # HostSettings.probe_retry)
+
+
+@dataclass(frozen=True)
+class ProxyCheck:
+    """Whether the proxy sandboxes are told of answered from the sandbox network, last time."""
+
+    problem: str  # "" when it answered
+    at: float  # time.monotonic()
+
+
+PROXY_RECHECK_SECONDS = 10.0  # after a failed check, a launch checks again once this is past
 
 
 @dataclass
@@ -165,6 +188,12 @@ class RunnerHost:
     _probes: dict[int, ProbeState] = field(default_factory=dict)
     _probe_locks: dict[int, threading.Lock] = field(default_factory=dict)
     _probe_engines: dict[int, Engine] = field(default_factory=dict)
+    # Per runner (cooperative level): the last check that its sandboxes reach their proxy.
+    _proxy_checks: dict[int, ProxyCheck] = field(default_factory=dict)
+    _proxy_check_locks: dict[int, threading.Lock] = field(default_factory=dict)
+    # Running sandboxes whose output is being sent live: run id → (runner id, output, stream).
+    _live: dict[str, tuple[int, LiveOutput, LogStream]] = field(default_factory=dict)
+    _live_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- identities ------------------------------------------------------------------------
 
@@ -199,7 +228,9 @@ class RunnerHost:
 
     def engine(self, identity: Identity) -> Engine:
         if identity.id not in self._engines:
-            self._engines[identity.id] = Engine(runner_name(identity))
+            self._engines[identity.id] = Engine(
+                runner_name(identity), installation=identity.installation
+            )
         return self._engines[identity.id]
 
     # --- orders ----------------------------------------------------------------------------
@@ -226,6 +257,8 @@ class RunnerHost:
         try:
             if self.settings.isolation:
                 self._check_probe(identity)
+            elif spec["egress"]["enforce"] and (problem := self.check_proxy(identity)):
+                raise UntrustedError(problem)
             shape = self._checked_shape(identity) if self.settings.isolation else None
             sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec, shape))
         except (EngineError, IsolationError, UntrustedError, ValueError) as exc:
@@ -235,6 +268,8 @@ class RunnerHost:
         client.report(run_id, "running", started_at=_iso(sandbox.started_at))
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
+        else:
+            self.follow_output(identity, run_id)
 
     def cancel(self, runner_id: int, run_id: str) -> None:
         """Stop a run's sandbox; the watcher reports how it ended."""
@@ -430,10 +465,57 @@ class RunnerHost:
                 )
             return None
 
+    # --- the cooperative proxy ---------------------------------------------------------------
+
+    def start_proxy_checks(self) -> dict[int, str]:
+        """At start, at the cooperative level: does each runner's proxy answer its sandboxes?
+        Runner id → '' or what is wrong."""
+        if self.settings.isolation or not self.settings.proxy:
+            return {}
+        return {
+            identity.id: self.check_proxy(identity) for identity in list(self.identities.values())
+        }
+
+    def check_proxy(self, identity: Identity) -> str:
+        """'' when the proxy sandboxes are told of (COVEY_RUNNER_PROXY) answered from a
+        container on the sandbox network, else what is wrong. Checked once, and again (at
+        most every PROXY_RECHECK_SECONDS) while it fails: launches are refused meanwhile."""
+        if self.settings.isolation or not self.settings.proxy:
+            return ""
+        lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
+        with lock:
+            last = self._proxy_checks.get(identity.id)
+            if last is not None and (
+                not last.problem or time.monotonic() - last.at < PROXY_RECHECK_SECONDS
+            ):
+                return last.problem
+            try:
+                problem = probing.check_proxy(
+                    self._probe_engine(identity),
+                    self.settings.check_image,
+                    self._probe_where(identity),
+                    self.settings.homes / str(identity.id),
+                )
+            except (EngineError, OSError) as exc:
+                problem = f"the egress proxy at {self.settings.proxy} could not be checked: {exc}"
+            self._proxy_checks[identity.id] = ProxyCheck(problem, time.monotonic())
+        if problem:
+            logger.warning("covey runner %s: %s", identity.name, problem)
+        else:
+            logger.info(
+                "covey runner %s: sandboxes reach the egress proxy at %s%s",
+                identity.name,
+                self.settings.proxy,
+                " again" if last is not None else "",
+            )
+        return problem
+
     def _probe_engine(self, identity: Identity) -> Engine:
         if identity.id not in self._probe_engines:
             # Another name than the runner's: its sweep never takes a probe for a run.
-            self._probe_engines[identity.id] = Engine(f"{runner_name(identity)}.probe")
+            self._probe_engines[identity.id] = Engine(
+                f"{runner_name(identity)}.probe", installation=identity.installation
+            )
         return self._probe_engines[identity.id]
 
     def _probe_where(self, identity: Identity) -> probing.Where:
@@ -513,6 +595,7 @@ class RunnerHost:
                 logger.info("covey runner: run %s ran out of time; stopping", sandbox.run_id)
                 self._timed_out.add(sandbox.run_id)
                 engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
+        self.ship_output(identity)
         if self._probe_due(identity):
             first = identity.id not in self._probes
             self._probe_safely(identity, None, "runner start" if first else "retry")
@@ -549,6 +632,9 @@ class RunnerHost:
             elif run["status"] != "running" and sandbox.status == "running":
                 # Launched, but the report was lost.
                 client.report(run_id, "running", started_at=_iso(sandbox.started_at))
+            if run is not None and sandbox.status == "running" and not run["cancel"]:
+                # After a restart of this runner: go on from what the control plane has.
+                self.follow_output(identity, run_id, int(run.get("output_size") or 0))
         for run_id, run in active.items():
             if run_id in held or run_id in self._launching:
                 continue
@@ -560,11 +646,67 @@ class RunnerHost:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
                 self.launch(identity.id, run_id)
 
+    # --- output while it runs --------------------------------------------------------------
+
+    def follow_output(self, identity: Identity, run_id: str, skip: int = 0) -> None:
+        """Start sending a running sandbox's output live (``skip``: bytes the control plane
+        has already); a second call for the same run does nothing."""
+        with self._live_lock:
+            if run_id in self._live:
+                return
+            try:
+                stream = self.engine(identity).follow_logs(run_id)
+            except EngineError as exc:
+                logger.info("covey runner: cannot follow the output of run %s: %s", run_id, exc)
+                return
+            live = LiveOutput(skip)
+            self._live[run_id] = (identity.id, live, stream)
+
+        def read() -> None:
+            for chunk in stream:
+                live.feed(chunk)
+            live.feed(b"", final=True)
+
+        threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True).start()
+
+    def ship_output(self, identity: Identity) -> None:
+        """Send every due chunk of this runner's running sandboxes (one each per call)."""
+        with self._live_lock:
+            mine = [(r, live) for r, (i, live, _) in self._live.items() if i == identity.id]
+        for run_id, live in mine:
+            if live.done:  # its stream ended and everything went (or it gave up)
+                self._stop_output(run_id)
+                continue
+            if not live.due() or (chunk := live.take()) is None:
+                continue
+            offset, text = chunk
+            try:
+                live.confirm(identity.client.put_output(run_id, offset, text))
+            except OutputBehind as exc:
+                live.confirm(exc.size)
+            except ControlPlaneError as exc:
+                if exc.status == 404:  # not ours any more: the reconcile cleans up
+                    self._stop_output(run_id)
+                else:
+                    logger.debug("covey runner: output of run %s: %s", run_id, exc)
+                continue
+            if live.given_up:
+                logger.info(
+                    "covey runner: run %s: output no longer sent live: %s", run_id, live.given_up
+                )
+
+    def _stop_output(self, run_id: str) -> None:
+        with self._live_lock:
+            followed = self._live.pop(run_id, None)
+        if followed is not None:
+            followed[2].close()
+
     def _finish(self, identity: Identity, sandbox: Sandbox) -> None:
         """Report an exited sandbox with its output, then remove it."""
         engine = self.engine(identity)
         client = identity.client
         run_id = sandbox.run_id
+        self._stop_output(run_id)  # the whole log replaces what went live
         try:
             client.put_log(run_id, engine.logs(run_id))  # the control plane keeps its tail too
             client.report(
@@ -584,7 +726,12 @@ class RunnerHost:
 
 def runner_name(identity: Identity) -> str:
     """The runner's name on the Docker engine: its containers' label, its isolation's names."""
-    return f"runner-{identity.id}"
+    return docker_name(identity.id, identity.installation)
+
+
+def docker_name(runner_id: int, installation: str) -> str:
+    """A runner's name on a Docker engine, unique across the installations sharing it."""
+    return f"runner-{runner_id}-{installation}"
 
 
 def _iso(moment: datetime | None) -> str | None:

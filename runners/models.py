@@ -170,6 +170,22 @@ class Probe(models.Model):
         return f"probe of {self.runner.name}: {self.status}"
 
 
+def new_installation_key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class Installation(models.Model):
+    """This covey installation. Its key is on everything its runners make on a Docker engine,
+    so two installations sharing one engine (or a test suite beside ``make run``) never touch
+    each other's sandboxes. One row, made when first asked for (runners.services)."""
+
+    key = models.CharField(max_length=12, unique=True, default=new_installation_key)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.key
+
+
 def stale_before() -> datetime:
     """Runners last seen before this are stale (offline)."""
     return timezone.now() - timedelta(seconds=settings.COVEY_RUNNER_STALE_SECONDS)

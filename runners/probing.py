@@ -267,6 +267,56 @@ def run(
     return Report(results, lines=[r.line() for r in results])
 
 
+# Run in a container on the sandbox network: does the proxy sandboxes are told of answer there?
+PROXY_CHECK_SCRIPT = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(b"CONNECT covey-proxy-check.invalid:443 HTTP/1.1\\r\\n\\r\\n")
+        answer = s.recv(64)
+except OSError as exc:
+    print(f"{type(exc).__name__}: {exc.strerror or exc}")
+    sys.exit(1)
+if not answer.startswith(b"HTTP/"):
+    print(f"something answers there, but not an HTTP proxy: {answer[:40]!r}")
+    sys.exit(1)
+print("answered", answer.split(b"\\r\\n")[0].decode(errors="replace"))
+"""
+
+
+def check_proxy(
+    engine: Engine, image: str, where: Where, scratch: Path, *, timeout: float = 30.0
+) -> str:
+    """Whether the proxy sandboxes are told of (``where.proxy``) answers from a container on
+    the sandbox network: '' when it does, else what is wrong, as a sentence for a run's status.
+    """
+    host, _, port = where.proxy.rpartition(":")
+    network = where.network.get("network") or "Docker's default bridge"
+    tag = uuid.uuid4().hex[:12]
+    run_id, home = f"proxy-check-{tag}", scratch / f"proxy-check-{tag}"
+    command = ["python3", "-c", PROXY_CHECK_SCRIPT, host.strip("[]"), port]
+    try:
+        engine.launch(_spec(run_id, image, command, where, home, {}))
+        done = engine.wait(run_id, timeout=timeout)
+        output = engine.logs(run_id).strip()
+    except (EngineError, TimeoutError) as exc:
+        return f"the egress proxy at {where.proxy} could not be checked from {network}: {exc}"
+    finally:
+        with contextlib.suppress(EngineError):
+            engine.remove(run_id)
+        shutil.rmtree(home, ignore_errors=True)
+    if done.exit_code == 0:
+        return ""
+    return (
+        f"the egress proxy at {where.proxy} does not answer from {network}"
+        f" ({output[-200:] or f'exit code {done.exit_code}'}): COVEY_RUNNER_PROXY must be an"
+        " address sandboxes reach, such as this host's address on that network"
+        " (manage.py sandbox_host_address), where the proxy listens"
+    )
+
+
 def _spec(
     run_id: str,
     image: str,

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -19,9 +19,19 @@ from agents.models import Organisation
 from egress.policy import hash_token
 from runners import dispatch
 from runners.labels import normalise_labels
-from runners.models import RegistrationToken, Runner
+from runners.models import Installation, RegistrationToken, Runner
 
 BUILTIN_NAME = "builtin"
+
+
+def installation_key() -> str:
+    """This installation's key (made the first time it is asked for)."""
+    try:
+        with transaction.atomic():
+            installation, _ = Installation.objects.get_or_create(pk=1)
+    except IntegrityError:  # another process made it at the same moment
+        installation = Installation.objects.get(pk=1)
+    return installation.key
 
 
 def create_registration_token(
@@ -148,7 +158,15 @@ def write_builtin_identity(runner: Runner, secret: str) -> None:
     path = directory / f"{runner.pk}.json"
     temporary = path.with_suffix(".tmp")
     with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
-        json.dump({"id": runner.pk, "name": runner.name, "token": secret}, file)
+        json.dump(
+            {
+                "id": runner.pk,
+                "name": runner.name,
+                "token": secret,
+                "installation": installation_key(),
+            },
+            file,
+        )
     temporary.replace(path)
 
 

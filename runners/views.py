@@ -171,7 +171,11 @@ class RegisterRunnerView(APIView):
         runner, token = services.register_runner(
             data["registration_token"], data["name"], data["labels"]
         )
-        body = {**RunnerSerializer(runner).data, "token": token}
+        body = {
+            **RunnerSerializer(runner).data,
+            "token": token,
+            "installation": services.installation_key(),
+        }
         return Response(body, status=status.HTTP_201_CREATED)
 
 
@@ -280,6 +284,33 @@ class RunLogView(RunnerEndpoint):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+class RunOutputSerializer(serializers.Serializer):
+    offset = serializers.IntegerField(min_value=0)
+    text = serializers.CharField(
+        allow_blank=True, trim_whitespace=False, max_length=runs.MAX_OUTPUT_CHUNK_BYTES
+    )
+
+
+class RunOutputView(RunnerEndpoint):
+    """Output of a running sandbox, in order: ``offset`` is where ``text`` starts (bytes of
+    UTF-8). 409 with ``size`` when the control plane has another amount: go on from there."""
+
+    @extend_schema(request=RunOutputSerializer, responses={200: dict, 409: dict})
+    def post(self, request: Request, run_id: str) -> Response:
+        serializer = RunOutputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        try:
+            run = runs.append_output(
+                _run_id(run_id), self.runner(request), data["offset"], data["text"]
+            )
+        except runs.OutputConflict as exc:
+            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_409_CONFLICT)
+        if run is None:
+            raise Http404("no such run on this runner")
+        return Response({"run": str(run.pk), "size": run.output_size})
+
+
 class ProbeBeginSerializer(serializers.Serializer):
     probe = serializers.UUIDField(required=False, allow_null=True)
     isolation = serializers.ChoiceField(choices=probes.ISOLATIONS)
@@ -353,4 +384,5 @@ def _me(runner: Runner) -> dict[str, Any]:
         "paused": runner.paused,
         "queue": runner.queue,
         "isolation": runner.isolation,
+        "installation": services.installation_key(),
     }

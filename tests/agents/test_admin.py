@@ -1,5 +1,7 @@
 """The admin, as an operator uses it: pages render, saves are versioned, history is visible."""
 
+import re
+
 import pytest
 from django.urls import reverse
 
@@ -194,3 +196,148 @@ def test_runners_are_paused_and_resumed_in_the_admin(operator, acme):
     operator.post(url, {"action": "resume_runners", "_selected_action": [runner.pk]})
     runner.refresh_from_db()
     assert not runner.paused
+
+
+EMPTY_MEMBERSHIPS = {
+    "memberships-TOTAL_FORMS": "0",
+    "memberships-INITIAL_FORMS": "0",
+    "memberships-MIN_NUM_FORMS": "0",
+    "memberships-MAX_NUM_FORMS": "1000",
+}
+
+
+def test_an_organisation_added_in_the_admin_is_made_by_the_service(operator, root, settings):
+    """The add form shows the base list a new organisation starts with; saving gives it its
+    built-in runner and makes its creator its admin, as the API does (issue 9, item 2)."""
+    from agents.models import Membership, Organisation, Role
+    from runners.models import Runner
+
+    settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com", "mirror.example:8443"]
+    url = reverse("admin:agents_organisation_add")
+    page = operator.get(url).content.decode()
+    assert "api.anthropic.com\nmirror.example:8443</textarea>" in page
+    response = operator.post(
+        url,
+        {
+            "name": "Initech",
+            "slug": "initech",
+            "base_allowlist": "api.anthropic.com\nmirror.example:8443",
+            **EMPTY_MEMBERSHIPS,
+        },
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    organisation = Organisation.objects.get(slug="initech")
+    assert organisation.base_allowlist == ["api.anthropic.com", "mirror.example:8443"]
+    assert Membership.objects.get(organisation=organisation).user == root
+    assert Membership.objects.get(organisation=organisation).role == Role.ADMIN
+    assert Runner.objects.filter(organisation=organisation, builtin=True).count() == 1
+
+
+def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(operator, root):
+    """A membership row for the creator sets their role instead of failing as a duplicate."""
+    from agents.models import Membership, Organisation, Role
+
+    response = operator.post(
+        reverse("admin:agents_organisation_add"),
+        {
+            "name": "Umbrella",
+            "slug": "umbrella",
+            "base_allowlist": "api.anthropic.com",
+            **EMPTY_MEMBERSHIPS,
+            "memberships-TOTAL_FORMS": "1",
+            "memberships-0-user": root.pk,
+            "memberships-0-role": Role.VIEWER,
+        },
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    organisation = Organisation.objects.get(slug="umbrella")
+    assert list(Membership.objects.filter(organisation=organisation).values_list("role")) == [
+        (Role.VIEWER,)
+    ]
+
+
+def test_a_bad_base_list_in_the_admin_is_a_form_error_and_makes_nothing(operator):
+    from agents.models import Organisation
+
+    response = operator.post(
+        reverse("admin:agents_organisation_add"),
+        {"name": "Broken", "slug": "broken", "base_allowlist": "10.0.0.1", **EMPTY_MEMBERSHIPS},
+    )
+    assert response.status_code == 200
+    assert b"IP" in response.content
+    assert not Organisation.objects.filter(slug="broken").exists()
+
+
+def test_a_runs_output_opens_from_its_admin_page(operator, acme, orders):
+    """The run page links to its output, which the admin serves (issue 9, item 3)."""
+    from django.utils import timezone
+
+    from agents import runs
+    from runners.models import Runner
+
+    runner = Runner.objects.get(organisation=acme, builtin=True)
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now())
+    run = runs.queue_run(AgentFactory(organisation=acme), "something")
+    assert run.runner_id == runner.pk
+    runs.start(str(run.pk), runner)
+    runs.append_output(str(run.pk), runner, 0, "so far\n")
+    page = operator.get(reverse("admin:agents_run_change", args=[run.pk])).content.decode()
+    log_url = reverse("admin:agents_run_log", args=[run.pk])
+    assert f'href="{log_url}"' in page
+    assert operator.get(log_url).content == b"so far\n"
+    runs.save_log(str(run.pk), runner, "so far\nand the rest\n")
+    page = operator.get(reverse("admin:agents_run_change", args=[run.pk])).content.decode()
+    assert "the whole output" in page
+    answer = operator.get(log_url)
+    assert answer.status_code == 200
+    assert answer["Content-Type"] == "text/plain; charset=utf-8"
+    assert answer.content == b"so far\nand the rest\n"
+
+
+def test_a_runs_output_is_404_for_a_run_that_is_not_there(operator):
+    url = reverse("admin:agents_run_log", args=["00000000-0000-0000-0000-000000000000"])
+    assert operator.get(url).status_code == 404
+
+
+def test_an_agents_history_is_its_versions_with_each_change_before_and_after(operator, acme):
+    """History links to the versions; a version shows each field before → after, and titles
+    name the agent, not its id (issue 9, item 8)."""
+    from agents import services
+
+    agent = services.create_agent(acme, "Builder", allowlist=["one.example"])
+    services.update_agent(agent, allowlist=["one.example", "two.example"], cpus=2.0)
+    history = operator.get(reverse("admin:agents_agent_history", args=[agent.pk]))
+    assert history.status_code == 302
+    versions = operator.get(history["Location"]).content.decode()
+    assert "2 agent versions" in versions and "two.example" in versions
+    version = agent.versions.get(number=2)
+    page = operator.get(reverse("admin:agents_agentversion_change", args=[version.pk]))
+    text = page.content.decode()
+    assert "acme/builder v2" in text and f"{agent.pk} v2" not in text
+    assert "<th>allowlist</th><td>one.example</td><td>one.example, two.example</td>" in text
+    assert re.search(r"<th>sandbox cpus</th><td>1(\.0)?</td><td>2(\.0)?</td>", text), text[-3000:]
+
+
+def test_a_runtime_command_that_is_not_a_list_says_what_it_wants(operator, acme):
+    response = operator.post(
+        reverse("admin:agents_agent_add"),
+        {
+            "organisation": acme.pk,
+            "name": "Echo",
+            "slug": "echo",
+            "enabled": "on",
+            "allowlist": "",
+            "required_labels": "",
+            **SANDBOX_DEFAULTS,
+            "runtime_command": "echo hi",
+            "versions-TOTAL_FORMS": "0",
+            "versions-INITIAL_FORMS": "0",
+            "versions-MIN_NUM_FORMS": "0",
+            "versions-MAX_NUM_FORMS": "1000",
+        },
+    )
+    assert response.status_code == 200
+    assert "a JSON list of arguments, e.g. [&quot;sh&quot;, &quot;-c&quot;" in (
+        response.content.decode()
+    )
+    assert not Agent.objects.filter(slug="echo").exists()

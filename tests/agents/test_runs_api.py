@@ -70,8 +70,9 @@ class TestQueueing:
     ):
         agent = AgentFactory(organisation=acme)
         response = api(vera).post("/api/v1/runs/", {"agent": agent.pk, "task": "x"}, "json")
-        assert response.status_code == 400
+        assert response.status_code == 403  # she sees the agent; her role may not run it
         assert "does not allow" in json.dumps(response.json())
+        assert not Run.objects.exists()
         run = runs.queue_run(agent, "mine")
         assert api(gary).get(f"/api/v1/runs/{run.pk}/").status_code == 404
         assert api(gary).post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 404
@@ -304,3 +305,100 @@ def test_whole_logs_are_pruned_after_the_retention_period(acme, orders, settings
     recent.refresh_from_db()
     assert not old.log and not path.exists() and old.log_tail == "output\n"
     assert recent.log.read() == b"output\n"
+
+
+class TestLiveOutput:
+    """A running run's output arrives in chunks and can be followed by offset (issue 9, item 4)."""
+
+    def started(self, acme, api, alice):
+        _, token = online_runner(acme)
+        run = runs.queue_run(AgentFactory(organisation=acme), "long")
+        runner = runner_api(APIClient(), token)
+        runner.post(f"/api/v1/runner/runs/{run.pk}/start/")
+        runner.post(f"/api/v1/runner/runs/{run.pk}/report/", {"state": "running"}, format="json")
+        return run, runner, api(alice)
+
+    def send(self, runner, run, offset, text):
+        return runner.post(
+            f"/api/v1/runner/runs/{run.pk}/output/", {"offset": offset, "text": text}, "json"
+        )
+
+    def test_output_is_readable_while_the_run_goes_and_followed_by_offset(
+        self, acme, api, alice, orders
+    ):
+        run, runner, user = self.started(acme, api, alice)
+        empty = user.get(f"/api/v1/runs/{run.pk}/log/")
+        assert (empty.content, empty["X-Covey-Log-Size"]) == (b"", "0")
+        assert empty["X-Covey-Log-Complete"] == "false"
+        assert self.send(runner, run, 0, "step one ✓\n").json()["size"] == 13
+        assert self.send(runner, run, 13, "step two\n").json()["size"] == 22
+        whole = user.get(f"/api/v1/runs/{run.pk}/log/")
+        assert whole.content.decode() == "step one ✓\nstep two\n"
+        assert whole["X-Covey-Log-Size"] == "22"
+        later = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 13})
+        assert later.content == b"step two\n"
+        assert user.get(f"/api/v1/runs/{run.pk}/").json()["log_tail"].endswith("step two\n")
+        # The end: the whole log replaces the pieces, and the answer says no more will come.
+        runner.put(
+            f"/api/v1/runner/runs/{run.pk}/log/",
+            "step one ✓\nstep two\nstep three\n".encode(),
+            content_type="text/plain",
+        )
+        runner.post(
+            f"/api/v1/runner/runs/{run.pk}/report/", {"state": "exited", "exit_code": 0}, "json"
+        )
+        last = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 22})
+        assert (last.content, last["X-Covey-Log-Complete"]) == (b"step three\n", "true")
+        assert last["X-Covey-Log-Size"] == "33"
+        assert not run.output.exists()
+
+    def test_output_at_the_wrong_offset_is_refused_with_where_to_go_on(
+        self, acme, api, alice, orders
+    ):
+        run, runner, user = self.started(acme, api, alice)
+        self.send(runner, run, 0, "abc")
+        resent = self.send(runner, run, 0, "abc")
+        assert (resent.status_code, resent.json()["size"]) == (409, 3)
+        ahead = self.send(runner, run, 10, "xyz")
+        assert (ahead.status_code, ahead.json()["size"]) == (409, 3)
+        assert user.get(f"/api/v1/runs/{run.pk}/log/").content == b"abc"
+
+    def test_a_bad_offset_is_a_clear_error(self, acme, api, alice, orders):
+        run, runner, user = self.started(acme, api, alice)
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": "-1"})
+        assert answer.status_code == 400
+        assert "number of bytes" in answer.json()["offset"]
+        assert self.send(runner, run, -1, "x").status_code == 400
+
+    def test_another_runner_cannot_send_a_runs_output(self, acme, api, alice, orders):
+        run, _, user = self.started(acme, api, alice)
+        _, other = online_runner(acme, "other")
+        answer = self.send(runner_api(APIClient(), other), run, 0, "forged")
+        assert answer.status_code == 404
+        assert user.get(f"/api/v1/runs/{run.pk}/log/").content == b""
+
+
+def test_a_default_runtime_run_on_an_image_without_claude_says_what_to_do(acme, orders):
+    """Without a command of its own an agent runs the Claude runtime; on an image that lacks it
+    the status names the image and the way out (issue 9, item 5)."""
+    _, token = online_runner(acme)
+    agent = AgentFactory(organisation=acme, runtime_command=[])
+    run = runs.queue_run(agent, "fix it")
+    client = runner_api(APIClient(), token)
+    spec = client.post(f"/api/v1/runner/runs/{run.pk}/start/").json()
+    assert "command -v claude" in spec["command"][-1]
+    done = client.post(
+        f"/api/v1/runner/runs/{run.pk}/report/", {"state": "exited", "exit_code": 127}, "json"
+    )
+    assert done.json()["status"] == "failed"
+    run.refresh_from_db()
+    assert f"the image {spec['image']} has no Claude runtime" in run.status_detail
+    assert "workplace" in run.status_detail and "runtime command" in run.status_detail
+    # An agent with a command of its own that exits 127 is only that.
+    other = runs.queue_run(AgentFactory(organisation=acme, runtime_command=["nope"]), "x")
+    client.post(f"/api/v1/runner/runs/{other.pk}/start/")
+    client.post(
+        f"/api/v1/runner/runs/{other.pk}/report/", {"state": "exited", "exit_code": 127}, "json"
+    )
+    other.refresh_from_db()
+    assert other.status_detail == "exit code 127"

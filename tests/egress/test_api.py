@@ -90,6 +90,7 @@ class TestTokenApi:
         listed = api(alice).get("/api/v1/egress-tokens/").json()["results"]
         assert listed[0]["credentials"] is None
         assert listed[0]["prefix"] == credentials.split(":")[1][:8]
+        assert listed[0]["live"] is True
 
     def test_revoking_is_for_admins(self, api, alice, vera, acme):
         agent = AgentFactory(organisation=acme)
@@ -99,6 +100,8 @@ class TestTokenApi:
         response = api(alice).post(url)
         assert response.status_code == 200
         assert response.json()["revoked_at"] is not None
+        assert response.json()["live"] is False
+        assert api(alice).get(f"/api/v1/egress-tokens/{token.pk}/").json()["live"] is False
         token.refresh_from_db()
         assert not token.is_live
 
@@ -106,7 +109,7 @@ class TestTokenApi:
         agent = AgentFactory(organisation=acme)
         issue_token(agent)
         response = api(vera).post("/api/v1/egress-tokens/", {"agent": agent.pk}, format="json")
-        assert response.status_code == 400
+        assert response.status_code == 403
         assert api(gary).get("/api/v1/egress-tokens/").json()["count"] == 0
 
 

@@ -555,3 +555,29 @@ class TestConnectLayer:
         finally:
             net.dns.set("good.test", UPSTREAM)
             net.dns.set("private.test", "10.1.2.3")
+
+
+def test_a_token_issued_after_the_last_poll_works_from_the_first_byte(
+    net, tmp_path, django_db_setup, world
+):
+    """A run's credential is made moments before its sandbox's first request: a proxy that has
+    not polled since asks its policy source once instead of answering 407 (issue 9, item 7)."""
+    agent, _ = world
+    target = f"good.test:{net.tls.port}"
+    with start_proxy(tmp_path, net, COVEY_EGRESS_POLICY_POLL="600") as slow:
+        slow.sync()
+        statuses = []
+        for _ in range(12):  # none of these tokens was in the policy the proxy holds
+            _, fresh = issue_token(agent)
+            answer = connect(slow, target, fresh)
+            statuses.append(answer.status)
+            answer.sock.close()
+        assert statuses == [200] * 12
+        # A plain-HTTP request with a fresh token is looked up the same way.
+        _, fresh = issue_token(agent)
+        with httpx.Client(proxy=slow.url(fresh), timeout=10) as http:
+            assert http.get("http://plain.test/").status_code == 200
+        # A token nobody issued is still refused (how often it is asked about: test_feed.py).
+        bogus = f"{agent.slug}:covey-egress-never-issued"
+        answers = [connect(slow, target, bogus) for _ in range(3)]
+        assert [a.status for a in answers] == [407, 407, 407]

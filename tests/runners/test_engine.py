@@ -358,6 +358,30 @@ def test_sandboxes_lists_only_this_runners_containers(
     assert other.sandboxes() == []
 
 
+def test_another_installation_with_the_same_runner_name_is_never_touched(
+    launch, make_spec, runner_name, tmp_path, base_image
+):
+    """Two installations on one engine have runners with the same database ids: each sees and
+    removes only what carries its own installation key (issue 9, item 6)."""
+    ours = Engine(runner_name, installation="ours1234")
+    theirs = Engine(runner_name, installation="theirs12")
+    spec = make_spec(["sleep", "600"], home=tmp_path / "homes" / "agent-9")
+    other_spec = make_spec(["sleep", "600"], home=tmp_path / "homes" / "agent-10")
+    try:
+        mine = ours.launch(spec)
+        other = theirs.launch(other_spec)
+        assert inspect(mine.container_id)["Config"]["Labels"]["covey.installation"] == "ours1234"
+        assert [s.run_id for s in ours.sandboxes()] == [spec.run_id]
+        assert [s.run_id for s in theirs.sandboxes()] == [other_spec.run_id]
+        assert ours.get(other_spec.run_id) is None
+        ours.stop(other_spec.run_id, timeout=0)
+        ours.remove(other_spec.run_id)
+        assert theirs.get(other_spec.run_id) == other  # untouched, still running
+    finally:
+        ours.remove(spec.run_id)
+        theirs.remove(other_spec.run_id)
+
+
 def test_events_report_the_start_and_death_of_this_runners_sandboxes(engine, launch, make_spec):
     since = time.time()
     spec = make_spec(["true"])

@@ -33,8 +33,10 @@ from agents import runs as run_services
 from agents.models import FINISHED, RunStatus
 from egress.models import EgressToken
 from runners import isolation
+from runners.engine import Engine
+from runners.host import docker_name
 from runners.models import Runner
-from runners.services import renew_runner_tokens
+from runners.services import installation_key, renew_runner_tokens
 from tests.processes import wait_for
 from tests.runners.test_isolation import egress_image, firewall, leftovers  # noqa: F401
 from tests.runners.test_runs import Stack, containers_of, docker
@@ -122,8 +124,7 @@ class Outside:
 
 def host_bridge_address() -> str:
     """The host's address on Docker's default bridge: host.docker.internal in the proxy."""
-    bridge = json.loads(docker("network", "inspect", "bridge"))[0]
-    return str(bridge["IPAM"]["Config"][0]["Gateway"])
+    return Engine("address").bridge_address()
 
 
 class OneName(BaseResolver):
@@ -263,7 +264,7 @@ class World:
 
     def register(self, organisation, name: str):
         runner, config = self.stack.register(organisation, name)
-        self.runner_names.append(f"runner-{runner.pk}")
+        self.runner_names.append(docker_name(runner.pk, installation_key()))
         return runner, config
 
     def close(self) -> None:
@@ -293,7 +294,7 @@ def world(tmp_path, base_image, egress_image) -> Iterator[World]:  # noqa: F811
 
 def test_a_sandbox_reaches_its_upstream_through_the_proxy_and_nothing_directly(world, acme):
     runner, config = world.register(acme, "isolated-1")
-    name = f"runner-{runner.pk}"
+    name = docker_name(runner.pk, installation_key())
     with world.stack.runner(runner, config, **world.runner_env()) as process:
         assert f"sandboxes on {isolation.internal_network_name(name)}" in process.output()
         internal = json.loads(docker("network", "inspect", isolation.internal_network_name(name)))
@@ -319,10 +320,29 @@ curl -sS --noproxy '*' --connect-timeout 3 http://{gateway}:{world.relay_port}/;
         assert again.status == RunStatus.SUCCEEDED, (again.status_detail, again.log_tail)
         assert re.search(r"isolation preflight: .*missing .*; repairing", process.output())
 
+        # Several at once, each asking through the proxy at its first instant: every run's
+        # credential works from the first byte (the proxy looks up a token it has not seen).
+        eager = world.stack.agent(
+            acme,
+            "Eager",
+            [
+                "sh",
+                "-c",
+                f"curl -sS --max-time 10 -w ' status=%{{http_code}}' http://{UPSTREAM_NAME}/",
+            ],
+            allowlist=[f"{UPSTREAM_NAME}:80"],
+        )
+        burst = [run_services.queue_run(eager, f"burst {i}") for i in range(5)]
+        for one in burst:
+            world.stack.wait(one, *FINISHED, timeout=90)
+        assert [(r.status, r.log_tail.split()[-1]) for r in burst] == [
+            (RunStatus.SUCCEEDED, "status=200")
+        ] * 5, [r.log_tail for r in burst]
+
     # (a) Through the proxy, which the sandbox is told of although COVEY_EGRESS_ENFORCE is off.
     assert f"proxy=http://***@{proxy_ip}:3128\n" in log, log
     assert f"via proxy: {world.body}" in log
-    assert Upstream.seen.count(UPSTREAM_NAME) == 2  # both runs
+    assert Upstream.seen.count(UPSTREAM_NAME) == 2 + 5  # both runs and the burst
     # (c) A name off the allowlist: the proxy refuses it.
     assert re.search(r"^HTTP/1\.1 403", log, re.M), log
     assert re.search(r"^x-covey-deny-reason: not-on-allowlist$", log, re.M | re.I), log
@@ -363,7 +383,7 @@ def test_a_runner_whose_isolation_cannot_be_built_gets_no_work(world, acme):
 
 def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
     runner, config = world.register(acme, "isolated-4")
-    name = f"runner-{runner.pk}"
+    name = docker_name(runner.pk, installation_key())
     proxy = isolation.proxy_container_name(name)
     agent = world.stack.agent(acme, "Refused", ["echo", "must not run"])
     with world.stack.runner(runner, config, **world.runner_env()):
@@ -403,7 +423,7 @@ def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world,
         ["sh", "-c", f"curl -sS --max-time 10 http://{UPSTREAM_NAME}/"],
         allowlist=[f"{UPSTREAM_NAME}:80"],
     )
-    bridge = isolation.bridge_name(f"runner-{runner.pk}")
+    bridge = isolation.bridge_name(docker_name(runner.pk, installation_key()))
     hole = ["INPUT", "-i", bridge, "-m", "comment", "--comment", OUTSIDE_LABEL, "-j", "ACCEPT"]
     with world.stack.runner(runner, config, **world.runner_env()) as process:
         # At start: probed as the agent that may reach the vendor, and trusted.
@@ -427,7 +447,9 @@ def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world,
             chain = subprocess.run(
                 ["iptables", "-w", "10", "-S", "INPUT"], capture_output=True, text=True
             ).stdout
-            assert chain.index(f"covey:runner-{runner.pk}") < chain.index(OUTSIDE_LABEL), chain
+            assert chain.index(f"covey:{docker_name(runner.pk, installation_key())}") < chain.index(
+                OUTSIDE_LABEL
+            ), chain
             assert "comes before covey's rules; repairing" in process.output()
         finally:
             subprocess.run(["iptables", "-w", "10", "-D", *hole], check=True)
@@ -473,7 +495,7 @@ def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world,
 def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
     settings.COVEY_BUILTIN_RUNNER = False  # no built-in identity files from this process
     runner, config = world.register(acme, "isolated-3")
-    proxy = isolation.proxy_container_name(f"runner-{runner.pk}")
+    proxy = isolation.proxy_container_name(docker_name(runner.pk, installation_key()))
     agent = world.stack.agent(
         acme,
         "Fetcher",

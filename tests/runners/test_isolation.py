@@ -453,7 +453,7 @@ def test_a_sandbox_reaches_the_proxy_and_nothing_else(shape, engine, tmp_path):
         ]["IPAddress"]
         socket.create_connection((outward_ip, 8080), timeout=2).close()  # it listens
         proxy = inspect(shape.proxy_container)["NetworkSettings"]["Networks"]
-        default_bridge = inspect("bridge")["IPAM"]["Config"][0]["Gateway"]
+        default_bridge = Engine("address").bridge_address()
         outward_gateway = proxy[shape.outward_network]["Gateway"]
 
         probe = {

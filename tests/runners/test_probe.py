@@ -27,7 +27,9 @@ from runners import host as host_module
 from runners import isolation, probing
 from runners.client import ControlPlaneClient
 from runners.engine import Engine
+from runners.host import docker_name
 from runners.models import Probe, ProbeStatus, Runner
+from runners.services import installation_key
 from tests.runners.test_isolated_runs import UPSTREAM_NAME, World
 from tests.runners.test_isolation import egress_image, firewall  # noqa: F401
 
@@ -180,9 +182,9 @@ class ProbeWorld:
 
     def __init__(self, world: World, runner: Runner, token: str, shape: isolation.Shape) -> None:
         self.world, self.runner, self.token, self.shape = world, runner, token, shape
-        self.name = f"runner-{runner.pk}"
+        self.name = docker_name(runner.pk, installation_key())
         self.client = ControlPlaneClient(world.stack.url, token)
-        self.engine = Engine(f"{self.name}.probe")
+        self.engine = Engine(f"{self.name}.probe", installation=installation_key())
 
     def ensure_shape(self) -> None:
         env = self.world.runner_env()

@@ -1,17 +1,21 @@
 """Runs end to end: the real control plane (gunicorn), a real runner process with no database
 (its Celery worker on Redis), real sandboxes on the Docker engine, a real HTTP client."""
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from uuid import uuid4
 
 import httpx
 import pytest
@@ -20,8 +24,15 @@ from rest_framework.authtoken.models import Token
 from agents import runs as run_services
 from agents import services as agent_services
 from agents.models import FINISHED, Run, RunStatus
+from runners.engine import Engine, SandboxSpec
+from runners.host import docker_name
 from runners.models import Runner
-from runners.services import create_registration_token, register_runner, renew_runner_tokens
+from runners.services import (
+    create_registration_token,
+    installation_key,
+    register_runner,
+    renew_runner_tokens,
+)
 from tests.egress.conftest import subprocess_database_url
 from tests.processes import control_plane, free_port, running, wait_for
 
@@ -41,7 +52,11 @@ def docker(*args: str) -> str:
 
 def containers_of(runner: Runner) -> list[str]:
     return docker(
-        "ps", "--all", "--quiet", "--filter", f"label=covey.runner=runner-{runner.pk}"
+        "ps",
+        "--all",
+        "--quiet",
+        "--filter",
+        f"label=covey.runner={docker_name(runner.pk, installation_key())}",
     ).split()
 
 
@@ -339,3 +354,133 @@ def test_a_reconcile_that_listed_sandboxes_too_early_does_not_call_a_run_vanishe
         run_services.cancel(run)
         stack.wait(run, *FINISHED, timeout=20)
     assert run.status == RunStatus.CANCELLED
+
+
+class FakeProxy:
+    """Something that answers like an HTTP proxy on an address sandboxes reach (it refuses
+    every CONNECT): enough for the runner's check that its proxy answers."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = socket.create_server((host, port))
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            with client:
+                client.settimeout(5)
+                with contextlib.suppress(OSError):
+                    client.recv(4096)
+                    client.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_runner_whose_proxy_does_not_answer_refuses_launches_saying_why(
+    acme, tmp_path, base_image
+):
+    """Sandboxes told of a proxy nothing answers at would fail every request silently: the
+    runner checks from the sandbox network at start, refuses launches with a status that says
+    what is wrong, and takes work again once a later check passes (issue 9, item 1)."""
+    stack = Stack(tmp_path, base_image, COVEY_EGRESS_ENFORCE="true")
+    address = Engine("address").bridge_address()
+    port = free_port()
+    proxy = None
+    try:
+        runner, config = stack.register(acme, "edge-1")
+        agent = stack.agent(acme, "Quiet", ["sh", "-c", 'echo "proxy=$HTTPS_PROXY" | cut -d@ -f2'])
+        env = {"COVEY_RUNNER_PROXY": f"{address}:{port}"}
+        with stack.runner(runner, config, **env) as process:
+            assert "PROXY CHECK FAILED, launches are refused" in process.output()
+            refused = stack.wait(run_services.queue_run(agent, "one"), *FINISHED)
+            assert refused.status == RunStatus.FAILED
+            assert f"the egress proxy at {address}:{port} does not answer" in (
+                refused.status_detail
+            )
+            assert not containers_of(runner)
+            proxy = FakeProxy(address, port)
+            time.sleep(10.5)  # PROXY_RECHECK_SECONDS: a failed check is repeated after it
+            ran = stack.wait(run_services.queue_run(agent, "two"), *FINISHED)
+            assert ran.status == RunStatus.SUCCEEDED, ran.status_detail
+            assert f"{address}:{port}" in ran.log_tail
+            assert f"sandboxes reach the egress proxy at {address}:{port} again" in (
+                process.output()
+            )
+    finally:
+        if proxy is not None:
+            proxy.close()
+        stack.close()
+
+
+def test_a_running_runs_output_arrives_while_it_runs(stack, acme, alice):
+    """Output is sent about every second while the sandbox runs; the API follows it by offset,
+    and the whole log replaces it at the end (issue 9, item 4)."""
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(
+        acme,
+        "Talker",
+        ["sh", "-c", "echo first; sleep 3; echo second; sleep 30; echo never"],
+    )
+    with stack.runner(runner, config), stack.api(alice) as api:
+        run = run_services.queue_run(agent, "talk")
+        stack.wait(run, RunStatus.RUNNING)
+
+        def has(text: str) -> bool:
+            return text in api.get(f"/api/v1/runs/{run.pk}/log/").text
+
+        wait_for(lambda: has("first\n"), 10, "the first line while the run goes")
+        first = api.get(f"/api/v1/runs/{run.pk}/log/")
+        assert first.text == "first\n" and first.headers["X-Covey-Log-Complete"] == "false"
+        offset = first.headers["X-Covey-Log-Size"]
+        wait_for(lambda: has("second"), 10, "the second line")
+        more = api.get(f"/api/v1/runs/{run.pk}/log/", params={"offset": offset})
+        assert more.text == "second\n"
+        run.refresh_from_db()
+        assert run.status == RunStatus.RUNNING and run.log_tail == "first\nsecond\n"
+        assert api.post(f"/api/v1/runs/{run.pk}/cancel/").status_code == 200
+        stack.wait(run, *FINISHED, timeout=30)
+        done = api.get(f"/api/v1/runs/{run.pk}/log/")
+    assert done.text == "first\nsecond\n" and done.headers["X-Covey-Log-Complete"] == "true"
+    assert not run.output.exists()
+
+
+def test_the_claude_runtime_missing_from_the_image_fails_the_run_saying_what_to_do(stack, acme):
+    """Issue 9, item 5, end to end: the base image has no claude."""
+    runner, config = stack.register(acme, "edge-1")
+    agent = stack.agent(acme, "Default", [])
+    with stack.runner(runner, config):
+        run = stack.wait(run_services.queue_run(agent, "fix the bug"), *FINISHED)
+    assert run.status == RunStatus.FAILED and run.exit_code == 127
+    assert f"the image {stack.base_image} has no Claude runtime" in run.status_detail
+    assert "covey: this image has no Claude runtime" in run.log_tail
+
+
+def test_a_runner_removes_only_leftovers_of_its_own_installation(stack, acme, tmp_path):
+    """Another installation on the same engine has runners with the same ids: a runner's
+    reconcile removes leftover sandboxes that carry its name and its installation's key, and
+    never one of another installation's, even under the same runner name (issue 9, item 6)."""
+    runner, config = stack.register(acme, "edge-1")
+    name = docker_name(runner.pk, installation_key())
+    ours = Engine(name, installation=installation_key())
+    theirs = Engine(name, installation="another0000")
+    spec = SandboxSpec(
+        run_id="", agent_id=1, image=stack.base_image, command=["sleep", "600"], task="",
+        environment={}, home=tmp_path / "foreign-home",
+    )  # fmt: skip
+    leftover, foreign = (replace(spec, run_id=f"r-{uuid4().hex[:12]}") for _ in range(2))
+    try:
+        ours.launch(leftover)  # a sandbox of ours that no run knows
+        theirs.launch(foreign)
+        with stack.runner(runner, config):
+            wait_for(lambda: ours.get(leftover.run_id) is None, 30, "our leftover removed")
+        assert theirs.get(foreign.run_id).status == "running"
+        labels = json.loads(docker("inspect", theirs.get(foreign.run_id).container_id))[0]
+        assert labels["Config"]["Labels"]["covey.installation"] == "another0000"
+    finally:
+        ours.remove(leftover.run_id)
+        theirs.remove(foreign.run_id)

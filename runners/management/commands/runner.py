@@ -56,6 +56,7 @@ class Command(BaseCommand):
             proxy_environment=proxy_environment(),
             probe_targets=targets,
             probe_retry=settings.COVEY_RUNNER_PROBE_RETRY_SECONDS,
+            check_image=settings.COVEY_DEFAULT_IMAGE,
         )
         if options["builtin"]:
             host = runner_host.RunnerHost.builtin(
@@ -80,6 +81,14 @@ class Command(BaseCommand):
                 f" their proxy at {isolation.proxy_address(shape)}"
                 if shape is not None
                 else f"covey runner {runner_id}: no isolation yet; launches are refused"
+            )
+        for runner_id, problem in host.start_proxy_checks().items():
+            # Loud, but the runner starts: it refuses launches until its proxy answers.
+            self.stdout.write(
+                f"covey runner {runner_id}: PROXY CHECK FAILED, launches are refused: {problem}"
+                if problem
+                else f"covey runner {runner_id}: sandboxes reach the egress proxy at"
+                f" {host.settings.proxy}"
             )
         for runner_id, report in host.start_probes().items():
             # A runner whose probe did not pass starts all the same and takes no work.

@@ -1,0 +1,99 @@
+"""A running sandbox's output on its way to the control plane (no Django: runner hosts).
+
+A reader thread feeds what the engine streams; the runner's watcher takes a chunk every second
+or so (sooner when much is waiting) and sends it with its offset, the number of bytes of UTF-8
+the control plane already has. The whole log still goes once the sandbox has ended and
+replaces what was sent live, so nothing here must be perfect, only in order: when the control
+plane says it has another amount, the output goes on from there, or stops being sent live.
+"""
+
+import codecs
+import threading
+import time
+from collections.abc import Callable
+
+SHIP_EVERY_SECONDS = 1.0
+MAX_CHUNK_BYTES = 64 * 1024
+MAX_PENDING_BYTES = 4 * 1024 * 1024  # a control plane that does not take it: stop, not grow
+
+
+class LiveOutput:
+    """The output of one run not yet confirmed by the control plane."""
+
+    def __init__(
+        self,
+        skip: int = 0,
+        *,
+        every: float = SHIP_EVERY_SECONDS,
+        max_chunk: int = MAX_CHUNK_BYTES,
+        max_pending: int = MAX_PENDING_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sent = skip  # bytes the control plane has
+        self._skip = skip  # bytes of the stream it has already (a follower that restarted)
+        self._every = every
+        self._max_chunk = max_chunk
+        self._max_pending = max_pending
+        self._clock = clock
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = b""
+        self._lock = threading.Lock()
+        self._last = clock()
+        self.ended = False  # the stream has ended: what is pending is all there will be
+        self.given_up = ""  # why it is no longer sent live ('' while it is)
+
+    def feed(self, data: bytes, *, final: bool = False) -> None:
+        """What the sandbox wrote next (``final``: the stream has ended)."""
+        encoded = self._decoder.decode(data, final).encode()
+        with self._lock:
+            if self._skip:
+                dropped = min(self._skip, len(encoded))
+                encoded, self._skip = encoded[dropped:], self._skip - dropped
+            if not self.given_up:
+                self._pending += encoded
+                if len(self._pending) > self._max_pending:
+                    self._give_up("the control plane is not taking it fast enough")
+            if final:
+                self.ended = True
+
+    def due(self) -> bool:
+        """Whether a chunk should go now: some waits a second, or much waits, or the end."""
+        with self._lock:
+            if not self._pending or self.given_up:
+                return False
+            return (
+                self.ended
+                or len(self._pending) >= self._max_chunk
+                or self._clock() - self._last >= self._every
+            )
+
+    def take(self) -> tuple[int, str] | None:
+        """The next chunk and its offset (whole characters, at most ``max_chunk`` bytes); it
+        stays pending until :meth:`confirm`."""
+        with self._lock:
+            if not self._pending or self.given_up:
+                return None
+            cut = min(len(self._pending), self._max_chunk)
+            while cut < len(self._pending) and cut > 0 and self._pending[cut] & 0xC0 == 0x80:
+                cut -= 1  # not inside a character
+            return self.sent, self._pending[:cut].decode(errors="replace")
+
+    def confirm(self, size: int) -> None:
+        """The control plane has ``size`` bytes now (the answer to a chunk, or a conflict)."""
+        with self._lock:
+            self._last = self._clock()
+            if size < self.sent or size > self.sent + len(self._pending):
+                self._give_up(f"the control plane has {size} bytes, this runner {self.sent}")
+                return
+            self._pending = self._pending[size - self.sent :]
+            self.sent = size
+
+    def _give_up(self, why: str) -> None:
+        self.given_up = why
+        self._pending = b""
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be sent: the stream ended and all of it went (or it gave up)."""
+        with self._lock:
+            return self.ended and (not self._pending or bool(self.given_up))

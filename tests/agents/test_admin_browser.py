@@ -1,0 +1,104 @@
+"""Admin flows in a real browser: Debian's Chromium driven by Playwright (headless, no browser
+download), against a live server with the test database."""
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from django.utils import timezone
+
+from agents import runs
+from agents.models import Membership, Organisation, Role
+from runners.models import Runner
+from tests.factories import AgentFactory, UserFactory
+
+CHROMIUM = os.environ.get("COVEY_TEST_CHROMIUM", "/usr/bin/chromium")
+PASSWORD = "a-browser-password-1"
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        message = f"no Chromium at {CHROMIUM} (scripts/test-services installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    # Playwright's sync API keeps an event loop on this thread; the ORM calls of the test and
+    # its fixtures are still plain synchronous calls, which Django refuses beside a loop.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            # Nothing of Chromium's own may reach out: this machine has no internet.
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
+    del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+@pytest.fixture
+def page(browser, live_server):
+    """A signed-in operator (a superuser) on the admin."""
+    UserFactory(username="operator", is_staff=True, is_superuser=True, password=PASSWORD)
+    context = browser.new_context(base_url=live_server.url)
+    page = context.new_page()
+    page.goto("/admin/login/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/")
+    yield page
+    context.close()
+
+
+def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, settings):
+    settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com"]
+    page.goto("/admin/agents/organisation/add/")
+    assert page.input_value("#id_base_allowlist") == "api.anthropic.com"
+    page.locator("#id_name").press_sequentially("Initech")
+    assert page.input_value("#id_slug") == "initech"  # prepopulated as the name is typed
+    page.click("input[name=_save]")
+    page.wait_for_url("**/admin/agents/organisation/")
+    assert "was added successfully" in page.content()
+    organisation = Organisation.objects.get(slug="initech")
+    assert organisation.base_allowlist == ["api.anthropic.com"]
+    assert Runner.objects.filter(organisation=organisation, builtin=True).exists()
+    membership = Membership.objects.get(organisation=organisation)
+    assert (membership.user.username, membership.role) == ("operator", Role.ADMIN)
+
+
+def test_a_runs_output_opens_from_its_page_in_the_browser(page, acme, orders):
+    runner = Runner.objects.get(organisation=acme, builtin=True)
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now())
+    run = runs.queue_run(AgentFactory(organisation=acme, name="Builder"), "build it")
+    runs.start(str(run.pk), runner)
+    runs.append_output(str(run.pk), runner, 0, "compiling…\n")
+    page.goto(f"/admin/agents/run/{run.pk}/change/")
+    assert "acme/builder" in page.title()
+    with page.expect_navigation():
+        page.click("text=the output so far")
+    assert page.inner_text("body").strip() == "compiling…"
+
+
+def test_an_agents_history_button_opens_its_versions(page, acme):
+    from agents import services
+
+    agent = services.create_agent(acme, "Builder", allowlist=["one.example"])
+    services.update_agent(agent, allowlist=["one.example", "two.example"])
+    page.goto(f"/admin/agents/agent/{agent.pk}/change/")
+    with page.expect_navigation():
+        page.click("a.historylink")
+    assert "/admin/agents/agentversion/" in page.url
+    assert "two.example" in page.inner_text("#result_list")

@@ -1,0 +1,153 @@
+"""The proxy's policy feed asked at once for an unknown token (egress/feed.py, refresh_now) and
+the bounds on such look-ups (egress/addon.py, TokenLookups): no database, no proxy process."""
+
+import threading
+import time
+
+from egress.addon import TokenLookups
+from egress.feed import PolicyFeed
+
+
+def snapshot(generation: str) -> dict:
+    return {"generation": generation, "agents": []}
+
+
+class CountingSource:
+    """A policy source that counts its asks and can be held up."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.asks = 0
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def __call__(self, known):
+        time.sleep(self.delay)
+        with self.lock:
+            self.asks += 1
+            return snapshot(str(self.asks))
+
+
+def started(source, poll: float = 60.0) -> PolicyFeed:
+    feed = PolicyFeed(source, poll=poll, grace=120)
+    feed.start()
+    assert feed.wait_ready(5)
+    return feed
+
+
+def test_refresh_now_asks_the_source_at_once_not_at_the_next_poll():
+    source = CountingSource()
+    feed = started(source)
+    try:
+        assert source.asks == 1
+        began = time.monotonic()
+        assert feed.refresh_now(timeout=2)
+        assert time.monotonic() - began < 1  # the poll is a minute
+        assert source.asks == 2
+        assert feed.current().generation == "2"
+    finally:
+        feed.stop()
+
+
+def test_callers_that_come_together_share_one_ask():
+    source = CountingSource(delay=0.2)
+    feed = started(source)
+    try:
+        before = source.asks
+        results = []
+        threads = [
+            threading.Thread(target=lambda: results.append(feed.refresh_now(timeout=5)))
+            for _ in range(20)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [True] * 20
+        # One ask may have been running when the first came; all share the next one.
+        assert source.asks - before <= 2
+    finally:
+        feed.stop()
+
+
+def test_a_refresh_that_started_before_the_ask_does_not_count():
+    """A token issued while a refresh runs may be missing from it: wait for the next."""
+    gate = threading.Event()
+    asks = []
+
+    def source(known):
+        asks.append(time.monotonic())
+        if len(asks) == 2:
+            gate.wait(5)  # the second refresh is running when refresh_now is called
+        return snapshot(str(len(asks)))
+
+    feed = started(source, poll=0.01)
+    try:
+        while len(asks) < 2:
+            time.sleep(0.01)
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(feed.refresh_now(timeout=5)))
+        waiter.start()
+        time.sleep(0.2)
+        assert not done  # the running refresh started before the ask
+        gate.set()
+        waiter.join()
+        assert done == [True]
+        assert len(asks) >= 3
+    finally:
+        gate.set()
+        feed.stop()
+
+
+def test_a_source_that_hangs_is_waited_for_only_so_long():
+    gate = threading.Event()
+    calls = []
+
+    def source(known):
+        calls.append(1)
+        if len(calls) > 1:
+            gate.wait(5)
+        return snapshot("1")
+
+    feed = started(source)
+    try:
+        began = time.monotonic()
+        assert not feed.refresh_now(timeout=0.3)
+        assert time.monotonic() - began < 1
+    finally:
+        gate.set()
+        feed.stop()
+
+
+def test_an_unknown_token_is_looked_up_once_and_a_client_only_so_often():
+    now = [0.0]
+    lookups = TokenLookups(per_client=3, window=10, remember=60, clock=lambda: now[0])
+    assert lookups.allow("t1", "10.0.0.5")
+    lookups.missed("t1", "10.0.0.5")
+    assert not lookups.allow("t1", "10.0.0.5")  # the same token again: the source said no
+    assert not lookups.allow("t1", "10.0.0.6")  # from anywhere
+    for token in ("t2", "t3"):
+        assert lookups.allow(token, "10.0.0.5")
+        lookups.missed(token, "10.0.0.5")
+    assert not lookups.allow("t4", "10.0.0.5")  # three misses in ten seconds from this client
+    assert lookups.allow("t4", "10.0.0.6")  # another client has its own count
+    now[0] = 11.0
+    assert lookups.allow("t5", "10.0.0.5")  # the window moved on
+    assert not lookups.allow("t1", "10.0.0.7")
+    now[0] = 61.0
+    assert lookups.allow("t1", "10.0.0.7")  # remembered for a minute only
+    assert lookups.refused == 4
+
+
+def test_look_ups_that_find_their_token_cost_the_client_nothing():
+    """Many sandboxes behind one address (a NAT, a shared host) each start with a new token."""
+    lookups = TokenLookups(per_client=3, window=10, clock=lambda: 0.0)
+    assert all(lookups.allow(f"real{n}", "10.0.0.5") for n in range(50))
+
+
+def test_the_tokens_remembered_are_bounded():
+    lookups = TokenLookups(per_client=10**6, max_tokens=100, clock=lambda: 0.0)
+    for n in range(1000):
+        assert lookups.allow(f"t{n}", "c")
+        lookups.missed(f"t{n}", "c")
+    assert len(lookups._missed) == 100
+    assert lookups.allow("t0", "c")  # forgotten, so asked again
