@@ -70,11 +70,11 @@ class OrganisationAdmin(SimpleHistoryAdmin):
         obj._state.adding = False
 
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        if formset.model is not Membership:
+        if formset.model is not Membership or change:
             super().save_formset(request, form, formset, change)
             return
-        # The creator is a member already (the service made them admin): a row for them in
-        # the inline sets their role instead of adding them twice.
+        # A new organisation's creator is a member already (the service made them admin): a
+        # row for them in the inline sets their role instead of adding them twice.
         for member in formset.save(commit=False):
             existing = Membership.objects.filter(
                 organisation_id=member.organisation_id, user_id=member.user_id
@@ -329,6 +329,14 @@ class AgentVersionAdmin(admin.ModelAdmin):
     def changes_shown(self, obj: AgentVersion) -> str:
         return changes_table(obj)
 
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """Filtered to one agent (its History button): the title names it."""
+        agent_id = request.GET.get("agent__id__exact", "")
+        agent = Agent.objects.filter(pk=agent_id).first() if agent_id.isdigit() else None
+        if agent is not None:
+            extra_context = {**(extra_context or {}), "title": f"Versions of {agent}"}
+        return super().changelist_view(request, extra_context)
+
     @admin.display(description="Configuration")
     def config_shown(self, obj: AgentVersion) -> str:
         return format_html("<pre>{}</pre>", json.dumps(obj.config, indent=2, sort_keys=True))
@@ -377,6 +385,8 @@ class RunAdmin(admin.ModelAdmin):
         "exit_code",
         "log_tail",
         "log_link",
+        "output_size",
+        "log_start",
         "created_by",
         "created_at",
         "placed_at",
@@ -384,10 +394,18 @@ class RunAdmin(admin.ModelAdmin):
         "finished_at",
         "cancel_requested_at",
     ]
-    exclude = ["egress_token", "log"]
+    fields = tuple(readonly_fields)  # a run is a record: nothing on its page is edited
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        no_saving = {"show_save": False, "show_save_and_continue": False}
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), **no_saving}
+        )
 
     def get_urls(self) -> list[Any]:
         log = self.admin_site.admin_view(self.log_view)

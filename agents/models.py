@@ -250,6 +250,11 @@ class Run(models.Model):
     output_size = models.BigIntegerField(
         default=0, help_text="Bytes of output received so far (UTF-8), live or whole."
     )
+    log_start = models.BigIntegerField(
+        default=0,
+        help_text="Bytes at the start of the output that the whole log lacks (Docker keeps only"
+        " the last 10 to 20 MB of a sandbox's output).",
+    )
     egress_token = models.ForeignKey(
         "egress.EgressToken", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
@@ -282,6 +287,7 @@ class RunOutput(models.Model):
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="output")
     start = models.BigIntegerField(help_text="Byte offset of the text in the output (UTF-8).")
+    end = models.BigIntegerField(help_text="Byte offset just past the text.")
     text = models.TextField()
 
     class Meta:

@@ -34,6 +34,26 @@ class OrganisationSerializer(serializers.ModelSerializer):
         return instance
 
 
+COMMAND_HELP = (
+    'a JSON list of arguments, e.g. ["sh", "-c", "echo hi"] (empty: the Claude runtime on the task)'
+)
+
+
+class CommandField(serializers.ListField):
+    """A command as a list of argument strings (no shell: give ``sh -c`` for one)."""
+
+    default_error_messages = {"not_a_list": f"Give the command as {COMMAND_HELP}."}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(child=serializers.CharField(trim_whitespace=False), **kwargs)
+        self.help_text = f"The command the sandbox runs: {COMMAND_HELP}."
+
+    def to_internal_value(self, data: Any) -> list[str]:
+        if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
+            self.fail("not_a_list")
+        return list(super().to_internal_value(data))
+
+
 class AgentSerializer(serializers.ModelSerializer):
     """An agent's current configuration; ``version`` is the number of the current version."""
 
@@ -50,9 +70,7 @@ class AgentSerializer(serializers.ModelSerializer):
     workplace = ScopedRelatedField(
         queryset=Workplace.objects.all(), allow_null=True, required=False
     )
-    runtime_command = serializers.ListField(
-        child=serializers.CharField(trim_whitespace=False), required=False
-    )
+    runtime_command = CommandField(required=False)
     home_runner = ScopedRelatedField(
         queryset=Runner.objects.all(),
         allow_null=True,

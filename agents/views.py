@@ -126,6 +126,17 @@ class AgentViewSet(OrganisationScopedViewSet):
         )
 
 
+class LogQuerySerializer(serializers.Serializer):
+    offset = serializers.IntegerField(
+        min_value=0,
+        max_value=2**62,
+        required=False,
+        error_messages={
+            key: "give a number of bytes (0 or more)" for key in ("invalid", "min_value")
+        },
+    )
+
+
 class RunViewSet(
     mixins.CreateModelMixin,
     mixins.ListModelMixin,
@@ -171,8 +182,10 @@ class RunViewSet(
         responses={
             (200, "text/plain"): OpenApiResponse(
                 str,
-                description="X-Covey-Log-Size: bytes of output so far (ask from there next);"
-                " X-Covey-Log-Complete: true once the run has ended and no more will come.",
+                description="X-Covey-Log-Size: where this answer ends (ask from there next);"
+                " X-Covey-Log-Complete: true once the run has ended and nothing is left;"
+                " X-Covey-Log-Start: bytes at the start of a large output the whole log lacks."
+                " Live output comes at most 1 MiB per answer.",
             )
         },
     )
@@ -182,7 +195,6 @@ class RunViewSet(
         ended. Follow it by asking again with ``?offset=`` the ``X-Covey-Log-Size`` of the last
         answer until ``X-Covey-Log-Complete`` is ``true``."""
         run = self.get_object()
-        raw = request.query_params.get("offset")
-        if raw is not None and not raw.isdigit():
-            raise exceptions.ValidationError({"offset": "give a number of bytes (0 or more)"})
-        return runs.log_response(run, None if raw is None else int(raw))
+        query = LogQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        return runs.log_response(run, query.validated_data.get("offset", 0))

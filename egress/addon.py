@@ -22,7 +22,7 @@ import logging
 import socket
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -39,6 +39,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from egress.feed import DecisionLog, PolicyFeed
+from egress.lookups import TokenLookups
 from egress.policy import (
     EXPLANATIONS,
     AgentPolicy,
@@ -133,79 +134,29 @@ class _Allowed:
     credential: str | None
 
 
+@dataclass(frozen=True)
 class _LookUp:
     """The credential's token is not in the policy: ask the policy source once, then decide
-    again (a run's token is issued moments before its sandbox's first request)."""
+    again (a run's token is issued moments before its sandbox's first request). Its slot in
+    :class:`TokenLookups` is held until :meth:`CoveyEgress._look_up` ends it."""
+
+    token_hash: str
+    client: str
 
 
-LOOK_UP = _LookUp()
 LOOKUP_SECONDS = 2.0  # how long a request waits for the policy source before it is refused
-
-
-class TokenLookups:
-    """Bounds the look-ups that unknown tokens cause. A token the source did not know when
-    asked was never handed out: it is not asked about again for ``remember`` seconds. A client
-    (its address) whose look-ups found nothing ``per_client`` times in ``window`` seconds is
-    not looked up for until the window moves on; look-ups that find their token cost nothing,
-    so sandboxes behind one address never lose a real credential to the bound. Look-ups that
-    come together share one ask of the source (PolicyFeed.refresh_now)."""
-
-    def __init__(
-        self,
-        *,
-        per_client: int = 10,
-        window: float = 10.0,
-        remember: float = 60.0,
-        max_tokens: int = 10_000,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._per_client, self._window, self._remember = per_client, window, remember
-        self._max_tokens, self._clock = max_tokens, clock
-        self._missed: OrderedDict[str, float] = OrderedDict()  # token hash -> when
-        self._clients: dict[str, deque[float]] = {}  # client -> when its look-ups missed
-        self.refused = 0
-
-    def allow(self, token_hash: str, client: str) -> bool:
-        """Whether this unknown token may be looked up now."""
-        now = self._clock()
-        missed = self._missed.get(token_hash)
-        if missed is not None and now - missed < self._remember:
-            self.refused += 1
-            return False
-        if len(self._recent(client, now)) >= self._per_client:
-            self.refused += 1
-            return False
-        return True
-
-    def missed(self, token_hash: str, client: str) -> None:
-        """A look-up of this token from this client found nothing."""
-        now = self._clock()
-        self._missed[token_hash] = now
-        self._missed.move_to_end(token_hash)
-        while len(self._missed) > self._max_tokens:
-            self._missed.popitem(last=False)
-        self._recent(client, now).append(now)
-        if len(self._clients) > self._max_tokens:  # clients come and go: forget the idle
-            for idle in [c for c, times in self._clients.items() if not times]:
-                del self._clients[idle]
-
-    def _recent(self, client: str, now: float) -> deque[float]:
-        recent = self._clients.setdefault(client, deque())
-        while recent and now - recent[0] >= self._window:
-            recent.popleft()
-        return recent
 
 
 @dataclass
 class ConnectRequest:
     """A CONNECT that must wait: its name must be resolved (``allowed``), or its token looked
-    up first (``allowed`` is None); and, once decided, its verdict."""
+    up first (``lookup``); and, once decided, its verdict."""
 
     allowed: "_Allowed | None"
+    lookup: "_LookUp | None"
     credential: str | None
     host: str
     port: int
-    client: str
     verdict: Verdict | None = None
 
 
@@ -267,8 +218,13 @@ class Connect(layer.Layer):
             credential, request.host, request.port, client
         )
         if not isinstance(verdict, Verdict):  # it must wait: a hook, the loop goes on
-            allowed = verdict if isinstance(verdict, _Allowed) else None
-            asked = ConnectRequest(allowed, credential, request.host, request.port, client)
+            asked = ConnectRequest(
+                verdict if isinstance(verdict, _Allowed) else None,
+                verdict if isinstance(verdict, _LookUp) else None,
+                credential,
+                request.host,
+                request.port,
+            )
             yield CoveyDecideHook(asked)
             verdict = asked.verdict
         if verdict is None or not verdict.allowed:
@@ -592,7 +548,7 @@ class CoveyEgress:
         (None: no look-up)."""
         first = self._before_resolving(credential, host, port, plain_http, problem, client)
         if isinstance(first, _LookUp):
-            await self._look_up(credential, client or "")
+            await self._look_up(first)
             # Without a client it never looks up: the token is known now, or refused.
             first = cast(
                 "Verdict | _Allowed",
@@ -624,18 +580,23 @@ class CoveyEgress:
             logger.info("covey: %s", exc)
         return self._after_resolving(allowed, addresses, plain_http)
 
-    async def _look_up(self, credential: str | None, client: str) -> None:
-        """Ask the policy source now (shared with every other look-up in flight); a token it
-        does not know either counts against the client."""
-        loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(None, self.feed.refresh_now, LOOKUP_SECONDS):
-            # Refused for now, but not held against the token: the source never said no.
+    async def _look_up(self, lookup: "_LookUp") -> None:
+        """Ask the policy source now (one ask shared with every look-up in flight), and end
+        the look-up with what it found."""
+        found: bool | None = None
+        try:
+            answered = await asyncio.wait_for(
+                asyncio.wrap_future(self.feed.refresh_soon()), LOOKUP_SECONDS
+            )
+            policy = self.feed.current()
+            if answered and policy is not None:
+                found = lookup.token_hash in policy.tokens
+        except TimeoutError:
+            pass
+        finally:
+            self.lookups.end(lookup.token_hash, lookup.client, found=found)
+        if found is None:  # refused now, but not held against the token: nobody said no
             logger.warning("covey: the policy source did not answer a token look-up in time")
-            return
-        policy = self.feed.current()
-        unknown = policy.unknown_token(credential) if policy is not None else None
-        if unknown is not None:
-            self.lookups.missed(unknown, client)
 
     def _before_resolving(
         self,
@@ -662,8 +623,13 @@ class CoveyEgress:
         agent = policy.authenticate(credential, self.clock())
         if agent is None:
             unknown = None if client is None else policy.unknown_token(credential)
-            if unknown is not None and client is not None and self.lookups.allow(unknown, client):
-                return LOOK_UP
+            if (
+                unknown is not None
+                and parsed is not None
+                and client is not None
+                and self.lookups.begin(parsed[1], unknown, client)
+            ):
+                return _LookUp(unknown, client)
             return self._refused(Decision(Code.PROXY_AUTH, host, port), username, plain_http)
         at_capacity = not plain_http and (
             self.open_tunnels >= ctx.options.covey_max_tunnels
@@ -724,7 +690,8 @@ class CoveyEgress:
         if request.allowed is not None:
             request.verdict = await self._resolved(request.allowed, plain_http=False)
             return
-        await self._look_up(request.credential, request.client)
+        if request.lookup is not None:
+            await self._look_up(request.lookup)
         request.verdict = await self.decide(
             request.credential, request.host, request.port, plain_http=False, client=None
         )

@@ -60,6 +60,8 @@ def parse_entry(text: str) -> Entry:
         )
     if "*" in text:
         raise EntryError(f"{shown}: wildcards are not allowed; list each host name exactly")
+    if "/" in text and "://" not in text and _is_network(text):
+        raise EntryError(f"{shown}: IP ranges are not allowed; list each host's DNS name")
     if "://" in text or "/" in text or "?" in text or "#" in text:
         raise EntryError(f"{shown}: give a host name or host:port, not a URL or path")
     if "@" in text:
@@ -166,3 +168,12 @@ def _looks_like_ip(host: str) -> bool:
         return True
     last = host.lower().rsplit(".", 1)[-1]
     return bool(_NUMERIC_LABEL.match(last))
+
+
+def _is_network(text: str) -> bool:
+    """``text`` is an IP network in CIDR notation (``10.0.0.0/8``, ``fd00::/8``)."""
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True

@@ -9,11 +9,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from egress.policy import Policy
 
 logger = logging.getLogger(__name__)
+
+MIN_ROUND_SECONDS = 0.02
 
 # fetch(known_generation) -> a new snapshot, or None when the generation has not changed.
 PolicySource = Callable[[str | None], Mapping[str, Any] | None]
@@ -46,14 +49,13 @@ class PolicyFeed:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._wake = threading.Event()  # ask now, not at the next poll
-        # Refreshes started and the number of the last one that ended: a caller of
-        # refresh_now() waits for one that started after it asked.
-        self._rounds = threading.Condition()
-        self._started = 0
-        self._finished = 0
+        # What callers of refresh_soon() wait for: the end of the next round (one that starts
+        # after they asked), shared by all who ask before it starts.
+        self._rounds = threading.Lock()
+        self._next_round: Future[bool] | None = None
         self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
         self.failures = 0
-        self.asked_now = 0  # refreshes asked for by refresh_now (unknown tokens)
+        self.asked_now = 0  # rounds asked for by refresh_soon (unknown tokens)
 
     def start(self) -> None:
         """Start polling."""
@@ -64,6 +66,10 @@ class PolicyFeed:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        with self._rounds:
+            if self._next_round is not None:  # nobody will ask the source for them now
+                self._next_round.set_result(False)
+                self._next_round = None
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until a first policy is loaded."""
@@ -75,22 +81,29 @@ class PolicyFeed:
             return None
         return self._policy
 
-    def refresh_now(self, timeout: float) -> bool:
-        """Have the polling thread ask the source at once, and wait (at most ``timeout``
-        seconds) until a refresh that started after this call has ended. Callers that come
-        while one runs share the next: the source is asked once for all of them. True when
-        one ended in time (whatever it found)."""
+    def refresh_soon(self) -> "Future[bool]":
+        """Have the polling thread ask the source at once. The future is done when a round that
+        started after this call has ended: True when the source answered, False when it did
+        not. Callers that come before that round starts share it: the source is asked once for
+        all of them."""
         if not self._thread.is_alive():  # not started (tests, explain): ask here
-            try:
-                self.refresh()
-            except Exception as exc:
-                logger.warning("covey: could not refresh the egress policy: %s", exc)
-            return True
+            done: Future[bool] = Future()
+            done.set_result(self._refresh_safely())
+            return done
         with self._rounds:
-            wanted = self._started + 1
-            self.asked_now += 1
+            if self._next_round is None:
+                self._next_round = Future()
+                self.asked_now += 1
             self._wake.set()
-            return self._rounds.wait_for(lambda: self._finished >= wanted, timeout)
+            return self._next_round
+
+    def _refresh_safely(self) -> bool:
+        try:
+            self.refresh()
+        except Exception as exc:
+            logger.warning("covey: could not refresh the egress policy: %s", exc)
+            return False
+        return True
 
     def refresh(self) -> None:
         """Ask the source once; a new snapshot replaces the policy atomically."""
@@ -112,10 +125,11 @@ class PolicyFeed:
         while not self._stop.is_set():
             with self._rounds:
                 self._wake.clear()
-                self._started += 1
-                started = self._started
+                waiting, self._next_round = self._next_round, None
+            answered = False
             try:
                 self.refresh()
+                answered = True
             except Exception as exc:
                 self.failures += 1
                 # Once when it starts failing, then every 30 s: the poll runs many times a second.
@@ -129,10 +143,11 @@ class PolicyFeed:
                     self.failures = 0
                     last_warning = float("-inf")
             finally:
-                with self._rounds:
-                    self._finished = started
-                    self._rounds.notify_all()
-            self._wake.wait(self._poll)
+                if waiting is not None:
+                    waiting.set_result(answered)
+            # Rounds asked for come at most every MIN_ROUND_SECONDS, however many ask.
+            self._stop.wait(MIN_ROUND_SECONDS)
+            self._wake.wait(max(0.0, self._poll - MIN_ROUND_SECONDS))
 
 
 class DecisionLog:

@@ -22,6 +22,13 @@ class OutputBehind(Exception):
         self.size = size
 
 
+class OutputClosed(Exception):
+    """The control plane takes no more of a run's output live (the whole log comes at the end)."""
+
+
+OUTPUT_TOTAL_HEADER = "X-Covey-Output-Total"
+
+
 class ControlPlaneClient:
     """A runner's view of the control-plane API."""
 
@@ -103,13 +110,17 @@ class ControlPlaneClient:
         ).json()
         return data
 
-    def put_log(self, run_id: str, text: str) -> None:
-        """Send a finished run's whole output."""
+    def put_log(self, run_id: str, text: str, total: int | None = None) -> None:
+        """Send a finished run's whole output (``total``: how many bytes the sandbox wrote in
+        all, when counted; Docker keeps only the last of a large output)."""
+        headers = {"Content-Type": "text/plain; charset=utf-8"}
+        if total is not None:
+            headers[OUTPUT_TOTAL_HEADER] = str(total)
         self._request(
             "PUT",
             f"/api/v1/runner/runs/{run_id}/log/",
             content=text.encode(),
-            headers={"Content-Type": "text/plain; charset=utf-8"},
+            headers=headers,
             timeout=60,
         )
 
@@ -120,10 +131,12 @@ class ControlPlaneClient:
             "POST",
             f"/api/v1/runner/runs/{run_id}/output/",
             json={"offset": offset, "text": text},
-            allow=(409,),
+            allow=(409, 410),
         )
         if response.status_code == 409:
             raise OutputBehind(int(response.json()["size"]))
+        if response.status_code == 410:
+            raise OutputClosed(str(response.json().get("detail", "")))
         return int(response.json()["size"])
 
     def egress_policy(self, known_generation: str | None) -> Mapping[str, Any] | None:

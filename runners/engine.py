@@ -102,6 +102,9 @@ class Sandbox:
     started_at: datetime | None
     finished_at: datetime | None
     timeout: int | None = None
+    # Made by a covey from before installation keys (only the runner's old name on it): it may
+    # be another installation's, so it is taken care of only for a run the control plane knows.
+    legacy: bool = False
 
 
 class LogStream:
@@ -126,7 +129,12 @@ class Engine:
     """The sandboxes of one runner on one Docker engine."""
 
     def __init__(
-        self, runner: str, client: docker.DockerClient | None = None, *, installation: str = ""
+        self,
+        runner: str,
+        client: docker.DockerClient | None = None,
+        *,
+        installation: str = "",
+        legacy_runner: str = "",
     ) -> None:
         if not runner:
             raise ValueError("the runner name must not be empty")
@@ -136,6 +144,9 @@ class Engine:
         self._labels = [f"{LABEL_RUNNER}={runner}"]
         if installation:
             self._labels.append(f"{LABEL_INSTALLATION}={installation}")
+        # The runner's name before installation keys: its sandboxes, if any are left, are seen
+        # (as legacy) when they carry no installation key at all.
+        self._legacy_label = f"{LABEL_RUNNER}={legacy_runner}" if legacy_runner else ""
         try:
             self._client = client if client is not None else docker.from_env()
         except DockerException as exc:
@@ -170,14 +181,15 @@ class Engine:
     def get(self, run_id: str) -> Sandbox | None:
         """The sandbox of a run, or None when this runner has no container for it."""
         container = self._container(run_id)
-        return None if container is None else _sandbox(container)
+        return None if container is None else self._as_sandbox(container)
 
     def sandboxes(self) -> list[Sandbox]:
         """Every container of this runner, in any state, ordered by run id."""
         containers = self._client.containers.list(
             all=True, filters={"label": list(self._labels)}, ignore_removed=True
         )
-        return sorted((_sandbox(c) for c in containers), key=lambda s: s.run_id)
+        found = [self._as_sandbox(c) for c in [*containers, *self._legacy_containers()]]
+        return sorted(found, key=lambda s: s.run_id)
 
     def address(self, run_id: str, network: str | None = None) -> str:
         """The sandbox's IPv4 address on a network (None: Docker's default bridge); '' when it
@@ -334,7 +346,7 @@ class Engine:
                     f"cannot start the sandbox of run {run_id}: {_explain(exc)}"
                 ) from exc
             container.reload()
-        return _sandbox(container)
+        return self._as_sandbox(container)
 
     def _discard(self, container: Any) -> None:
         """Force-remove a container and its task directory."""
@@ -356,7 +368,18 @@ class Engine:
             filters={"label": [*self._labels, f"{LABEL_RUN}={run_id}"]},
             ignore_removed=True,
         )
+        if not found:
+            found = self._legacy_containers(run_id)
         return found[0] if found else None
+
+    def _legacy_containers(self, run_id: str | None = None) -> list[Any]:
+        if not self._legacy_label:
+            return []
+        labels = [self._legacy_label, *([f"{LABEL_RUN}={run_id}"] if run_id else [])]
+        found = self._client.containers.list(
+            all=True, filters={"label": labels}, ignore_removed=True
+        )
+        return [c for c in found if LABEL_INSTALLATION not in c.attrs["Config"]["Labels"]]
 
     def _existing(self, run_id: str) -> Any:
         if (container := self._container(run_id)) is None:
@@ -364,7 +387,13 @@ class Engine:
         return container
 
     def _sandbox_of(self, run_id: str) -> Sandbox:
-        return _sandbox(self._existing(run_id))
+        return self._as_sandbox(self._existing(run_id))
+
+    def _as_sandbox(self, container: Any) -> Sandbox:
+        legacy = bool(self._legacy_label) and (
+            LABEL_INSTALLATION not in container.attrs["Config"]["Labels"]
+        )
+        return _sandbox(container, legacy=legacy)
 
 
 def check_spec(spec: SandboxSpec) -> Path:
@@ -465,7 +494,7 @@ def _task_dir(container: Any) -> Path | None:
     return None
 
 
-def _sandbox(container: Any) -> Sandbox:
+def _sandbox(container: Any, *, legacy: bool = False) -> Sandbox:
     labels = container.attrs["Config"]["Labels"]
     state = container.attrs["State"]
     status = state["Status"]
@@ -478,6 +507,7 @@ def _sandbox(container: Any) -> Sandbox:
         started_at=_time(state.get("StartedAt")),
         finished_at=_time(state.get("FinishedAt")),
         timeout=int(labels[LABEL_TIMEOUT]) if labels.get(LABEL_TIMEOUT, "").isdigit() else None,
+        legacy=legacy,
     )
 
 

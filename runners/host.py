@@ -31,7 +31,7 @@ from typing import Any
 from egress.environment import proxy_environment
 from egress.policy import hash_token
 from runners import isolation, probing
-from runners.client import ControlPlaneClient, ControlPlaneError, OutputBehind
+from runners.client import ControlPlaneClient, ControlPlaneError, OutputBehind, OutputClosed
 from runners.dispatch import unseal
 from runners.engine import Engine, EngineError, LogStream, Sandbox, SandboxSpec
 from runners.isolation import IsolationError, Shape
@@ -160,7 +160,20 @@ class ProxyCheck:
     at: float  # time.monotonic()
 
 
-PROXY_RECHECK_SECONDS = 10.0  # after a failed check, a launch checks again once this is past
+# The proxy sandboxes are told of is checked again this long after a failed check, and this
+# long after one that passed (by the watcher, so launches seldom wait for it).
+PROXY_RECHECK_SECONDS = 10.0
+PROXY_CHECK_EVERY_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A running sandbox whose output is sent live: the stream and the thread that reads it."""
+
+    runner_id: int
+    live: LiveOutput
+    stream: LogStream
+    reader: threading.Thread
 
 
 @dataclass
@@ -191,8 +204,8 @@ class RunnerHost:
     # Per runner (cooperative level): the last check that its sandboxes reach their proxy.
     _proxy_checks: dict[int, ProxyCheck] = field(default_factory=dict)
     _proxy_check_locks: dict[int, threading.Lock] = field(default_factory=dict)
-    # Running sandboxes whose output is being sent live: run id → (runner id, output, stream).
-    _live: dict[str, tuple[int, LiveOutput, LogStream]] = field(default_factory=dict)
+    # Running sandboxes whose output is being sent live (None: being set up).
+    _live: dict[str, "Followed | None"] = field(default_factory=dict)
     _live_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- identities ------------------------------------------------------------------------
@@ -229,7 +242,9 @@ class RunnerHost:
     def engine(self, identity: Identity) -> Engine:
         if identity.id not in self._engines:
             self._engines[identity.id] = Engine(
-                runner_name(identity), installation=identity.installation
+                runner_name(identity),
+                installation=identity.installation,
+                legacy_runner=f"runner-{identity.id}",  # its name before installation keys
             )
         return self._engines[identity.id]
 
@@ -478,16 +493,16 @@ class RunnerHost:
 
     def check_proxy(self, identity: Identity) -> str:
         """'' when the proxy sandboxes are told of (COVEY_RUNNER_PROXY) answered from a
-        container on the sandbox network, else what is wrong. Checked once, and again (at
-        most every PROXY_RECHECK_SECONDS) while it fails: launches are refused meanwhile."""
+        container on the sandbox network, else what is wrong: launches are refused meanwhile.
+        The answer is kept PROXY_RECHECK_SECONDS when it failed, PROXY_CHECK_EVERY_SECONDS
+        when it passed."""
         if self.settings.isolation or not self.settings.proxy:
             return ""
         lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
         with lock:
             last = self._proxy_checks.get(identity.id)
-            if last is not None and (
-                not last.problem or time.monotonic() - last.at < PROXY_RECHECK_SECONDS
-            ):
+            again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS
+            if last is not None and time.monotonic() - last.at < again:
                 return last.problem
             try:
                 problem = probing.check_proxy(
@@ -501,12 +516,12 @@ class RunnerHost:
             self._proxy_checks[identity.id] = ProxyCheck(problem, time.monotonic())
         if problem:
             logger.warning("covey runner %s: %s", identity.name, problem)
-        else:
+        elif last is None or last.problem:
             logger.info(
                 "covey runner %s: sandboxes reach the egress proxy at %s%s",
                 identity.name,
                 self.settings.proxy,
-                " again" if last is not None else "",
+                " again" if last is not None else "",  # after a failed check
             )
         return problem
 
@@ -596,6 +611,8 @@ class RunnerHost:
                 self._timed_out.add(sandbox.run_id)
                 engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
         self.ship_output(identity)
+        if identity.id in self._proxy_checks:  # checked once: keep checking while it serves
+            self.check_proxy(identity)
         if self._probe_due(identity):
             first = identity.id not in self._probes
             self._probe_safely(identity, None, "runner start" if first else "retry")
@@ -623,9 +640,12 @@ class RunnerHost:
             run = active.get(run_id)
             if run is None and run_id in self._launching:
                 continue
+            if run is None and sandbox.legacy:
+                continue  # perhaps another installation's: only a run we know makes it ours
             if run is None:
                 if sandbox.status not in ("exited", "dead"):
                     logger.info("covey runner: removing sandbox %s (no live run)", run_id)
+                self._stop_output(run_id)
                 engine.remove(run_id)
             elif run["cancel"] and sandbox.status == "running":
                 engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
@@ -654,61 +674,78 @@ class RunnerHost:
         with self._live_lock:
             if run_id in self._live:
                 return
-            try:
-                stream = self.engine(identity).follow_logs(run_id)
-            except EngineError as exc:
-                logger.info("covey runner: cannot follow the output of run %s: %s", run_id, exc)
-                return
-            live = LiveOutput(skip)
-            self._live[run_id] = (identity.id, live, stream)
+            self._live[run_id] = None  # taken: the engine is asked outside the lock
+        try:
+            stream = self.engine(identity).follow_logs(run_id)
+        except EngineError as exc:
+            logger.info("covey runner: cannot follow the output of run %s: %s", run_id, exc)
+            with self._live_lock:
+                self._live.pop(run_id, None)
+            return
+        live = LiveOutput(skip)
 
         def read() -> None:
             for chunk in stream:
                 live.feed(chunk)
             live.feed(b"", final=True)
 
-        threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True).start()
+        reader = threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True)
+        with self._live_lock:
+            self._live[run_id] = Followed(identity.id, live, stream, reader)
+        reader.start()
 
     def ship_output(self, identity: Identity) -> None:
         """Send every due chunk of this runner's running sandboxes (one each per call)."""
         with self._live_lock:
-            mine = [(r, live) for r, (i, live, _) in self._live.items() if i == identity.id]
+            mine = [
+                (run_id, followed.live)
+                for run_id, followed in self._live.items()
+                if followed is not None and followed.runner_id == identity.id
+            ]
         for run_id, live in mine:
-            if live.done:  # its stream ended and everything went (or it gave up)
-                self._stop_output(run_id)
-                continue
-            if not live.due() or (chunk := live.take()) is None:
-                continue
+            if live.done or not live.due() or (chunk := live.take()) is None:
+                continue  # nothing to send; the stream and its count stay until the end
             offset, text = chunk
             try:
                 live.confirm(identity.client.put_output(run_id, offset, text))
             except OutputBehind as exc:
                 live.confirm(exc.size)
+            except OutputClosed as exc:
+                live.give_up(str(exc))
             except ControlPlaneError as exc:
-                if exc.status == 404:  # not ours any more: the reconcile cleans up
-                    self._stop_output(run_id)
+                if exc.status is not None and 400 <= exc.status < 500:
+                    live.give_up(str(exc))  # not ours any more, or refused: no point resending
                 else:
+                    live.failed()  # unreachable: try again in a second
                     logger.debug("covey runner: output of run %s: %s", run_id, exc)
-                continue
+                    continue
             if live.given_up:
                 logger.info(
                     "covey runner: run %s: output no longer sent live: %s", run_id, live.given_up
                 )
 
-    def _stop_output(self, run_id: str) -> None:
+    def _stop_output(self, run_id: str, wait: float = 0.0) -> int | None:
+        """Stop following a run's output; the number of bytes the sandbox wrote in all when
+        it was followed from its first byte to its end (waiting up to ``wait`` seconds for the
+        stream to end), else None."""
         with self._live_lock:
             followed = self._live.pop(run_id, None)
-        if followed is not None:
-            followed[2].close()
+        if followed is None:
+            return None
+        if wait:
+            followed.reader.join(wait)
+        followed.stream.close()
+        return followed.live.total
 
     def _finish(self, identity: Identity, sandbox: Sandbox) -> None:
         """Report an exited sandbox with its output, then remove it."""
         engine = self.engine(identity)
         client = identity.client
         run_id = sandbox.run_id
-        self._stop_output(run_id)  # the whole log replaces what went live
+        # The whole log replaces what went live; the count says whether Docker kept all of it.
+        total = self._stop_output(run_id, wait=5.0)
         try:
-            client.put_log(run_id, engine.logs(run_id))  # the control plane keeps its tail too
+            client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
             client.report(
                 run_id,
                 "exited",
@@ -720,6 +757,8 @@ class RunnerHost:
         except ControlPlaneError as exc:
             if exc.status != 404:  # 404: not a run of ours (any more): just clean up
                 raise  # keep the sandbox: the next sweep reports it again
+            if sandbox.legacy:
+                return  # from before installation keys and not ours: another installation's
         engine.remove(run_id)
         self._timed_out.discard(run_id)
 

@@ -30,6 +30,8 @@ class LiveOutput:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sent = skip  # bytes the control plane has
+        # A follower that restarted reads what Docker kept, which may lack the start.
+        self._followed_from_start = skip == 0
         self._skip = skip  # bytes of the stream it has already (a follower that restarted)
         self._every = every
         self._max_chunk = max_chunk
@@ -37,6 +39,7 @@ class LiveOutput:
         self._clock = clock
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = b""
+        self._seen = 0  # bytes of the stream so far, as the control plane counts them
         self._lock = threading.Lock()
         self._last = clock()
         self.ended = False  # the stream has ended: what is pending is all there will be
@@ -44,8 +47,10 @@ class LiveOutput:
 
     def feed(self, data: bytes, *, final: bool = False) -> None:
         """What the sandbox wrote next (``final``: the stream has ended)."""
-        encoded = self._decoder.decode(data, final).encode()
+        # As the control plane keeps it (agents.runs.printable): NUL becomes U+FFFD.
+        encoded = self._decoder.decode(data, final).replace("\x00", "\ufffd").encode()
         with self._lock:
+            self._seen += len(encoded)
             if self._skip:
                 dropped = min(self._skip, len(encoded))
                 encoded, self._skip = encoded[dropped:], self._skip - dropped
@@ -82,15 +87,33 @@ class LiveOutput:
         """The control plane has ``size`` bytes now (the answer to a chunk, or a conflict)."""
         with self._lock:
             self._last = self._clock()
-            if size < self.sent or size > self.sent + len(self._pending):
+            if size <= self.sent or size > self.sent + len(self._pending):
+                # Behind, ahead of what was sent, or it took nothing: resending cannot help.
                 self._give_up(f"the control plane has {size} bytes, this runner {self.sent}")
                 return
             self._pending = self._pending[size - self.sent :]
             self.sent = size
 
+    def failed(self) -> None:
+        """A chunk did not get there (the control plane is unreachable): try again later."""
+        with self._lock:
+            self._last = self._clock()
+
+    def give_up(self, why: str) -> None:
+        """Send nothing more live (the stream is still counted)."""
+        with self._lock:
+            self._give_up(why)
+
     def _give_up(self, why: str) -> None:
         self.given_up = why
         self._pending = b""
+
+    @property
+    def total(self) -> int | None:
+        """Bytes the sandbox wrote in all, once the stream has ended and was followed from
+        its first byte; else None."""
+        with self._lock:
+            return self._seen if self.ended and self._followed_from_start else None
 
     @property
     def done(self) -> bool:

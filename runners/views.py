@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -21,6 +21,7 @@ from egress.entries import EntryError
 from egress.probe import Verdict
 from runners import probes, services
 from runners.auth import IsRunner, RunnerTokenAuthentication
+from runners.client import OUTPUT_TOTAL_HEADER
 from runners.models import Probe, Runner
 
 
@@ -276,10 +277,27 @@ class RunReportView(RunnerEndpoint):
 class RunLogView(RunnerEndpoint):
     """The whole output of a run whose sandbox has ended."""
 
-    @extend_schema(request={"text/plain": str}, responses={204: None})
+    @extend_schema(
+        request={"text/plain": str},
+        parameters=[
+            OpenApiParameter(
+                OUTPUT_TOTAL_HEADER,
+                int,
+                OpenApiParameter.HEADER,
+                description="Bytes the sandbox wrote in all, when the runner counted them.",
+            )
+        ],
+        responses={204: None},
+    )
     def put(self, request: Request, run_id: str) -> Response:
         text = request.body.decode("utf-8", errors="replace")
-        if runs.save_log(_run_id(run_id), self.runner(request), text) is None:
+        raw = request.headers.get(OUTPUT_TOTAL_HEADER)
+        total = None
+        if raw is not None:
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+                raise serializers.ValidationError({OUTPUT_TOTAL_HEADER: "a number of bytes"})
+            total = int(raw)
+        if runs.save_log(_run_id(run_id), self.runner(request), text, total) is None:
             raise Http404("no such run on this runner")
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -293,9 +311,10 @@ class RunOutputSerializer(serializers.Serializer):
 
 class RunOutputView(RunnerEndpoint):
     """Output of a running sandbox, in order: ``offset`` is where ``text`` starts (bytes of
-    UTF-8). 409 with ``size`` when the control plane has another amount: go on from there."""
+    UTF-8). 409 with ``size`` when the control plane has another amount: go on from there; 410
+    when it takes no more live (the run ended, or has as much as it keeps while it goes)."""
 
-    @extend_schema(request=RunOutputSerializer, responses={200: dict, 409: dict})
+    @extend_schema(request=RunOutputSerializer, responses={200: dict, 409: dict, 410: dict})
     def post(self, request: Request, run_id: str) -> Response:
         serializer = RunOutputSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -306,6 +325,8 @@ class RunOutputView(RunnerEndpoint):
             )
         except runs.OutputConflict as exc:
             return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_409_CONFLICT)
+        except runs.OutputClosed as exc:
+            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_410_GONE)
         if run is None:
             raise Http404("no such run on this runner")
         return Response({"run": str(run.pk), "size": run.output_size})

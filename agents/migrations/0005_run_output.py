@@ -16,11 +16,17 @@ class Migration(migrations.Migration):
             name='output_size',
             field=models.BigIntegerField(default=0, help_text='Bytes of output received so far (UTF-8), live or whole.'),
         ),
+        migrations.AddField(
+            model_name='run',
+            name='log_start',
+            field=models.BigIntegerField(default=0, help_text="Bytes at the start of the output that the whole log lacks (Docker keeps only the last 10 to 20 MB of a sandbox's output)."),
+        ),
         migrations.CreateModel(
             name='RunOutput',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('start', models.BigIntegerField(help_text='Byte offset of the text in the output (UTF-8).')),
+                ('end', models.BigIntegerField(help_text='Byte offset just past the text.')),
                 ('text', models.TextField()),
                 ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='output', to='agents.run')),
             ],

@@ -288,10 +288,12 @@ def test_a_runs_output_opens_from_its_admin_page(operator, acme, orders):
     runs.save_log(str(run.pk), runner, "so far\nand the rest\n")
     page = operator.get(reverse("admin:agents_run_change", args=[run.pk])).content.decode()
     assert "the whole output" in page
+    # A run is a record: nothing on its page can be changed, not even how much output it has.
+    assert 'name="output_size"' not in page and 'name="_save"' not in page
     answer = operator.get(log_url)
     assert answer.status_code == 200
     assert answer["Content-Type"] == "text/plain; charset=utf-8"
-    assert answer.content == b"so far\nand the rest\n"
+    assert answer.getvalue() == b"so far\nand the rest\n"
 
 
 def test_a_runs_output_is_404_for_a_run_that_is_not_there(operator):
@@ -310,6 +312,7 @@ def test_an_agents_history_is_its_versions_with_each_change_before_and_after(ope
     assert history.status_code == 302
     versions = operator.get(history["Location"]).content.decode()
     assert "2 agent versions" in versions and "two.example" in versions
+    assert "<h1>Versions of acme/builder</h1>" in versions
     version = agent.versions.get(number=2)
     page = operator.get(reverse("admin:agents_agentversion_change", args=[version.pk]))
     text = page.content.decode()

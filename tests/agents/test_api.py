@@ -292,3 +292,18 @@ class TestRoles:
         agent = AgentFactory(organisation=acme)
         assert api(alice).delete(f"/api/v1/agents/{agent.pk}/").status_code == 204
         assert not Agent.objects.filter(pk=agent.pk).exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["echo hi", ["echo", 1], ["echo", None], [["nested"]], {"cmd": "x"}],
+)
+def test_a_runtime_command_must_be_a_list_of_strings(api, alice, acme, command):
+    agent = AgentFactory(organisation=acme)
+    response = api(alice).patch(
+        f"/api/v1/agents/{agent.pk}/", {"runtime_command": command}, format="json"
+    )
+    assert response.status_code == 400
+    assert "a JSON list of arguments" in response.json()["runtime_command"][0]
+    agent.refresh_from_db()
+    assert agent.version == 1

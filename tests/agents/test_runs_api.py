@@ -348,7 +348,7 @@ class TestLiveOutput:
             f"/api/v1/runner/runs/{run.pk}/report/", {"state": "exited", "exit_code": 0}, "json"
         )
         last = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 22})
-        assert (last.content, last["X-Covey-Log-Complete"]) == (b"step three\n", "true")
+        assert (last.getvalue(), last["X-Covey-Log-Complete"]) == (b"step three\n", "true")
         assert last["X-Covey-Log-Size"] == "33"
         assert not run.output.exists()
 
@@ -363,12 +363,100 @@ class TestLiveOutput:
         assert (ahead.status_code, ahead.json()["size"]) == (409, 3)
         assert user.get(f"/api/v1/runs/{run.pk}/log/").content == b"abc"
 
-    def test_a_bad_offset_is_a_clear_error(self, acme, api, alice, orders):
+    @pytest.mark.parametrize("offset", ["-1", "x", "²", "1e3", str(2**70)])
+    def test_a_bad_offset_is_a_clear_error(self, acme, api, alice, orders, offset):
         run, runner, user = self.started(acme, api, alice)
-        answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": "-1"})
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": offset})
         assert answer.status_code == 400
-        assert "number of bytes" in answer.json()["offset"]
+        assert answer.json()["offset"][0].startswith(("give a number of bytes", "Ensure"))
         assert self.send(runner, run, -1, "x").status_code == 400
+
+    def test_an_offset_past_the_end_gives_nothing_and_says_where_it_ends(
+        self, acme, api, alice, orders
+    ):
+        run, runner, user = self.started(acme, api, alice)
+        self.send(runner, run, 0, "abc")
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 10**9})
+        assert (answer.content, answer["X-Covey-Log-Size"]) == (b"", "3")
+
+    def test_a_run_that_ended_takes_no_more_live_output(self, acme, api, alice, orders):
+        run, runner, user = self.started(acme, api, alice)
+        self.send(runner, run, 0, "abc")
+        runner.post(
+            f"/api/v1/runner/runs/{run.pk}/report/", {"state": "exited", "exit_code": 0}, "json"
+        )
+        late = self.send(runner, run, 3, "late")
+        assert (late.status_code, late.json()["size"]) == (410, 3)
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/")
+        # Its runner never sent a whole log: what arrived is all there is.
+        assert (answer.content, answer["X-Covey-Log-Complete"]) == (b"abc", "true")
+
+    def test_live_output_stops_at_its_cap_and_the_whole_log_brings_the_rest(
+        self, acme, api, alice, orders, monkeypatch
+    ):
+        monkeypatch.setattr(runs, "MAX_LIVE_OUTPUT_BYTES", 10)
+        run, runner, user = self.started(acme, api, alice)
+        assert self.send(runner, run, 0, "0123456789").status_code == 200
+        assert self.send(runner, run, 10, "x").status_code == 410
+        runner.put(
+            f"/api/v1/runner/runs/{run.pk}/log/", b"0123456789xyz", content_type="text/plain"
+        )
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 10})
+        assert (answer.getvalue(), answer["X-Covey-Log-Size"]) == (b"xyz", "13")
+
+    def test_a_whole_log_that_lost_its_start_keeps_offsets_where_they_were(
+        self, acme, api, alice, orders
+    ):
+        """Docker keeps only the last of a large output: the runner says how much the sandbox
+        wrote in all, and offsets still mean the same bytes."""
+        run, runner, user = self.started(acme, api, alice)
+        self.send(runner, run, 0, "aaaa")
+        runner.put(
+            f"/api/v1/runner/runs/{run.pk}/log/",
+            b"ccdd",
+            content_type="text/plain",
+            headers={"X-Covey-Output-Total": "8"},
+        )
+        run.refresh_from_db()
+        assert (run.log_start, run.output_size) == (4, 8)
+        whole = user.get(f"/api/v1/runs/{run.pk}/log/")
+        assert (whole.getvalue(), whole["X-Covey-Log-Start"]) == (b"ccdd", "4")
+        assert whole["X-Covey-Log-Size"] == "8"
+        tail = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": 6})
+        assert tail.getvalue() == b"dd"
+        bad = runner.put(
+            f"/api/v1/runner/runs/{run.pk}/log/",
+            b"x",
+            content_type="text/plain",
+            headers={"X-Covey-Output-Total": "-1"},
+        )
+        assert bad.status_code == 400
+
+    def test_a_nul_in_the_output_is_kept_as_a_replacement_character(self, acme, api, alice, orders):
+        """PostgreSQL text cannot hold NUL: the whole log keeps U+FFFD, as the runner's live
+        output does (tests/runners/test_output.py), so both count the same bytes."""
+        run, runner, user = self.started(acme, api, alice)
+        runner.put(f"/api/v1/runner/runs/{run.pk}/log/", b"a\x00b", content_type="text/plain")
+        run.refresh_from_db()
+        assert (run.output_size, run.log_tail) == (5, "a\ufffdb")
+        answer = user.get(f"/api/v1/runs/{run.pk}/log/")
+        assert answer.getvalue().decode() == "a\ufffdb"
+
+    def test_a_long_live_output_comes_in_answers_that_never_cut_a_character(
+        self, acme, api, alice, orders, monkeypatch
+    ):
+        monkeypatch.setattr(runs, "MAX_LIVE_ANSWER_BYTES", 5)
+        run, runner, user = self.started(acme, api, alice)
+        self.send(runner, run, 0, "ab")
+        self.send(runner, run, 2, "cé€")  # 1 + 2 + 3 bytes
+        got, offset = [], 0
+        while True:
+            answer = user.get(f"/api/v1/runs/{run.pk}/log/", {"offset": offset})
+            if not answer.content:
+                break
+            got.append(answer.content.decode())
+            offset = int(answer["X-Covey-Log-Size"])
+        assert got == ["abcé", "€"]
 
     def test_another_runner_cannot_send_a_runs_output(self, acme, api, alice, orders):
         run, _, user = self.started(acme, api, alice)

@@ -105,6 +105,8 @@ REJECTED = [
     ("example.com/path", "not a URL"),
     ("example.com?x=1", "not a URL"),
     ("example.com#frag", "not a URL"),
+    ("192.168.1.0/24", "IP ranges are not allowed"),
+    ("fd00::/8", "IP ranges are not allowed"),
     ("user@example.com", "user names"),
     ("user:pass@example.com", "user names"),
     (":443", "empty"),

@@ -1,11 +1,14 @@
-"""The proxy's policy feed asked at once for an unknown token (egress/feed.py, refresh_now) and
-the bounds on such look-ups (egress/addon.py, TokenLookups): no database, no proxy process."""
+"""The proxy's policy feed asked at once for an unknown token (egress/feed.py, refresh_soon) and
+the bounds on such look-ups (egress/lookups.py): no database, no proxy process."""
 
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from egress.addon import TokenLookups
+import pytest
+
 from egress.feed import PolicyFeed
+from egress.lookups import TokenLookups
 
 
 def snapshot(generation: str) -> dict:
@@ -27,6 +30,14 @@ class CountingSource:
             return snapshot(str(self.asks))
 
 
+def refresh_now(feed: PolicyFeed, timeout: float) -> bool:
+    """What a look-up does: ask for a round and wait for it (False: none ended in time)."""
+    try:
+        return feed.refresh_soon().result(timeout)
+    except FutureTimeout:
+        return False
+
+
 def started(source, poll: float = 60.0) -> PolicyFeed:
     feed = PolicyFeed(source, poll=poll, grace=120)
     feed.start()
@@ -34,13 +45,13 @@ def started(source, poll: float = 60.0) -> PolicyFeed:
     return feed
 
 
-def test_refresh_now_asks_the_source_at_once_not_at_the_next_poll():
+def test_refresh_soon_asks_the_source_at_once_not_at_the_next_poll():
     source = CountingSource()
     feed = started(source)
     try:
         assert source.asks == 1
         began = time.monotonic()
-        assert feed.refresh_now(timeout=2)
+        assert refresh_now(feed, timeout=2)
         assert time.monotonic() - began < 1  # the poll is a minute
         assert source.asks == 2
         assert feed.current().generation == "2"
@@ -55,7 +66,7 @@ def test_callers_that_come_together_share_one_ask():
         before = source.asks
         results = []
         threads = [
-            threading.Thread(target=lambda: results.append(feed.refresh_now(timeout=5)))
+            threading.Thread(target=lambda: results.append(refresh_now(feed, timeout=5)))
             for _ in range(20)
         ]
         for thread in threads:
@@ -85,7 +96,7 @@ def test_a_refresh_that_started_before_the_ask_does_not_count():
         while len(asks) < 2:
             time.sleep(0.01)
         done = []
-        waiter = threading.Thread(target=lambda: done.append(feed.refresh_now(timeout=5)))
+        waiter = threading.Thread(target=lambda: done.append(refresh_now(feed, timeout=5)))
         waiter.start()
         time.sleep(0.2)
         assert not done  # the running refresh started before the ask
@@ -111,43 +122,92 @@ def test_a_source_that_hangs_is_waited_for_only_so_long():
     feed = started(source)
     try:
         began = time.monotonic()
-        assert not feed.refresh_now(timeout=0.3)
+        assert not refresh_now(feed, timeout=0.3)
         assert time.monotonic() - began < 1
     finally:
         gate.set()
         feed.stop()
 
 
+SECRET = "A" * 43  # the shape of a token covey issues
+
+
+def test_a_failed_round_says_so_and_is_not_a_no():
+    calls = []
+
+    def source(known):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("the control plane is restarting")
+        return snapshot("1")
+
+    feed = started(source)
+    try:
+        assert refresh_now(feed, timeout=2) is False
+    finally:
+        feed.stop()
+
+
 def test_an_unknown_token_is_looked_up_once_and_a_client_only_so_often():
     now = [0.0]
     lookups = TokenLookups(per_client=3, window=10, remember=60, clock=lambda: now[0])
-    assert lookups.allow("t1", "10.0.0.5")
-    lookups.missed("t1", "10.0.0.5")
-    assert not lookups.allow("t1", "10.0.0.5")  # the same token again: the source said no
-    assert not lookups.allow("t1", "10.0.0.6")  # from anywhere
-    for token in ("t2", "t3"):
-        assert lookups.allow(token, "10.0.0.5")
-        lookups.missed(token, "10.0.0.5")
-    assert not lookups.allow("t4", "10.0.0.5")  # three misses in ten seconds from this client
-    assert lookups.allow("t4", "10.0.0.6")  # another client has its own count
+
+    def miss(token, client):
+        assert lookups.begin(SECRET, token, client)
+        lookups.end(token, client, found=False)
+
+    miss("t1", "10.0.0.5")
+    assert not lookups.begin(SECRET, "t1", "10.0.0.5")  # the same token: the source said no
+    assert not lookups.begin(SECRET, "t1", "10.0.0.6")  # from anywhere
+    miss("t2", "10.0.0.5")
+    miss("t3", "10.0.0.5")
+    assert not lookups.begin(SECRET, "t4", "10.0.0.5")  # three misses in ten seconds
+    assert lookups.begin(SECRET, "t4", "10.0.0.6")  # another client has its own count
     now[0] = 11.0
-    assert lookups.allow("t5", "10.0.0.5")  # the window moved on
-    assert not lookups.allow("t1", "10.0.0.7")
+    assert lookups.begin(SECRET, "t5", "10.0.0.5")  # the window moved on
+    assert not lookups.begin(SECRET, "t1", "10.0.0.7")
     now[0] = 61.0
-    assert lookups.allow("t1", "10.0.0.7")  # remembered for a minute only
+    assert lookups.begin(SECRET, "t1", "10.0.0.7")  # remembered for a minute only
     assert lookups.refused == 4
 
 
 def test_look_ups_that_find_their_token_cost_the_client_nothing():
     """Many sandboxes behind one address (a NAT, a shared host) each start with a new token."""
     lookups = TokenLookups(per_client=3, window=10, clock=lambda: 0.0)
-    assert all(lookups.allow(f"real{n}", "10.0.0.5") for n in range(50))
+    for n in range(50):
+        assert lookups.begin(SECRET, f"real{n}", "10.0.0.5")
+        lookups.end(f"real{n}", "10.0.0.5", found=True)
 
 
-def test_the_tokens_remembered_are_bounded():
-    lookups = TokenLookups(per_client=10**6, max_tokens=100, clock=lambda: 0.0)
+def test_a_look_up_that_got_no_answer_is_held_against_nobody():
+    lookups = TokenLookups(per_client=1, clock=lambda: 0.0)
+    assert lookups.begin(SECRET, "t1", "c")
+    lookups.end("t1", "c", found=None)
+    assert lookups.begin(SECRET, "t1", "c")
+
+
+def test_look_ups_in_flight_are_bounded_per_client_and_in_all():
+    now = [0.0]
+    lookups = TokenLookups(per_client=3, max_in_flight=5, stale=10, clock=lambda: now[0])
+    assert [lookups.begin(SECRET, f"a{n}", "a") for n in range(4)] == [True] * 3 + [False]
+    assert [lookups.begin(SECRET, f"b{n}", "b") for n in range(3)] == [True, True, False]
+    assert lookups.in_flight == 5
+    lookups.end("a0", "a", found=True)
+    assert lookups.begin(SECRET, "c0", "c")
+    now[0] = 10.0  # slots a caller never ended are free again
+    assert lookups.in_flight == 0
+    assert lookups.begin(SECRET, "a9", "a")
+
+
+@pytest.mark.parametrize("secret", ["", "short", "A" * 42, "A" * 44, "A" * 42 + "!", "é" * 43])
+def test_a_secret_that_covey_never_issues_is_not_looked_up(secret):
+    assert not TokenLookups().begin(secret, "t", "c")
+
+
+def test_what_is_remembered_is_bounded():
+    lookups = TokenLookups(per_client=10**6, max_entries=100, clock=lambda: 0.0)
     for n in range(1000):
-        assert lookups.allow(f"t{n}", "c")
-        lookups.missed(f"t{n}", "c")
-    assert len(lookups._missed) == 100
-    assert lookups.allow("t0", "c")  # forgotten, so asked again
+        assert lookups.begin(SECRET, f"t{n}", f"client{n}")
+        lookups.end(f"t{n}", f"client{n}", found=False)
+    assert len(lookups._missed) == 100 and len(lookups._clients) == 100
+    assert lookups.begin(SECRET, "t0", "client0")  # forgotten, so asked again

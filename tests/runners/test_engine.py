@@ -53,7 +53,7 @@ def runner_name() -> Iterator[str]:
     """A runner name unique to this session; its containers, and its neighbour's, go at the end."""
     name = f"test-{uuid4().hex[:8]}"
     yield name
-    for runner in (name, f"{name}-other"):
+    for runner in (name, f"{name}-other", f"{name}-old"):
         if left := containers_of(runner):
             docker("rm", "--force", *left, check=False)
 
@@ -380,6 +380,30 @@ def test_another_installation_with_the_same_runner_name_is_never_touched(
     finally:
         ours.remove(spec.run_id)
         theirs.remove(other_spec.run_id)
+
+
+def test_sandboxes_from_before_installation_keys_are_seen_as_legacy(
+    make_spec, runner_name, tmp_path
+):
+    """After an upgrade, a sandbox labelled only with the runner's old name is still found
+    (so its run can finish), marked legacy; one with another installation's key is not."""
+    old = Engine(f"{runner_name}-old")  # what covey made before installation keys
+    spec = make_spec(["sleep", "600"], home=tmp_path / "homes" / "agent-11")
+    keyed = make_spec(["sleep", "600"], home=tmp_path / "homes" / "agent-12")
+    upgraded = Engine(runner_name, installation="new12345", legacy_runner=f"{runner_name}-old")
+    theirs = Engine(f"{runner_name}-old", installation="other123")
+    try:
+        old.launch(spec)
+        theirs.launch(keyed)
+        assert [(s.run_id, s.legacy) for s in upgraded.sandboxes()] == [(spec.run_id, True)]
+        assert upgraded.get(spec.run_id).legacy
+        assert upgraded.get(keyed.run_id) is None
+        upgraded.remove(spec.run_id)
+        assert old.get(spec.run_id) is None
+        assert theirs.get(keyed.run_id).status == "running"
+    finally:
+        old.remove(spec.run_id)
+        theirs.remove(keyed.run_id)
 
 
 def test_events_report_the_start_and_death_of_this_runners_sandboxes(engine, launch, make_spec):

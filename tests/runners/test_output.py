@@ -98,3 +98,42 @@ def test_invalid_utf8_is_replaced_like_the_whole_log_replaces_it(clock):
     live.feed(data[5:], final=True)
     _, text = live.take()
     assert text == data.decode("utf-8", errors="replace")
+
+
+def test_an_answer_that_took_nothing_stops_live_output_instead_of_resending(clock):
+    """A control plane that answers with the size it had would have the chunk sent forever."""
+    live = LiveOutput(clock=clock)
+    live.feed(b"abc")
+    clock.now = 1
+    assert live.take() == (0, "abc")
+    live.confirm(0)
+    assert live.given_up and not live.due()
+
+
+def test_a_chunk_that_did_not_get_there_waits_a_second_before_it_is_sent_again(clock):
+    live = LiveOutput(clock=clock)
+    live.feed(b"abc")
+    clock.now = 1
+    assert live.take() == (0, "abc")
+    live.failed()
+    assert not live.due()
+    clock.now = 2
+    assert live.due() and live.take() == (0, "abc")
+
+
+def test_the_total_is_known_only_when_followed_from_the_first_byte_to_the_end(clock):
+    live = LiveOutput(clock=clock)
+    live.feed("a\x00é".encode())
+    assert live.total is None  # not ended
+    live.give_up("closed")  # sent no more, still counted
+    live.feed(b"xyz", final=True)
+    assert live.total == 1 + 3 + 2 + 3  # NUL counts as U+FFFD, as the control plane keeps it
+    restarted = LiveOutput(skip=3, clock=clock)
+    restarted.feed(b"abcdef", final=True)
+    assert restarted.total is None  # what Docker kept may lack the start
+
+
+def test_nul_goes_as_the_replacement_character(clock):
+    live = LiveOutput(clock=clock)
+    live.feed(b"a\x00b", final=True)
+    assert live.take() == (0, "a\ufffdb")

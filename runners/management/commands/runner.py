@@ -2,6 +2,7 @@
 
 import logging
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ class Command(BaseCommand):
             queues=[queue],
             pool="threads",
             concurrency=concurrency,
-            hostname=f"runner-{name}-{os.getpid()}@%h",
+            hostname=f"runner-{name}-{os.getpid()}@{socket.gethostname()}",
             prefetch_multiplier=1,
             without_gossip=True,
             without_mingle=True,
