@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
-	@echo "make lint   ruff and mypy only"
+	@echo "make lint   ruff, mypy and the import contracts only"
 	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
 	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
 
@@ -51,6 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+	$(VENV)/bin/lint-imports --no-cache
 
 check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING

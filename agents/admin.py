@@ -6,106 +6,19 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
-from django.db.models import Count, QuerySet
+from django.db.models import QuerySet
 from django.http import (
-    Http404,
     HttpRequest,
     HttpResponse,
-    HttpResponseBase,
     HttpResponseRedirect,
 )
-from django.urls import path, reverse
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
-from simple_history.admin import SimpleHistoryAdmin
 
-from agents import runs, services
-from agents.models import (
-    AGENT_FIELDS,
-    FINISHED,
-    Agent,
-    AgentVersion,
-    Membership,
-    Organisation,
-    Run,
-    RunEvent,
-)
-from runners.labels import normalise_labels
-
-
-class MembershipInline(admin.TabularInline):
-    model = Membership
-    extra = 0
-    autocomplete_fields = ["user"]
-
-
-@admin.register(Organisation)
-class OrganisationAdmin(SimpleHistoryAdmin):
-    """Organisations are made and changed through the same service as in the API: a new one
-    starts with the base allowlist (COVEY_EGRESS_BASE_ALLOWLIST, shown filled in), gets its
-    built-in runner, and its creator becomes its admin."""
-
-    list_display = ["name", "slug", "base_allowlist_size", "agent_count", "created_at"]
-    search_fields = ["name", "slug"]
-    prepopulated_fields = {"slug": ["name"]}
-    inlines = [MembershipInline]
-    history_list_display = ["base_allowlist"]
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return ["created_at"] if obj is None else ["slug", "created_at"]
-
-    def get_prepopulated_fields(self, request: HttpRequest, obj: Any = None) -> dict[str, Any]:
-        return {"slug": ["name"]} if obj is None else {}
-
-    def save_model(self, request: HttpRequest, obj: Organisation, form: Any, change: bool) -> None:
-        data = form.cleaned_data
-        if change:
-            changes = {f: data[f] for f in ("name", "base_allowlist") if f in form.changed_data}
-            services.update_organisation(obj, by=request.user, **changes)
-            return
-        created = services.create_organisation(
-            data["name"], by=request.user, slug=data["slug"], base_allowlist=data["base_allowlist"]
-        )
-        obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
-        obj._state.adding = False
-
-    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        if formset.model is not Membership or change:
-            super().save_formset(request, form, formset, change)
-            return
-        # A new organisation's creator is a member already (the service made them admin): a
-        # row for them in the inline sets their role instead of adding them twice.
-        for member in formset.save(commit=False):
-            existing = Membership.objects.filter(
-                organisation_id=member.organisation_id, user_id=member.user_id
-            ).first()
-            if existing is not None and existing.pk != member.pk:
-                existing.role = member.role
-                existing.save(update_fields=["role"])
-            else:
-                member.save()
-        for member in formset.deleted_objects:
-            member.delete()
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
-        return super().get_queryset(request).annotate(agent_total=Count("agents"))
-
-    @admin.display(description="Base entries")
-    def base_allowlist_size(self, obj: Organisation) -> int:
-        return len(obj.base_allowlist)
-
-    @admin.display(description="Agents", ordering="agent_total")
-    def agent_count(self, obj: Any) -> int:
-        return int(obj.agent_total)
-
-
-@admin.register(Membership)
-class MembershipAdmin(SimpleHistoryAdmin):
-    list_display = ["user", "organisation", "role"]
-    list_filter = ["role", "organisation"]
-    list_select_related = ["user", "organisation"]
-    search_fields = ["user__username", "user__email", "organisation__name"]
-    autocomplete_fields = ["user", "organisation"]
+from agents import services
+from agents.labels import normalise_labels
+from agents.models import AGENT_FIELDS, Agent, AgentVersion
 
 
 class AgentVersionInline(admin.TabularInline):
@@ -349,90 +262,3 @@ class AgentVersionAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-class RunEventInline(admin.TabularInline):
-    model = RunEvent
-    extra = 0
-    can_delete = False
-    fields = ("at", "status", "detail")
-    readonly_fields = ("at", "status", "detail")
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-@admin.register(Run)
-class RunAdmin(admin.ModelAdmin):
-    """What waits and what happened; runs are queued through the API, cancelled here."""
-
-    list_display = ["id", "agent", "status", "status_detail", "runner", "created_at", "finished_at"]
-    list_filter = ["status", "agent__organisation", "runner", "agent"]
-    list_select_related = ["agent__organisation", "runner"]
-    search_fields = ["id", "agent__name", "task"]
-    date_hierarchy = "created_at"
-    inlines = [RunEventInline]
-    actions = ["cancel_runs"]
-    readonly_fields = [
-        "id",
-        "agent",
-        "agent_version",
-        "task",
-        "status",
-        "status_detail",
-        "runner",
-        "timeout",
-        "exit_code",
-        "log_tail",
-        "log_link",
-        "output_size",
-        "log_start",
-        "created_by",
-        "created_at",
-        "placed_at",
-        "started_at",
-        "finished_at",
-        "cancel_requested_at",
-    ]
-    fields = tuple(readonly_fields)  # a run is a record: nothing on its page is edited
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def change_view(
-        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
-    ) -> HttpResponse:
-        no_saving = {"show_save": False, "show_save_and_continue": False}
-        return super().change_view(
-            request, object_id, form_url, {**(extra_context or {}), **no_saving}
-        )
-
-    def get_urls(self) -> list[Any]:
-        log = self.admin_site.admin_view(self.log_view)
-        return [
-            path("<uuid:object_id>/log/", log, name="agents_run_log"),
-            *super().get_urls(),
-        ]
-
-    @admin.display(description="Output")
-    def log_link(self, obj: Run) -> str:
-        if obj.pk is None:
-            return "-"
-        url = reverse("admin:agents_run_log", args=[obj.pk])
-        what = "the whole output" if obj.log else "the output so far"
-        return format_html('<a href="{}">{}</a>', url, what)
-
-    def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
-        """The run's output as text: the whole log once kept, else what arrived so far."""
-        run = self.get_object(request, str(object_id))
-        if run is None or not self.has_view_permission(request, run):
-            raise Http404("no such run")
-        return runs.log_response(run)
-
-    @admin.action(description="Cancel selected runs", permissions=["change"])
-    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
-        cancelled = 0
-        for run in queryset.exclude(status__in=FINISHED):
-            runs.cancel(run, by=request.user)
-            cancelled += 1
-        self.message_user(request, f"{cancelled} run(s) cancelled or cancelling.", messages.SUCCESS)

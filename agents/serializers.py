@@ -2,37 +2,15 @@
 
 from typing import Any
 
-from rest_framework import exceptions, serializers
+from rest_framework import serializers
 
-from agents import runs, services
-from agents.models import AGENT_FIELDS, Agent, AgentVersion, Organisation, Role, Run, RunEvent
-from agents.roles import role_of
-from covey.api import OrganisationField, ScopedRelatedField
-from egress.fields import AllowlistSerializerField
-from runners.models import Runner
+from agents import services
+from agents.models import AGENT_FIELDS, Agent, AgentVersion
+from allowlists.fields import AllowlistSerializerField
+from organisations.api import OrganisationField, ScopedRelatedField
+from organisations.models import Organisation
 from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
-
-
-class OrganisationSerializer(serializers.ModelSerializer):
-    """An organisation and its base allowlist."""
-
-    base_allowlist = AllowlistSerializerField(required=False)
-
-    class Meta:
-        model = Organisation
-        fields = ["id", "name", "slug", "base_allowlist", "created_at"]
-        read_only_fields = ["slug", "created_at"]
-        # The service says which name is taken, in its own words.
-        extra_kwargs: dict[str, dict[str, Any]] = {"name": {"validators": []}}
-
-    def create(self, validated_data: dict[str, Any]) -> Organisation:
-        return services.create_organisation(by=self.context["request"].user, **validated_data)
-
-    def update(self, instance: Organisation, validated_data: dict[str, Any]) -> Organisation:
-        services.update_organisation(instance, by=self.context["request"].user, **validated_data)
-        return instance
-
 
 COMMAND_HELP = (
     'a JSON list of arguments, e.g. ["sh", "-c", "echo hi"] (empty: the Claude runtime on the task)'
@@ -72,7 +50,8 @@ class AgentSerializer(serializers.ModelSerializer):
     )
     runtime_command = CommandField(required=False)
     home_runner = ScopedRelatedField(
-        queryset=Runner.objects.all(),
+        # Runners build on agents: the model names the relation, this app imports no runner.
+        queryset=Agent._meta.get_field("home_runner").related_model._default_manager.all(),
         allow_null=True,
         required=False,
         help_text="Where its home is; runs go there. Set null to let the next run choose again.",
@@ -112,61 +91,3 @@ class AgentVersionSerializer(serializers.ModelSerializer):
         model = AgentVersion
         fields = ["number", "config", "changes", "created_by", "created_at"]
         read_only_fields = fields
-
-
-class RunEventSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = RunEvent
-        fields = ["status", "detail", "at"]
-        read_only_fields = fields
-
-
-class RunSerializer(serializers.ModelSerializer):
-    """A run: queue one with ``agent`` and ``task``; the rest is what happened to it."""
-
-    agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))
-    agent_version = serializers.IntegerField(source="agent_version.number", read_only=True)
-    runner: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
-        slug_field="name", read_only=True
-    )
-    created_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
-    )
-    events = RunEventSerializer(many=True, read_only=True)
-
-    class Meta:
-        model = Run
-        fields = [
-            "id",
-            "agent",
-            "task",
-            "status",
-            "status_detail",
-            "agent_version",
-            "runner",
-            "exit_code",
-            "log_tail",
-            "timeout",
-            "created_by",
-            "created_at",
-            "placed_at",
-            "started_at",
-            "finished_at",
-            "cancel_requested_at",
-            "events",
-        ]
-        read_only_fields = [f for f in fields if f not in ("agent", "task")]
-
-    def validate_agent(self, agent: Agent) -> Agent:
-        # 403, not 400: the agent is visible to this member, who may not start its runs. An
-        # agent of another organisation stays a 400 ("does not exist"): that reveals nothing.
-        if role_of(self.context["request"].user, agent.organisation) != Role.ADMIN:
-            raise exceptions.PermissionDenied(
-                f"Your role in {agent.organisation.name!r} does not allow starting runs."
-            )
-        return agent
-
-    def create(self, validated_data: dict[str, Any]) -> Run:
-        return runs.queue_run(
-            validated_data["agent"], validated_data["task"], by=self.context["request"].user
-        )

@@ -1,4 +1,4 @@
-"""Creating and changing organisations and agents; the API, the admin and tasks all call these.
+"""Creating and changing agents; the API, the admin and tasks all call these.
 
 Every change to an agent's configuration goes through :func:`update_agent`, which writes a new
 numbered :class:`AgentVersion` when (and only when) the configuration actually changed.
@@ -9,12 +9,13 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.utils.text import slugify
 
 from agents import models
-from agents.models import Agent, AgentVersion, Membership, Organisation, Role
-from egress.entries import Entry, parse_entry
-from runners.labels import normalise_labels
+from agents.labels import normalise_labels
+from agents.models import Agent, AgentVersion
+from allowlists.entries import Entry, parse_entry
+from organisations.models import Organisation
+from organisations.services import find_one, slug_for
 from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
 
@@ -30,79 +31,6 @@ def find_agent(reference: str) -> Agent:
         Agent.objects.select_related("organisation"), reference, "slug", "agent"
     )
     return agent
-
-
-def find_one(queryset: Any, reference: str, field: str, noun: str) -> Any:
-    """One row of an organisation's by id, ``field`` (when unique across organisations) or
-    ``organisation-slug/<field>``; the model's DoesNotExist or MultipleObjectsReturned, saying
-    what to give instead."""
-    if reference.isdigit():
-        found = list(queryset.filter(pk=int(reference)))
-    elif "/" in reference:
-        org, _, value = reference.partition("/")
-        found = list(queryset.filter(organisation__slug=org, **{field: value}))
-    else:
-        found = list(queryset.filter(**{field: reference})[:2])
-    if not found:
-        raise queryset.model.DoesNotExist(
-            f"no {noun} {reference!r} (give an id, a {field} or org-slug/{field})"
-        )
-    if len(found) > 1:
-        raise queryset.model.MultipleObjectsReturned(
-            f"several {noun}s are called {reference!r}; use org-slug/{field}"
-        )
-    return found[0]
-
-
-def slug_for(name: str, field: str = "name") -> str:
-    """The slug a name gets, or a ValidationError when the name has nothing to make one from."""
-    slug = slugify(name)[:100]
-    if not slug:
-        raise ValidationError({field: ["the name must contain at least one letter or digit"]})
-    return slug
-
-
-@transaction.atomic
-@transaction.atomic
-def create_organisation(
-    name: str,
-    *,
-    by: Any = None,
-    slug: str | None = None,
-    base_allowlist: Iterable[str] | None = None,
-) -> Organisation:
-    """Create an organisation; the user who creates it becomes its admin."""
-    organisation = Organisation(name=name, slug=slug or slug_for(name))
-    if Organisation.objects.filter(name=name).exists():
-        raise ValidationError({"name": [f"an organisation named {name!r} exists already"]})
-    if Organisation.objects.filter(slug=organisation.slug).exists():
-        raise ValidationError(
-            {"name": [f"an organisation with the slug {organisation.slug!r} exists already"]}
-        )
-    if base_allowlist is not None:
-        organisation.base_allowlist = list(base_allowlist)
-    organisation.full_clean()
-    organisation._history_user = by  # type: ignore[attr-defined]
-    organisation.save()
-    if by is not None and by.is_authenticated:
-        Membership.objects.create(organisation=organisation, user=by, role=Role.ADMIN)
-    from runners.services import ensure_builtin_runner  # runners build on agents
-
-    ensure_builtin_runner(organisation)
-    return organisation
-
-
-@transaction.atomic
-def update_organisation(organisation: Organisation, *, by: Any = None, **changes: Any) -> None:
-    """Change an organisation's name or base allowlist (recorded in its history)."""
-    unknown = set(changes) - {"name", "base_allowlist"}
-    if unknown:
-        raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
-    for field, value in changes.items():
-        setattr(organisation, field, value)
-    organisation.full_clean()
-    organisation._history_user = by  # type: ignore[attr-defined]
-    organisation.save()
 
 
 def agent_config(agent: Agent) -> dict[str, Any]:

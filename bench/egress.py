@@ -456,9 +456,10 @@ def prepare_database(var_dir: Path, allowlist: list[str]) -> Setup:
     from rest_framework.authtoken.models import Token
 
     from agents import services
+    from organisations import services as organisations
 
     call_command("migrate", verbosity=0, interactive=False)
-    organisation = services.create_organisation("Bench", base_allowlist=[])
+    organisation = organisations.create_organisation("Bench", base_allowlist=[])
     agent = services.create_agent(organisation, "builder", allowlist=allowlist)
     out = io.StringIO()
     call_command("egress_token", f"{organisation.slug}/{agent.slug}", stdout=out)

@@ -228,6 +228,7 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     from rest_framework.authtoken.models import Token
 
     from agents import services
+    from organisations import services as organisations
     from runners.services import create_registration_token, installation_key, register_runner
 
     call_command("migrate", verbosity=0, interactive=False)
@@ -236,7 +237,7 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     )
     token = Token.objects.create(user=user).key
     for stack in stacks:
-        organisation = services.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
+        organisation = organisations.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
         _, secret = create_registration_token(organisation)
         runner, stack.runner_token = register_runner(secret, stack.runner_name, [])
         # Its containers carry this database's installation key: another covey on this Docker

@@ -1,75 +1,30 @@
-"""What every API resource shares: tenancy scoping, role checks, error shape."""
+"""What every API resource shares: the error shape."""
 
+from collections import Counter
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db.models import Model, QuerySet
-from rest_framework import exceptions, permissions, serializers, viewsets
-from rest_framework.request import Request
+from django.db.models import ProtectedError, RestrictedError
+from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from agents.models import Organisation, Role
-from agents.roles import role_of
-
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """Let services raise Django's ValidationError and still answer 400 with field messages."""
+    """Let services raise Django's ValidationError and still answer 400 with field messages;
+    a delete that other rows still depend on answers 409 saying which."""
+    if isinstance(exc, ProtectedError | RestrictedError):
+        return Response({"detail": still_depends(exc)}, status=status.HTTP_409_CONFLICT)
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
         exc = exceptions.ValidationError(detail=detail)
     return drf_exception_handler(exc, context)
 
 
-class OrganisationRolePermission(permissions.BasePermission):
-    """Reads for every member; writes only for the roles the view names in ``write_roles``."""
-
-    message = "Your role in this organisation does not allow this change."
-
-    def has_object_permission(self, request: Request, view: Any, obj: Model) -> bool:
-        if request.method in permissions.SAFE_METHODS:
-            return True
-        return role_of(request.user, view.organisation_of(obj)) in view.write_roles
-
-
-class OrganisationScopedViewSet(viewsets.ModelViewSet):
-    """A resource owned by an organisation: another organisation's objects are simply 404."""
-
-    permission_classes = [permissions.IsAuthenticated, OrganisationRolePermission]
-    write_roles: frozenset[str] = frozenset({Role.ADMIN})
-
-    def get_queryset(self) -> QuerySet[Any]:
-        return super().get_queryset().for_user(self.request.user)  # type: ignore[attr-defined]
-
-    def organisation_of(self, obj: Any) -> Organisation:
-        """The organisation that owns ``obj`` (override for objects that are not direct)."""
-        return obj if isinstance(obj, Organisation) else obj.organisation
-
-
-class OrganisationField(serializers.PrimaryKeyRelatedField):
-    """An organisation the requesting user may create things in (by role)."""
-
-    default_error_messages = {
-        "forbidden": "Your role in organisation {name!r} does not allow this; ask an admin.",
-    }
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.write_roles = kwargs.pop("write_roles", frozenset({Role.ADMIN}))
-        super().__init__(**kwargs)
-
-    def get_queryset(self) -> QuerySet[Organisation]:
-        return Organisation.objects.for_user(self.context["request"].user)
-
-    def to_internal_value(self, data: Any) -> Organisation:
-        organisation: Organisation = super().to_internal_value(data)
-        if role_of(self.context["request"].user, organisation) not in self.write_roles:
-            self.fail("forbidden", name=organisation.name)
-        return organisation
-
-
-class ScopedRelatedField(serializers.PrimaryKeyRelatedField):
-    """A related object chosen by id among those the requesting user may see."""
-
-    def get_queryset(self) -> QuerySet[Any]:
-        queryset: Any = super().get_queryset()
-        return queryset.for_user(self.context["request"].user)
+def still_depends(exc: ProtectedError | RestrictedError) -> str:
+    """'cannot delete it: 3 runs and 1 agent still depend on it (…)', from Django's error."""
+    rows = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+    counts = Counter((row._meta.verbose_name, row._meta.verbose_name_plural) for row in rows)
+    parts = [f"{n} {plural if n > 1 else name}" for (name, plural), n in sorted(counts.items())]
+    what = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
+    return f"cannot delete it: {what} still depend{'s' if sum(counts.values()) == 1 else ''} on it"

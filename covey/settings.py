@@ -53,11 +53,14 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "simple_history",
-    "agents",
-    "egress",
+    # covey's apps, from the root up (imports point down this list; import-linter keeps it):
+    "organisations",
     "templates",
     "workplaces",
+    "agents",
+    "egress",
     "runners",
+    "runs",
     "budgets",
 ]
 
@@ -258,8 +261,8 @@ COVEY_RUN_LOG_RETENTION_DAYS = env.int("COVEY_RUN_LOG_RETENTION_DAYS", default=3
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
-    "place-waiting-runs": {"task": "agents.place_waiting_runs", "schedule": 10.0},
-    "prune-run-logs": {"task": "agents.prune_run_logs", "schedule": 3600.0},
+    "place-waiting-runs": {"task": "runs.place_waiting_runs", "schedule": 10.0},
+    "prune-run-logs": {"task": "runs.prune_run_logs", "schedule": 3600.0},
     "expire-probes": {"task": "runners.expire_probes", "schedule": 60.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

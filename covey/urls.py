@@ -6,25 +6,26 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from agents.views import AgentViewSet, OrganisationViewSet, RunViewSet
-from egress.views import (
-    DecisionIngestView,
-    DecisionViewSet,
-    EgressPolicyView,
-    EgressTokenViewSet,
-)
+from agents.views import AgentViewSet
+from egress.views import DecisionViewSet, EgressTokenViewSet
+from organisations.views import OrganisationViewSet
 from runners.views import (
+    DecisionIngestView,
+    EgressPolicyView,
     RegisterRunnerView,
-    RunLogView,
     RunnerPauseView,
     RunnerProbeReportView,
     RunnerProbesView,
-    RunnerRunsView,
     RunnerSelfView,
     RunnerViewSet,
+)
+from runs.views import (
+    RunLogView,
+    RunnerRunsView,
     RunOutputView,
     RunReportView,
     RunStartView,
+    RunViewSet,
 )
 from templates.views import AllowlistTemplateViewSet
 from workplaces.views import WorkplaceViewSet

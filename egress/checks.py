@@ -6,7 +6,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 
-from egress.entries import EntryError, parse_entries, parse_entry
+from allowlists.entries import EntryError, parse_entries, parse_entry
 from egress.probe import parse_address
 
 ISOLATION_LEVELS = ("none", "network")

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from agents.models import TenantQuerySet
+from organisations.models import TenantQuerySet
 
 
 class EgressTokenQuerySet(TenantQuerySet):

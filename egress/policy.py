@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from egress.entries import Entry, EntryError, IPLiteralError, parse_entry
+from allowlists.entries import Entry, EntryError, IPLiteralError, parse_entry
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

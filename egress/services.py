@@ -12,10 +12,11 @@ from django.db import transaction
 from django.db.models import Count, Max, Prefetch, Q
 from django.utils import timezone
 
-from agents.models import Agent, Organisation
+from agents.models import Agent
 from agents.services import effective_allowlist
 from egress.models import Decision, EgressToken
 from egress.policy import hash_token
+from organisations.models import Organisation
 from templates.models import AllowlistTemplate
 
 

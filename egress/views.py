@@ -3,21 +3,18 @@
 from datetime import timedelta
 from typing import Any
 
-from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import exceptions, serializers, status, viewsets
+from rest_framework import exceptions, mixins, serializers
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
-from agents.models import Agent, Role
-from agents.roles import role_of
-from covey.api import OrganisationScopedViewSet, ScopedRelatedField
+from agents.models import Agent
 from egress import services
 from egress.models import Decision, EgressToken
-from runners.auth import IsRunner, RunnerTokenAuthentication
-from runners.models import Runner
+from organisations.api import OrganisationScoped, OrganisationScopedViewSet, ScopedRelatedField
+from organisations.models import Role
+from organisations.roles import role_of
 
 
 class DecisionSerializer(serializers.ModelSerializer):
@@ -32,7 +29,7 @@ class DecisionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class DecisionViewSet(viewsets.ReadOnlyModelViewSet):
+class DecisionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, OrganisationScoped):
     """The egress decision log of your organisations' agents, newest first."""
 
     queryset = Decision.objects.all()
@@ -46,9 +43,6 @@ class DecisionViewSet(viewsets.ReadOnlyModelViewSet):
         "decided_at": ["gte", "lt"],
     }
     ordering_fields = ["decided_at"]
-
-    def get_queryset(self) -> QuerySet[Decision]:
-        return Decision.objects.for_user(self.request.user)
 
 
 class EgressTokenSerializer(serializers.ModelSerializer):
@@ -110,51 +104,3 @@ class EgressTokenViewSet(OrganisationScopedViewSet):
         services.revoke_tokens([token])
         token.refresh_from_db()
         return Response(self.get_serializer(token).data)
-
-
-class EgressPolicyView(APIView):
-    """For proxies on runners: the egress policy of the runner's organisation.
-
-    Answers 304 when ``If-None-Match`` names the current generation.
-    """
-
-    authentication_classes = [RunnerTokenAuthentication]
-    permission_classes = [IsRunner]
-
-    @extend_schema(responses={200: dict, 304: None})
-    def get(self, request: Request) -> Response:
-        runner: Runner = request.auth  # type: ignore[assignment]
-        generation = services.policy_fingerprint(runner.organisation_id)
-        etag = f'"{generation}"'
-        if request.headers.get("If-None-Match") == etag:
-            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
-        snapshot = services.build_snapshot(runner.organisation_id)
-        return Response(snapshot, headers={"ETag": f'"{snapshot["generation"]}"'})
-
-
-class DecisionIngestSerializer(serializers.Serializer):
-    """A batch of decision events from a proxy."""
-
-    events = serializers.ListField(child=serializers.DictField(), max_length=5000)
-
-
-class DecisionIngestView(APIView):
-    """For proxies on runners: store a batch of decisions in the log."""
-
-    authentication_classes = [RunnerTokenAuthentication]
-    permission_classes = [IsRunner]
-
-    @extend_schema(request=DecisionIngestSerializer, responses={201: dict})
-    def post(self, request: Request) -> Response:
-        serializer = DecisionIngestSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        runner: Runner = request.auth  # type: ignore[assignment]
-        try:
-            count = services.record_decisions(
-                serializer.validated_data["events"],
-                proxy=runner.name,
-                organisation_id=runner.organisation_id,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise serializers.ValidationError({"events": [f"malformed event: {exc!r}"]}) from None
-        return Response({"recorded": count}, status=status.HTTP_201_CREATED)

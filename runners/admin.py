@@ -8,7 +8,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from egress.entries import EntryError
+from allowlists.entries import EntryError
 from runners import probes, services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
 

@@ -1,11 +1,14 @@
 """API authentication for runners: ``Authorization: Runner <runner token>``."""
 
+import uuid
 from typing import Any
 
 from django.contrib.auth.models import AnonymousUser
+from django.http import Http404
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
+from rest_framework.views import APIView
 
 from runners.models import Runner
 from runners.services import runner_for_token
@@ -40,3 +43,22 @@ class IsRunner(permissions.BasePermission):
 
     def has_permission(self, request: Request, view: Any) -> bool:
         return isinstance(request.auth, Runner)
+
+
+class RunnerEndpoint(APIView):
+    """An endpoint runners call with their runner token."""
+
+    authentication_classes = [RunnerTokenAuthentication]
+    permission_classes = [IsRunner]
+
+    def runner(self, request: Request) -> Runner:
+        runner: Runner = request.auth  # type: ignore[assignment]
+        return runner
+
+
+def uuid_or_404(text: str) -> str:
+    """An id from a runner endpoint's path, as a UUID; 404 when it is not one."""
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        raise Http404("no such id") from None

@@ -139,19 +139,6 @@ class ControlPlaneClient:
             raise OutputClosed(str(response.json().get("detail", "")))
         return int(response.json()["size"])
 
-    def egress_policy(self, known_generation: str | None) -> Mapping[str, Any] | None:
-        """The runner's organisation's egress policy; None when it has not changed."""
-        headers = {"If-None-Match": f'"{known_generation}"'} if known_generation else {}
-        response = self._request("GET", "/api/v1/egress/policy/", headers=headers)
-        if response.status_code == 304:
-            return None
-        data: Mapping[str, Any] = response.json()
-        return data
-
-    def post_decisions(self, events: list[dict[str, Any]]) -> None:
-        """Send a batch of decision events to the control plane's log."""
-        self._request("POST", "/api/v1/egress/decisions/", json={"events": events})
-
     def _request(
         self, method: str, path: str, *, allow: tuple[int, ...] = (), **kwargs: Any
     ) -> httpx.Response:

@@ -32,10 +32,10 @@ from egress.environment import proxy_environment
 from egress.policy import hash_token
 from runners import isolation, probing
 from runners.client import ControlPlaneClient, ControlPlaneError, OutputBehind, OutputClosed
-from runners.dispatch import unseal
 from runners.engine import Engine, EngineError, LogStream, Sandbox, SandboxSpec
 from runners.isolation import IsolationError, Shape
 from runners.output import LiveOutput
+from runners.sealing import unseal
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +217,14 @@ class RunnerHost:
         return host
 
     def rescan(self) -> None:
-        """Pick up built-in identities the control plane has written since."""
+        """Pick up built-in identities the control plane has written since, and forget those
+        it removed (their organisation was deleted)."""
         if self.builtin_dir is None or not self.builtin_dir.is_dir():
             return
+        for runner_id, identity in list(self.identities.items()):
+            if identity.path.parent == self.builtin_dir and not identity.path.exists():
+                logger.info("covey runner: %s is gone; no longer serving it", identity.name)
+                del self.identities[runner_id]
         known = {identity.path for identity in self.identities.values()}
         for path in sorted(self.builtin_dir.glob("*.json")):
             if path in known:
@@ -581,6 +586,12 @@ class RunnerHost:
                     if time.monotonic() - warned.get(identity.id, -60.0) >= 60:
                         warned[identity.id] = time.monotonic()
                         logger.warning("covey runner %s: %s", identity.name, exc)
+                except Exception:
+                    # A defect: said with its traceback, once a minute; the watcher goes on, as
+                    # every run of this host depends on it.
+                    if time.monotonic() - warned.get(identity.id, -60.0) >= 60:
+                        warned[identity.id] = time.monotonic()
+                        logger.exception("covey runner %s: the watcher failed", identity.name)
                 else:
                     warned.pop(identity.id, None)
             self._stop.wait(self.settings.poll)
@@ -690,9 +701,9 @@ class RunnerHost:
             live.feed(b"", final=True)
 
         reader = threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True)
+        reader.start()  # before it is listed: whoever finds it may join it
         with self._live_lock:
             self._live[run_id] = Followed(identity.id, live, stream, reader)
-        reader.start()
 
     def ship_output(self, identity: Identity) -> None:
         """Send every due chunk of this runner's running sandboxes (one each per call)."""

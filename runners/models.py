@@ -7,14 +7,14 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from agents.models import TenantQuerySet
+from organisations.models import TenantQuerySet
 
 
 class RegistrationToken(models.Model):
     """A secret an operator hands to a new runner host so it can register; stored hashed."""
 
     organisation = models.ForeignKey(
-        "agents.Organisation", on_delete=models.CASCADE, related_name="registration_tokens"
+        "organisations.Organisation", on_delete=models.CASCADE, related_name="registration_tokens"
     )
     description = models.CharField(max_length=200, blank=True)
     sha256 = models.CharField(max_length=64, unique=True, editable=False)
@@ -40,7 +40,7 @@ class Runner(models.Model):
     it takes orders from its Celery queue and talks to the API with its runner token."""
 
     organisation = models.ForeignKey(
-        "agents.Organisation", on_delete=models.PROTECT, related_name="runners"
+        "organisations.Organisation", on_delete=models.PROTECT, related_name="runners"
     )
     name = models.CharField(max_length=100)
     labels = models.JSONField(default=list, blank=True)

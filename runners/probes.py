@@ -21,10 +21,10 @@ from django.utils import timezone
 
 from agents.models import Agent
 from agents.services import effective_allowlist
+from allowlists.entries import EntryError, parse_entry
 from egress import probe
-from egress.entries import EntryError, parse_entry
 from egress.services import issue_token, revoke_tokens
-from runners import dispatch
+from runners import dispatch, services
 from runners.models import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, Probe, ProbeStatus, Runner
 
 TOKEN_TTL = timedelta(minutes=10)
@@ -181,9 +181,7 @@ def finish(
         raise ValidationError({"checks": [f"malformed check: {exc}"]}) from None
     _finish(probe_row, parsed, detail)
     if probe_row.status == ProbeStatus.PASSED:
-        from agents.runs import place_waiting
-
-        transaction.on_commit(lambda: place_waiting(runner.organisation_id))
+        transaction.on_commit(lambda: services.available(runner))
     return probe_row
 
 

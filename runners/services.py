@@ -4,7 +4,7 @@ built-in runners of the control-plane host."""
 import json
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -15,13 +15,18 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agents.models import Organisation
+from agents.labels import normalise_labels
 from egress.policy import hash_token
+from organisations.models import Organisation
 from runners import dispatch
-from runners.labels import normalise_labels
 from runners.models import Installation, RegistrationToken, Runner
 
 BUILTIN_NAME = "builtin"
+
+# What happens when a runner may take work (resumed, heard from, trusted by a probe), from apps
+# that build on this one (they register in their AppConfig.ready()): the runs app places what
+# waits for the runner's organisation. Each hook takes the organisation's id.
+when_available: list[Callable[[int], object]] = []
 
 
 def installation_key() -> str:
@@ -97,27 +102,25 @@ def new_runner_token() -> str:
     return "covey-run-" + secrets.token_urlsafe(32)
 
 
+def available(runner: Runner) -> None:
+    """The runner may take work now: every hook in :data:`when_available` hears of it."""
+    for hook in when_available:
+        hook(runner.organisation_id)
+
+
 def set_paused(runner: Runner, paused: bool) -> Runner:
     """Pause (finish what runs, take nothing new) or resume; resuming places waiting runs."""
     Runner.objects.filter(pk=runner.pk).update(paused=paused)
     runner.paused = paused
     if not paused:
-        from agents.runs import place_waiting
-
-        place_waiting(runner.organisation_id)
+        available(runner)
     return runner
 
 
 def heartbeat(runner: Runner) -> None:
     """The runner is alive (its authentication marked it seen); place what waits for it."""
-    from agents.models import Run, RunStatus
-    from agents.runs import place_waiting
-
-    waiting = Run.objects.filter(
-        status=RunStatus.QUEUED, agent__organisation_id=runner.organisation_id
-    )
-    if not runner.paused and waiting.exists():
-        place_waiting(runner.organisation_id)
+    if not runner.paused:
+        available(runner)
 
 
 # --- the control-plane host's own runners ----------------------------------------------------
@@ -149,6 +152,15 @@ def ensure_builtin_runner(organisation: Organisation) -> Runner | None:
     )
     transaction.on_commit(lambda: write_builtin_identity(runner, secret))
     return runner
+
+
+def remove_builtin_runner(organisation: Organisation) -> None:
+    """An organisation is being deleted: its built-in runner goes with it (and, once that
+    commits, its identity file, so the runner host stops serving it)."""
+    for runner in Runner.objects.filter(organisation=organisation, builtin=True):
+        path = builtin_dir() / f"{runner.pk}.json"
+        runner.delete()
+        transaction.on_commit(partial(path.unlink, missing_ok=True))
 
 
 def write_builtin_identity(runner: Runner, secret: str) -> None:

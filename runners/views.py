@@ -1,27 +1,25 @@
 """API: runners of your organisations (pause, resume), registration for new runner hosts, and
 the endpoints runners themselves call with their runner token (``/api/v1/runner/``)."""
 
-import uuid
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import mixins, permissions, serializers, status, viewsets
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, permissions, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agents import runs
-from agents.models import Agent, Organisation, Role
+from agents.models import Agent
 from agents.services import find_agent
-from covey.api import OrganisationRolePermission
-from egress.entries import EntryError
+from allowlists.entries import EntryError
+from egress import services as egress
 from egress.probe import Verdict
+from organisations.api import OrganisationScoped
 from runners import probes, services
-from runners.auth import IsRunner, RunnerTokenAuthentication
-from runners.client import OUTPUT_TOTAL_HEADER
+from runners.auth import RunnerEndpoint, uuid_or_404
 from runners.models import Probe, Runner
 
 
@@ -91,20 +89,12 @@ class ProbeOrderSerializer(serializers.Serializer):
     )
 
 
-class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, OrganisationScoped):
     """Runners of your organisations; admins pause and resume them."""
 
-    queryset = Runner.objects.all()
+    queryset = Runner.objects.select_related("last_probe")
     serializer_class = RunnerSerializer
-    permission_classes = [permissions.IsAuthenticated, OrganisationRolePermission]
-    write_roles = frozenset({Role.ADMIN})
     filterset_fields = ["organisation", "paused", "builtin"]
-
-    def get_queryset(self) -> Any:
-        return Runner.objects.for_user(self.request.user).select_related("last_probe")
-
-    def organisation_of(self, obj: Runner) -> Organisation:
-        return obj.organisation
 
     @extend_schema(request=None, responses=RunnerSerializer)
     @action(detail=True, methods=["post"])
@@ -183,15 +173,6 @@ class RegisterRunnerView(APIView):
 # --- what runners call, with their runner token ------------------------------------------------
 
 
-class RunnerEndpoint(APIView):
-    authentication_classes = [RunnerTokenAuthentication]
-    permission_classes = [IsRunner]
-
-    def runner(self, request: Request) -> Runner:
-        runner: Runner = request.auth  # type: ignore[assignment]
-        return runner
-
-
 class HeartbeatSerializer(serializers.Serializer):
     isolation = serializers.ChoiceField(choices=probes.ISOLATIONS, required=False)
 
@@ -228,108 +209,6 @@ class RunnerPauseView(RunnerEndpoint):
         serializer.is_valid(raise_exception=True)
         runner = services.set_paused(self.runner(request), serializer.validated_data["paused"])
         return Response(_me(runner))
-
-
-class RunnerRunsView(RunnerEndpoint):
-    """The runs this runner should have a sandbox for (what it reconciles against)."""
-
-    @extend_schema(responses=dict)
-    def get(self, request: Request) -> Response:
-        return Response({"runs": runs.runners_active_runs(self.runner(request))})
-
-
-class RunStartView(RunnerEndpoint):
-    """The runner is building the sandbox: the spec, with a fresh egress credential."""
-
-    @extend_schema(request=None, responses={200: dict, 409: dict})
-    def post(self, request: Request, run_id: str) -> Response:
-        spec = runs.start(_run_id(run_id), self.runner(request))
-        if spec is None:
-            return Response(
-                {"detail": "this run is not this runner's to start (cancelled or moved)"},
-                status=status.HTTP_409_CONFLICT,
-            )
-        return Response(spec)
-
-
-class RunReportSerializer(serializers.Serializer):
-    state = serializers.ChoiceField(choices=["running", "exited", "built", "vanished"])
-    exit_code = serializers.IntegerField(required=False, allow_null=True)
-    log_tail = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
-    detail = serializers.CharField(required=False, allow_blank=True, max_length=400)
-    started_at = serializers.DateTimeField(required=False, allow_null=True)
-    finished_at = serializers.DateTimeField(required=False, allow_null=True)
-
-
-class RunReportView(RunnerEndpoint):
-    """What the runner saw of a sandbox; answers with the run's status."""
-
-    @extend_schema(request=RunReportSerializer, responses=dict)
-    def post(self, request: Request, run_id: str) -> Response:
-        serializer = RunReportSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        run = runs.report(_run_id(run_id), self.runner(request), **serializer.validated_data)
-        if run is None:
-            raise Http404("no such run on this runner")
-        return Response({"run": str(run.pk), "status": run.status})
-
-
-class RunLogView(RunnerEndpoint):
-    """The whole output of a run whose sandbox has ended."""
-
-    @extend_schema(
-        request={"text/plain": str},
-        parameters=[
-            OpenApiParameter(
-                OUTPUT_TOTAL_HEADER,
-                int,
-                OpenApiParameter.HEADER,
-                description="Bytes the sandbox wrote in all, when the runner counted them.",
-            )
-        ],
-        responses={204: None},
-    )
-    def put(self, request: Request, run_id: str) -> Response:
-        text = request.body.decode("utf-8", errors="replace")
-        raw = request.headers.get(OUTPUT_TOTAL_HEADER)
-        total = None
-        if raw is not None:
-            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
-                raise serializers.ValidationError({OUTPUT_TOTAL_HEADER: "a number of bytes"})
-            total = int(raw)
-        if runs.save_log(_run_id(run_id), self.runner(request), text, total) is None:
-            raise Http404("no such run on this runner")
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-class RunOutputSerializer(serializers.Serializer):
-    offset = serializers.IntegerField(min_value=0)
-    text = serializers.CharField(
-        allow_blank=True, trim_whitespace=False, max_length=runs.MAX_OUTPUT_CHUNK_BYTES
-    )
-
-
-class RunOutputView(RunnerEndpoint):
-    """Output of a running sandbox, in order: ``offset`` is where ``text`` starts (bytes of
-    UTF-8). 409 with ``size`` when the control plane has another amount: go on from there; 410
-    when it takes no more live (the run ended, or has as much as it keeps while it goes)."""
-
-    @extend_schema(request=RunOutputSerializer, responses={200: dict, 409: dict, 410: dict})
-    def post(self, request: Request, run_id: str) -> Response:
-        serializer = RunOutputSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
-        try:
-            run = runs.append_output(
-                _run_id(run_id), self.runner(request), data["offset"], data["text"]
-            )
-        except runs.OutputConflict as exc:
-            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_409_CONFLICT)
-        except runs.OutputClosed as exc:
-            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_410_GONE)
-        if run is None:
-            raise Http404("no such run on this runner")
-        return Response({"run": str(run.pk), "size": run.output_size})
 
 
 class ProbeBeginSerializer(serializers.Serializer):
@@ -381,18 +260,11 @@ class RunnerProbeReportView(RunnerEndpoint):
         data = serializer.validated_data
         try:
             probe = probes.finish(
-                self.runner(request), _run_id(probe_id), data["checks"], data.get("detail", "")
+                self.runner(request), uuid_or_404(probe_id), data["checks"], data.get("detail", "")
             )
         except probes.ProbeConflict as exc:
             raise Http404(str(exc)) from None
         return Response({"probe": str(probe.pk), "status": probe.status})
-
-
-def _run_id(text: str) -> str:
-    try:
-        return str(uuid.UUID(text))
-    except ValueError:
-        raise Http404("no such run") from None
 
 
 def _me(runner: Runner) -> dict[str, Any]:
@@ -407,3 +279,48 @@ def _me(runner: Runner) -> dict[str, Any]:
         "isolation": runner.isolation,
         "installation": services.installation_key(),
     }
+
+
+# --- what runners' egress proxies call, with the runner's token -------------------------------
+
+
+class EgressPolicyView(RunnerEndpoint):
+    """For proxies on runners: the egress policy of the runner's organisation.
+
+    Answers 304 when ``If-None-Match`` names the current generation.
+    """
+
+    @extend_schema(responses={200: dict, 304: None})
+    def get(self, request: Request) -> Response:
+        runner = self.runner(request)
+        generation = egress.policy_fingerprint(runner.organisation_id)
+        etag = f'"{generation}"'
+        if request.headers.get("If-None-Match") == etag:
+            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        snapshot = egress.build_snapshot(runner.organisation_id)
+        return Response(snapshot, headers={"ETag": f'"{snapshot["generation"]}"'})
+
+
+class DecisionIngestSerializer(serializers.Serializer):
+    """A batch of decision events from a proxy."""
+
+    events = serializers.ListField(child=serializers.DictField(), max_length=5000)
+
+
+class DecisionIngestView(RunnerEndpoint):
+    """For proxies on runners: store a batch of decisions in the log."""
+
+    @extend_schema(request=DecisionIngestSerializer, responses={201: dict})
+    def post(self, request: Request) -> Response:
+        serializer = DecisionIngestSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        runner = self.runner(request)
+        try:
+            count = egress.record_decisions(
+                serializer.validated_data["events"],
+                proxy=runner.name,
+                organisation_id=runner.organisation_id,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise serializers.ValidationError({"events": [f"malformed event: {exc!r}"]}) from None
+        return Response({"recorded": count}, status=status.HTTP_201_CREATED)

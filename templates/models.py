@@ -3,7 +3,7 @@
 from django.db import models
 from simple_history.models import HistoricalRecords
 
-from egress.fields import AllowlistField
+from allowlists.fields import AllowlistField
 
 
 class AllowlistTemplate(models.Model):

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from egress.entries import normalise_entries
+from allowlists.entries import normalise_entries
 from templates.catalogue import SHIPPED
 from templates.models import AllowlistTemplate
 

@@ -6,7 +6,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from egress.fields import AllowlistSerializerField
+from allowlists.fields import AllowlistSerializerField
 from templates import services
 from templates.models import AllowlistTemplate
 

@@ -21,7 +21,7 @@ from django.conf import settings
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from agents.models import Membership, Role
+from organisations.models import Membership, Role
 from tests.factories import OrganisationFactory, UserFactory
 
 IN_CI = os.environ.get("CI") == "true"

@@ -2,9 +2,14 @@
 
 import factory
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 
 from agents import services
-from agents.models import Agent, Organisation
+from agents.models import Agent
+from organisations import services as organisations
+from organisations.models import Organisation
+from runners.models import Runner
+from runners.services import create_registration_token, register_runner
 from workplaces.models import Workplace
 
 
@@ -25,7 +30,7 @@ class OrganisationFactory(factory.Factory):
 
     @classmethod
     def _create(cls, model_class, name, **kwargs):
-        return services.create_organisation(name, **kwargs)
+        return organisations.create_organisation(name, **kwargs)
 
 
 class AgentFactory(factory.Factory):
@@ -47,3 +52,16 @@ class WorkplaceFactory(factory.django.DjangoModelFactory):
     organisation = factory.SubFactory(OrganisationFactory)
     name = factory.Sequence(lambda n: f"workplace {n}")
     image = "covey/base:bookworm"
+
+
+def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:
+    _, secret = create_registration_token(organisation)
+    runner, token = register_runner(secret, name, labels)
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now(), paused=paused)
+    runner.refresh_from_db()
+    return runner, token
+
+
+def runner_api(client, token):
+    client.credentials(HTTP_AUTHORIZATION=f"Runner {token}")
+    return client

@@ -4,7 +4,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from simple_history.models import HistoricalRecords
 
-from agents.models import TenantQuerySet
+from organisations.models import TenantQuerySet
 from workplaces.images import validate_image_reference
 
 
@@ -19,7 +19,7 @@ class Workplace(models.Model):
     """An image an organisation's agents run in (companion services come later)."""
 
     organisation = models.ForeignKey(
-        "agents.Organisation", on_delete=models.PROTECT, related_name="workplaces"
+        "organisations.Organisation", on_delete=models.PROTECT, related_name="workplaces"
     )
     name = models.CharField(max_length=100)
     image = models.CharField(max_length=255, validators=[_validate_image])

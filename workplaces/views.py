@@ -4,7 +4,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from covey.api import OrganisationField, OrganisationScopedViewSet
+from organisations.api import OrganisationField, OrganisationScopedViewSet
 from workplaces.models import Workplace
 
 

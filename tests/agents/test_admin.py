@@ -30,11 +30,11 @@ def operator(client, root):
 @pytest.mark.parametrize(
     "name",
     [
-        "agents_organisation",
-        "agents_membership",
+        "organisations_organisation",
+        "organisations_membership",
         "agents_agent",
         "agents_agentversion",
-        "agents_run",
+        "runs_run",
         "runners_runner",
         "templates_allowlisttemplate",
         "workplaces_workplace",
@@ -143,7 +143,7 @@ def test_disabling_agents_reports_how_many_changed(operator, acme):
 
 
 def test_organisation_history_shows_who_changed_the_base_allowlist(operator, acme, root):
-    url = reverse("admin:agents_organisation_change", args=[acme.pk])
+    url = reverse("admin:organisations_organisation_change", args=[acme.pk])
     response = operator.post(
         url,
         {
@@ -160,24 +160,24 @@ def test_organisation_history_shows_who_changed_the_base_allowlist(operator, acm
     record = acme.history.first()
     assert record.history_user == root
     assert record.base_allowlist == ["api.anthropic.com", "mirror.example"]
-    history = operator.get(reverse("admin:agents_organisation_history", args=[acme.pk]))
+    history = operator.get(reverse("admin:organisations_organisation_history", args=[acme.pk]))
     assert b"mirror.example" in history.content
     assert b"root" in history.content
 
 
 def test_memberships_are_edited_inline(operator, acme):
-    page = operator.get(reverse("admin:agents_organisation_change", args=[acme.pk]))
+    page = operator.get(reverse("admin:organisations_organisation_change", args=[acme.pk]))
     assert b"memberships-TOTAL_FORMS" in page.content
 
 
 def test_runs_are_listed_filtered_and_cancelled_in_the_admin(operator, acme):
-    from agents import runs
-    from agents.models import Run
+    from runs import services as runs
+    from runs.models import Run
 
     run = runs.queue_run(AgentFactory(organisation=acme), "something")
-    url = reverse("admin:agents_run_changelist")
+    url = reverse("admin:runs_run_changelist")
     assert operator.get(url, {"status__exact": "queued"}).status_code == 200
-    assert operator.get(reverse("admin:agents_run_change", args=[run.pk])).status_code == 200
+    assert operator.get(reverse("admin:runs_run_change", args=[run.pk])).status_code == 200
     response = operator.post(
         url, {"action": "cancel_runs", "_selected_action": [run.pk]}, follow=True
     )
@@ -209,11 +209,11 @@ EMPTY_MEMBERSHIPS = {
 def test_an_organisation_added_in_the_admin_is_made_by_the_service(operator, root, settings):
     """The add form shows the base list a new organisation starts with; saving gives it its
     built-in runner and makes its creator its admin, as the API does (issue 9, item 2)."""
-    from agents.models import Membership, Organisation, Role
+    from organisations.models import Membership, Organisation, Role
     from runners.models import Runner
 
     settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com", "mirror.example:8443"]
-    url = reverse("admin:agents_organisation_add")
+    url = reverse("admin:organisations_organisation_add")
     page = operator.get(url).content.decode()
     assert "api.anthropic.com\nmirror.example:8443</textarea>" in page
     response = operator.post(
@@ -235,10 +235,10 @@ def test_an_organisation_added_in_the_admin_is_made_by_the_service(operator, roo
 
 def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(operator, root):
     """A membership row for the creator sets their role instead of failing as a duplicate."""
-    from agents.models import Membership, Organisation, Role
+    from organisations.models import Membership, Organisation, Role
 
     response = operator.post(
-        reverse("admin:agents_organisation_add"),
+        reverse("admin:organisations_organisation_add"),
         {
             "name": "Umbrella",
             "slug": "umbrella",
@@ -257,10 +257,10 @@ def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(o
 
 
 def test_a_bad_base_list_in_the_admin_is_a_form_error_and_makes_nothing(operator):
-    from agents.models import Organisation
+    from organisations.models import Organisation
 
     response = operator.post(
-        reverse("admin:agents_organisation_add"),
+        reverse("admin:organisations_organisation_add"),
         {"name": "Broken", "slug": "broken", "base_allowlist": "10.0.0.1", **EMPTY_MEMBERSHIPS},
     )
     assert response.status_code == 200
@@ -272,21 +272,22 @@ def test_a_runs_output_opens_from_its_admin_page(operator, acme, orders):
     """The run page links to its output, which the admin serves (issue 9, item 3)."""
     from django.utils import timezone
 
-    from agents import runs
     from runners.models import Runner
+    from runs import output
+    from runs import services as runs
 
     runner = Runner.objects.get(organisation=acme, builtin=True)
     Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now())
     run = runs.queue_run(AgentFactory(organisation=acme), "something")
     assert run.runner_id == runner.pk
     runs.start(str(run.pk), runner)
-    runs.append_output(str(run.pk), runner, 0, "so far\n")
-    page = operator.get(reverse("admin:agents_run_change", args=[run.pk])).content.decode()
-    log_url = reverse("admin:agents_run_log", args=[run.pk])
+    output.append_output(str(run.pk), runner, 0, "so far\n")
+    page = operator.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
+    log_url = reverse("admin:runs_run_log", args=[run.pk])
     assert f'href="{log_url}"' in page
     assert operator.get(log_url).content == b"so far\n"
-    runs.save_log(str(run.pk), runner, "so far\nand the rest\n")
-    page = operator.get(reverse("admin:agents_run_change", args=[run.pk])).content.decode()
+    output.save_log(str(run.pk), runner, "so far\nand the rest\n")
+    page = operator.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
     assert "the whole output" in page
     # A run is a record: nothing on its page can be changed, not even how much output it has.
     assert 'name="output_size"' not in page and 'name="_save"' not in page
@@ -297,7 +298,7 @@ def test_a_runs_output_opens_from_its_admin_page(operator, acme, orders):
 
 
 def test_a_runs_output_is_404_for_a_run_that_is_not_there(operator):
-    url = reverse("admin:agents_run_log", args=["00000000-0000-0000-0000-000000000000"])
+    url = reverse("admin:runs_run_log", args=["00000000-0000-0000-0000-000000000000"])
     assert operator.get(url).status_code == 404
 
 

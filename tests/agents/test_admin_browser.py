@@ -7,9 +7,10 @@ from collections.abc import Iterator
 import pytest
 from django.utils import timezone
 
-from agents import runs
-from agents.models import Membership, Organisation, Role
+from organisations.models import Membership, Organisation, Role
 from runners.models import Runner
+from runs import output
+from runs import services as runs
 from tests.factories import AgentFactory, UserFactory
 
 CHROMIUM = os.environ.get("COVEY_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -65,12 +66,12 @@ def page(browser, live_server):
 
 def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, settings):
     settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com"]
-    page.goto("/admin/agents/organisation/add/")
+    page.goto("/admin/organisations/organisation/add/")
     assert page.input_value("#id_base_allowlist") == "api.anthropic.com"
     page.locator("#id_name").press_sequentially("Initech")
     assert page.input_value("#id_slug") == "initech"  # prepopulated as the name is typed
     page.click("input[name=_save]")
-    page.wait_for_url("**/admin/agents/organisation/")
+    page.wait_for_url("**/admin/organisations/organisation/")
     assert "was added successfully" in page.content()
     organisation = Organisation.objects.get(slug="initech")
     assert organisation.base_allowlist == ["api.anthropic.com"]
@@ -84,8 +85,8 @@ def test_a_runs_output_opens_from_its_page_in_the_browser(page, acme, orders):
     Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now())
     run = runs.queue_run(AgentFactory(organisation=acme, name="Builder"), "build it")
     runs.start(str(run.pk), runner)
-    runs.append_output(str(run.pk), runner, 0, "compiling…\n")
-    page.goto(f"/admin/agents/run/{run.pk}/change/")
+    output.append_output(str(run.pk), runner, 0, "compiling…\n")
+    page.goto(f"/admin/runs/run/{run.pk}/change/")
     assert "acme/builder" in page.title()
     with page.expect_navigation():
         page.click("text=the output so far")

@@ -4,7 +4,8 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.test import override_settings
 
-from agents.models import Agent, AgentVersion, Organisation
+from agents.models import Agent, AgentVersion
+from organisations.models import Organisation
 from templates.models import AllowlistTemplate
 from tests.factories import AgentFactory, WorkplaceFactory
 
@@ -307,3 +308,46 @@ def test_a_runtime_command_must_be_a_list_of_strings(api, alice, acme, command):
     assert "a JSON list of arguments" in response.json()["runtime_command"][0]
     agent.refresh_from_db()
     assert agent.version == 1
+
+
+class TestDeletingWhatOthersDependOn:
+    """A delete that other rows still depend on answers 409 saying what, and deletes nothing."""
+
+    def test_an_agent_with_runs_is_kept_as_their_record(self, api, alice, acme, orders):
+        from runs import services as runs
+
+        agent = AgentFactory(organisation=acme)
+        runs.queue_run(agent, "one")
+        runs.queue_run(agent, "two")
+        response = api(alice).delete(f"/api/v1/agents/{agent.pk}/")
+        assert response.status_code == 409
+        assert response.json()["detail"] == "cannot delete it: 2 runs still depend on it"
+        assert Agent.objects.filter(pk=agent.pk).exists()
+
+    def test_a_workplace_in_use_is_kept(self, api, alice, acme):
+        workplace = WorkplaceFactory(organisation=acme)
+        AgentFactory(organisation=acme, workplace=workplace)
+        response = api(alice).delete(f"/api/v1/workplaces/{workplace.pk}/")
+        assert response.status_code == 409
+        assert response.json()["detail"] == "cannot delete it: 1 agent still depends on it"
+
+    def test_an_organisation_with_agents_is_kept_and_an_empty_one_goes(self, api, root, acme):
+        from runners.models import Runner
+
+        AgentFactory(organisation=acme)
+        WorkplaceFactory(organisation=acme)
+        response = api(root).delete(f"/api/v1/organisations/{acme.pk}/")
+        assert response.status_code == 409
+        assert response.json()["detail"] == (
+            "cannot delete it: 1 agent and 1 workplace still depend on it"
+        )
+        assert Organisation.objects.filter(pk=acme.pk).exists()
+        assert Runner.objects.filter(organisation=acme, builtin=True).exists()  # rolled back
+        empty = api(root).post("/api/v1/organisations/", {"name": "Empty"}, format="json")
+        assert api(root).delete(f"/api/v1/organisations/{empty.json()['id']}/").status_code == 204
+        assert not Runner.objects.filter(organisation_id=empty.json()["id"]).exists()
+
+    def test_deleting_an_organisation_is_for_the_platform_team(self, api, alice, acme):
+        response = api(alice).delete(f"/api/v1/organisations/{acme.pk}/")
+        assert response.status_code == 403
+        assert "organisations.delete_organisation" in response.json()["detail"]

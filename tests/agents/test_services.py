@@ -8,7 +8,7 @@ from django.db import connection, transaction
 
 from agents import services
 from agents.models import Agent, AgentVersion
-from egress.entries import Entry
+from allowlists.entries import Entry
 from templates.models import AllowlistTemplate
 from tests.factories import AgentFactory, UserFactory, WorkplaceFactory
 

@@ -5,8 +5,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from agents import services
-from agents.models import Membership, Role
 from covey.pagination import BoundedPagination
+from organisations.models import Membership, Role
 from templates.models import AllowlistTemplate
 from tests.factories import AgentFactory, OrganisationFactory, WorkplaceFactory
 

@@ -39,7 +39,10 @@ LOCKED_DOWN = [
     "no-new-privileges",
 ]
 # The image holds the Django project (manage.py and every installed app), nothing else.
-APP = {"manage.py", "covey", "agents", "budgets", "egress", "runners", "templates", "workplaces"}
+APP = {
+    "manage.py", "covey", "allowlists", "organisations", "agents", "budgets", "egress", "runners",
+    "runs", "templates", "workplaces",
+}  # fmt: skip
 
 pytestmark = pytest.mark.docker
 

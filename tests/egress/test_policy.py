@@ -5,7 +5,7 @@ import ipaddress
 
 import pytest
 
-from egress.entries import Entry
+from allowlists.entries import Entry
 from egress.policy import (
     Code,
     Policy,

@@ -15,6 +15,7 @@ import pytest
 from agents import services as agent_services
 from egress.models import Decision
 from egress.services import issue_token, revoke_tokens
+from organisations import services as organisation_services
 from tests.egress.conftest import (
     UPSTREAM,
     VICTIM,
@@ -420,7 +421,7 @@ def test_an_allowlist_change_is_enforced_within_a_second(proxy, net, world):
 
 def test_a_base_allowlist_change_reaches_every_agent(proxy, net, world):
     agent, credentials = world
-    agent_services.update_organisation(
+    organisation_services.update_organisation(
         agent.organisation, base_allowlist=["api.anthropic.com", f"evil.test:{net.tls.port}"]
     )
     proxy.sync()

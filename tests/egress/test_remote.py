@@ -12,6 +12,7 @@ import pytest
 from agents import services as agent_services
 from egress.models import Decision
 from egress.services import issue_token
+from runners import sealing
 from runners.services import create_registration_token
 from tests.egress.conftest import connect, start_proxy, subprocess_database_url
 from tests.factories import OrganisationFactory
@@ -122,7 +123,7 @@ def test_a_runner_proxy_follows_its_runners_renewed_token(
         monkeypatch.setattr(
             dispatch,
             "send_token",
-            lambda r, old, new: orders.append((r.pk, dispatch.seal(old, new))),
+            lambda r, old, new: orders.append((r.pk, sealing.seal(old, new))),
         )
         renew_runner_tokens()
         identity = Identity(config)

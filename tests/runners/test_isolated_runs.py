@@ -29,14 +29,14 @@ from django.db import connection
 from dnslib import QTYPE, RCODE, RR, A  # type: ignore[import-untyped]
 from dnslib.server import BaseResolver, DNSLogger, DNSServer  # type: ignore[import-untyped]
 
-from agents import runs as run_services
-from agents.models import FINISHED, RunStatus
 from egress.models import EgressToken
 from runners import isolation
 from runners.engine import Engine
 from runners.host import docker_name
 from runners.models import Runner
 from runners.services import installation_key, renew_runner_tokens
+from runs import services as run_services
+from runs.models import FINISHED, RunStatus
 from tests.processes import wait_for
 from tests.runners.test_isolation import egress_image, firewall, leftovers  # noqa: F401
 from tests.runners.test_runs import Stack, containers_of, docker

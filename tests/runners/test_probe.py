@@ -20,9 +20,10 @@ import pytest
 from django.db import connection
 
 from agents import services as agent_services
-from agents.models import Agent, Organisation
+from agents.models import Agent
 from egress.models import Decision
 from egress.probe import Category, Check, Expect, Result, Verdict, judge, parse_address
+from organisations.models import Organisation
 from runners import host as host_module
 from runners import isolation, probing
 from runners.client import ControlPlaneClient

@@ -10,15 +10,14 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from agents import runs
-from agents.models import Run, RunStatus
 from egress.checks import check_probe_settings
 from egress.models import EgressToken
 from egress.probe import Result, Verdict
 from runners import probes
 from runners.models import Probe, ProbeStatus, Runner
-from tests.agents.test_runs_api import online_runner
-from tests.factories import AgentFactory
+from runs import services as runs
+from runs.models import Run, RunStatus
+from tests.factories import AgentFactory, online_runner
 
 pytestmark = pytest.mark.django_db
 

@@ -21,9 +21,7 @@ import httpx
 import pytest
 from rest_framework.authtoken.models import Token
 
-from agents import runs as run_services
 from agents import services as agent_services
-from agents.models import FINISHED, Run, RunStatus
 from runners.engine import Engine, SandboxSpec
 from runners.host import docker_name
 from runners.models import Runner
@@ -33,6 +31,8 @@ from runners.services import (
     register_runner,
     renew_runner_tokens,
 )
+from runs import services as run_services
+from runs.models import FINISHED, Run, RunStatus
 from tests.egress.conftest import subprocess_database_url
 from tests.processes import control_plane, free_port, running, wait_for
 

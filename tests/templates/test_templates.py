@@ -2,7 +2,7 @@
 
 import pytest
 
-from egress.entries import parse_entry
+from allowlists.entries import parse_entry
 from templates import services
 from templates.catalogue import SHIPPED
 from templates.models import AllowlistTemplate

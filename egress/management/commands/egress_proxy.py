@@ -13,7 +13,8 @@ from mitmproxy import master, options
 from mitmproxy.addons import core, errorcheck, proxyserver
 
 from egress.addon import CoveyEgress, NextLayer
-from egress.feed import DecisionLog, PolicyFeed
+from egress.control_plane import ControlPlaneSource, RunnerFile
+from egress.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
 from egress.sources import DatabaseSink, DatabaseSource
 
 
@@ -55,25 +56,21 @@ class Command(BaseCommand):
         name = options_["name"] or f"{socket.gethostname()}:{port}"
         token = options_["runner_token"] or settings.COVEY_RUNNER_TOKEN
         url = options_["control_plane"] or (settings.COVEY_CONTROL_PLANE_URL if token else None)
+        source: PolicySource
+        sink: DecisionSink
         if options_["runner_config"]:
-            from runners.host import Identity
-
             try:
-                identity = Identity(Path(options_["runner_config"]), options_["control_plane"])
-            except (OSError, ValueError, KeyError) as exc:
+                runner_file = RunnerFile(Path(options_["runner_config"]))
+                where = options_["control_plane"] or runner_file.url
+            except (OSError, ValueError) as exc:
                 raise CommandError(f"cannot read {options_['runner_config']}: {exc}") from None
-            source: Any = lambda known: identity.client.egress_policy(known)  # noqa: E731
-            sink: Any = lambda events: identity.client.post_decisions(events)  # noqa: E731
-            where = identity.url
+            remote = ControlPlaneSource(where, runner_file.token)
+            source, sink = remote, remote.post_decisions
         elif url and not token:
             raise CommandError("--control-plane needs a runner token (--runner-token)")
         elif url:
-            from runners.client import ControlPlaneClient
-
-            client = ControlPlaneClient(url, token)
-            source = client.egress_policy
-            sink = client.post_decisions
-            where = url
+            remote = ControlPlaneSource(url, lambda: token)
+            source, sink, where = remote, remote.post_decisions, url
         else:
             # Its two threads each keep one connection (checked before use) instead of opening
             # one for every poll and every batch of decisions.

@@ -12,8 +12,9 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from agents.models import Agent
-from agents.services import find_agent, find_one
-from egress.entries import EntryError
+from agents.services import find_agent
+from allowlists.entries import EntryError
+from organisations.services import find_one
 from runners import probes
 from runners.models import Probe, ProbeStatus, Runner
 

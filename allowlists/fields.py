@@ -7,7 +7,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from rest_framework import serializers
 
-from egress.entries import EntryError, normalise_entries
+from allowlists.entries import EntryError, normalise_entries
 
 
 def _clean(value: Any) -> list[str]:

@@ -9,32 +9,18 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from agents import runs
-from agents.models import Run, RunStatus
-from runners import dispatch
+from runners import dispatch, sealing
 from runners.models import Runner
 from runners.services import (
     builtin_dir,
-    create_registration_token,
-    register_runner,
     renew_runner_tokens,
 )
-from tests.factories import AgentFactory
+from runs import output
+from runs import services as runs
+from runs.models import Run, RunStatus
+from tests.factories import AgentFactory, online_runner, runner_api
 
 pytestmark = pytest.mark.django_db
-
-
-def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:
-    _, secret = create_registration_token(organisation)
-    runner, token = register_runner(secret, name, labels)
-    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now(), paused=paused)
-    runner.refresh_from_db()
-    return runner, token
-
-
-def runner_api(client, token):
-    client.credentials(HTTP_AUTHORIZATION=f"Runner {token}")
-    return client
 
 
 class TestQueueing:
@@ -228,10 +214,10 @@ class TestRunnerEndpoints:
 
 class TestTokens:
     def test_a_renewed_token_is_sealed_for_the_old_one_only(self):
-        sealed = dispatch.seal("a" * 64, "covey-run-new")
-        assert dispatch.unseal("a" * 64, sealed) == "covey-run-new"
+        sealed = sealing.seal("a" * 64, "covey-run-new")
+        assert sealing.unseal("a" * 64, sealed) == "covey-run-new"
         with pytest.raises(ValueError, match="not sealed for this runner"):
-            dispatch.unseal("b" * 64, sealed)
+            sealing.unseal("b" * 64, sealed)
 
     def test_renewal_replaces_every_token_and_writes_builtin_identities(
         self, acme, monkeypatch, django_capture_on_commit_callbacks
@@ -394,7 +380,7 @@ class TestLiveOutput:
     def test_live_output_stops_at_its_cap_and_the_whole_log_brings_the_rest(
         self, acme, api, alice, orders, monkeypatch
     ):
-        monkeypatch.setattr(runs, "MAX_LIVE_OUTPUT_BYTES", 10)
+        monkeypatch.setattr(output, "MAX_LIVE_OUTPUT_BYTES", 10)
         run, runner, user = self.started(acme, api, alice)
         assert self.send(runner, run, 0, "0123456789").status_code == 200
         assert self.send(runner, run, 10, "x").status_code == 410
@@ -445,7 +431,7 @@ class TestLiveOutput:
     def test_a_long_live_output_comes_in_answers_that_never_cut_a_character(
         self, acme, api, alice, orders, monkeypatch
     ):
-        monkeypatch.setattr(runs, "MAX_LIVE_ANSWER_BYTES", 5)
+        monkeypatch.setattr(output, "MAX_LIVE_ANSWER_BYTES", 5)
         run, runner, user = self.started(acme, api, alice)
         self.send(runner, run, 0, "ab")
         self.send(runner, run, 2, "cé€")  # 1 + 2 + 3 bytes

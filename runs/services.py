@@ -9,27 +9,19 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.files.base import ContentFile
 from django.db import transaction
-from django.http import FileResponse, HttpResponse, HttpResponseBase
 from django.utils import timezone
 
-from agents.models import ACTIVE, FINISHED, Agent, Run, RunEvent, RunOutput, RunStatus
+from agents.models import Agent
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
 from runners.models import Runner
-from runners.placement import place
+from runs.models import ACTIVE, FINISHED, Run, RunEvent, RunStatus
+from runs.placement import place
 
 MAX_TASK_BYTES = 100 * 1024  # it travels in an environment variable too
 LOG_TAIL_CHARS = 16_000
-# Live output: a runner sends at most this much at once, and a run takes at most this much
-# before its sandbox ends. The whole log then replaces it; Docker keeps the last 10 to 20 MB of
-# a sandbox's output (runners/engine.py), so live output stops below that, and a whole log
-# that lost its start says how much (Run.log_start).
-MAX_OUTPUT_CHUNK_BYTES = 256 * 1024
-MAX_LIVE_OUTPUT_BYTES = 16 * 1024 * 1024
-MAX_LIVE_ANSWER_BYTES = 1024 * 1024  # of live output per answer: ask again from where it ends
 # Without a command of its own, an agent runs the Claude runtime on its task; an image without
 # it ends with NO_RUNTIME_EXIT, which the run's status explains (see report).
 NO_RUNTIME_EXIT = 127
@@ -132,7 +124,7 @@ def cancel(run: Run, *, by: Any = None) -> Run:
 def start(run_id: str, runner: Runner) -> dict[str, Any] | None:
     """A runner is about to build the sandbox: mark it starting and return what it needs
     (None when the run is no longer this runner's to start)."""
-    run = _runners_run(run_id, runner)
+    run = runners_run(run_id, runner)
     if run is None or run.status not in (RunStatus.PLACED, RunStatus.STARTING):
         return None
     if run.cancel_requested_at is not None:
@@ -198,7 +190,7 @@ def report(
     """What a runner saw: the sandbox is ``running``, has ``exited`` (with its code, or
     ``timeout`` in detail), could not be ``built``, or ``vanished``; with the sandbox's own
     start and end times when it has them. None: not this runner's."""
-    run = _runners_run(run_id, runner)
+    run = runners_run(run_id, runner)
     if run is None:
         return None
     if run.status in FINISHED:
@@ -254,147 +246,6 @@ def report(
     return run
 
 
-def printable(text: str) -> str:
-    """Output as the database and the files keep it: NUL (which PostgreSQL text cannot hold)
-    becomes U+FFFD, as the runner's live output does, so both count the same bytes."""
-    return text.replace("\x00", "\ufffd")
-
-
-@transaction.atomic
-def save_log(run_id: str, runner: Runner, text: str, total: int | None = None) -> Run | None:
-    """Keep a run's whole output and its tail (a runner sends it once the sandbox ended); it
-    replaces the output sent while the run went. ``total``: how many bytes the sandbox wrote
-    in all, when the runner counted them; the log lacks the difference at its start (Docker
-    keeps only the last of a large output), which ``Run.log_start`` records so that offsets
-    into the output stay the same."""
-    run = _runners_run(run_id, runner)
-    if run is None:
-        return None
-    if run.log:
-        run.log.delete(save=False)
-    text = printable(text)
-    data = text.encode()
-    run.log.save(f"{run.pk}.log", ContentFile(data), save=False)
-    run.log_tail = text[-LOG_TAIL_CHARS:]
-    run.log_start = max(0, (total or 0) - len(data))
-    run.output_size = run.log_start + len(data)
-    Run.objects.filter(pk=run.pk).update(
-        log=run.log.name,
-        log_tail=run.log_tail,
-        output_size=run.output_size,
-        log_start=run.log_start,
-    )
-    RunOutput.objects.filter(run=run).delete()
-    return run
-
-
-class OutputConflict(Exception):
-    """Output sent at another offset than the run's size; ``size`` is where to go on from."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"the run has {size} bytes of output; send from there")
-        self.size = size
-
-
-class OutputClosed(Exception):
-    """The run takes no more live output (it has ended, or has as much as it keeps): the whole
-    log comes at the end."""
-
-    def __init__(self, size: int, why: str) -> None:
-        super().__init__(why)
-        self.size = size
-
-
-@transaction.atomic
-def append_output(run_id: str, runner: Runner, offset: int, text: str) -> Run | None:
-    """Keep output a runner sent while the sandbox runs, at ``offset`` bytes into it.
-
-    OutputConflict when the offset is not the run's current size (a resend, or a runner that
-    restarted: it goes on from the size it is told); OutputClosed when the run has ended or
-    would pass MAX_LIVE_OUTPUT_BYTES. None: not this runner's run."""
-    run = _runners_run(run_id, runner)
-    if run is None:
-        return None
-    if run.log or run.status in FINISHED:
-        raise OutputClosed(run.output_size, "the run has ended: send its whole log")
-    if offset != run.output_size:
-        raise OutputConflict(run.output_size)
-    text = printable(text)
-    size = len(text.encode())
-    if run.output_size + size > MAX_LIVE_OUTPUT_BYTES:
-        raise OutputClosed(
-            run.output_size,
-            f"a run takes {MAX_LIVE_OUTPUT_BYTES} bytes of output while it goes: the rest"
-            " comes with its whole log",
-        )
-    if not text:
-        return run
-    RunOutput.objects.create(run=run, start=offset, end=offset + size, text=text)
-    run.output_size += size
-    run.log_tail = (run.log_tail + text)[-LOG_TAIL_CHARS:]
-    Run.objects.filter(pk=run.pk).update(output_size=run.output_size, log_tail=run.log_tail)
-    return run
-
-
-def log_response(run: Run, offset: int = 0) -> HttpResponseBase:
-    """The run's output as text from ``offset`` bytes on. The headers say where to ask from
-    next (``X-Covey-Log-Size``, a byte count), whether more can come (``X-Covey-Log-Complete``:
-    the run has ended and everything up to that size was given) and, when the whole log lacks
-    the start of a large output, how much (``X-Covey-Log-Start``). A whole log is streamed;
-    live output comes at most MAX_LIVE_ANSWER_BYTES at a time."""
-    finished = run.status in FINISHED
-    headers = {"X-Covey-Log-Start": str(run.log_start)}
-    if run.log:
-        file = run.log.open("rb")
-        length = file.size
-        skip = min(max(0, offset - run.log_start), length)
-        file.seek(skip)
-        response: HttpResponseBase = FileResponse(file, content_type=TEXT)
-        response["Content-Length"] = str(length - skip)
-        size = run.log_start + length
-    else:
-        data, size = _live_output(run, offset)
-        response = HttpResponse(data, content_type=TEXT)
-        # A finished run without a whole log (its runner lost it): what arrived is all.
-        finished = finished and size >= run.output_size
-    for name, value in headers.items():
-        response[name] = value
-    response["X-Covey-Log-Size"] = str(size)
-    response["X-Covey-Log-Complete"] = "true" if finished else "false"
-    return response
-
-
-TEXT = "text/plain; charset=utf-8"
-
-
-def _live_output(run: Run, offset: int) -> tuple[bytes, int]:
-    """Live output from ``offset`` on (at most MAX_LIVE_ANSWER_BYTES, whole pieces cut at a
-    character) and the offset it ends at."""
-    offset = min(max(0, offset), run.output_size)
-    pieces = RunOutput.objects.filter(run=run, end__gt=offset, start__lt=run.output_size)
-    if not pieces.exists():
-        if run.output_size == 0 and offset == 0 and run.log_tail:
-            # A run from before live output: its tail is all there is.
-            tail = run.log_tail.encode()
-            return tail, len(tail)
-        return b"", offset
-    taken: list[bytes] = []
-    end = offset
-    for start, text in pieces.order_by("start").values_list("start", "text").iterator():
-        data = text.encode()[max(0, offset - start) :]
-        room = MAX_LIVE_ANSWER_BYTES - (end - offset)
-        if len(data) > room:
-            cut = room
-            while cut > 0 and data[cut] & 0xC0 == 0x80:  # not inside a character
-                cut -= 1
-            taken.append(data[:cut])
-            end += cut
-            break
-        taken.append(data)
-        end += len(data)
-    return b"".join(taken), end
-
-
 def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
     """The runs a runner should have a sandbox for (what it reconciles against), with how much
     of their output the control plane has."""
@@ -415,7 +266,8 @@ def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
     ]
 
 
-def _runners_run(run_id: str, runner: Runner) -> Run | None:
+def runners_run(run_id: str, runner: Runner) -> Run | None:
+    """The run, locked, when it is this runner's; else None."""
     return (
         Run.objects.select_for_update(of=("self",))
         .select_related("agent", "agent_version", "egress_token")

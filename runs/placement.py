@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from django.db.models import Count, Q
 
-from agents.models import ACTIVE, Agent
+from agents.models import Agent
 from runners.models import Runner
+from runs.models import ACTIVE
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from agents.models import Membership, Organisation, Role
+from organisations.models import Membership, Organisation, Role
 
 
 def role_of(user: Any, organisation: Organisation) -> Role | None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from egress.entries import (
+from allowlists.entries import (
     Entry,
     EntryError,
     normalise_entries,

@@ -1,0 +1,79 @@
+"""How a proxy on a runner host reaches the control plane: policy and decisions over HTTP with
+the runner's token (no Django: it runs in the egress image, with no database).
+
+The token comes from ``COVEY_RUNNER_TOKEN`` or from the runner's file (``runner_register``
+writes it; every token renewal rewrites it), which is re-read whenever it changes, so a proxy
+follows its runner's renewed token without a restart.
+"""
+
+import json
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class RunnerFile:
+    """The runner's file: the control plane's URL and the current runner token."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._mtime = -1
+        self._data: Mapping[str, Any] = {}
+        self._read()
+
+    @property
+    def url(self) -> str:
+        return str(self._read()["url"])
+
+    def token(self) -> str:
+        """The token in the file now."""
+        return str(self._read()["token"])
+
+    def _read(self) -> Mapping[str, Any]:
+        with self._lock:
+            mtime = self.path.stat().st_mtime_ns
+            if mtime != self._mtime:
+                data = json.loads(self.path.read_text())
+                if not isinstance(data, dict) or "token" not in data or "url" not in data:
+                    raise ValueError(f"{self.path} has no url and token")
+                self._data, self._mtime = data, mtime
+            return self._data
+
+
+class ControlPlaneSource:
+    """The policy source and decision sink of a proxy on a runner host."""
+
+    def __init__(self, url: str, token: Callable[[], str], *, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._token = token
+        self._client = httpx.Client(
+            base_url=self.url,
+            timeout=timeout,
+            trust_env=False,  # never through a proxy
+        )
+
+    def __call__(self, known_generation: str | None) -> Mapping[str, Any] | None:
+        """The runner's organisation's egress policy; None when it has not changed."""
+        headers = self._headers()
+        if known_generation:
+            headers["If-None-Match"] = f'"{known_generation}"'
+        response = self._client.get("/api/v1/egress/policy/", headers=headers)
+        if response.status_code == 304:
+            return None
+        response.raise_for_status()
+        data: Mapping[str, Any] = response.json()
+        return data
+
+    def post_decisions(self, events: list[dict[str, Any]]) -> None:
+        """Send a batch of decision events to the control plane's log."""
+        response = self._client.post(
+            "/api/v1/egress/decisions/", json={"events": events}, headers=self._headers()
+        )
+        response.raise_for_status()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Runner {self._token()}"}

@@ -1,0 +1,89 @@
+"""Organisations (the tenants), their members and roles, and the queryset that scopes rows to
+what a user may see: tenancy in one place. Imports no other covey app."""
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from simple_history.models import HistoricalRecords
+
+from allowlists.entries import normalise_entries
+from allowlists.fields import AllowlistField
+
+
+def default_base_allowlist() -> list[str]:
+    """The base allowlist a new organisation starts with (COVEY_EGRESS_BASE_ALLOWLIST)."""
+    return normalise_entries(settings.COVEY_EGRESS_BASE_ALLOWLIST)
+
+
+class Role(models.TextChoices):
+    """What a member may do in an organisation."""
+
+    ADMIN = "admin", "Admin"  # changes the organisation, its agents and workplaces
+    APPROVER = "approver", "Approver"  # decides requests; reads everything
+    VIEWER = "viewer", "Viewer"  # reads everything
+
+
+class TenantQuerySet(models.QuerySet):
+    """Rows owned by an organisation, scoped to what a user may see: tenancy in one place."""
+
+    # The lookup from this model to Membership.user.
+    membership_lookup = "organisation__memberships__user"
+
+    def for_user(self, user: Any) -> Any:
+        """The rows of the organisations the user belongs to (everything for a superuser)."""
+        if user.is_superuser:
+            return self
+        if not user.is_authenticated:
+            return self.none()
+        return self.filter(**{self.membership_lookup: user})
+
+
+class OrganisationQuerySet(TenantQuerySet):
+    """Organisations, scoped to what a user may see."""
+
+    membership_lookup = "memberships__user"
+
+
+class Organisation(models.Model):
+    """A tenant: its agents, runners and workplaces belong to it and to nobody else."""
+
+    name = models.CharField(max_length=100, unique=True)
+    slug = models.SlugField(max_length=100, unique=True)
+    base_allowlist = AllowlistField(
+        default=default_base_allowlist,
+        help_text="Hosts every agent of this organisation may reach. One entry per line.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    history = HistoricalRecords()
+
+    objects = OrganisationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """A user's role in one organisation."""
+
+    organisation = models.ForeignKey(
+        Organisation, on_delete=models.CASCADE, related_name="memberships"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.VIEWER)
+    history = HistoricalRecords()
+
+    class Meta:
+        ordering = ["organisation_id", "user_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["organisation", "user"], name="membership_unique_user")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.role}) in {self.organisation}"

@@ -1,0 +1,99 @@
+"""Creating and changing organisations; the API, the admin and commands all call these."""
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils.text import slugify
+
+from organisations.models import Membership, Organisation, Role
+
+# What else a new organisation needs, from apps that build on this one (they register here in
+# their AppConfig.ready(); this app imports none of them): e.g. its built-in runner.
+when_created: list[Callable[[Organisation], object]] = []
+# What an organisation about to be deleted takes with it, from those apps: e.g. its built-in
+# runner, which nobody made by hand.
+when_deleting: list[Callable[[Organisation], object]] = []
+
+
+def find_one(queryset: Any, reference: str, field: str, noun: str) -> Any:
+    """One row of an organisation's by id, ``field`` (when unique across organisations) or
+    ``organisation-slug/<field>``; the model's DoesNotExist or MultipleObjectsReturned, saying
+    what to give instead."""
+    if reference.isdigit():
+        found = list(queryset.filter(pk=int(reference)))
+    elif "/" in reference:
+        org, _, value = reference.partition("/")
+        found = list(queryset.filter(organisation__slug=org, **{field: value}))
+    else:
+        found = list(queryset.filter(**{field: reference})[:2])
+    if not found:
+        raise queryset.model.DoesNotExist(
+            f"no {noun} {reference!r} (give an id, a {field} or org-slug/{field})"
+        )
+    if len(found) > 1:
+        raise queryset.model.MultipleObjectsReturned(
+            f"several {noun}s are called {reference!r}; use org-slug/{field}"
+        )
+    return found[0]
+
+
+def slug_for(name: str, field: str = "name") -> str:
+    """The slug a name gets, or a ValidationError when the name has nothing to make one from."""
+    slug = slugify(name)[:100]
+    if not slug:
+        raise ValidationError({field: ["the name must contain at least one letter or digit"]})
+    return slug
+
+
+@transaction.atomic
+def create_organisation(
+    name: str,
+    *,
+    by: Any = None,
+    slug: str | None = None,
+    base_allowlist: Iterable[str] | None = None,
+) -> Organisation:
+    """Create an organisation; the user who creates it becomes its admin, and every hook in
+    :data:`when_created` runs in the same transaction."""
+    organisation = Organisation(name=name, slug=slug or slug_for(name))
+    if Organisation.objects.filter(name=name).exists():
+        raise ValidationError({"name": [f"an organisation named {name!r} exists already"]})
+    if Organisation.objects.filter(slug=organisation.slug).exists():
+        raise ValidationError(
+            {"name": [f"an organisation with the slug {organisation.slug!r} exists already"]}
+        )
+    if base_allowlist is not None:
+        organisation.base_allowlist = list(base_allowlist)
+    organisation.full_clean()
+    organisation._history_user = by  # type: ignore[attr-defined]
+    organisation.save()
+    if by is not None and by.is_authenticated:
+        Membership.objects.create(organisation=organisation, user=by, role=Role.ADMIN)
+    for hook in when_created:
+        hook(organisation)
+    return organisation
+
+
+@transaction.atomic
+def update_organisation(organisation: Organisation, *, by: Any = None, **changes: Any) -> None:
+    """Change an organisation's name or base allowlist (recorded in its history)."""
+    unknown = set(changes) - {"name", "base_allowlist"}
+    if unknown:
+        raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
+    for field, value in changes.items():
+        setattr(organisation, field, value)
+    organisation.full_clean()
+    organisation._history_user = by  # type: ignore[attr-defined]
+    organisation.save()
+
+
+@transaction.atomic
+def delete_organisation(organisation: Organisation, *, by: Any = None) -> None:
+    """Delete an organisation with nothing left in it; ProtectedError (the API answers 409)
+    names what still depends on it, and then nothing is deleted."""
+    for hook in when_deleting:
+        hook(organisation)
+    organisation._history_user = by  # type: ignore[attr-defined]
+    organisation.delete()

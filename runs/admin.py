@@ -1,0 +1,99 @@
+"""Admin for runs, written for operators: what waits and what happened, read-only."""
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from runs import output, services
+from runs.models import FINISHED, Run, RunEvent
+
+
+class RunEventInline(admin.TabularInline):
+    model = RunEvent
+    extra = 0
+    can_delete = False
+    fields = ("at", "status", "detail")
+    readonly_fields = ("at", "status", "detail")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Run)
+class RunAdmin(admin.ModelAdmin):
+    """What waits and what happened; runs are queued through the API, cancelled here."""
+
+    list_display = ["id", "agent", "status", "status_detail", "runner", "created_at", "finished_at"]
+    list_filter = ["status", "agent__organisation", "runner", "agent"]
+    list_select_related = ["agent__organisation", "runner"]
+    search_fields = ["id", "agent__name", "task"]
+    date_hierarchy = "created_at"
+    inlines = [RunEventInline]
+    actions = ["cancel_runs"]
+    readonly_fields = [
+        "id",
+        "agent",
+        "agent_version",
+        "task",
+        "status",
+        "status_detail",
+        "runner",
+        "timeout",
+        "exit_code",
+        "log_tail",
+        "log_link",
+        "output_size",
+        "log_start",
+        "created_by",
+        "created_at",
+        "placed_at",
+        "started_at",
+        "finished_at",
+        "cancel_requested_at",
+    ]
+    fields = tuple(readonly_fields)  # a run is a record: nothing on its page is edited
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        no_saving = {"show_save": False, "show_save_and_continue": False}
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), **no_saving}
+        )
+
+    def get_urls(self) -> list[Any]:
+        log = self.admin_site.admin_view(self.log_view)
+        return [
+            path("<uuid:object_id>/log/", log, name="runs_run_log"),
+            *super().get_urls(),
+        ]
+
+    @admin.display(description="Output")
+    def log_link(self, obj: Run) -> str:
+        if obj.pk is None:
+            return "-"
+        url = reverse("admin:runs_run_log", args=[obj.pk])
+        what = "the whole output" if obj.log else "the output so far"
+        return format_html('<a href="{}">{}</a>', url, what)
+
+    def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """The run's output as text: the whole log once kept, else what arrived so far."""
+        run = self.get_object(request, str(object_id))
+        if run is None or not self.has_view_permission(request, run):
+            raise Http404("no such run")
+        return output.log_response(run)
+
+    @admin.action(description="Cancel selected runs", permissions=["change"])
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        cancelled = 0
+        for run in queryset.exclude(status__in=FINISHED):
+            services.cancel(run, by=request.user)
+            cancelled += 1
+        self.message_user(request, f"{cancelled} run(s) cancelled or cancelling.", messages.SUCCESS)
