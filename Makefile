@@ -14,7 +14,7 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services base-image egress-image
+.PHONY: help venv run test lint format check services base-image egress-image control-plane-image lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
@@ -22,15 +22,18 @@ help:
 	@echo "make lint   ruff, mypy and the import contracts only"
 	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
 	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
+	@echo "make control-plane-image  build covey:latest, the control plane for every role (on covey-base)"
+	@echo "make lock   lock pyproject.toml's dependencies into requirements/ (needs the package index)"
 
-# The virtualenv is rebuilt only when requirements.txt changes.
+# The virtualenv is brought to the lock (requirements/dev.txt: pyproject.toml's dependencies and
+# dev group, with hashes; scripts/lock makes it) only when the lock changes.
 venv: $(STAMP)
-$(STAMP): requirements.txt
+$(STAMP): requirements/dev.txt
 	@python=$$(scripts/find-python) || exit 1; \
 	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 		rm -rf $(VENV) && $$python -m venv $(VENV); \
 	fi
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r requirements/dev.txt
 	@touch $(STAMP)
 
 run: venv
@@ -43,9 +46,16 @@ services:
 base-image: services
 	@scripts/base-image
 
-# Wheels downloaded on the host (the venv's pip), installed in the image; instant when up to date.
+# Wheels of the lock downloaded on the host (the venv's pip), installed in the image; instant
+# when up to date.
 egress-image: venv base-image
-	@scripts/egress-image
+	@scripts/image egress
+
+control-plane-image: venv base-image
+	@scripts/image control-plane
+
+lock: venv
+	@scripts/lock
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -57,7 +67,7 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
-test: venv services base-image egress-image lint check
+test: venv services base-image egress-image control-plane-image lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 format: venv

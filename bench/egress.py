@@ -788,7 +788,7 @@ def run_async[T](coroutine: Coroutine[Any, Any, T], limit: float) -> T:
 def measure_resolver(nameserver: str, samples: int) -> float:
     """p50 ms of covey's own resolver (A+AAAA, its cache emptied each time) against the
     loopback DNS server: what a CONNECT to a name served with TTL 0 pays."""
-    from egress.resolver import Resolver
+    from egress.proxy.resolver import Resolver
 
     async def run() -> list[float]:
         resolver = Resolver([nameserver])

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import environ
 
+from egress.proxy.config import ProxyConfig
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
+_proxy = ProxyConfig()  # the proxy reads the same variables, with these defaults
 VAR_DIR = Path(env.str("COVEY_VAR_DIR", default=str(BASE_DIR / "var")))
 
 
@@ -107,8 +110,10 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing one
+# collectstatic fills it (make run; the control-plane image at build time, read-only after).
+STATIC_ROOT = Path(env.str("COVEY_STATIC_ROOT", default=str(VAR_DIR / "static")))
+if not STATIC_ROOT.exists():
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing one
 
 LOGGING = {
     "version": 1,
@@ -194,12 +199,14 @@ COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")
 # How long an egress token lives unless the caller says otherwise (seconds).
 COVEY_EGRESS_TOKEN_TTL = env.int("COVEY_EGRESS_TOKEN_TTL", default=4 * 3600)
 # Tunnels held open at once: in total, and by one agent. A full proxy answers 429.
-COVEY_EGRESS_MAX_TUNNELS = env.int("COVEY_EGRESS_MAX_TUNNELS", default=4000)
-COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int("COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=500)
+COVEY_EGRESS_MAX_TUNNELS = env.int("COVEY_EGRESS_MAX_TUNNELS", default=_proxy.max_tunnels)
+COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int(
+    "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=_proxy.max_tunnels_per_agent
+)
 # The proxy checks for policy changes this often, and refuses everything once its last good
 # answer from the policy source is older than the grace period (fail closed).
-COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=0.25)
-COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=15.0)
+COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=_proxy.poll)
+COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=_proxy.grace)
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
 

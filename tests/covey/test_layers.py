@@ -45,9 +45,11 @@ def test_the_contracts_hold_and_a_wrong_way_import_breaks_them(tree):
 
 
 def test_django_in_the_data_plane_breaks_them(tree):
-    (tree / "egress" / "relay.py").write_text(
-        (tree / "egress" / "relay.py").read_text() + "\n\ndef later():\n    import django\n"
+    (tree / "egress" / "proxy" / "relay.py").write_text(
+        (tree / "egress" / "proxy" / "relay.py").read_text()
+        + "\n\ndef later():\n    import django\n"
     )
     broken = lint(tree)
     assert broken.returncode == 1
-    assert "egress.relay is not allowed to import django" in broken.stdout
+    assert "egress.proxy is not allowed to import django" in broken.stdout
+    assert "egress.proxy.relay -> django" in broken.stdout

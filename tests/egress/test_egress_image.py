@@ -38,10 +38,21 @@ LOCKED_DOWN = [
     "--security-opt",
     "no-new-privileges",
 ]
-# The image holds the Django project (manage.py and every installed app), nothing else.
-APP = {
-    "manage.py", "covey", "allowlists", "organisations", "agents", "budgets", "egress", "runners",
-    "runs", "templates", "workplaces",
+# The image holds the proxy package and what it imports, nothing else (no Django project).
+APP = {"allowlists", "egress"}
+SOURCES = {
+    "allowlists/__init__.py", "allowlists/entries.py", "egress/__init__.py", "egress/policy.py",
+    "egress/proxy/__init__.py", "egress/proxy/__main__.py", "egress/proxy/addon.py",
+    "egress/proxy/config.py", "egress/proxy/control_plane.py", "egress/proxy/feed.py",
+    "egress/proxy/lookups.py", "egress/proxy/relay.py", "egress/proxy/resolver.py",
+    "egress/proxy/server.py",
+}  # fmt: skip
+
+# The dev group's own tools: none may be in an image.
+DEV_TOOLS = {
+    "mypy", "ruff", "pytest", "pytest-django", "pytest-xdist", "factory-boy", "faker", "trustme",
+    "time-machine", "django-stubs", "djangorestframework-stubs", "import-linter", "grimp",
+    "playwright", "dnslib", "uv", "types-psutil", "types-pyyaml",
 }  # fmt: skip
 
 pytestmark = pytest.mark.docker
@@ -107,7 +118,7 @@ def proxy_container(
     name = f"covey-test-egress-{uuid.uuid4().hex[:12]}"
     proxy = ContainerProxy(port, tmp_path / f"{name}.log", name)
     environment = [f"--env={key}={value}" for key, value in env.items()]
-    command = ["python", "manage.py", "egress_proxy", "--listen", f"127.0.0.1:{port}", *args]
+    command = ["python", "-m", "egress.proxy", "--listen", f"127.0.0.1:{port}", *args]
     try:
         docker(
             "run", "--detach", "--name", name, "--label", run_label, "--network", "host",
@@ -133,19 +144,35 @@ def test_the_image_carries_its_recipe_label(image):
 
 
 def test_the_proxy_command_runs_in_a_locked_down_container(image, run_label):
-    result = run(image, run_label, "python", "manage.py", "egress_proxy", "--help")
+    result = run(image, run_label, "python", "-m", "egress.proxy", "--help")
     assert result.returncode == 0, result.stderr
     assert "--listen" in result.stdout
     assert "--runner-token" in result.stdout
 
 
-def test_the_image_holds_the_project_alone_and_runs_it_unprivileged(image, run_label):
-    result = run(image, run_label, "sh", "-c", "id -u; pwd; ls -A")
+def test_the_image_holds_the_proxy_alone_and_runs_it_unprivileged(image, run_label):
+    result = run(image, run_label, "sh", "-c", "id -u; pwd; ls -A; find . -name '*.py' | sort")
     assert result.returncode == 0, result.stderr
-    uid, workdir, *entries = result.stdout.split()
+    uid, workdir, *rest = result.stdout.split()
     assert uid != "0"
     assert workdir == "/app"
-    assert set(entries) == APP  # no tests/, .git, .venv, var/ or secrets
+    entries = {e for e in rest if not e.startswith("./")}
+    assert entries == APP  # no manage.py, tests/, .git, .venv, var/ or secrets
+    assert {e.removeprefix("./") for e in rest if e.startswith("./")} == SOURCES
+
+
+def test_the_image_installs_what_the_proxy_runs_and_no_tool(image, run_label):
+    """requirements/proxy.txt, locked from the proxy group: no Django, no test or lint tool."""
+    listing = (
+        "import importlib.metadata as m; print(*sorted(d.name.lower() for d in m.distributions()))"
+    )
+    result = run(image, run_label, "python", "-c", listing)
+    assert result.returncode == 0, result.stderr
+    installed = set(result.stdout.split())
+    assert {"mitmproxy", "dnspython", "httpx", "idna", "django-environ"} <= installed
+    assert not installed & DEV_TOOLS, installed & DEV_TOOLS
+    assert not installed & {"django", "djangorestframework", "celery", "docker", "psycopg"}
+    assert not installed & {"pip", "setuptools"}  # nothing installs anything there
 
 
 def test_the_proxy_refuses_everything_while_the_control_plane_is_unreachable(

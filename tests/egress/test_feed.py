@@ -7,8 +7,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
-from egress.feed import PolicyFeed
-from egress.lookups import TokenLookups
+from egress.proxy.feed import PolicyFeed
+from egress.proxy.lookups import TokenLookups
 
 
 def snapshot(generation: str) -> dict:

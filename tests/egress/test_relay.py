@@ -7,7 +7,7 @@ import socket
 from collections.abc import Coroutine
 from typing import Any
 
-from egress.relay import Relay
+from egress.proxy.relay import Relay
 
 
 def run(scenario: Coroutine[Any, Any, None]) -> None:

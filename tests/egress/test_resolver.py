@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from egress.resolver import MAX_TTL, ResolutionError, Resolver
+from egress.proxy.resolver import MAX_TTL, ResolutionError, Resolver
 from tests.netfixtures import DnsServer
 
 

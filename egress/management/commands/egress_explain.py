@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from agents.models import Agent
 from agents.services import find_agent
 from egress.policy import EXPLANATIONS, Code, Policy, parse_networks, vet_addresses
-from egress.resolver import ResolutionError, Resolver
+from egress.proxy.resolver import ResolutionError, Resolver
 from egress.services import build_snapshot
 
 

@@ -8,7 +8,7 @@ A connection that opens with CONNECT (nearly all of them) is answered by covey's
 cached, else through one hook while the resolver waits), answers 200 or the refusal, and lets
 the tunnel go on only once its first bytes are a TLS ClientHello whose SNI is the CONNECT host;
 only then does covey dial the vetted address (itself, not through mitmproxy). From then on the
-bytes are opaque, and a :class:`~egress.relay.Relay` moves them outside mitmproxy's per-chunk
+bytes are opaque, and a :class:`~egress.proxy.relay.Relay` moves them outside mitmproxy's per-chunk
 machinery. A connection that opens with a plain-HTTP request gets mitmproxy's HTTP layer, and
 its requests (a later CONNECT too) are decided in ``requestheaders`` and ``http_connect``; plain
 requests are sent only to the vetted address (``server_connect``).
@@ -38,8 +38,6 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from egress.feed import DecisionLog, PolicyFeed
-from egress.lookups import TokenLookups
 from egress.policy import (
     EXPLANATIONS,
     AgentPolicy,
@@ -52,8 +50,10 @@ from egress.policy import (
     status_of,
     vet_addresses,
 )
-from egress.relay import Relay
-from egress.resolver import ResolutionError, Resolver
+from egress.proxy.feed import DecisionLog, PolicyFeed
+from egress.proxy.lookups import TokenLookups
+from egress.proxy.relay import Relay
+from egress.proxy.resolver import ResolutionError, Resolver
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,40 @@
+"""The proxy's settings: the same ``COVEY_EGRESS_*`` variables the control plane reads."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import environ
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """How a proxy runs; the defaults are covey's (covey/settings.py takes them from here)."""
+
+    poll: float = 0.25  # COVEY_EGRESS_POLICY_POLL: seconds between checks for policy changes
+    grace: float = 15.0  # COVEY_EGRESS_POLICY_GRACE: trust in the last policy once it is gone
+    max_tunnels: int = 4000  # COVEY_EGRESS_MAX_TUNNELS
+    max_tunnels_per_agent: int = 500  # COVEY_EGRESS_MAX_TUNNELS_PER_AGENT
+    nameservers: tuple[str, ...] = ()  # COVEY_EGRESS_NAMESERVERS: addr or addr@port
+    allowed_private_cidrs: tuple[str, ...] = ()  # COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS
+    control_plane_url: str = ""  # COVEY_CONTROL_PLANE_URL (a proxy on a runner host)
+    runner_token: str = field(default="", repr=False)  # COVEY_RUNNER_TOKEN
+
+    @classmethod
+    def from_environment(cls, environment: Mapping[str, str] | None = None) -> "ProxyConfig":
+        """The settings in ``environment`` (the process's by default)."""
+        env = environ.Env()
+        if environment is not None:
+            env.ENVIRON = dict(environment)
+        default = cls()
+        return cls(
+            poll=env.float("COVEY_EGRESS_POLICY_POLL", default=default.poll),
+            grace=env.float("COVEY_EGRESS_POLICY_GRACE", default=default.grace),
+            max_tunnels=env.int("COVEY_EGRESS_MAX_TUNNELS", default=default.max_tunnels),
+            max_tunnels_per_agent=env.int(
+                "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=default.max_tunnels_per_agent
+            ),
+            nameservers=tuple(env.list("COVEY_EGRESS_NAMESERVERS", default=[])),
+            allowed_private_cidrs=tuple(env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", default=[])),
+            control_plane_url=env.str("COVEY_CONTROL_PLANE_URL", default=""),
+            runner_token=env.str("COVEY_RUNNER_TOKEN", default=""),
+        )

@@ -1,0 +1,107 @@
+"""Serving the proxy: the policy feed, the decision log and mitmproxy, until a signal stops it."""
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from mitmproxy import master, options
+from mitmproxy.addons import core, errorcheck, proxyserver
+
+from egress.proxy.addon import CoveyEgress, NextLayer
+from egress.proxy.config import ProxyConfig
+from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
+
+
+class ProxyError(Exception):
+    """The proxy cannot start as asked (a bad --listen, a port it cannot bind)."""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 in brackets) → (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise ProxyError(f"--listen must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def serve(
+    config: ProxyConfig,
+    listen: str,
+    name: str,
+    source: PolicySource,
+    sink: DecisionSink,
+    *,
+    where: str,
+    say: Callable[[str], None],
+    verbose: bool = False,
+) -> None:
+    """Run the proxy on ``listen`` (HOST:PORT) with policy from ``source`` and decisions to
+    ``sink`` until SIGTERM or SIGINT. ``say`` gets the line that announces it listens (what
+    supervisors and tests wait for) and warnings; ``where`` names the policy source in it."""
+    host, port = parse_listen(listen)
+    if not verbose:
+        # One line per connection is mitmproxy's INFO; covey keeps its own decision log.
+        logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+    feed = PolicyFeed(source, poll=config.poll, grace=config.grace)
+    log = DecisionLog(sink)
+    addon = CoveyEgress(feed, log)
+    feed.start()
+    log.start()
+    try:
+        asyncio.run(_serve(config, addon, host, port, name, where, say))
+    finally:
+        feed.stop()
+        log.stop()
+
+
+async def _serve(
+    config: ProxyConfig,
+    addon: CoveyEgress,
+    host: str,
+    port: int,
+    name: str,
+    where: str,
+    say: Callable[[str], None],
+) -> None:
+    opts = options.Options()
+    proxy = master.Master(opts)
+    announce = Announce(say, f"{host}:{port}", where)
+    proxy.addons.add(
+        core.Core(),
+        errorcheck.ErrorCheck(),
+        proxyserver.Proxyserver(),
+        NextLayer(addon),
+        addon,
+        announce,
+    )
+    opts.update(
+        mode=[f"regular@{host}:{port}"],
+        connection_strategy="lazy",
+        stream_large_bodies="1m",
+        covey_max_tunnels=config.max_tunnels,
+        covey_max_tunnels_per_agent=config.max_tunnels_per_agent,
+        covey_nameservers=list(config.nameservers),
+        covey_allowed_private_cidrs=list(config.allowed_private_cidrs),
+        covey_proxy_name=name,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, proxy.shutdown)
+    if not await asyncio.to_thread(addon.feed.wait_ready, config.grace):
+        say("covey egress proxy: no policy yet; refusing until one arrives")
+    await proxy.run()
+    if not announce.announced:
+        raise ProxyError(f"the proxy could not listen on {host}:{port}")
+
+
+class Announce:
+    """Says so once the proxy listens (an addon: mitmproxy calls ``running``)."""
+
+    def __init__(self, say: Callable[[str], None], listen: str, where: str) -> None:
+        self.say, self.listen, self.where = say, listen, where
+        self.announced = False
+
+    def running(self) -> None:
+        self.announced = True
+        self.say(f"covey egress proxy listening on {self.listen}, policy from {self.where}")
