@@ -92,7 +92,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     verdict,
     wait_until,
 )
-from runners.host import docker_name  # noqa: E402 - after the path is set
+from runners.host.identity import docker_name  # noqa: E402 - after the path is set
 
 IMAGE = "covey-base:trixie"
 CLOCK = "date +%s%N"  # prints the wall clock in ns: the process has started

@@ -6,8 +6,8 @@ which the control plane stores and the runner can compute), so the broker never 
 """
 
 from covey.celery import app
+from runners.host.sealing import seal
 from runners.models import Runner
-from runners.sealing import seal
 
 LAUNCH = "covey.runner.launch"
 CANCEL = "covey.runner.cancel"

@@ -7,8 +7,9 @@ once done, so a worker killed mid-launch gets it again (launching is idempotent 
 
 from celery import shared_task
 
-from runners import dispatch, host, probes
-from runners.client import ControlPlaneError
+from runners import dispatch, probes
+from runners.host import runner as host
+from runners.host.client import ControlPlaneError
 
 # The control plane may be restarting: try again a few times, a little later each time.
 RETRY = {"autoretry_for": (ControlPlaneError,), "retry_backoff": 1, "max_retries": 6}

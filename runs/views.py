@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from organisations.api import OrganisationScoped
 from organisations.models import Organisation
 from runners.auth import RunnerEndpoint, uuid_or_404
-from runners.client import OUTPUT_TOTAL_HEADER
+from runners.host.client import OUTPUT_TOTAL_HEADER
 from runs import output, services
 from runs.models import Run
 from runs.serializers import RunSerializer

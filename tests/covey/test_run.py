@@ -9,7 +9,7 @@ import urllib.request
 import httpx
 import pytest
 
-from runners.engine import Engine
+from runners.host.containers.engine import Engine
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
 
 

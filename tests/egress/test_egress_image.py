@@ -20,7 +20,7 @@ import pytest
 from agents import services as agent_services
 from egress.models import Decision
 from egress.services import issue_token
-from runners.client import ControlPlaneClient
+from runners.host.client import ControlPlaneClient
 from runners.services import create_registration_token
 from tests.egress.conftest import ALLOWED_PRIVATE, Proxy, connect, subprocess_database_url
 from tests.factories import OrganisationFactory

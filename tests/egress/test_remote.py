@@ -12,7 +12,7 @@ import pytest
 from agents import services as agent_services
 from egress.models import Decision
 from egress.services import issue_token
-from runners import sealing
+from runners.host import sealing
 from runners.services import create_registration_token
 from tests.egress.conftest import connect, start_proxy, subprocess_database_url
 from tests.factories import OrganisationFactory
@@ -76,8 +76,8 @@ def test_a_runner_proxy_enforces_its_organisations_policy_without_a_database(
 
         # The control plane goes away: the proxy keeps its last policy for the grace period,
         # then refuses everything.
+        stopped = time.monotonic()  # before: it may refuse polls while it shuts down
         stop_control_plane.close()
-        stopped = time.monotonic()
         assert connect(proxy, target, our_credentials).status == 200
         wait_for(
             lambda: connect(proxy, target, our_credentials).status == 503, 10, "failing closed"
@@ -99,7 +99,8 @@ def test_a_runner_proxy_follows_its_runners_renewed_token(
     """The runner host rewrites its file when it takes a renewed token; the proxy reads it.
     (The order's way through the broker is tested end to end in tests/runners/test_runs.py.)"""
     from runners import dispatch
-    from runners.host import HostSettings, Identity, RunnerHost
+    from runners.host.identity import Identity
+    from runners.host.runner import HostSettings, RunnerHost
     from runners.services import register_runner, renew_runner_tokens
 
     acme = OrganisationFactory(name="Acme")

@@ -8,7 +8,7 @@ import subprocess
 import psutil
 import pytest
 
-from runners.engine import Engine, EngineError, bridge_address
+from runners.host.containers.engine import Engine, EngineError, bridge_address
 
 DEFAULT_BRIDGE = {
     "Name": "bridge",

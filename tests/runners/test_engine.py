@@ -15,7 +15,7 @@ from uuid import uuid4
 
 import pytest
 
-from runners.engine import (
+from runners.host.containers.engine import (
     LABEL_AGENT,
     LABEL_RUN,
     LABEL_RUNNER,

@@ -11,8 +11,6 @@ session, and is removed by it; the last test and the module's cleanup check noth
 
 import contextlib
 import json
-import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -24,9 +22,9 @@ from uuid import uuid4
 
 import pytest
 
-from runners import isolation
-from runners.engine import Engine, SandboxSpec
-from runners.isolation import (
+from runners.host.containers import isolation
+from runners.host.containers.engine import Engine, SandboxSpec
+from runners.host.containers.isolation import (
     IsolationError,
     Shape,
     check_rules,
@@ -39,67 +37,19 @@ from runners.isolation import (
     sandbox_network_options,
     teardown,
 )
-
-IN_CI = os.environ.get("CI") == "true"
-EGRESS_IMAGE = "covey-egress:latest"
-SESSION = uuid4().hex[:8]
-RUNNER = f"isotest-{SESSION}"
-TEST_LABEL = f"covey.test=isolation-{SESSION}"
-# A tag of this session only: the tests move it; other sessions may rebuild covey-egress:latest.
-TAG = f"covey-isotest-{SESSION}:proxy"
-NOWHERE = "http://127.0.0.1:9"  # the proxy's own loopback: no control plane answers
-PROXY_ENV = {"COVEY_EGRESS_POLICY_GRACE": "1"}
-WAIT = 30
-
-
-def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["docker", *args], capture_output=True, text=True, timeout=timeout, check=check
-    )
-
-
-def inspect(name: str) -> dict:
-    return json.loads(docker("inspect", name).stdout)[0]
-
-
-def image_id(reference: str) -> str:
-    return docker("image", "inspect", "--format", "{{.Id}}", reference).stdout.strip()
-
-
-def unavailable(message: str) -> None:
-    if IN_CI:
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def firewall_lines(runner: str) -> list[str]:
-    """Every rule (iptables and ip6tables, all chains) carrying the runner's comment."""
-    found = []
-    for binary in ("iptables", "ip6tables"):
-        if shutil.which(binary) is None:
-            continue
-        result = subprocess.run([binary, "-w", "10", "-S"], capture_output=True, text=True)
-        found += [
-            f"{binary} {line}"
-            for line in result.stdout.splitlines()
-            if f'"covey:{runner}"' in line or f"covey:{runner} " in line
-        ]
-    return found
-
-
-def leftovers(runner: str) -> list[str]:
-    """The runner's networks, proxy and rules that still exist."""
-    names = {
-        isolation.internal_network_name(runner),
-        isolation.outward_network_name(runner),
-    }
-    networks = docker("network", "ls", "--format", "{{.Name}}").stdout.split()
-    containers = docker("ps", "--all", "--format", "{{.Names}}").stdout.split()
-    return (
-        [f"network {n}" for n in networks if n in names]
-        + [f"container {c}" for c in containers if c == isolation.proxy_container_name(runner)]
-        + firewall_lines(runner)
-    )
+from tests.runners.isolation_support import (
+    NOWHERE,
+    PROXY_ENV,
+    RUNNER,
+    SESSION,
+    TEST_LABEL,
+    WAIT,
+    docker,
+    firewall_lines,
+    image_id,
+    inspect,
+    leftovers,
+)
 
 
 def clean(runner: str) -> None:
@@ -117,39 +67,6 @@ def clean(runner: str) -> None:
         networks = docker("network", "ls", "--quiet", "--filter", f"label={label}").stdout.split()
         if networks:
             docker("network", "rm", *networks, check=False)
-
-
-# --- fixtures -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def firewall() -> None:
-    """Root and an iptables that lists Docker's DOCKER-USER chain."""
-    if os.geteuid() != 0:
-        unavailable("hard isolation needs root (it installs iptables rules)")
-    if shutil.which("iptables") is None:
-        unavailable("no iptables command (apt-get install iptables)")
-    result = subprocess.run(
-        ["iptables", "-w", "10", "-S", "DOCKER-USER"], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        unavailable(f"iptables is unusable here: {result.stderr.strip()}")
-
-
-@pytest.fixture(scope="module")
-def egress_image(firewall: None) -> Iterator[str]:
-    """This session's tag on the proxy image (`make egress-image` builds it)."""
-    if shutil.which("docker") is None:
-        unavailable("docker is required: no docker command")
-    result = docker("image", "inspect", "--format", "{{.Id}}", EGRESS_IMAGE, check=False)
-    if result.returncode != 0:
-        unavailable(f"no image {EGRESS_IMAGE}: run `make egress-image` ({result.stderr.strip()})")
-    docker("tag", result.stdout.strip(), TAG)
-    yield TAG
-    docker("image", "rm", TAG, check=False)  # the tag only: the image stays if tagged elsewhere
-    derived = docker("images", "--quiet", "--filter", f"label={TEST_LABEL}").stdout.split()
-    if derived:
-        docker("image", "rm", "--force", *set(derived), check=False)
 
 
 @dataclass

@@ -4,7 +4,7 @@ plane says it has."""
 
 import pytest
 
-from runners.output import LiveOutput
+from runners.host.output import LiveOutput
 
 
 class Clock:

@@ -24,15 +24,15 @@ from agents.models import Agent
 from egress.models import Decision
 from egress.probe import Category, Check, Expect, Result, Verdict, judge, parse_address
 from organisations.models import Organisation
-from runners import host as host_module
-from runners import isolation, probing
-from runners.client import ControlPlaneClient
-from runners.engine import Engine
-from runners.host import docker_name
+from runners.host import probing
+from runners.host import runner as host_module
+from runners.host.client import ControlPlaneClient
+from runners.host.containers import isolation
+from runners.host.containers.engine import Engine
+from runners.host.identity import Identity, docker_name
 from runners.models import Probe, ProbeStatus, Runner
 from runners.services import installation_key
-from tests.runners.test_isolated_runs import UPSTREAM_NAME, World
-from tests.runners.test_isolation import egress_image, firewall  # noqa: F401
+from tests.runners.world import UPSTREAM_NAME, World
 
 # The module's rows are committed once (the control plane is another process); a test's own
 # writes roll back. The mark also makes pytest-django create the test database when only these
@@ -160,7 +160,7 @@ def test_a_category_with_nothing_to_try_says_so():
 def test_a_probe_that_cannot_reach_the_control_plane_is_tried_again_soon(tmp_path):
     config = tmp_path / "runner.json"  # a control plane where nothing listens
     config.write_text(json.dumps({"url": "http://127.0.0.1:9", "id": 7, "name": "e", "token": "t"}))
-    identity = host_module.Identity(config)
+    identity = Identity(config)
     settings = host_module.HostSettings(homes=tmp_path, isolation=True, probe_retry=300)
     runner_host = host_module.RunnerHost({7: identity}, settings)
     assert runner_host._probe_due(identity)  # never probed
@@ -248,7 +248,7 @@ def world(
     django_db_blocker,
     tmp_path_factory,
     base_image,
-    egress_image,  # noqa: F811
+    egress_image,
 ) -> Iterator[ProbeWorld]:
     """Committed rows the control plane (another process) reads; deleted when done (only
     these: the shipped templates, from a data migration, must stay)."""

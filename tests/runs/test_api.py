@@ -9,7 +9,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from runners import dispatch, sealing
+from runners import dispatch
+from runners.host import sealing
 from runners.models import Runner
 from runners.services import (
     builtin_dir,

@@ -10,9 +10,11 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners import host as runner_host
-from runners import isolation, probing
-from runners.client import ControlPlaneError
+from runners.host import probing
+from runners.host import runner as runner_host
+from runners.host.client import ControlPlaneError
+from runners.host.containers import isolation
+from runners.host.identity import Identity
 from runners.models import BUILTIN_QUEUE
 from runners.services import builtin_dir
 
@@ -68,7 +70,7 @@ class Command(BaseCommand):
             path = Path(options["config"])
             if not path.exists():
                 raise CommandError(f"{path} does not exist: register first (runner_register)")
-            identity = runner_host.Identity(path)
+            identity = Identity(path)
             try:
                 me = identity.client.me()
             except ControlPlaneError as exc:

@@ -6,8 +6,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners.client import ControlPlaneError
-from runners.host import Identity
+from runners.host.client import ControlPlaneError
+from runners.host.identity import Identity
 
 
 class Command(BaseCommand):

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners.client import ControlPlaneClient, ControlPlaneError
+from runners.host.client import ControlPlaneClient, ControlPlaneError
 
 
 class Command(BaseCommand):

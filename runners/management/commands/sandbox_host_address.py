@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners.engine import Engine, EngineError
+from runners.host.containers.engine import Engine, EngineError
 
 
 class Command(BaseCommand):

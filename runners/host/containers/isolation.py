@@ -61,8 +61,8 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import IPAMConfig, IPAMPool, LogConfig
 
-from runners import firewall
-from runners.engine import LABEL_RUNNER
+from runners.host import firewall
+from runners.host.containers.engine import LABEL_RUNNER
 
 PROXY_PORT = 3128
 DEFAULT_POOL = "10.213.0.0/16"

@@ -1,9 +1,10 @@
 """A runner host: builds sandboxes on orders from its Celery queue, watches them, reports.
 
 It never touches the database. Everything it knows comes from its identities (runner id and
-token, in files) and the control-plane API; everything it does to Docker goes through
-:class:`~runners.engine.Engine`. One host serves one remote runner, or, on the control-plane
-host, the built-in runners of every organisation (identity files the control plane writes).
+token, in files) and the control-plane API; everything it does to Docker goes through the
+Docker seam (runners/host/containers). One host serves one remote runner, or, on the
+control-plane host, the built-in runners of every organisation (identity files the control
+plane writes).
 
 Launching is short (ask for the spec, create and start, report): the order is acknowledged
 only once it is done, so a worker killed mid-launch gets the order again, and launching is
@@ -11,15 +12,13 @@ idempotent per run. Completion is seen by polling the engine, never by holding a
 
 Under hard isolation (``HostSettings.isolation``, COVEY_EGRESS_ISOLATION=network) each runner's
 sandboxes go on its internal network, whose only exit is its proxy container
-(runners/isolation.py). The shape is built at start and repaired at every reconcile, and checked
-before every launch; a launch it cannot vouch for is refused (fail closed), never run without it.
-Each runner is also probed (runners/probing.py) when it starts, on order, and again while its
-last probe failed; until one passes it refuses every launch.
+(containers/isolation.py). The shape is built at start and repaired at every reconcile, and
+checked before every launch; a launch it cannot vouch for is refused (fail closed), never run
+without it. Each runner is also probed (probing.py) when it starts, on order, and again while
+its last probe failed; until one passes it refuses every launch.
 """
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -30,12 +29,14 @@ from typing import Any
 
 from egress.environment import proxy_environment
 from egress.policy import hash_token
-from runners import isolation, probing
-from runners.client import ControlPlaneClient, ControlPlaneError, OutputBehind, OutputClosed
-from runners.engine import Engine, EngineError, LogStream, Sandbox, SandboxSpec
-from runners.isolation import IsolationError, Shape
-from runners.output import LiveOutput
-from runners.sealing import unseal
+from runners.host import probing
+from runners.host.client import ControlPlaneError, OutputBehind, OutputClosed
+from runners.host.containers import isolation
+from runners.host.containers.engine import Engine, EngineError, LogStream, Sandbox, SandboxSpec
+from runners.host.containers.isolation import IsolationError, Shape
+from runners.host.identity import Identity, runner_name
+from runners.host.output import LiveOutput
+from runners.host.sealing import unseal
 
 logger = logging.getLogger(__name__)
 
@@ -54,66 +55,6 @@ RECONCILE_SECONDS = 30.0
 RELAUNCH_AFTER_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10
 WARN_EVERY_SECONDS = 60.0  # the same trouble comes back every poll: say it once a minute
-
-
-class Identity:
-    """One runner this host serves: its id, name and token, kept in a JSON file (mode 0600)
-    that token renewals rewrite. The control plane's URL is the file's (runner_register writes
-    it) unless given."""
-
-    def __init__(self, path: Path, url: str | None = None) -> None:
-        self.path = path
-        data = json.loads(path.read_text())
-        self.url = url or str(data["url"])
-        self.id = int(data["id"])
-        self.name = str(data.get("name", data["id"]))
-        self._installation = str(data.get("installation") or "")
-        self._token = str(data["token"])
-        self._mtime = path.stat().st_mtime_ns
-        self._client = ControlPlaneClient(self.url, self._token)
-        self._lock = threading.Lock()
-
-    @property
-    def token(self) -> str:
-        """The current token (re-read when the control plane rewrote the file)."""
-        self._refresh()
-        return self._token
-
-    @property
-    def installation(self) -> str:
-        """The key of the installation this runner belongs to (asked for once when its file,
-        written by an older covey, does not have it)."""
-        if not self._installation:
-            self._installation = str(self.client.me()["installation"])
-        return self._installation
-
-    @property
-    def client(self) -> ControlPlaneClient:
-        """A client that uses the current token."""
-        self._refresh()
-        return self._client
-
-    def _refresh(self) -> None:
-        with self._lock:
-            mtime = self.path.stat().st_mtime_ns
-            if mtime != self._mtime:
-                self._token = str(json.loads(self.path.read_text())["token"])
-                self._mtime = mtime
-                self._client.set_token(self._token)
-
-    def replace_token(self, token: str) -> None:
-        """Keep a renewed token: in the file first (atomically), then in use."""
-        with self._lock:
-            data = json.loads(self.path.read_text())
-            data["token"] = token
-            temporary = self.path.with_name(self.path.name + ".tmp")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            with open(os.open(temporary, flags, 0o600), "w") as file:
-                json.dump(data, file, indent=2)
-            temporary.replace(self.path)
-            self._token = token
-            self._mtime = self.path.stat().st_mtime_ns
-            self._client.set_token(token)
 
 
 @dataclass
@@ -772,16 +713,6 @@ class RunnerHost:
                 return  # from before installation keys and not ours: another installation's
         engine.remove(run_id)
         self._timed_out.discard(run_id)
-
-
-def runner_name(identity: Identity) -> str:
-    """The runner's name on the Docker engine: its containers' label, its isolation's names."""
-    return docker_name(identity.id, identity.installation)
-
-
-def docker_name(runner_id: int, installation: str) -> str:
-    """A runner's name on a Docker engine, unique across the installations sharing it."""
-    return f"runner-{runner_id}-{installation}"
 
 
 def _iso(moment: datetime | None) -> str | None:

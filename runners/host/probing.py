@@ -28,7 +28,7 @@ import psutil
 
 from egress import probe
 from egress.probe import Category, Check, Expect, Result
-from runners.engine import Engine, EngineError, SandboxSpec
+from runners.host.containers.engine import Engine, EngineError, SandboxSpec
 
 PEER_PORT = 8080
 EMBEDDED_RESOLVER = "127.0.0.11"
