@@ -10,6 +10,7 @@ one gets its wall probed all the same, and the three checks through the proxy ar
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ from egress import probe
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch, services
 from runners.models import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, Probe, ProbeStatus, Runner
+from runners.protocol import ProbePlan
 
 TOKEN_TTL = timedelta(minutes=10)
 # A probe with no report after this long is ended as an error (the runner host stopped, or its
@@ -108,7 +110,7 @@ def off_list_target(agent: Agent | None) -> str:
 
 
 @transaction.atomic
-def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = "") -> dict[str, Any]:
+def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = "") -> ProbePlan:
     """The runner starts a probe (one ordered, or its own): what to try, as whom. When the
     control plane's probe settings make it impossible, the probe is finished as an error and
     the answer carries ``error`` instead."""
@@ -127,33 +129,33 @@ def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = ""
             raise ProbeConflict("this probe is not this runner's to run (or already ran)")
         probe_row = found
     probe_row.isolation = isolation
-    order: dict[str, Any] = {
-        "probe": str(probe_row.pk),
-        "image": settings.COVEY_DEFAULT_IMAGE,
-        "services": control_plane_services(),
-        "credentials": "",
-        "no_agent": "",
-    }
+    plan = ProbePlan(
+        probe=str(probe_row.pk),
+        image=settings.COVEY_DEFAULT_IMAGE,
+        services=tuple(control_plane_services()),
+    )
     try:
         allowed = allowed_target(probe_row.agent, runner.organisation)
         agent = choose_agent(runner, probe_row.agent, allowed)
-        order["allowed"], order["off_list"] = allowed, off_list_target(agent)
+        plan = replace(plan, allowed=allowed, off_list=off_list_target(agent))
     except (ValidationError, EntryError) as exc:
         probe_row.save(update_fields=["isolation"])
         _finish(probe_row, [], f"the probe cannot run: {words(exc)}")
-        return {"probe": str(probe_row.pk), "error": probe_row.detail}
+        return ProbePlan(probe=str(probe_row.pk), error=probe_row.detail)
     if agent is None:
-        order["no_agent"] = (
-            f"no enabled agent of {runner.organisation.name} may reach {allowed} to probe as"
+        plan = replace(
+            plan,
+            no_agent=f"no enabled agent of {runner.organisation.name} may reach {allowed} to"
+            " probe as",
         )
     else:
         token, credentials = issue_token(
             agent, ttl=TOKEN_TTL, purpose=f"egress probe {probe_row.pk}"
         )
         probe_row.agent, probe_row.egress_token = agent, token
-        order["credentials"], order["agent"] = credentials, str(agent)
+        plan = replace(plan, credentials=credentials, agent=str(agent))
     probe_row.save(update_fields=["isolation", "agent", "egress_token"])
-    return order
+    return plan
 
 
 def note_isolation(runner: Runner, isolation: str) -> None:

@@ -5,7 +5,8 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -20,7 +21,14 @@ from egress.probe import Verdict
 from organisations.api import OrganisationScoped
 from runners import probes, services
 from runners.auth import RunnerEndpoint, uuid_or_404
+from runners.messages import (
+    ProbePlanSerializer,
+    ProbeStatusAnswerSerializer,
+    Refusal,
+    RunnerInfoSerializer,
+)
 from runners.models import Probe, Runner
+from runners.protocol import ProbeStatusAnswer, RunnerInfo
 
 
 class ProbeSerializer(serializers.ModelSerializer):
@@ -148,13 +156,26 @@ class RegistrationSerializer(serializers.Serializer):
     labels = serializers.ListField(child=serializers.CharField(), required=False, default=list)
 
 
+class RegisteredRunnerSerializer(RunnerSerializer):
+    """A runner just registered: its token is in this answer and never again."""
+
+    token = serializers.CharField(read_only=True, help_text="The runner token: shown once.")
+    installation = serializers.CharField(read_only=True)
+
+    class Meta(RunnerSerializer.Meta):
+        fields = [*RunnerSerializer.Meta.fields, "token", "installation"]
+
+
 class RegisterRunnerView(APIView):
     """Exchange a registration token for a runner token (shown once)."""
 
     authentication_classes: list[Any] = []
     permission_classes = [permissions.AllowAny]
 
-    @extend_schema(request=RegistrationSerializer, responses={201: dict})
+    @extend_schema(
+        request=RegistrationSerializer,
+        responses={201: RegisteredRunnerSerializer},
+    )
     def post(self, request: Request) -> Response:
         serializer = RegistrationSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -180,11 +201,11 @@ class HeartbeatSerializer(serializers.Serializer):
 class RunnerSelfView(RunnerEndpoint):
     """Who the calling runner is; calling it is also its heartbeat."""
 
-    @extend_schema(responses=dict)
+    @extend_schema(responses=RunnerInfoSerializer)
     def get(self, request: Request) -> Response:
         return Response(_me(self.runner(request)))
 
-    @extend_schema(request=HeartbeatSerializer, responses=dict)
+    @extend_schema(request=HeartbeatSerializer, responses=RunnerInfoSerializer)
     def post(self, request: Request) -> Response:
         """The heartbeat: the runner is alive; waiting runs that fit it are placed."""
         serializer = HeartbeatSerializer(data=request.data)
@@ -203,7 +224,7 @@ class RunnerPauseSerializer(serializers.Serializer):
 class RunnerPauseView(RunnerEndpoint):
     """Pause or resume from the runner host's command line."""
 
-    @extend_schema(request=RunnerPauseSerializer, responses=dict)
+    @extend_schema(request=RunnerPauseSerializer, responses=RunnerInfoSerializer)
     def post(self, request: Request) -> Response:
         serializer = RunnerPauseSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -220,7 +241,7 @@ class ProbeBeginSerializer(serializers.Serializer):
 class RunnerProbesView(RunnerEndpoint):
     """The runner starts an egress probe (ordered, or its own): what to try, and as whom."""
 
-    @extend_schema(request=ProbeBeginSerializer, responses={200: dict, 409: dict})
+    @extend_schema(request=ProbeBeginSerializer, responses={200: ProbePlanSerializer, 409: Refusal})
     def post(self, request: Request) -> Response:
         serializer = ProbeBeginSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -235,7 +256,7 @@ class RunnerProbesView(RunnerEndpoint):
             )
         except probes.ProbeConflict as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
-        return Response(order)
+        return Response(ProbePlanSerializer(order).data)
 
 
 class ProbeCheckSerializer(serializers.Serializer):
@@ -253,7 +274,7 @@ class ProbeReportSerializer(serializers.Serializer):
 class RunnerProbeReportView(RunnerEndpoint):
     """What the runner's probe saw; answers with the probe's status."""
 
-    @extend_schema(request=ProbeReportSerializer, responses=dict)
+    @extend_schema(request=ProbeReportSerializer, responses=ProbeStatusAnswerSerializer)
     def post(self, request: Request, probe_id: str) -> Response:
         serializer = ProbeReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -264,21 +285,27 @@ class RunnerProbeReportView(RunnerEndpoint):
             )
         except probes.ProbeConflict as exc:
             raise Http404(str(exc)) from None
-        return Response({"probe": str(probe.pk), "status": probe.status})
+        answer = ProbeStatusAnswer(probe=str(probe.pk), status=probe.status)
+        return Response(ProbeStatusAnswerSerializer(answer).data)
 
 
-def _me(runner: Runner) -> dict[str, Any]:
-    return {
-        "id": runner.pk,
-        "name": runner.name,
-        "organisation": runner.organisation_id,
-        "labels": runner.labels,
-        "builtin": runner.builtin,
-        "paused": runner.paused,
-        "queue": runner.queue,
-        "isolation": runner.isolation,
-        "installation": services.installation_key(),
-    }
+def runner_info(runner: Runner) -> RunnerInfo:
+    """Who the runner is, as the protocol says it."""
+    return RunnerInfo(
+        id=runner.pk,
+        name=runner.name,
+        organisation=runner.organisation_id,
+        labels=tuple(runner.labels),
+        builtin=runner.builtin,
+        paused=runner.paused,
+        queue=runner.queue,
+        isolation=runner.isolation,
+        installation=services.installation_key(),
+    )
+
+
+def _me(runner: Runner) -> Any:
+    return RunnerInfoSerializer(runner_info(runner)).data
 
 
 # --- what runners' egress proxies call, with the runner's token -------------------------------
@@ -290,7 +317,16 @@ class EgressPolicyView(RunnerEndpoint):
     Answers 304 when ``If-None-Match`` names the current generation.
     """
 
-    @extend_schema(responses={200: dict, 304: None})
+    @extend_schema(
+        responses={
+            200: OpenApiResponse(
+                OpenApiTypes.OBJECT,
+                description="The policy snapshot (egress.services.build_snapshot): generation,"
+                " agents with their entries, tokens by hash.",
+            ),
+            304: None,
+        }
+    )
     def get(self, request: Request) -> Response:
         runner = self.runner(request)
         generation = egress.policy_fingerprint(runner.organisation_id)
@@ -310,7 +346,10 @@ class DecisionIngestSerializer(serializers.Serializer):
 class DecisionIngestView(RunnerEndpoint):
     """For proxies on runners: store a batch of decisions in the log."""
 
-    @extend_schema(request=DecisionIngestSerializer, responses={201: dict})
+    @extend_schema(
+        request=DecisionIngestSerializer,
+        responses={201: inline_serializer("Recorded", {"recorded": serializers.IntegerField()})},
+    )
     def post(self, request: Request) -> Response:
         serializer = DecisionIngestSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)

@@ -17,6 +17,7 @@ from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
 from runners.models import Runner
+from runners.protocol import ActiveRun, ActiveRuns, EgressGrant, LaunchSpec, ReportState, RunReport
 from runs.models import ACTIVE, FINISHED, Run, RunEvent, RunStatus
 from runs.placement import place
 
@@ -121,7 +122,7 @@ def cancel(run: Run, *, by: Any = None) -> Run:
 
 
 @transaction.atomic
-def start(run_id: str, runner: Runner) -> dict[str, Any] | None:
+def start(run_id: str, runner: Runner) -> LaunchSpec | None:
     """A runner is about to build the sandbox: mark it starting and return what it needs
     (None when the run is no longer this runner's to start)."""
     run = runners_run(run_id, runner)
@@ -157,53 +158,48 @@ def _default_runtime(run: Run) -> bool:
     return not (run.agent_version.config.get("sandbox") or {}).get("command")
 
 
-def sandbox_spec(run: Run, credentials: str) -> dict[str, Any]:
+def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
     """What the runner builds, from the agent's configuration version the run was queued at."""
     config = run.agent_version.config
     sandbox = config.get("sandbox") or {}
-    return {
-        "run": str(run.pk),
-        "agent": run.agent_id,
-        "image": sandbox_image(run),
-        "command": sandbox.get("command") or DEFAULT_RUNTIME,
-        "task": run.task,
-        "cpus": float(sandbox.get("cpus", 1)),
-        "memory_mb": int(sandbox.get("memory_mb", 2048)),
-        "pids": int(sandbox.get("pids", 512)),
-        "timeout": run.timeout,
-        "egress": {"enforce": settings.COVEY_EGRESS_ENFORCE, "credentials": credentials},
-    }
+    return LaunchSpec(
+        run=str(run.pk),
+        agent=run.agent_id,
+        image=sandbox_image(run),
+        command=tuple(sandbox.get("command") or DEFAULT_RUNTIME),
+        task=run.task,
+        cpus=float(sandbox.get("cpus", 1)),
+        memory_mb=int(sandbox.get("memory_mb", 2048)),
+        pids=int(sandbox.get("pids", 512)),
+        timeout=run.timeout,
+        egress=EgressGrant(enforce=settings.COVEY_EGRESS_ENFORCE, credentials=credentials),
+    )
 
 
 @transaction.atomic
-def report(
-    run_id: str,
-    runner: Runner,
-    *,
-    state: str,
-    exit_code: int | None = None,
-    log_tail: str = "",
-    detail: str = "",
-    started_at: datetime | None = None,
-    finished_at: datetime | None = None,
-) -> Run | None:
+def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
     """What a runner saw: the sandbox is ``running``, has ``exited`` (with its code, or
     ``timeout`` in detail), could not be ``built``, or ``vanished``; with the sandbox's own
     start and end times when it has them. None: not this runner's."""
+    state, exit_code, detail = seen.state, seen.exit_code, seen.detail
+    log_tail, started_at, finished_at = seen.log_tail, seen.started_at, seen.finished_at
     run = runners_run(run_id, runner)
     if run is None:
         return None
     if run.status in FINISHED:
         return run  # a late or repeated report changes nothing
     now = timezone.now()
-    if state == "running" or (state == "exited" and run.status != RunStatus.RUNNING):
+    if state == ReportState.RUNNING or (
+        state == ReportState.EXITED and run.status != RunStatus.RUNNING
+    ):
         # A quick sandbox may have ended before its runner said it started: it still ran.
         if run.status != RunStatus.RUNNING:
             run.started_at = started_at or now
-            _move(run, RunStatus.RUNNING, detail if state == "running" else "", ["started_at"])
-        if state == "running":
+            why = detail if state == ReportState.RUNNING else ""
+            _move(run, RunStatus.RUNNING, why, ["started_at"])
+        if state == ReportState.RUNNING:
             return run
-    if state == "vanished" and settings.COVEY_RUN_LOST == "retry":
+    if state == ReportState.VANISHED and settings.COVEY_RUN_LOST == "retry":
         _end_credential(run)
         run.runner = None
         run.egress_token = None
@@ -221,11 +217,11 @@ def report(
     run.finished_at = finished_at or now
     if run.cancel_requested_at is not None:
         status, why = RunStatus.CANCELLED, "cancelled"
-    elif state == "exited" and detail == "timeout":
+    elif state == ReportState.EXITED and detail == "timeout":
         status, why = RunStatus.TIMED_OUT, f"stopped after {run.timeout} s"
-    elif state == "exited" and exit_code == 0:
+    elif state == ReportState.EXITED and exit_code == 0:
         status, why = RunStatus.SUCCEEDED, ""
-    elif state == "exited" and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):
+    elif state == ReportState.EXITED and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):
         image = sandbox_image(run)
         status, why = (
             RunStatus.FAILED,
@@ -233,37 +229,37 @@ def report(
             " its PATH). Give the agent a workplace whose image has it, or a runtime command"
             ' (a list of arguments, e.g. ["sh", "-c", "make test"]).',
         )
-    elif state == "exited":
+    elif state == ReportState.EXITED:
         status, why = RunStatus.FAILED, f"exit code {exit_code}"
-    elif state == "built":
+    elif state == ReportState.BUILT:
         status, why = RunStatus.FAILED, f"the sandbox could not be built: {detail}"
-    elif state == "vanished":
+    else:  # VANISHED
         status, why = RunStatus.FAILED, f"its sandbox vanished ({detail})"
-    else:
-        raise ValidationError({"state": [f"unknown state {state!r}"]})
     _end_credential(run)
     _move(run, status, why, ["exit_code", "log_tail", "finished_at"])
     return run
 
 
-def runners_active_runs(runner: Runner) -> list[dict[str, Any]]:
+def runners_active_runs(runner: Runner) -> ActiveRuns:
     """The runs a runner should have a sandbox for (what it reconciles against), with how much
     of their output the control plane has."""
     now = timezone.now()
-    return [
-        {
-            "run": str(pk),
-            "status": status,
-            "cancel": cancel is not None,
-            "waited": (now - placed_at).total_seconds() if placed_at else 0.0,
-            "output_size": output_size,
-        }
-        for pk, status, cancel, placed_at, output_size in Run.objects.filter(
-            runner=runner, status__in=ACTIVE
+    return ActiveRuns(
+        runs=tuple(
+            ActiveRun(
+                run=str(pk),
+                status=status,
+                cancel=cancel is not None,
+                waited=(now - placed_at).total_seconds() if placed_at else 0.0,
+                output_size=output_size,
+            )
+            for pk, status, cancel, placed_at, output_size in Run.objects.filter(
+                runner=runner, status__in=ACTIVE
+            )
+            .order_by("created_at")
+            .values_list("pk", "status", "cancel_requested_at", "placed_at", "output_size")
         )
-        .order_by("created_at")
-        .values_list("pk", "status", "cancel_requested_at", "placed_at", "output_size")
-    ]
+    )
 
 
 def runners_run(run_id: str, runner: Runner) -> Run | None:

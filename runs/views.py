@@ -12,6 +12,16 @@ from organisations.api import OrganisationScoped
 from organisations.models import Organisation
 from runners.auth import RunnerEndpoint, uuid_or_404
 from runners.host.client import OUTPUT_TOTAL_HEADER
+from runners.messages import (
+    ActiveRunsSerializer,
+    LaunchSpecSerializer,
+    OutputAnswerSerializer,
+    OutputChunkSerializer,
+    Refusal,
+    RunReportSerializer,
+    RunStatusAnswerSerializer,
+)
+from runners.protocol import OutputAnswer, RunStatusAnswer
 from runs import output, services
 from runs.models import Run
 from runs.serializers import RunSerializer
@@ -92,15 +102,16 @@ class RunViewSet(
 class RunnerRunsView(RunnerEndpoint):
     """The runs this runner should have a sandbox for (what it reconciles against)."""
 
-    @extend_schema(responses=dict)
+    @extend_schema(responses=ActiveRunsSerializer)
     def get(self, request: Request) -> Response:
-        return Response({"runs": services.runners_active_runs(self.runner(request))})
+        runs = services.runners_active_runs(self.runner(request))
+        return Response(ActiveRunsSerializer(runs).data)
 
 
 class RunStartView(RunnerEndpoint):
     """The runner is building the sandbox: the spec, with a fresh egress credential."""
 
-    @extend_schema(request=None, responses={200: dict, 409: dict})
+    @extend_schema(request=None, responses={200: LaunchSpecSerializer, 409: Refusal})
     def post(self, request: Request, run_id: str) -> Response:
         spec = services.start(uuid_or_404(run_id), self.runner(request))
         if spec is None:
@@ -108,31 +119,21 @@ class RunStartView(RunnerEndpoint):
                 {"detail": "this run is not this runner's to start (cancelled or moved)"},
                 status=status.HTTP_409_CONFLICT,
             )
-        return Response(spec)
-
-
-class RunReportSerializer(serializers.Serializer):
-    state = serializers.ChoiceField(choices=["running", "exited", "built", "vanished"])
-    exit_code = serializers.IntegerField(required=False, allow_null=True)
-    log_tail = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
-    detail = serializers.CharField(required=False, allow_blank=True, max_length=400)
-    started_at = serializers.DateTimeField(required=False, allow_null=True)
-    finished_at = serializers.DateTimeField(required=False, allow_null=True)
+        return Response(LaunchSpecSerializer(spec).data)
 
 
 class RunReportView(RunnerEndpoint):
     """What the runner saw of a sandbox; answers with the run's status."""
 
-    @extend_schema(request=RunReportSerializer, responses=dict)
+    @extend_schema(request=RunReportSerializer, responses=RunStatusAnswerSerializer)
     def post(self, request: Request, run_id: str) -> Response:
         serializer = RunReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        run = services.report(
-            uuid_or_404(run_id), self.runner(request), **serializer.validated_data
-        )
+        run = services.report(uuid_or_404(run_id), self.runner(request), serializer.validated_data)
         if run is None:
             raise Http404("no such run on this runner")
-        return Response({"run": str(run.pk), "status": run.status})
+        answer = RunStatusAnswer(run=str(run.pk), status=run.status)
+        return Response(RunStatusAnswerSerializer(answer).data)
 
 
 class RunLogView(RunnerEndpoint):
@@ -163,31 +164,34 @@ class RunLogView(RunnerEndpoint):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
-class RunOutputSerializer(serializers.Serializer):
-    offset = serializers.IntegerField(min_value=0)
-    text = serializers.CharField(
-        allow_blank=True, trim_whitespace=False, max_length=output.MAX_OUTPUT_CHUNK_BYTES
-    )
-
-
 class RunOutputView(RunnerEndpoint):
     """Output of a running sandbox, in order: ``offset`` is where ``text`` starts (bytes of
     UTF-8). 409 with ``size`` when the control plane has another amount: go on from there; 410
     when it takes no more live (the run ended, or has as much as it keeps while it goes)."""
 
-    @extend_schema(request=RunOutputSerializer, responses={200: dict, 409: dict, 410: dict})
+    @extend_schema(
+        request=OutputChunkSerializer,
+        responses={
+            200: OutputAnswerSerializer,
+            409: OutputAnswerSerializer,
+            410: OutputAnswerSerializer,
+        },
+    )
     def post(self, request: Request, run_id: str) -> Response:
-        serializer = RunOutputSerializer(data=request.data)
+        serializer = OutputChunkSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
+        chunk = serializer.validated_data
+        code: int
         try:
             run = output.append_output(
-                uuid_or_404(run_id), self.runner(request), data["offset"], data["text"]
+                uuid_or_404(run_id), self.runner(request), chunk.offset, chunk.text
             )
         except output.OutputConflict as exc:
-            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_409_CONFLICT)
+            answer, code = OutputAnswer(exc.size, str(exc)), status.HTTP_409_CONFLICT
         except output.OutputClosed as exc:
-            return Response({"detail": str(exc), "size": exc.size}, status=status.HTTP_410_GONE)
-        if run is None:
-            raise Http404("no such run on this runner")
-        return Response({"run": str(run.pk), "size": run.output_size})
+            answer, code = OutputAnswer(exc.size, str(exc)), status.HTTP_410_GONE
+        else:
+            if run is None:
+                raise Http404("no such run on this runner")
+            answer, code = OutputAnswer(run.output_size), status.HTTP_200_OK
+        return Response(OutputAnswerSerializer(answer).data, status=code)

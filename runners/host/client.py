@@ -5,6 +5,21 @@ from typing import Any
 
 import httpx
 
+from runners.protocol import (
+    ActiveRun,
+    ActiveRuns,
+    LaunchSpec,
+    Message,
+    OutputAnswer,
+    OutputChunk,
+    ProbePlan,
+    ProbeStatusAnswer,
+    ProtocolError,
+    RunnerInfo,
+    RunReport,
+    RunStatusAnswer,
+)
+
 
 class ControlPlaneError(Exception):
     """The control plane refused or could not be reached; the message says which."""
@@ -49,66 +64,59 @@ class ControlPlaneClient:
         """Use a renewed runner token from now on."""
         self._client.headers["Authorization"] = f"Runner {token}"
 
-    def me(self) -> Mapping[str, Any]:
+    def me(self) -> RunnerInfo:
         """Who this runner is (id, name, organisation, labels, paused, queue)."""
-        data: Mapping[str, Any] = self._request("GET", "/api/v1/runner/").json()
-        return data
+        return _answer(RunnerInfo, self._request("GET", "/api/v1/runner/"))
 
-    def heartbeat(self, isolation: str = "") -> Mapping[str, Any]:
+    def heartbeat(self, isolation: str = "") -> RunnerInfo:
         """Tell the control plane this runner is alive (and what it enforces: network or
         cooperative); answers like :meth:`me`."""
         body = {"isolation": isolation} if isolation else {}
-        data: Mapping[str, Any] = self._request("POST", "/api/v1/runner/", json=body).json()
-        return data
+        return _answer(RunnerInfo, self._request("POST", "/api/v1/runner/", json=body))
 
     def begin_probe(
         self, probe_id: str | None, isolation: str, reason: str = ""
-    ) -> Mapping[str, Any] | None:
+    ) -> ProbePlan | None:
         """What an egress probe is to try (a new one when ``probe_id`` is None); None when the
         ordered probe is no longer this runner's to run."""
         body = {"probe": probe_id, "isolation": isolation, "reason": reason}
         response = self._request("POST", "/api/v1/runner/probes/", json=body, allow=(409,))
         if response.status_code == 409:
             return None
-        data: Mapping[str, Any] = response.json()
-        return data
+        return _answer(ProbePlan, response)
 
     def report_probe(
         self, probe_id: str, checks: list[dict[str, str]], detail: str = ""
-    ) -> Mapping[str, Any]:
+    ) -> ProbeStatusAnswer:
         """What the probe saw, one entry per check (or why it could not run)."""
-        data: Mapping[str, Any] = self._request(
+        response = self._request(
             "POST",
             f"/api/v1/runner/probes/{probe_id}/report/",
             json={"checks": checks, "detail": detail},
-        ).json()
-        return data
+        )
+        return _answer(ProbeStatusAnswer, response)
 
-    def pause(self, paused: bool) -> Mapping[str, Any]:
-        data: Mapping[str, Any] = self._request(
-            "POST", "/api/v1/runner/pause/", json={"paused": paused}
-        ).json()
-        return data
+    def pause(self, paused: bool) -> RunnerInfo:
+        response = self._request("POST", "/api/v1/runner/pause/", json={"paused": paused})
+        return _answer(RunnerInfo, response)
 
-    def active_runs(self) -> list[Mapping[str, Any]]:
+    def active_runs(self) -> tuple[ActiveRun, ...]:
         """The runs the control plane expects this runner to have a sandbox for."""
-        runs: list[Mapping[str, Any]] = self._request("GET", "/api/v1/runner/runs/").json()["runs"]
-        return runs
+        return _answer(ActiveRuns, self._request("GET", "/api/v1/runner/runs/")).runs
 
-    def start_run(self, run_id: str) -> Mapping[str, Any] | None:
+    def start_run(self, run_id: str) -> LaunchSpec | None:
         """The sandbox spec of a run this runner is to start; None when it no longer is."""
         response = self._request("POST", f"/api/v1/runner/runs/{run_id}/start/", allow=(409,))
         if response.status_code == 409:
             return None
-        data: Mapping[str, Any] = response.json()
-        return data
+        return _answer(LaunchSpec, response)
 
-    def report(self, run_id: str, state: str, **fields: Any) -> Mapping[str, Any]:
+    def report(self, run_id: str, seen: RunReport) -> RunStatusAnswer:
         """What this runner saw of a run's sandbox: running, exited, built (failed), vanished."""
-        data: Mapping[str, Any] = self._request(
-            "POST", f"/api/v1/runner/runs/{run_id}/report/", json={"state": state, **fields}
-        ).json()
-        return data
+        response = self._request(
+            "POST", f"/api/v1/runner/runs/{run_id}/report/", json=seen.to_json()
+        )
+        return _answer(RunStatusAnswer, response)
 
     def put_log(self, run_id: str, text: str, total: int | None = None) -> None:
         """Send a finished run's whole output (``total``: how many bytes the sandbox wrote in
@@ -130,14 +138,15 @@ class ControlPlaneClient:
         response = self._request(
             "POST",
             f"/api/v1/runner/runs/{run_id}/output/",
-            json={"offset": offset, "text": text},
+            json=OutputChunk(offset, text).to_json(),
             allow=(409, 410),
         )
+        answer = _answer(OutputAnswer, response)
         if response.status_code == 409:
-            raise OutputBehind(int(response.json()["size"]))
+            raise OutputBehind(answer.size)
         if response.status_code == 410:
-            raise OutputClosed(str(response.json().get("detail", "")))
-        return int(response.json()["size"])
+            raise OutputClosed(answer.detail)
+        return answer.size
 
     def _request(
         self, method: str, path: str, *, allow: tuple[int, ...] = (), **kwargs: Any
@@ -175,3 +184,15 @@ class ControlPlaneClient:
             raise ControlPlaneError(f"registration refused: {response.status_code} {response.text}")
         data: Mapping[str, Any] = response.json()
         return data
+
+
+def _answer[M: Message](kind: type[M], response: httpx.Response) -> M:
+    """The control plane's answer as a protocol message; ControlPlaneError when it is not one
+    (a runner never acts on half an answer)."""
+    try:
+        return kind.from_json(response.json())
+    except (ValueError, ProtocolError) as exc:  # not JSON, or not this message
+        raise ControlPlaneError(
+            f"{response.request.method} {response.request.url}: not a {kind.__name__}: {exc}",
+            response.status_code,
+        ) from None

@@ -38,7 +38,7 @@ class Identity:
         """The key of the installation this runner belongs to (asked for once when its file,
         written by an older covey, does not have it)."""
         if not self._installation:
-            self._installation = str(self.client.me()["installation"])
+            self._installation = self.client.me().installation
         return self._installation
 
     @property

@@ -29,6 +29,7 @@ import psutil
 from egress import probe
 from egress.probe import Category, Check, Expect, Result
 from runners.host.containers.engine import Engine, EngineError, SandboxSpec
+from runners.protocol import ProbePlan
 
 PEER_PORT = 8080
 EMBEDDED_RESOLVER = "127.0.0.11"
@@ -98,19 +99,19 @@ class Report:
 
 
 def plan(
-    order: Mapping[str, Any],
+    order: ProbePlan,
     targets: Targets,
     where: Where,
     peer: str,
     host: Sequence[tuple[str, int]],
 ) -> list[Check]:
     """Every check of one probe, in the order they are printed."""
-    credentials = str(order.get("credentials") or "")
-    no_agent = "" if credentials else str(order.get("no_agent") or "no agent to probe as")
+    credentials = order.credentials
+    no_agent = "" if credentials else (order.no_agent or "no agent to probe as")
     no_proxy = "" if where.proxy else "this runner has no proxy (COVEY_RUNNER_PROXY)"
     via = no_proxy or no_agent
-    allowed_host, allowed_port = probe.parse_host_port(str(order["allowed"]))
-    off_host, off_port = probe.parse_host_port(str(order["off_list"]))
+    allowed_host, allowed_port = probe.parse_host_port(order.allowed)
+    off_host, off_port = probe.parse_host_port(order.off_list)
     internet = [probe.parse_address(t) for t in targets.internet]
     checks = [
         Check(Category.ALLOWED, "proxy", allowed_host, allowed_port, expect=Expect.REACH, skip=via),
@@ -135,7 +136,7 @@ def plan(
     checks += [Check(Category.HOST, "tcp", a, p) for a, p in host]
     checks += [
         Check(Category.CONTROL_PLANE, "tcp", a, p)
-        for a, p in control_plane_targets(order.get("services") or [], where.gateway)
+        for a, p in control_plane_targets(list(order.services), where.gateway)
     ]
     checks.append(Check(Category.PEER, "tcp", peer, PEER_PORT))
     checks.append(Check(Category.DNS_EMBEDDED, "dns", EMBEDDED_RESOLVER, 53, allowed_host))
@@ -219,7 +220,7 @@ def _is_loopback(host: str) -> bool:
 
 def run(
     engine: Engine,
-    order: Mapping[str, Any],
+    order: ProbePlan,
     targets: Targets,
     where: Where,
     scratch: Path,
@@ -227,7 +228,7 @@ def run(
     timeout: float = 60.0,
 ) -> Report:
     """Run one probe: the peer, then the probe container; both are gone afterwards."""
-    image = str(order["image"])
+    image = order.image
     tag = uuid.uuid4().hex[:12]
     peer_id, probe_id = f"probe-{tag}-peer", f"probe-{tag}"
     home = scratch / f"probe-{tag}"
@@ -237,9 +238,7 @@ def run(
         engine.launch(_spec(peer_id, image, ["python3", "-c", PEER_SCRIPT], where, home, {}))
         peer = _wait_ready(engine, peer_id, where, timeout)
         checks = plan(order, targets, where, peer, host_targets(where.gateway))
-        script_plan = probe.plan_json(
-            checks, where.proxy, str(order.get("credentials") or ""), CHECK_TIMEOUT
-        )
+        script_plan = probe.plan_json(checks, where.proxy, order.credentials, CHECK_TIMEOUT)
         engine.launch(
             _spec(
                 probe_id,

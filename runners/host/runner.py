@@ -37,6 +37,7 @@ from runners.host.containers.isolation import IsolationError, Shape
 from runners.host.identity import Identity, runner_name
 from runners.host.output import LiveOutput
 from runners.host.sealing import unseal
+from runners.protocol import LaunchSpec, ReportState, RunReport
 
 logger = logging.getLogger(__name__)
 
@@ -218,15 +219,15 @@ class RunnerHost:
         try:
             if self.settings.isolation:
                 self._check_probe(identity)
-            elif spec["egress"]["enforce"] and (problem := self.check_proxy(identity)):
+            elif spec.egress.enforce and (problem := self.check_proxy(identity)):
                 raise UntrustedError(problem)
             shape = self._checked_shape(identity) if self.settings.isolation else None
             sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec, shape))
         except (EngineError, IsolationError, UntrustedError, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
-            client.report(run_id, "built", detail=str(exc)[:400])
+            client.report(run_id, RunReport(ReportState.BUILT, detail=str(exc)[:400]))
             return
-        client.report(run_id, "running", started_at=_iso(sandbox.started_at))
+        client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
         else:
@@ -244,37 +245,37 @@ class RunnerHost:
         logger.info("covey runner: runner %s has a renewed token", identity.name)
 
     def _sandbox_spec(
-        self, identity: Identity, spec: Mapping[str, Any], shape: Shape | None = None
+        self, identity: Identity, spec: LaunchSpec, shape: Shape | None = None
     ) -> SandboxSpec:
-        egress = spec["egress"]
-        environment: dict[str, str] = {"COVEY_RUN": str(spec["run"])}
+        egress = spec.egress
+        environment: dict[str, str] = {"COVEY_RUN": spec.run}
         network: dict[str, Any] = {"network": self.settings.network}
         if shape is not None:
             # The proxy is the only way out, so the sandbox is told where it is whatever the
             # control plane's COVEY_EGRESS_ENFORCE says.
             environment.update(
-                proxy_environment(shape.proxy_ip, isolation.PROXY_PORT, egress["credentials"])
+                proxy_environment(shape.proxy_ip, isolation.PROXY_PORT, egress.credentials)
             )
             network = isolation.sandbox_network_options(shape)
-        elif egress["enforce"]:
+        elif egress.enforce:
             if not self.settings.proxy:
                 raise ValueError(
                     "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
                 )
             host, _, port = self.settings.proxy.rpartition(":")
-            environment.update(proxy_environment(host, int(port), egress["credentials"]))
+            environment.update(proxy_environment(host, int(port), egress.credentials))
         return SandboxSpec(
-            run_id=str(spec["run"]),
-            agent_id=int(spec["agent"]),
-            image=str(spec["image"]),
-            command=[str(arg) for arg in spec["command"]],
-            task=str(spec["task"]),
+            run_id=spec.run,
+            agent_id=spec.agent,
+            image=spec.image,
+            command=list(spec.command),
+            task=spec.task,
             environment=environment,
-            home=self.settings.homes / str(identity.id) / str(spec["agent"]),
-            cpus=float(spec["cpus"]),
-            memory_mb=int(spec["memory_mb"]),
-            pids=int(spec["pids"]),
-            timeout=int(spec["timeout"]),
+            home=self.settings.homes / str(identity.id) / str(spec.agent),
+            cpus=spec.cpus,
+            memory_mb=spec.memory_mb,
+            pids=spec.pids,
+            timeout=spec.timeout,
             **network,
         )
 
@@ -380,8 +381,8 @@ class RunnerHost:
             if order is None:
                 logger.info("covey runner %s: probe %s is not ours to run", identity.name, probe_id)
                 return None
-            if "error" in order:  # the control plane finished it already
-                report = probing.failed(str(order["error"]))
+            if order.error:  # the control plane finished it already
+                report = probing.failed(order.error)
             else:
                 try:
                     report = probing.run(
@@ -394,7 +395,7 @@ class RunnerHost:
                 except (probing.ProbeError, EngineError, IsolationError, ValueError) as exc:
                     report = probing.failed(str(exc))
                 client.report_probe(
-                    str(order["probe"]), [r.as_dict() for r in report.results], report.detail
+                    order.probe, [r.as_dict() for r in report.results], report.detail
                 )
             summary = report.summary
             self._probes[identity.id] = ProbeState(report.passed, time.monotonic(), summary)
@@ -586,7 +587,7 @@ class RunnerHost:
         engine = self.engine(identity)
         client = identity.client
         sandboxes = engine.sandboxes() if sandboxes is None else sandboxes
-        active = {str(run["run"]): run for run in client.active_runs()}
+        active = {run.run: run for run in client.active_runs()}
         held = {sandbox.run_id: sandbox for sandbox in sandboxes}
         for run_id, sandbox in held.items():
             run = active.get(run_id)
@@ -599,22 +600,23 @@ class RunnerHost:
                     logger.info("covey runner: removing sandbox %s (no live run)", run_id)
                 self._stop_output(run_id)
                 engine.remove(run_id)
-            elif run["cancel"] and sandbox.status == "running":
+            elif run.cancel and sandbox.status == "running":
                 engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
-            elif run["status"] != "running" and sandbox.status == "running":
+            elif run.status != "running" and sandbox.status == "running":
                 # Launched, but the report was lost.
-                client.report(run_id, "running", started_at=_iso(sandbox.started_at))
-            if run is not None and sandbox.status == "running" and not run["cancel"]:
+                client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
+            if run is not None and sandbox.status == "running" and not run.cancel:
                 # After a restart of this runner: go on from what the control plane has.
-                self.follow_output(identity, run_id, int(run.get("output_size") or 0))
+                self.follow_output(identity, run_id, run.output_size)
         for run_id, run in active.items():
             if run_id in held or run_id in self._launching:
                 continue
-            if run["status"] == "running":
+            if run.status == "running":
                 # The list of sandboxes came first: one launched since is not in it. Ask again.
                 if engine.get(run_id) is None:
-                    client.report(run_id, "vanished", detail=f"no sandbox on {identity.name}")
-            elif run["waited"] >= RELAUNCH_AFTER_SECONDS and not run["cancel"]:
+                    gone = RunReport(ReportState.VANISHED, detail=f"no sandbox on {identity.name}")
+                    client.report(run_id, gone)
+            elif run.waited >= RELAUNCH_AFTER_SECONDS and not run.cancel:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
                 self.launch(identity.id, run_id)
 
@@ -698,14 +700,14 @@ class RunnerHost:
         total = self._stop_output(run_id, wait=5.0)
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
-            client.report(
-                run_id,
-                "exited",
+            ended = RunReport(
+                ReportState.EXITED,
                 exit_code=sandbox.exit_code,
                 detail="timeout" if _ran_out(sandbox) else "",
-                started_at=_iso(sandbox.started_at),
-                finished_at=_iso(sandbox.finished_at),
+                started_at=sandbox.started_at,
+                finished_at=sandbox.finished_at,
             )
+            client.report(run_id, ended)
         except ControlPlaneError as exc:
             if exc.status != 404:  # 404: not a run of ours (any more): just clean up
                 raise  # keep the sandbox: the next sweep reports it again
@@ -713,10 +715,6 @@ class RunnerHost:
                 return  # from before installation keys and not ours: another installation's
         engine.remove(run_id)
         self._timed_out.discard(run_id)
-
-
-def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.isoformat()
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

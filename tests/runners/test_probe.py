@@ -31,6 +31,7 @@ from runners.host.containers import isolation
 from runners.host.containers.engine import Engine
 from runners.host.identity import Identity, docker_name
 from runners.models import Probe, ProbeStatus, Runner
+from runners.protocol import ProbePlan
 from runners.services import installation_key
 from tests.runners.world import UPSTREAM_NAME, World
 
@@ -142,7 +143,9 @@ def test_results_round_trip_and_print_one_line_each():
 
 def test_a_category_with_nothing_to_try_says_so():
     where = probing.Where(network={}, proxy="10.0.0.2:3128", gateway="10.0.0.1")
-    order = {"allowed": "vendor.test:443", "off_list": "off.test", "credentials": "a.b:c"}
+    order = ProbePlan(
+        probe="p", allowed="vendor.test:443", off_list="off.test", credentials="a.b:c"
+    )
     empty = probing.Targets(internet=(), private=(), metadata=(), resolvers=(), ipv6=())
 
     checks = probing.plan(order, empty, where, "10.0.0.130", [("10.0.0.1", 22)])
@@ -221,13 +224,11 @@ class ProbeWorld:
     def probe(self, where: probing.Where | None = None) -> probing.Report:
         """One probe, as the runner host runs it: ordered by the control plane, reported back."""
         order = self.client.begin_probe(None, "network", "test")
-        assert order is not None and "error" not in order, order
+        assert order is not None and not order.error, order
         report = probing.run(
             self.engine, order, self.targets(), where or self.where(), self.world.stack.tmp
         )
-        self.client.report_probe(
-            str(order["probe"]), [r.as_dict() for r in report.results], report.detail
-        )
+        self.client.report_probe(order.probe, [r.as_dict() for r in report.results], report.detail)
         return report
 
 

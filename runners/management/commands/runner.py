@@ -76,7 +76,7 @@ class Command(BaseCommand):
             except ControlPlaneError as exc:
                 raise CommandError(f"the control plane refuses this runner: {exc}") from None
             host = runner_host.RunnerHost({identity.id: identity}, host_settings)
-            queue, name = str(me["queue"]), identity.name
+            queue, name = me.queue, identity.name
         for runner_id, shape in host.start_isolation().items():
             # Without a shape the runner still starts: it refuses launches until one is built.
             self.stdout.write(

@@ -33,5 +33,5 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         finally:
             client.close()
-        state = "paused" if me["paused"] else "accepting work"
-        self.stdout.write(f"runner {me['name']} is {state}")
+        state = "paused" if me.paused else "accepting work"
+        self.stdout.write(f"runner {me.name} is {state}")

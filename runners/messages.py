@@ -1,0 +1,68 @@
+"""The runner protocol's messages (runners/protocol.py) as DRF serializers: the control plane
+validates and answers with these, and the OpenAPI schema describes them."""
+
+from typing import Any
+
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+from rest_framework_dataclasses.serializers import DataclassSerializer
+
+from runners import protocol
+
+
+class LaunchSpecSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.LaunchSpec
+
+
+class ActiveRunsSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.ActiveRuns
+
+
+class RunReportSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.RunReport
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "detail": {"max_length": 400, "allow_blank": True, "trim_whitespace": False},
+            "log_tail": {"allow_blank": True, "trim_whitespace": False},
+        }
+
+
+class RunStatusAnswerSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.RunStatusAnswer
+
+
+class ProbePlanSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.ProbePlan
+
+
+class ProbeStatusAnswerSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.ProbeStatusAnswer
+
+
+class OutputChunkSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.OutputChunk
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "offset": {"min_value": 0},
+            # 256 KiB of UTF-8 at most (a runner sends 64 KiB chunks)
+            "text": {"allow_blank": True, "trim_whitespace": False, "max_length": 256 * 1024},
+        }
+
+
+class OutputAnswerSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.OutputAnswer
+
+
+class RunnerInfoSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.RunnerInfo
+
+
+# A refusal: {"detail": why} (DRF's own shape).
+Refusal = inline_serializer("Refusal", {"detail": serializers.CharField()})

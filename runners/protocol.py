@@ -1,0 +1,218 @@
+"""The runner protocol: what crosses between the control plane and a runner host, as frozen
+dataclasses with a JSON round-trip. Both sides use these (the control plane's serializers are
+made from them, so the OpenAPI schema describes them; the runner host decodes its answers with
+them), and nothing here imports Django: it is part of the data plane too.
+
+``from_json`` refuses what does not fit (a missing field, a wrong type, an unknown state) with a
+:class:`ProtocolError` that says where: a runner never acts on half an order.
+"""
+
+import dataclasses
+import types
+import typing
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Self
+
+
+class ProtocolError(ValueError):
+    """A message that does not fit its dataclass; the text names the field."""
+
+
+class ReportState(StrEnum):
+    """What a runner saw of a run's sandbox."""
+
+    RUNNING = "running"  # it started
+    EXITED = "exited"  # its process ended (with an exit code; detail "timeout" when stopped)
+    BUILT = "built"  # it could not be built (detail says why): the run fails
+    VANISHED = "vanished"  # the runner has no sandbox for a run that was running
+
+
+class Message:
+    """JSON round-trip for the protocol's dataclasses (fields of str, int, float, bool, None,
+    datetimes as ISO 8601, enums, tuples, lists and nested messages)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types, ready for the wire."""
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        """The message in ``data`` (as :meth:`to_json` makes it); ProtocolError when it does
+        not fit. Unknown keys are ignored: a newer side may send more."""
+        return typing.cast(Self, _decode(cls, data, cls.__name__))
+
+
+@dataclasses.dataclass(frozen=True)
+class EgressGrant(Message):
+    """The run's egress: whether the sandbox is told of the proxy (COVEY_EGRESS_ENFORCE), and
+    its per-run credential (``username:token``), revoked when the run ends."""
+
+    enforce: bool
+    credentials: str = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec(Message):
+    """What a runner builds for a run: the answer to its start request."""
+
+    run: str
+    agent: int
+    image: str
+    command: tuple[str, ...]
+    task: str
+    cpus: float
+    memory_mb: int
+    pids: int
+    timeout: int
+    egress: EgressGrant
+
+
+@dataclasses.dataclass(frozen=True)
+class ActiveRun(Message):
+    """A run the control plane expects a runner to have a sandbox for (what it reconciles
+    against)."""
+
+    run: str
+    status: str  # placed, starting or running (runs.models.RunStatus)
+    cancel: bool  # cancelling was asked for
+    waited: float  # seconds since it was placed
+    output_size: int  # bytes of its output the control plane has
+
+
+@dataclasses.dataclass(frozen=True)
+class ActiveRuns(Message):
+    runs: tuple[ActiveRun, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport(Message):
+    """What a runner reports of a run's sandbox."""
+
+    state: ReportState
+    exit_code: int | None = None
+    log_tail: str = ""
+    detail: str = ""
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatusAnswer(Message):
+    """The control plane's answer to a report: the run's status now."""
+
+    run: str
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbePlan(Message):
+    """What an egress probe is to try, and as whom (the answer to a runner that begins one);
+    ``error`` instead when it cannot run."""
+
+    probe: str
+    image: str = ""
+    services: tuple[str, ...] = ()  # host:port of the control plane's web, database, broker
+    allowed: str = ""  # host:port the agent may reach (the vendor)
+    off_list: str = ""  # host:port it may not
+    credentials: str = dataclasses.field(default="", repr=False)  # username:token, or ""
+    agent: str = ""  # whom it probes as
+    no_agent: str = ""  # why nobody: the proxy's checks are skipped
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeStatusAnswer(Message):
+    """The control plane's answer to a probe's report: its verdict."""
+
+    probe: str
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputChunk(Message):
+    """Output of a running sandbox: ``text`` starts ``offset`` bytes (UTF-8) into it."""
+
+    offset: int
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputAnswer(Message):
+    """How much of the run's output the control plane has now (and, on a refusal, why)."""
+
+    size: int
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerInfo(Message):
+    """Who a runner is (the answer to its heartbeat)."""
+
+    id: int
+    name: str
+    organisation: int
+    labels: tuple[str, ...]
+    builtin: bool
+    paused: bool
+    queue: str
+    isolation: str
+    installation: str
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_json()
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple | list):
+        return [_encode(item) for item in value]
+    return value
+
+
+def _decode(kind: Any, data: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if data is None and type(None) in options:
+            return None
+        (kind,) = [option for option in options if option is not type(None)]
+        return _decode(kind, data, where)
+    if origin in (tuple, list):
+        if not isinstance(data, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(data).__name__}")
+        item = typing.get_args(kind)[0]
+        return tuple(_decode(item, value, f"{where}[{i}]") for i, value in enumerate(data))
+    if isinstance(kind, type) and issubclass(kind, Message):
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
+        hints = typing.get_type_hints(kind)
+        values = {}
+        for f in dataclasses.fields(kind):
+            if f.name in data:
+                values[f.name] = _decode(hints[f.name], data[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}.{f.name}: missing")
+        return kind(**values)
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        try:
+            return kind(data)
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)
+            raise ProtocolError(f"{where}: {data!r} is not one of {allowed}") from None
+    if kind is datetime:
+        if not isinstance(data, str):
+            raise ProtocolError(f"{where}: expected an ISO 8601 time")
+        try:
+            return datetime.fromisoformat(data)
+        except ValueError:
+            raise ProtocolError(f"{where}: {data!r} is not an ISO 8601 time") from None
+    if kind is float and isinstance(data, int | float) and not isinstance(data, bool):
+        return float(data)
+    if kind in (str, int, bool) and type(data) is kind:
+        return data
+    raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(data).__name__}")
