@@ -104,16 +104,39 @@ def normalise_entries(texts: Iterable[str]) -> list[str]:
     return format_entries(parse_entries(texts))
 
 
+def split_host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` → (host, port), the brackets gone; a
+    bare IPv6 address is all host. Every covey ``host:port`` (entries, settings, flags, probe
+    targets) is split here. ValueError saying what is wrong: no port and no default, or a port
+    outside 1-65535."""
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"{text!r}: give [address] or [address]:port")
+        port_text = rest[1:]
+        if rest and not port_text:
+            raise ValueError(f"{text!r}: the port is missing after ':'")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text and not text.endswith(":"):
+        if default_port is None:
+            raise ValueError(f"{text!r} has no port")
+        return host, default_port
+    if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
 def _split_port(text: str, shown: str) -> tuple[str, int]:
     if text.startswith("[") or text.count(":") > 1:
         # Bracketed or bare IPv6, possibly with a port: an IP literal either way.
         raise IPLiteralError(f"{shown}: IP addresses are not allowed; use the host's DNS name")
-    if ":" not in text:
-        return text, DEFAULT_PORT
-    host, port_text = text.rsplit(":", 1)
-    if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
-        raise EntryError(f"{shown}: the port must be a number from 1 to 65535")
-    return host, int(port_text)
+    try:
+        return split_host_port(text, DEFAULT_PORT)
+    except ValueError:
+        raise EntryError(f"{shown}: the port must be a number from 1 to 65535") from None
 
 
 def _normalise_host(text: str, shown: str) -> str:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+from allowlists.entries import split_host_port
+
 
 class Category(StrEnum):
     """What a check is about; the order is the order the lines are printed in."""
@@ -126,31 +128,23 @@ def parse_address(text: str, default_port: int | None = None) -> tuple[str, int]
     """``ip:port`` or ``[v6]:port`` (the port may be left out when there is a default);
     ValueError saying what is wrong."""
     text = text.strip()
-    host, port = text, ""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else rest
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
+    host, port = split_host_port(text, default_port)
     try:
         ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"{text!r} is not an IP address with a port") from None
-    if not port:
-        if default_port is None:
-            raise ValueError(f"{text!r} has no port")
-        return host, default_port
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r}: the port must be 1 to 65535")
-    return host, int(port)
+    return host, port
 
 
 def parse_host_port(text: str, default_port: int = 443) -> tuple[str, int]:
     """``name[:port]`` for targets through the proxy."""
-    host, _, port = text.strip().rpartition(":") if ":" in text else (text.strip(), "", "")
-    if not host or (port and not port.isdigit()):
+    try:
+        host, port = split_host_port(text.strip(), default_port)
+    except ValueError as exc:
+        raise ValueError(f"{text!r} must be host or host:port ({exc})") from None
+    if not host:
         raise ValueError(f"{text!r} must be host or host:port")
-    return host.lower(), int(port) if port else default_port
+    return host.lower(), port
 
 
 def judge(checks: Sequence[Check], observations: Sequence[Mapping[str, Any]]) -> list[Result]:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from mitmproxy import master, options
 from mitmproxy.addons import core, errorcheck, proxyserver
 
+from allowlists.entries import split_host_port
 from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
 from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
@@ -19,10 +20,13 @@ class ProxyError(Exception):
 
 def parse_listen(value: str) -> tuple[str, int]:
     """HOST:PORT (IPv6 in brackets) → (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+    try:
+        host, port = split_host_port(value)
+    except ValueError as exc:
+        raise ProxyError(f"--listen must be HOST:PORT: {exc}") from None
+    if not host:
         raise ProxyError(f"--listen must be HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    return host, port
 
 
 def serve(

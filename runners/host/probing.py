@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from allowlists.entries import split_host_port
 from egress import probe
 from egress.probe import Category, Check, Expect, Result
 from runners.host.containers.engine import Engine, EngineError, SandboxSpec
@@ -196,11 +197,12 @@ def control_plane_targets(services: Sequence[str], gateway: str) -> list[tuple[s
     host), else at the addresses their names have here."""
     found: list[tuple[str, int]] = []
     for text in services:
-        host, _, port_text = str(text).rpartition(":")
-        host = host.strip("[]")
-        if not host or not port_text.isdigit():
+        try:
+            host, port = split_host_port(str(text))
+        except ValueError:
             continue
-        port = int(port_text)
+        if not host:
+            continue
         if host == "localhost" or _is_loopback(host):
             if gateway:
                 found.append((gateway, port))
@@ -291,11 +293,11 @@ def check_proxy(
     """Whether the proxy sandboxes are told of (``where.proxy``) answers from a container on
     the sandbox network: '' when it does, else what is wrong, as a sentence for a run's status.
     """
-    host, _, port = where.proxy.rpartition(":")
+    host, port = split_host_port(where.proxy)
     network = where.network.get("network") or "Docker's default bridge"
     tag = uuid.uuid4().hex[:12]
     run_id, home = f"proxy-check-{tag}", scratch / f"proxy-check-{tag}"
-    command = ["python3", "-c", PROXY_CHECK_SCRIPT, host.strip("[]"), port]
+    command = ["python3", "-c", PROXY_CHECK_SCRIPT, host, str(port)]
     try:
         engine.launch(_spec(run_id, image, command, where, home, {}))
         done = engine.wait(run_id, timeout=timeout)

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from allowlists.entries import split_host_port
 from egress.environment import proxy_environment
 from egress.policy import hash_token
 from runners.host import probing
@@ -262,8 +263,8 @@ class RunnerHost:
                 raise ValueError(
                     "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
                 )
-            host, _, port = self.settings.proxy.rpartition(":")
-            environment.update(proxy_environment(host, int(port), egress.credentials))
+            host, port = split_host_port(self.settings.proxy)
+            environment.update(proxy_environment(host, port, egress.credentials))
         return SandboxSpec(
             run_id=spec.run,
             agent_id=spec.agent,

@@ -1,5 +1,7 @@
 """The entry grammar, with the hostile spellings an allowlist must never let through."""
 
+import re
+
 import pytest
 
 from allowlists.entries import (
@@ -8,6 +10,7 @@ from allowlists.entries import (
     normalise_entries,
     parse_entries,
     parse_entry,
+    split_host_port,
 )
 
 ACCEPTED = [
@@ -161,3 +164,37 @@ def test_label_boundaries_are_kept_exact():
     # evilexample.com is another name than example.com, and stays so after normalisation.
     assert parse_entry("evilexample.com") != parse_entry("example.com")
     assert parse_entry("example.com.evil.net").host == "example.com.evil.net"
+
+
+@pytest.mark.parametrize(
+    ("text", "default", "expected"),
+    [
+        ("example.com", 443, ("example.com", 443)),
+        ("example.com:8080", None, ("example.com", 8080)),
+        ("10.0.0.1:53", None, ("10.0.0.1", 53)),
+        ("[fd00::1]:3128", None, ("fd00::1", 3128)),
+        ("[fd00::1]", 443, ("fd00::1", 443)),
+        ("fd00::1", 443, ("fd00::1", 443)),  # a bare IPv6 address is all host
+        (":8080", None, ("", 8080)),
+    ],
+)
+def test_host_port_is_split_one_way_everywhere(text, default, expected):
+    assert split_host_port(text, default) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("example.com", "has no port"),
+        ("example.com:", "the port must be a number from 1 to 65535"),
+        ("example.com:0", "the port must be a number from 1 to 65535"),
+        ("example.com:65536", "the port must be a number from 1 to 65535"),
+        ("example.com:http", "the port must be a number from 1 to 65535"),
+        ("[fd00::1", "give [address] or [address]:port"),
+        ("[fd00::1]x", "give [address] or [address]:port"),
+        ("[fd00::1]:", "the port is missing"),
+    ],
+)
+def test_a_bad_host_port_says_what_is_wrong(text, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        split_host_port(text)

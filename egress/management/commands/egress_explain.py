@@ -8,21 +8,18 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from agents.models import Agent
 from agents.services import find_agent
+from allowlists.entries import split_host_port
 from egress.policy import EXPLANATIONS, Code, Policy, parse_networks, vet_addresses
 from egress.proxy.resolver import ResolutionError, Resolver
 from egress.services import build_snapshot
 
 
 def split_target(text: str, default_port: int) -> tuple[str, int]:
-    """HOST[:PORT] → (host, port); bracketed IPv6 is kept whole for the decision to refuse."""
-    if text.startswith("[") and "]" in text:
-        host, _, rest = text[1:].partition("]")
-        port = rest.lstrip(":")
-        return host, int(port) if port.isdigit() else default_port
-    host, sep, port = text.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
-        return host, int(port)
-    return text, default_port
+    """HOST[:PORT] → (host, port); an IP literal is kept for the decision to refuse."""
+    try:
+        return split_host_port(text, default_port)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 class Command(BaseCommand):

@@ -1,47 +1,12 @@
 """Hard isolation (``COVEY_EGRESS_ISOLATION=network``): the egress proxy is a sandbox's only exit.
 
-Per runner, on its Docker engine:
+Per runner: an internal network sandboxes join (no route out), an outward network, the proxy
+container on both at a fixed address, and host firewall rules (runners/host/firewall.py) for
+what ``--internal`` leaves open. docs/isolation.md has the threat model and what Docker leaves
+open, found on a real runner, which these rules close.
 
-- ``covey-internal-<runner>``: an internal bridge network (no route out, IPv6 off, inter-container
-  communication off) on a fixed /24 from a pool; sandboxes join it and nothing else. The host
-  side of the bridge is named ``covey<10 hex>`` (a hash of the runner), so the firewall rules
-  name a stable interface.
-- ``covey-outward-<runner>``: an ordinary bridge, the proxy's way out.
-- ``covey-egress-<runner>``: the proxy container, from the pinned image ID, on both networks, at
-  ``.2`` of the internal /24 (sandboxes get addresses from ``.128/25`` only, so none can take it).
-- Host firewall rules, each commented ``covey:<runner>``, for what ``--internal`` leaves open.
-
-What Docker 20.10 leaves open, found on this project's runner (Debian 12, iptables-nft):
-
-- **The host.** ``--internal`` only adds FORWARD rules; a packet from a sandbox to any address
-  of the host itself (the bridge's gateway, docker0, the host's public interface, another
-  network's gateway) goes through INPUT and reaches every service listening on 0.0.0.0.
-  Closed by ``INPUT -i <bridge> -j DROP``.
-- **Inter-container traffic.** ``enable_icc=false`` makes Docker add ``FORWARD -i <bridge> -o
-  <bridge> -j DROP``, which also cuts sandbox → proxy (a connect to the proxy times out). ICC
-  stays off, so that without covey's rules nothing on the bridge talks (fail closed), and covey
-  puts in DOCKER-USER (which FORWARD consults first): ACCEPT sandbox → proxy:3128, ACCEPT the
-  proxy's replies (conntrack ESTABLISHED, from port 3128 only), then DROP everything else in or
-  out of the bridge. Bridged frames reach iptables only with ``bridge-nf-call-iptables=1``
-  (Docker sets it); :func:`preflight` checks it.
-- **DNS.** Docker's embedded resolver (127.0.0.11 in the container) *does* forward names it does
-  not know on an internal network: it dials the upstream from the container's own network
-  namespace (proved with a resolver listening on the bridge's gateway: it answered). The
-  firewall already leaves it nowhere to go, and sandboxes are also given ``dns=["0.0.0.0"]``,
-  so the only upstream is the sandbox's own namespace, never the host's resolvers. When no
-  upstream answers, 20.10 sends no reply at all (the client times out), so ``dns_opt`` keeps a
-  failed lookup to one second. Names on the network (the proxy's) still resolve.
-- **IPv6.** The network has IPv6 disabled, sandboxes get ``net.ipv6.conf.{all,default}.
-  disable_ipv6=1`` (Docker 20.10 already sets ``all`` in containers of IPv4-only networks, but
-  covey asks rather than assumes), and, where the host has IPv6, ip6tables drops everything in
-  and out of the bridge (the bridge itself gets an fe80:: address).
-
-The proxy itself refuses private, loopback and link-local targets (egress/policy.py), so it is
-no way back to the host or the internal network either (unless
-``COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS`` says otherwise).
-
-Pure Python, the docker SDK and the ``iptables``/``ip6tables`` commands; no Django (runner
-hosts have no database). Needs root (the firewall).
+The docker SDK and the ``iptables``/``ip6tables`` commands; no Django (runner hosts have no
+database). Needs root (the firewall).
 """
 
 import contextlib
