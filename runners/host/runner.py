@@ -21,7 +21,7 @@ its last probe failed; until one passes it refuses every launch.
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -119,6 +119,11 @@ class Followed:
     reader: threading.Thread
 
 
+def docker_engine(name: str, installation: str, legacy: str) -> Engine:
+    """The engine of a runner (or of its probes) on this host's Docker."""
+    return Engine(name, installation=installation, legacy_runner=legacy)
+
+
 @dataclass
 class RunnerHost:
     """The runners this process serves, and what it does for them."""
@@ -127,6 +132,9 @@ class RunnerHost:
     settings: HostSettings
     builtin_dir: Path | None = None  # where built-in identities appear (control-plane host)
     url: str = ""
+    # The Docker seam: (name on the engine, installation key, name before keys) → engine. The
+    # fast tests give an in-memory one (tests/fakes.py).
+    make_engine: Callable[[str, str, str], Engine] = docker_engine
     _engines: dict[int, Engine] = field(default_factory=dict)
     _timed_out: set[str] = field(default_factory=set)  # stopped for their time: stop once
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -189,10 +197,10 @@ class RunnerHost:
 
     def engine(self, identity: Identity) -> Engine:
         if identity.id not in self._engines:
-            self._engines[identity.id] = Engine(
+            self._engines[identity.id] = self.make_engine(
                 runner_name(identity),
-                installation=identity.installation,
-                legacy_runner=f"runner-{identity.id}",  # its name before installation keys
+                identity.installation,
+                f"runner-{identity.id}",  # its name before installation keys
             )
         return self._engines[identity.id]
 
@@ -476,8 +484,8 @@ class RunnerHost:
     def _probe_engine(self, identity: Identity) -> Engine:
         if identity.id not in self._probe_engines:
             # Another name than the runner's: its sweep never takes a probe for a run.
-            self._probe_engines[identity.id] = Engine(
-                f"{runner_name(identity)}.probe", installation=identity.installation
+            self._probe_engines[identity.id] = self.make_engine(
+                f"{runner_name(identity)}.probe", identity.installation, ""
             )
         return self._probe_engines[identity.id]
 

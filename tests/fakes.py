@@ -1,0 +1,185 @@
+"""In-memory stand-ins for covey's own seams, for fast tests of the logic behind them: the
+Docker seam (runners/host/containers/engine.py) and the runner's control-plane client
+(runners/host/client.py). Each keeps what was done to it so a test can say what must have
+happened; the real seams have their own tests against the real Docker and control plane."""
+
+import threading
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from runners.host.client import ControlPlaneError, OutputBehind
+from runners.host.containers.engine import EngineError, LogStream, Sandbox, SandboxSpec
+from runners.protocol import (
+    ActiveRun,
+    LaunchSpec,
+    ReportState,
+    RunnerInfo,
+    RunReport,
+    RunStatusAnswer,
+)
+
+
+class FakeEngine:
+    """Sandboxes in a dict; ``exit`` ends one as if its process had, ``refuse`` makes the next
+    launch fail the way Docker would."""
+
+    def __init__(self, name: str, installation: str = "", legacy: str = "") -> None:
+        self.name, self.installation, self.legacy = name, installation, legacy
+        self.sandboxes_by_run: dict[str, Sandbox] = {}
+        self.specs: dict[str, SandboxSpec] = {}
+        self.output: dict[str, bytes] = {}
+        self.stopped: list[str] = []
+        self.removed: list[str] = []
+        self.refuse = ""
+
+    # --- what a test does --------------------------------------------------------------------
+
+    def add(self, run_id: str, status: str = "running", *, legacy: bool = False) -> Sandbox:
+        """A sandbox that is already there (a leftover, another installation's, …)."""
+        sandbox = Sandbox(run_id, 1, f"c-{run_id}", status, None, _now(), None, legacy=legacy)
+        self.sandboxes_by_run[run_id] = sandbox
+        return sandbox
+
+    def exit(self, run_id: str, code: int, output: bytes = b"") -> None:
+        sandbox = self.sandboxes_by_run[run_id]
+        self.output[run_id] = self.output.get(run_id, b"") + output
+        self.sandboxes_by_run[run_id] = replace(
+            sandbox, status="exited", exit_code=code, finished_at=_now()
+        )
+
+    # --- the seam ----------------------------------------------------------------------------
+
+    def launch(self, spec: SandboxSpec) -> Sandbox:
+        if self.refuse:
+            raise EngineError(self.refuse)
+        if spec.run_id in self.sandboxes_by_run:
+            return self.sandboxes_by_run[spec.run_id]
+        self.specs[spec.run_id] = spec
+        sandbox = Sandbox(
+            spec.run_id, spec.agent_id, f"c-{spec.run_id}", "running", None, _now(), None,
+            timeout=spec.timeout,
+        )  # fmt: skip
+        self.sandboxes_by_run[spec.run_id] = sandbox
+        return sandbox
+
+    def get(self, run_id: str) -> Sandbox | None:
+        return self.sandboxes_by_run.get(run_id)
+
+    def sandboxes(self) -> list[Sandbox]:
+        return sorted(self.sandboxes_by_run.values(), key=lambda s: s.run_id)
+
+    def gateway(self, network: str | None = None) -> str:
+        return "172.17.0.1"
+
+    def logs(self, run_id: str, tail: int | None = None) -> str:
+        return self.output.get(run_id, b"").decode(errors="replace")
+
+    def follow_logs(self, run_id: str) -> LogStream:
+        return LogStream(_Chunks(self.output.get(run_id, b"")))
+
+    def stop(self, run_id: str, timeout: float = 10) -> None:
+        self.stopped.append(run_id)
+        if run_id in self.sandboxes_by_run and self.sandboxes_by_run[run_id].status == "running":
+            self.exit(run_id, 137)
+
+    def remove(self, run_id: str) -> None:
+        if self.sandboxes_by_run.pop(run_id, None) is not None:
+            self.removed.append(run_id)
+
+
+class _Chunks:
+    """What follow_logs streams: the output so far, then the end."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = [data] if data else []
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeControlPlane:
+    """The runner's client: runs it may start, what it reported, the output it sent."""
+
+    specs: dict[str, LaunchSpec] = field(default_factory=dict)
+    active: dict[str, ActiveRun] = field(default_factory=dict)
+    reports: list[tuple[str, RunReport]] = field(default_factory=list)
+    logs: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    output: dict[str, str] = field(default_factory=dict)
+    heartbeats: int = 0
+    unreachable: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _check(self) -> None:
+        if self.unreachable:
+            raise ControlPlaneError("the control plane does not answer")
+
+    def start_run(self, run_id: str) -> LaunchSpec | None:
+        """The spec, and the run is now active (starting), as the control plane has it."""
+        self._check()
+        launch = self.specs.get(run_id)
+        if launch is not None:
+            self.active[run_id] = ActiveRun(run_id, "starting", False, 0.0, 0)
+        return launch
+
+    def active_runs(self) -> tuple[ActiveRun, ...]:
+        self._check()
+        return tuple(self.active.values())
+
+    def report(self, run_id: str, seen: RunReport) -> RunStatusAnswer:
+        self._check()
+        with self.lock:
+            self.reports.append((run_id, seen))
+        if run_id not in self.specs and run_id not in self.active:
+            raise ControlPlaneError("no such run on this runner", 404)
+        if seen.state == ReportState.RUNNING and run_id in self.active:
+            self.active[run_id] = replace(self.active[run_id], status="running")
+        elif seen.state != ReportState.RUNNING:
+            self.active.pop(run_id, None)  # it has ended
+        return RunStatusAnswer(run_id, seen.state.value)
+
+    def put_log(self, run_id: str, text: str, total: int | None = None) -> None:
+        self._check()
+        if run_id not in self.specs and run_id not in self.active:
+            raise ControlPlaneError("no such run on this runner", 404)
+        self.logs[run_id] = (text, total)
+
+    def put_output(self, run_id: str, offset: int, text: str) -> int:
+        self._check()
+        have = self.output.get(run_id, "")
+        if offset != len(have.encode()):
+            raise OutputBehind(len(have.encode()))
+        self.output[run_id] = have + text
+        return len(self.output[run_id].encode())
+
+    def heartbeat(self, isolation: str = "") -> RunnerInfo:
+        self._check()
+        self.heartbeats += 1
+        return self.me()
+
+    def me(self) -> RunnerInfo:
+        return RunnerInfo(1, "edge-1", 1, (), False, False, "runner.1", "cooperative", "inst0001")
+
+    def states(self, run_id: str) -> list[str]:
+        """What was reported of a run, in order."""
+        return [seen.state.value for reported, seen in self.reports if reported == run_id]
+
+
+@dataclass
+class FakeIdentity:
+    """A runner's identity without a file: its client is a FakeControlPlane."""
+
+    client: FakeControlPlane
+    id: int = 1
+    name: str = "edge-1"
+    installation: str = "inst0001"
+    token: str = "covey-run-fake"
+    path: Path = Path("/nonexistent/runner.json")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

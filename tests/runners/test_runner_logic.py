@@ -1,0 +1,202 @@
+"""The runner host's logic (runners/host/runner.py) on in-memory seams (tests/fakes.py): what it
+does on a launch order, when a sandbox ends or overstays, and when it reconciles. No Docker,
+Redis or PostgreSQL: milliseconds. The same paths run for real in test_runs.py."""
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from runners.host import runner as host_module
+from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
+from runners.protocol import ActiveRun, EgressGrant, LaunchSpec, ReportState
+from tests.fakes import FakeControlPlane, FakeEngine, FakeIdentity
+
+RUN = "0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a11"
+
+
+def spec(run: str = RUN, enforce: bool = False, timeout: int = 3600) -> LaunchSpec:
+    return LaunchSpec(
+        run=run, agent=7, image="covey-base:trixie", command=("sh", "-c", "make"), task="t",
+        cpus=1.0, memory_mb=512, pids=64, timeout=timeout,
+        egress=EgressGrant(enforce=enforce, credentials="acme-builder:tok"),
+    )  # fmt: skip
+
+
+class Host:
+    """A RunnerHost serving one runner, on a FakeEngine and a FakeControlPlane."""
+
+    def __init__(self, tmp_path, **settings) -> None:
+        self.control = FakeControlPlane()
+        self.identity = FakeIdentity(self.control)
+        self.engines: dict[str, FakeEngine] = {}
+
+        def make_engine(name: str, installation: str, legacy: str) -> FakeEngine:
+            return self.engines.setdefault(name, FakeEngine(name, installation, legacy))
+
+        self.host = RunnerHost(
+            {1: self.identity},  # type: ignore[dict-item]
+            HostSettings(homes=tmp_path / "homes", **settings),
+            make_engine=make_engine,  # type: ignore[arg-type]
+        )
+        self.engine: FakeEngine = self.host.engine(self.identity)  # type: ignore[assignment,arg-type]
+
+    def order(self, launch: LaunchSpec) -> None:
+        self.control.specs[launch.run] = launch
+        self.host.launch(1, launch.run)
+
+
+@pytest.fixture
+def host(tmp_path):
+    return Host(tmp_path)
+
+
+def test_a_launch_builds_the_sandbox_from_the_spec_and_reports_it_running(host, tmp_path):
+    host.order(spec())
+    built = host.engine.specs[RUN]
+    assert (built.image, built.command, built.cpus, built.memory_mb, built.pids) == (
+        "covey-base:trixie", ["sh", "-c", "make"], 1.0, 512, 64,
+    )  # fmt: skip
+    assert built.home == tmp_path / "homes" / "1" / "7"
+    assert built.environment == {"COVEY_RUN": RUN}  # not enforced: no proxy variables
+    assert host.control.states(RUN) == ["running"]
+
+
+def test_an_enforced_run_is_told_of_the_proxy_with_its_credential(tmp_path):
+    enforced = Host(tmp_path, proxy="172.17.0.1:3128")
+    enforced.host._proxy_checks[1] = host_module.ProxyCheck("", float("inf"))  # it answered
+    enforced.order(spec(enforce=True))
+    environment = enforced.engine.specs[RUN].environment
+    assert environment["HTTPS_PROXY"] == "http://acme-builder:tok@172.17.0.1:3128"
+    assert environment["NO_PROXY"] == "localhost,127.0.0.1,::1"
+
+
+def test_an_enforced_run_without_a_proxy_fails_built_and_nothing_is_made(host):
+    host.order(spec(enforce=True))
+    assert host.control.states(RUN) == ["built"]
+    assert "this runner has no proxy" in host.control.reports[0][1].detail
+    assert host.engine.sandboxes() == []
+
+
+def test_a_proxy_that_does_not_answer_fails_the_launch_saying_so(tmp_path):
+    checked = Host(tmp_path, proxy="172.17.0.1:3128")
+    checked.host._proxy_checks[1] = host_module.ProxyCheck(
+        "the egress proxy at 172.17.0.1:3128 does not answer", float("inf")
+    )
+    checked.order(spec(enforce=True))
+    assert checked.control.states(RUN) == ["built"]
+    assert "does not answer" in checked.control.reports[0][1].detail
+    assert checked.engine.sandboxes() == []
+
+
+def test_an_engine_refusal_is_reported_as_built_with_its_reason(host):
+    host.engine.refuse = "the image covey-base:trixie is not on this host"
+    host.order(spec())
+    assert host.control.states(RUN) == ["built"]
+    assert host.control.reports[0][1].detail == "the image covey-base:trixie is not on this host"
+
+
+def test_a_run_no_longer_ours_is_not_started(host):
+    host.host.launch(1, RUN)  # the control plane has no spec for it (cancelled, moved)
+    assert host.engine.sandboxes() == [] and host.control.reports == []
+
+
+def test_the_same_order_twice_builds_one_sandbox(host):
+    host.order(spec())
+    host.order(spec())
+    assert len(host.engine.sandboxes()) == 1
+
+
+def test_an_ended_sandbox_is_reported_with_its_exit_code_and_log_then_removed(host):
+    host.order(spec())
+    host.engine.exit(RUN, 3, b"broken\n")
+    host.host.sweep(host.identity)
+    assert host.control.states(RUN) == ["running", "exited"]
+    ended = host.control.reports[-1][1]
+    assert (ended.exit_code, ended.detail) == (3, "")
+    assert host.control.logs[RUN][0] == "broken\n"
+    assert host.engine.removed == [RUN]
+
+
+def test_an_overdue_sandbox_is_stopped_once_and_ends_timed_out(host):
+    host.order(spec(timeout=60))
+    started = datetime.now(UTC) - timedelta(seconds=120)
+    sandbox = host.engine.sandboxes_by_run[RUN]
+    host.engine.sandboxes_by_run[RUN] = replace(sandbox, started_at=started)
+    host.host.sweep(host.identity)  # stopped for its time (FakeEngine: it exits at once)
+    assert host.engine.stopped == [RUN]
+    ended = host.engine.sandboxes_by_run[RUN]
+    host.engine.sandboxes_by_run[RUN] = replace(ended, finished_at=started + timedelta(seconds=61))
+    host.host.sweep(host.identity)
+    assert host.control.reports[-1][1].state == ReportState.EXITED
+    assert host.control.reports[-1][1].detail == "timeout"
+    assert host.engine.stopped == [RUN]
+
+
+def test_a_report_the_control_plane_cannot_take_keeps_the_sandbox_for_the_next_sweep(host):
+    host.order(spec())
+    host.engine.exit(RUN, 0)
+    host.control.unreachable = True
+    with pytest.raises(host_module.ControlPlaneError):
+        host.host.sweep(host.identity)
+    assert host.engine.get(RUN) is not None  # nothing lost: reported when it answers again
+    host.control.unreachable = False
+    host.host.sweep(host.identity)
+    assert host.control.states(RUN)[-1] == "exited" and host.engine.get(RUN) is None
+
+
+class TestReconcile:
+    def test_a_sandbox_no_run_knows_is_removed(self, host):
+        host.engine.add("r-leftover")
+        host.host.reconcile(host.identity)
+        assert host.engine.removed == ["r-leftover"]
+
+    def test_a_legacy_sandbox_no_run_knows_is_left_alone(self, host):
+        host.engine.add("r-another-installations", legacy=True)
+        host.host.reconcile(host.identity)
+        assert host.engine.removed == [] and host.engine.get("r-another-installations")
+
+    def test_a_running_run_whose_sandbox_is_gone_is_reported_vanished(self, host):
+        host.control.active[RUN] = ActiveRun(RUN, "running", False, 10.0, 0)
+        host.host.reconcile(host.identity)
+        assert host.control.states(RUN) == ["vanished"]
+        assert "no sandbox on edge-1" in host.control.reports[0][1].detail
+
+    def test_a_run_whose_order_was_lost_is_launched(self, host):
+        host.control.specs[RUN] = spec()
+        host.control.active[RUN] = ActiveRun(RUN, "placed", False, RELAUNCH_AFTER_SECONDS, 0)
+        host.host.reconcile(host.identity)
+        assert host.engine.get(RUN) is not None
+        assert host.control.states(RUN) == ["running"]
+
+    def test_a_run_placed_a_moment_ago_waits_for_its_order(self, host):
+        host.control.specs[RUN] = spec()
+        host.control.active[RUN] = ActiveRun(RUN, "placed", False, 1.0, 0)
+        host.host.reconcile(host.identity)
+        assert host.engine.get(RUN) is None
+
+    def test_a_missed_cancellation_stops_the_sandbox(self, host):
+        host.order(spec())
+        host.control.active[RUN] = ActiveRun(RUN, "running", True, 5.0, 0)
+        host.host.reconcile(host.identity)
+        assert host.engine.stopped == [RUN]
+
+    def test_a_lost_running_report_is_sent_again(self, host):
+        host.engine.add(RUN)
+        host.control.active[RUN] = ActiveRun(RUN, "starting", False, 5.0, 0)
+        host.host.reconcile(host.identity)
+        assert host.control.states(RUN) == ["running"]
+
+
+def test_output_goes_live_and_the_whole_log_carries_the_count(host):
+    host.engine.output[RUN] = "hello ✓\n".encode()
+    host.order(spec())
+    live = host.host._live[RUN]
+    assert live is not None
+    live.reader.join(2)
+    live.live._last = float("-inf")  # due now, not in a second
+    host.host.ship_output(host.identity)
+    assert host.control.output[RUN] == "hello ✓\n"
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    assert host.control.logs[RUN] == ("hello ✓\n", len("hello ✓\n".encode()))
