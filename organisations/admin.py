@@ -25,7 +25,6 @@ class OrganisationAdmin(SimpleHistoryAdmin):
 
     list_display = ["name", "slug", "base_allowlist_size", "agent_count", "created_at"]
     search_fields = ["name", "slug"]
-    prepopulated_fields = {"slug": ["name"]}
     inlines = [MembershipInline]
     history_list_display = ["base_allowlist"]
 

@@ -345,3 +345,24 @@ def test_a_runtime_command_that_is_not_a_list_says_what_it_wants(operator, acme)
         response.content.decode()
     )
     assert not Agent.objects.filter(slug="echo").exists()
+
+
+def test_an_organisations_saved_version_opens_from_its_history(operator, acme):
+    """simple_history's page of one version reads the admin's prepopulated fields directly:
+    slug is read-only on an existing organisation, so none may be declared for it."""
+    url = reverse("admin:organisations_organisation_change", args=[acme.pk])
+    operator.post(
+        url,
+        {
+            "name": "Acme",
+            "base_allowlist": "api.anthropic.com\nmirror.example",
+            **EMPTY_MEMBERSHIPS,
+        },
+    )
+    for record in acme.history.all():
+        page = reverse(
+            "admin:organisations_organisation_simple_history", args=[acme.pk, record.history_id]
+        )
+        assert operator.get(page).status_code == 200
+    added = operator.get(reverse("admin:organisations_organisation_add")).content.decode()
+    assert "prepopulated" in added  # the add form still fills the slug in from the name

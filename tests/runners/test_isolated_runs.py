@@ -1,13 +1,7 @@
 """Runs under hard isolation end to end (COVEY_EGRESS_ISOLATION=network on the runner host):
-the control plane (gunicorn), a runner process with no database, its proxy container from the
-real image (`make egress-image`), real sandboxes on the runner's internal network.
-
-What the proxy container reaches lives on the host's address on Docker's default bridge, which
-is what ``host.docker.internal`` means inside it (Docker 20.10's host-gateway): a relay to the
-control plane (gunicorn listens on loopback only), a DNS server that names the upstream, and the
-upstream itself (port 80: plain HTTP goes only to entries naming port 80). The proxy reaches
-them from its outward network; sandboxes must not reach any of them but through the proxy.
-"""
+the control plane, a runner process with no database, its proxy container from the real image,
+real sandboxes on the runner's internal network. What the proxy reaches on the host (a relay
+to the control plane, a DNS server, the upstream) is made by tests/runners/world.py."""
 
 import io
 import ipaddress

@@ -1,6 +1,5 @@
-"""The world of the hard-isolation run tests (COVEY_EGRESS_ISOLATION=network on the runner host):
-the control plane (gunicorn), a runner process with no database, its proxy container from the
-real image (`make egress-image`), real sandboxes on the runner's internal network.
+"""The world the hard-isolation run tests run in: the control plane (gunicorn, through a relay),
+and what the runner's proxy container reaches outside.
 
 What the proxy container reaches lives on the host's address on Docker's default bridge, which
 is what ``host.docker.internal`` means inside it (Docker 20.10's host-gateway): a relay to the
