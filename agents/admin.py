@@ -1,4 +1,4 @@
-"""Admin for organisations, members, agents, agent versions and runs, written for operators."""
+"""Admin for agents and their versions, written for operators."""
 
 import json
 from typing import Any
@@ -18,7 +18,7 @@ from django.utils.http import urlencode
 
 from agents import services
 from agents.labels import normalise_labels
-from agents.models import AGENT_FIELDS, Agent, AgentVersion
+from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 
 
 class AgentVersionInline(admin.TabularInline):
@@ -104,18 +104,13 @@ class LabelsField(forms.CharField):
 class CommandField(forms.JSONField):
     """A command as a JSON list of arguments; empty means the Claude runtime."""
 
-    default_error_messages = {
-        "invalid": (
-            'Give the command as a JSON list of arguments, e.g. ["sh", "-c", "echo hi"]'
-            " (empty: the Claude runtime)."
-        ),
-    }
+    default_error_messages = {"invalid": COMMAND_RULE}
 
     def to_python(self, value: Any) -> Any:
         command = super().to_python(value)
         if command in (None, ""):
             return []
-        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        if not is_command(command):
             raise ValidationError(self.error_messages["invalid"], code="invalid")
         return command
 
@@ -133,9 +128,6 @@ class AgentForm(forms.ModelForm):
     class Meta:
         model = Agent
         fields = ["organisation", *AGENT_FIELDS]
-
-    def clean_runtime_command(self) -> Any:
-        return self.cleaned_data.get("runtime_command") or []  # empty: the Claude runtime
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}

@@ -9,6 +9,18 @@ from django.db import models
 from allowlists.fields import AllowlistField
 from organisations.models import Organisation, TenantQuerySet
 
+COMMAND_RULE = (
+    'Give the command as a JSON list of arguments, e.g. ["sh", "-c", "echo hi"] (each a'
+    " non-empty string; empty: the Claude runtime on the task)."
+)
+
+
+def is_command(value: object) -> bool:
+    """A runtime command: a list of non-empty argument strings without NUL (empty: Claude)."""
+    return isinstance(value, list) and all(
+        isinstance(arg, str) and arg and "\0" not in arg for arg in value
+    )
+
 
 class Agent(models.Model):
     """An AI coding agent. Its configuration is versioned: see :class:`AgentVersion`.

@@ -1,33 +1,29 @@
-"""API shapes of organisations, agents, agent versions and runs."""
+"""API shapes of agents and their versions."""
 
 from typing import Any
 
 from rest_framework import serializers
 
 from agents import services
-from agents.models import AGENT_FIELDS, Agent, AgentVersion
+from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from allowlists.fields import AllowlistSerializerField
 from organisations.api import OrganisationField, ScopedRelatedField
 from organisations.models import Organisation
 from templates.models import AllowlistTemplate
 from workplaces.models import Workplace
 
-COMMAND_HELP = (
-    'a JSON list of arguments, e.g. ["sh", "-c", "echo hi"] (empty: the Claude runtime on the task)'
-)
-
 
 class CommandField(serializers.ListField):
     """A command as a list of argument strings (no shell: give ``sh -c`` for one)."""
 
-    default_error_messages = {"not_a_list": f"Give the command as {COMMAND_HELP}."}
+    default_error_messages = {"not_a_list": COMMAND_RULE}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(child=serializers.CharField(trim_whitespace=False), **kwargs)
-        self.help_text = f"The command the sandbox runs: {COMMAND_HELP}."
+        self.help_text = f"The command the sandbox runs. {COMMAND_RULE}"
 
     def to_internal_value(self, data: Any) -> list[str]:
-        if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
+        if not is_command(data):
             self.fail("not_a_list")
         return list(super().to_internal_value(data))
 

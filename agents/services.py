@@ -12,7 +12,7 @@ from django.db import transaction
 
 from agents import models
 from agents.labels import normalise_labels
-from agents.models import Agent, AgentVersion
+from agents.models import COMMAND_RULE, Agent, AgentVersion, is_command
 from allowlists.entries import Entry, parse_entry
 from organisations.models import Organisation
 from organisations.services import find_one, slug_for
@@ -164,13 +164,8 @@ def _validate(agent: Agent) -> None:
         raise ValidationError(
             {"name": [f"an agent with the slug {agent.slug!r} exists already; choose another name"]}
         )
-    command = agent.runtime_command
-    if not isinstance(command, list) or not all(
-        isinstance(arg, str) and arg and "\0" not in arg for arg in command
-    ):
-        raise ValidationError(
-            {"runtime_command": ["a list of arguments (non-empty strings), or empty for Claude"]}
-        )
+    if not is_command(agent.runtime_command):
+        raise ValidationError({"runtime_command": [COMMAND_RULE]})
     agent.full_clean(exclude=["templates"])
     if agent.home_runner is not None and agent.home_runner.organisation_id != agent.organisation_id:
         raise ValidationError({"home_runner": ["the runner belongs to another organisation"]})

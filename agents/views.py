@@ -1,4 +1,4 @@
-"""API resources: organisations, agents (with versions and effective allowlist), and runs."""
+"""API resources: agents, with their versions and effective allowlist."""
 
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import (

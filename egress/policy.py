@@ -143,26 +143,27 @@ class Policy:
 
     def authenticate(self, header: str | None, now: float) -> AgentPolicy | None:
         """The agent a ``Proxy-Authorization: Basic`` header proves, or None."""
-        credentials = parse_basic(header)
+        return self.identify(parse_basic(header), now)[0]
+
+    def identify(
+        self, credentials: tuple[str, str] | None, now: float
+    ) -> tuple[AgentPolicy | None, str]:
+        """The agent ``(username, token)`` proves, or None; and the token's SHA-256 when this
+        policy has no such token at all (issued after this snapshot, or never), else ''. The
+        token is hashed once, whatever the answer."""
         if credentials is None:
-            return None
+            return None, ""
         username, secret = credentials
-        token = self.tokens.get(hash_token(secret))
-        if token is None or token.expires_at <= now:
-            return None
+        digest = hash_token(secret)
+        token = self.tokens.get(digest)
+        if token is None:
+            return None, digest
+        if token.expires_at <= now:
+            return None, ""
         agent = self.agents.get(token.agent_id)
         if agent is None or agent.username != username:
-            return None
-        return agent
-
-    def unknown_token(self, header: str | None) -> str | None:
-        """The SHA-256 of the token in a well-formed ``Proxy-Authorization`` header when this
-        policy has no such token at all (issued after this snapshot, or never), else None."""
-        credentials = parse_basic(header)
-        if credentials is None:
-            return None
-        digest = hash_token(credentials[1])
-        return None if digest in self.tokens else digest
+            return None, ""
+        return agent, ""
 
     def decide(
         self, agent: AgentPolicy, host: str, port: int, *, plain_http: bool, at_capacity: bool

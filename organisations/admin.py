@@ -64,6 +64,13 @@ class OrganisationAdmin(SimpleHistoryAdmin):
         for member in formset.deleted_objects:
             member.delete()
 
+    def delete_model(self, request: HttpRequest, obj: Organisation) -> None:
+        services.delete_organisation(obj, by=request.user)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Organisation]) -> None:
+        for organisation in queryset:
+            services.delete_organisation(organisation, by=request.user)
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
         return super().get_queryset(request).annotate(agent_total=Count("agents"))
 

@@ -2,12 +2,14 @@
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
+from agents.admin import LabelsField
 from allowlists.entries import EntryError
 from runners import probes, services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
@@ -70,10 +72,20 @@ RUNNER_FIELDS = (
 )
 
 
+class RunnerForm(forms.ModelForm):
+    labels = LabelsField(required=False, help_text="Comma-separated, as agents require them.")
+
+    class Meta:
+        model = Runner
+        fields = ["name", "labels", "paused"]
+
+
 @admin.register(Runner)
 class RunnerAdmin(admin.ModelAdmin):
     """Online means a heartbeat within COVEY_RUNNER_STALE_SECONDS; stale runners get no work.
     Under hard isolation a runner gets work only once its latest egress probe passed."""
+
+    form = RunnerForm
 
     list_display = [
         "name",

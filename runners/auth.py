@@ -1,10 +1,8 @@
 """API authentication for runners: ``Authorization: Runner <runner token>``."""
 
-import uuid
 from typing import Any
 
 from django.contrib.auth.models import AnonymousUser
-from django.http import Http404
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
@@ -54,11 +52,3 @@ class RunnerEndpoint(APIView):
     def runner(self, request: Request) -> Runner:
         runner: Runner = request.auth  # type: ignore[assignment]
         return runner
-
-
-def uuid_or_404(text: str) -> str:
-    """An id from a runner endpoint's path, as a UUID; 404 when it is not one."""
-    try:
-        return str(uuid.UUID(text))
-    except ValueError:
-        raise Http404("no such id") from None

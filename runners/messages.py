@@ -49,8 +49,12 @@ class OutputChunkSerializer(DataclassSerializer):
         dataclass = protocol.OutputChunk
         extra_kwargs: dict[str, dict[str, Any]] = {
             "offset": {"min_value": 0},
-            # 256 KiB of UTF-8 at most (a runner sends 64 KiB chunks)
-            "text": {"allow_blank": True, "trim_whitespace": False, "max_length": 256 * 1024},
+            # A cheap first bound (characters); the bytes are counted where it is kept.
+            "text": {
+                "allow_blank": True,
+                "trim_whitespace": False,
+                "max_length": protocol.MAX_OUTPUT_CHUNK_BYTES,
+            },
         }
 
 

@@ -2,12 +2,24 @@
 
 import uuid
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 from organisations.models import TenantQuerySet
+from runners.protocol import ISOLATION_NETWORK
+
+
+def builtin_goes_with_it(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
+    """on_delete of a runner's organisation: its built-in runner (which nobody made by hand)
+    is deleted with it, any other runner protects it (ProtectedError: the API answers 409,
+    the admin lists it), wherever the delete comes from."""
+    others = sub_objs.filter(builtin=False)
+    if others.exists():
+        models.PROTECT(collector, field, others, using)
+    models.CASCADE(collector, field, sub_objs.filter(builtin=True), using)
 
 
 class RegistrationToken(models.Model):
@@ -40,7 +52,7 @@ class Runner(models.Model):
     it takes orders from its Celery queue and talks to the API with its runner token."""
 
     organisation = models.ForeignKey(
-        "organisations.Organisation", on_delete=models.PROTECT, related_name="runners"
+        "organisations.Organisation", on_delete=builtin_goes_with_it, related_name="runners"
     )
     name = models.CharField(max_length=100)
     labels = models.JSONField(default=list, blank=True)
@@ -111,8 +123,6 @@ class Runner(models.Model):
 
 
 BUILTIN_QUEUE = "runners.builtin"
-ISOLATION_NETWORK = "network"
-ISOLATION_COOPERATIVE = "cooperative"
 
 
 class ProbeStatus(models.TextChoices):

@@ -26,8 +26,8 @@ from allowlists.entries import EntryError, parse_entry
 from egress import probe
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch, services
-from runners.models import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, Probe, ProbeStatus, Runner
-from runners.protocol import ProbePlan
+from runners.models import Probe, ProbeStatus, Runner
+from runners.protocol import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, ProbePlan
 
 TOKEN_TTL = timedelta(minutes=10)
 # A probe with no report after this long is ended as an error (the runner host stopped, or its

@@ -14,6 +14,31 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Self
 
+# What a runner host enforces (it says so in its heartbeat; the control plane records it).
+ISOLATION_NETWORK = "network"  # COVEY_EGRESS_ISOLATION=network: the proxy is the only exit
+ISOLATION_COOPERATIVE = "cooperative"  # sandboxes are told of the proxy, and may go around it
+
+# Output of a running sandbox: at most this much UTF-8 in one chunk; a whole log says how much
+# the sandbox wrote in all in this header.
+MAX_OUTPUT_CHUNK_BYTES = 256 * 1024
+OUTPUT_TOTAL_HEADER = "X-Covey-Output-Total"
+
+
+def printable(text: str) -> str:
+    """Output as both sides keep it: NUL (which PostgreSQL text cannot hold) becomes U+FFFD,
+    so the runner and the control plane count the same bytes."""
+    return text.replace("\x00", "\ufffd")
+
+
+def cut_at_character(data: bytes, limit: int) -> int:
+    """Where to cut UTF-8 ``data`` to at most ``limit`` bytes without splitting a character."""
+    if len(data) <= limit:
+        return len(data)
+    cut = limit
+    while cut > 0 and data[cut] & 0xC0 == 0x80:  # a continuation byte: inside a character
+        cut -= 1
+    return cut
+
 
 class ProtocolError(ValueError):
     """A message that does not fit its dataclass; the text names the field."""

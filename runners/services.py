@@ -155,12 +155,15 @@ def ensure_builtin_runner(organisation: Organisation) -> Runner | None:
 
 
 def remove_builtin_runner(organisation: Organisation) -> None:
-    """An organisation is being deleted: its built-in runner goes with it (and, once that
-    commits, its identity file, so the runner host stops serving it)."""
-    for runner in Runner.objects.filter(organisation=organisation, builtin=True):
-        path = builtin_dir() / f"{runner.pk}.json"
-        runner.delete()
-        transaction.on_commit(partial(path.unlink, missing_ok=True))
+    """An organisation is being deleted, and its built-in runner with it (the foreign key's
+    on_delete): once that commits, its identity file goes, so the runner host stops serving
+    it."""
+    for runner_id in Runner.objects.filter(organisation=organisation, builtin=True).values_list(
+        "pk", flat=True
+    ):
+        transaction.on_commit(
+            partial((builtin_dir() / f"{runner_id}.json").unlink, missing_ok=True)
+        )
 
 
 def write_builtin_identity(runner: Runner, secret: str) -> None:

@@ -1,6 +1,7 @@
 """API: runners of your organisations (pause, resume), registration for new runner hosts, and
 the endpoints runners themselves call with their runner token (``/api/v1/runner/``)."""
 
+import uuid
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -20,7 +21,7 @@ from egress import services as egress
 from egress.probe import Verdict
 from organisations.api import OrganisationScoped
 from runners import probes, services
-from runners.auth import RunnerEndpoint, uuid_or_404
+from runners.auth import RunnerEndpoint
 from runners.messages import (
     ProbePlanSerializer,
     ProbeStatusAnswerSerializer,
@@ -275,13 +276,13 @@ class RunnerProbeReportView(RunnerEndpoint):
     """What the runner's probe saw; answers with the probe's status."""
 
     @extend_schema(request=ProbeReportSerializer, responses=ProbeStatusAnswerSerializer)
-    def post(self, request: Request, probe_id: str) -> Response:
+    def post(self, request: Request, probe_id: uuid.UUID) -> Response:
         serializer = ProbeReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         try:
             probe = probes.finish(
-                self.runner(request), uuid_or_404(probe_id), data["checks"], data.get("detail", "")
+                self.runner(request), str(probe_id), data["checks"], data.get("detail", "")
             )
         except probes.ProbeConflict as exc:
             raise Http404(str(exc)) from None

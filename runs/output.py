@@ -1,27 +1,22 @@
 """A run's output: pieces its runner sends while the sandbox runs, the whole log once it has
 ended, and reading either from a byte offset (what the API and the admin serve)."""
 
+from django.core.exceptions import ValidationError
 from django.core.files.base import ContentFile
 from django.db import transaction
 from django.http import FileResponse, HttpResponse, HttpResponseBase
 
 from runners.models import Runner
+from runners.protocol import MAX_OUTPUT_CHUNK_BYTES, cut_at_character, printable
 from runs.models import FINISHED, Run, RunOutput
 from runs.services import LOG_TAIL_CHARS, runners_run
 
-# Live output: a runner sends at most this much at once, and a run takes at most this much
-# before its sandbox ends. The whole log then replaces it; Docker keeps the last 10 to 20 MB of
-# a sandbox's output (runners/engine.py), so live output stops below that, and a whole log
-# that lost its start says how much (Run.log_start).
-MAX_OUTPUT_CHUNK_BYTES = 256 * 1024
+# Live output: a run takes at most this much before its sandbox ends (a chunk at most
+# runners.protocol.MAX_OUTPUT_CHUNK_BYTES). The whole log then replaces it; Docker keeps the last
+# 10 to 20 MB of a sandbox's output (runners/host/containers/engine.py), so live output stops
+# below that, and a whole log that lost its start says how much (Run.log_start).
 MAX_LIVE_OUTPUT_BYTES = 16 * 1024 * 1024
 MAX_LIVE_ANSWER_BYTES = 1024 * 1024  # of live output per answer: ask again from where it ends
-
-
-def printable(text: str) -> str:
-    """Output as the database and the files keep it: NUL (which PostgreSQL text cannot hold)
-    becomes U+FFFD, as the runner's live output does, so both count the same bytes."""
-    return text.replace("\x00", "\ufffd")
 
 
 @transaction.atomic
@@ -85,6 +80,10 @@ def append_output(run_id: str, runner: Runner, offset: int, text: str) -> Run | 
         raise OutputConflict(run.output_size)
     text = printable(text)
     size = len(text.encode())
+    if size > MAX_OUTPUT_CHUNK_BYTES:
+        raise ValidationError(
+            {"text": [f"a chunk is at most {MAX_OUTPUT_CHUNK_BYTES} bytes of UTF-8, not {size}"]}
+        )
     if run.output_size + size > MAX_LIVE_OUTPUT_BYTES:
         raise OutputClosed(
             run.output_size,
@@ -134,23 +133,19 @@ TEXT = "text/plain; charset=utf-8"
 def _live_output(run: Run, offset: int) -> tuple[bytes, int]:
     """Live output from ``offset`` on (at most MAX_LIVE_ANSWER_BYTES, whole pieces cut at a
     character) and the offset it ends at."""
+    if run.output_size == 0:
+        # Nothing arrived live; a run from before live output has its tail, and that is all.
+        tail = run.log_tail.encode() if offset == 0 else b""
+        return tail, len(tail)
     offset = min(max(0, offset), run.output_size)
     pieces = RunOutput.objects.filter(run=run, end__gt=offset, start__lt=run.output_size)
-    if not pieces.exists():
-        if run.output_size == 0 and offset == 0 and run.log_tail:
-            # A run from before live output: its tail is all there is.
-            tail = run.log_tail.encode()
-            return tail, len(tail)
-        return b"", offset
     taken: list[bytes] = []
     end = offset
     for start, text in pieces.order_by("start").values_list("start", "text").iterator():
         data = text.encode()[max(0, offset - start) :]
         room = MAX_LIVE_ANSWER_BYTES - (end - offset)
         if len(data) > room:
-            cut = room
-            while cut > 0 and data[cut] & 0xC0 == 0x80:  # not inside a character
-                cut -= 1
+            cut = cut_at_character(data, room)
             taken.append(data[:cut])
             end += cut
             break

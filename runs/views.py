@@ -1,6 +1,8 @@
 """API resources: runs (queue, follow, cancel, read the output), and the endpoints runners
 report to about the runs they were given."""
 
+import uuid
+
 from django.http import Http404, HttpResponseBase
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, serializers, status
@@ -10,8 +12,7 @@ from rest_framework.response import Response
 
 from organisations.api import OrganisationScoped
 from organisations.models import Organisation
-from runners.auth import RunnerEndpoint, uuid_or_404
-from runners.host.client import OUTPUT_TOTAL_HEADER
+from runners.auth import RunnerEndpoint
 from runners.messages import (
     ActiveRunsSerializer,
     LaunchSpecSerializer,
@@ -21,7 +22,7 @@ from runners.messages import (
     RunReportSerializer,
     RunStatusAnswerSerializer,
 )
-from runners.protocol import OutputAnswer, RunStatusAnswer
+from runners.protocol import OUTPUT_TOTAL_HEADER, OutputAnswer, RunStatusAnswer
 from runs import output, services
 from runs.models import Run
 from runs.serializers import RunSerializer
@@ -112,8 +113,8 @@ class RunStartView(RunnerEndpoint):
     """The runner is building the sandbox: the spec, with a fresh egress credential."""
 
     @extend_schema(request=None, responses={200: LaunchSpecSerializer, 409: Refusal})
-    def post(self, request: Request, run_id: str) -> Response:
-        spec = services.start(uuid_or_404(run_id), self.runner(request))
+    def post(self, request: Request, run_id: uuid.UUID) -> Response:
+        spec = services.start(str(run_id), self.runner(request))
         if spec is None:
             return Response(
                 {"detail": "this run is not this runner's to start (cancelled or moved)"},
@@ -126,10 +127,10 @@ class RunReportView(RunnerEndpoint):
     """What the runner saw of a sandbox; answers with the run's status."""
 
     @extend_schema(request=RunReportSerializer, responses=RunStatusAnswerSerializer)
-    def post(self, request: Request, run_id: str) -> Response:
+    def post(self, request: Request, run_id: uuid.UUID) -> Response:
         serializer = RunReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        run = services.report(uuid_or_404(run_id), self.runner(request), serializer.validated_data)
+        run = services.report(str(run_id), self.runner(request), serializer.validated_data)
         if run is None:
             raise Http404("no such run on this runner")
         answer = RunStatusAnswer(run=str(run.pk), status=run.status)
@@ -151,7 +152,7 @@ class RunLogView(RunnerEndpoint):
         ],
         responses={204: None},
     )
-    def put(self, request: Request, run_id: str) -> Response:
+    def put(self, request: Request, run_id: uuid.UUID) -> Response:
         text = request.body.decode("utf-8", errors="replace")
         raw = request.headers.get(OUTPUT_TOTAL_HEADER)
         total = None
@@ -159,7 +160,7 @@ class RunLogView(RunnerEndpoint):
             if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
                 raise serializers.ValidationError({OUTPUT_TOTAL_HEADER: "a number of bytes"})
             total = int(raw)
-        if output.save_log(uuid_or_404(run_id), self.runner(request), text, total) is None:
+        if output.save_log(str(run_id), self.runner(request), text, total) is None:
             raise Http404("no such run on this runner")
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -177,15 +178,13 @@ class RunOutputView(RunnerEndpoint):
             410: OutputAnswerSerializer,
         },
     )
-    def post(self, request: Request, run_id: str) -> Response:
+    def post(self, request: Request, run_id: uuid.UUID) -> Response:
         serializer = OutputChunkSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         chunk = serializer.validated_data
         code: int
         try:
-            run = output.append_output(
-                uuid_or_404(run_id), self.runner(request), chunk.offset, chunk.text
-            )
+            run = output.append_output(str(run_id), self.runner(request), chunk.offset, chunk.text)
         except output.OutputConflict as exc:
             answer, code = OutputAnswer(exc.size, str(exc)), status.HTTP_409_CONFLICT
         except output.OutputClosed as exc:

@@ -32,6 +32,8 @@ class FakeEngine:
         self.stopped: list[str] = []
         self.removed: list[str] = []
         self.refuse = ""
+        self.launches = 0  # calls, idempotent or not
+        self.hold: threading.Event | None = None  # set: launches wait for it (a slow engine)
 
     # --- what a test does --------------------------------------------------------------------
 
@@ -51,6 +53,9 @@ class FakeEngine:
     # --- the seam ----------------------------------------------------------------------------
 
     def launch(self, spec: SandboxSpec) -> Sandbox:
+        self.launches += 1
+        if self.hold is not None:
+            self.hold.wait(5)
         if self.refuse:
             raise EngineError(self.refuse)
         if spec.run_id in self.sandboxes_by_run:

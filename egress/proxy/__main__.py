@@ -10,10 +10,9 @@ import logging
 import os
 import socket
 import sys
-from pathlib import Path
 
 from egress.proxy.config import ProxyConfig
-from egress.proxy.control_plane import ControlPlaneSource, RunnerFile
+from egress.proxy.control_plane import remote_source
 from egress.proxy.server import ProxyError, parse_listen, serve
 
 
@@ -49,26 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"covey egress proxy: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def remote_source(
-    config: ProxyConfig, url: str | None, token: str | None, runner_config: str | None
-) -> ControlPlaneSource:
-    """The control plane as the proxy's policy source, from the flags or the environment."""
-    if runner_config:
-        try:
-            runner_file = RunnerFile(Path(runner_config))
-            return ControlPlaneSource(url or runner_file.url, runner_file.token)
-        except (OSError, ValueError) as exc:
-            raise ProxyError(f"cannot read {runner_config}: {exc}") from None
-    token = token or config.runner_token
-    url = url or config.control_plane_url
-    if not url or not token:
-        raise ProxyError(
-            "give the control plane (--control-plane or COVEY_CONTROL_PLANE_URL) and a runner"
-            " token (--runner-token or COVEY_RUNNER_TOKEN), or --runner-config"
-        )
-    return ControlPlaneSource(url, lambda: token)
 
 
 if __name__ == "__main__":

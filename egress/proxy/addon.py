@@ -540,7 +540,7 @@ class CoveyEgress:
         *,
         plain_http: bool,
         problem: str = "",
-        client: str | None = "",
+        client: str | None,
     ) -> "Verdict":
         """Decide one CONNECT tunnel or plain-HTTP request (a refusal is logged here; an
         allowed one is logged by :meth:`admit`, which the caller calls when it goes ahead).
@@ -559,7 +559,7 @@ class CoveyEgress:
         return await self._resolved(first, plain_http)
 
     def decide_now(
-        self, credential: str | None, host: str, port: int, client: str = ""
+        self, credential: str | None, host: str, port: int, client: str
     ) -> "Verdict | _Allowed | _LookUp":
         """:meth:`decide` for a CONNECT as far as it goes without waiting: the verdict when it
         is refused before resolving or the name's addresses are cached; else what must be
@@ -585,8 +585,10 @@ class CoveyEgress:
         the look-up with what it found."""
         found: bool | None = None
         try:
+            # Shielded: a look-up that gives up must not cancel the round others share (nor
+            # leave the polling thread a future it cannot complete).
             answered = await asyncio.wait_for(
-                asyncio.wrap_future(self.feed.refresh_soon()), LOOKUP_SECONDS
+                asyncio.shield(asyncio.wrap_future(self.feed.refresh_soon())), LOOKUP_SECONDS
             )
             policy = self.feed.current()
             if answered and policy is not None:
@@ -620,15 +622,10 @@ class CoveyEgress:
         if problem:
             refused = Decision(Code.BAD_REQUEST, host, port, detail=problem)
             return self._refused(refused, username, plain_http)
-        agent = policy.authenticate(credential, self.clock())
+        agent, unknown = policy.identify(parsed, self.clock())
         if agent is None:
-            unknown = None if client is None else policy.unknown_token(credential)
-            if (
-                unknown is not None
-                and parsed is not None
-                and client is not None
-                and self.lookups.begin(parsed[1], unknown, client)
-            ):
+            secret = parsed[1] if parsed else ""  # ``unknown`` is set only when parsed
+            if unknown and client is not None and self.lookups.begin(secret, unknown, client):
                 return _LookUp(unknown, client)
             return self._refused(Decision(Code.PROXY_AUTH, host, port), username, plain_http)
         at_capacity = not plain_http and (

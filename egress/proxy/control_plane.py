@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from egress.proxy.config import ProxyConfig
+
 
 class RunnerFile:
     """The runner's file: the control plane's URL and the current runner token."""
@@ -77,3 +79,23 @@ class ControlPlaneSource:
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Runner {self._token()}"}
+
+
+def remote_source(
+    config: ProxyConfig, url: str | None, token: str | None, runner_config: str | None
+) -> ControlPlaneSource:
+    """The control plane as the proxy's policy source, from the flags or the environment."""
+    if runner_config:
+        try:
+            runner_file = RunnerFile(Path(runner_config))
+            return ControlPlaneSource(url or runner_file.url, runner_file.token)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {runner_config}: {exc}") from None
+    token = token or config.runner_token
+    url = url or config.control_plane_url
+    if not url or not token:
+        raise ValueError(
+            "give the control plane (--control-plane or COVEY_CONTROL_PLANE_URL) and a runner"
+            " token (--runner-token or COVEY_RUNNER_TOKEN), or --runner-config"
+        )
+    return ControlPlaneSource(url, lambda: token)

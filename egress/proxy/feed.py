@@ -55,7 +55,6 @@ class PolicyFeed:
         self._next_round: Future[bool] | None = None
         self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
         self.failures = 0
-        self.asked_now = 0  # rounds asked for by refresh_soon (unknown tokens)
 
     def start(self) -> None:
         """Start polling."""
@@ -86,14 +85,15 @@ class PolicyFeed:
         started after this call has ended: True when the source answered, False when it did
         not. Callers that come before that round starts share it: the source is asked once for
         all of them."""
-        if not self._thread.is_alive():  # not started (tests, explain): ask here
+        if not self._thread.is_alive():
+            # Never started (a feed driven by hand, as in tests): ask here. Stopped: nobody
+            # will ask, and the caller refuses (no source I/O on the caller's thread).
             done: Future[bool] = Future()
-            done.set_result(self._refresh_safely())
+            done.set_result(self._refresh_safely() if self._thread.ident is None else False)
             return done
         with self._rounds:
             if self._next_round is None:
                 self._next_round = Future()
-                self.asked_now += 1
             self._wake.set()
             return self._next_round
 
@@ -143,7 +143,7 @@ class PolicyFeed:
                     self.failures = 0
                     last_warning = float("-inf")
             finally:
-                if waiting is not None:
+                if waiting is not None and not waiting.done():
                     waiting.set_result(answered)
             # Rounds asked for come at most every MIN_ROUND_SECONDS, however many ask.
             self._stop.wait(MIN_ROUND_SECONDS)

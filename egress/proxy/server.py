@@ -45,8 +45,10 @@ def serve(
     supervisors and tests wait for) and warnings; ``where`` names the policy source in it."""
     host, port = parse_listen(listen)
     if not verbose:
-        # One line per connection is mitmproxy's INFO; covey keeps its own decision log.
-        logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+        # One line per connection is mitmproxy's INFO, one per policy poll httpx's (four a
+        # second); covey keeps its own decision log and says when the source fails.
+        for noisy in ("mitmproxy", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     feed = PolicyFeed(source, poll=config.poll, grace=config.grace)
     log = DecisionLog(sink)
     addon = CoveyEgress(feed, log)

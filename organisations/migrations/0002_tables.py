@@ -3,18 +3,7 @@
 
 from django.db import migrations
 
-MOVED = ["organisation", "membership", "historicalorganisation", "historicalmembership"]
-
-
-def move_content_types(apps, schema_editor, source="agents", target="organisations"):
-    content_types = apps.get_model("contenttypes", "ContentType")
-    for model in MOVED:
-        if not content_types.objects.filter(app_label=target, model=model).exists():
-            content_types.objects.filter(app_label=source, model=model).update(app_label=target)
-
-
-def move_them_back(apps, schema_editor):
-    move_content_types(apps, schema_editor, source="organisations", target="agents")
+from covey.moved_models import move_content_types
 
 
 class Migration(migrations.Migration):
@@ -22,6 +11,8 @@ class Migration(migrations.Migration):
         ("organisations", "0001_initial"),
         ("agents", "0006_organisations_and_runs_move_out"),
         ("contenttypes", "0002_remove_content_type_name"),
+        ("auth", "0012_alter_user_first_name_max_length"),
+        ("admin", "0003_logentry_add_action_flag_choices"),
     ]
 
     operations = [
@@ -29,5 +20,5 @@ class Migration(migrations.Migration):
         migrations.AlterModelTable(name="membership", table=None),
         migrations.AlterModelTable(name="historicalorganisation", table=None),
         migrations.AlterModelTable(name="historicalmembership", table=None),
-        migrations.RunPython(move_content_types, move_them_back),
+        move_content_types("agents", "organisations", ["organisation", "membership", "historicalorganisation", "historicalmembership"]),
     ]

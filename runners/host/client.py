@@ -6,6 +6,7 @@ from typing import Any
 import httpx
 
 from runners.protocol import (
+    OUTPUT_TOTAL_HEADER,
     ActiveRun,
     ActiveRuns,
     LaunchSpec,
@@ -39,9 +40,6 @@ class OutputBehind(Exception):
 
 class OutputClosed(Exception):
     """The control plane takes no more of a run's output live (the whole log comes at the end)."""
-
-
-OUTPUT_TOTAL_HEADER = "X-Covey-Output-Total"
 
 
 class ControlPlaneClient:

@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from runners.protocol import cut_at_character, printable
+
 SHIP_EVERY_SECONDS = 1.0
 MAX_CHUNK_BYTES = 64 * 1024
 MAX_PENDING_BYTES = 4 * 1024 * 1024  # a control plane that does not take it: stop, not grow
@@ -47,8 +49,7 @@ class LiveOutput:
 
     def feed(self, data: bytes, *, final: bool = False) -> None:
         """What the sandbox wrote next (``final``: the stream has ended)."""
-        # As the control plane keeps it (agents.runs.printable): NUL becomes U+FFFD.
-        encoded = self._decoder.decode(data, final).replace("\x00", "\ufffd").encode()
+        encoded = printable(self._decoder.decode(data, final)).encode()
         with self._lock:
             self._seen += len(encoded)
             if self._skip:
@@ -78,9 +79,7 @@ class LiveOutput:
         with self._lock:
             if not self._pending or self.given_up:
                 return None
-            cut = min(len(self._pending), self._max_chunk)
-            while cut < len(self._pending) and cut > 0 and self._pending[cut] & 0xC0 == 0x80:
-                cut -= 1  # not inside a character
+            cut = cut_at_character(self._pending, self._max_chunk)
             return self.sent, self._pending[:cut].decode(errors="replace")
 
     def confirm(self, size: int) -> None:

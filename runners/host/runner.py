@@ -38,13 +38,15 @@ from runners.host.containers.isolation import IsolationError, Shape
 from runners.host.identity import Identity, runner_name
 from runners.host.output import LiveOutput
 from runners.host.sealing import unseal
-from runners.protocol import LaunchSpec, ReportState, RunReport
+from runners.protocol import (
+    ISOLATION_COOPERATIVE,
+    ISOLATION_NETWORK,
+    LaunchSpec,
+    ReportState,
+    RunReport,
+)
 
 logger = logging.getLogger(__name__)
-
-# As the control plane spells them (runners.models; this module imports no Django).
-ISOLATION_NETWORK = "network"
-ISOLATION_COOPERATIVE = "cooperative"
 
 
 class UntrustedError(Exception):
@@ -291,7 +293,10 @@ class RunnerHost:
     # --- isolation -------------------------------------------------------------------------
 
     def start_isolation(self) -> dict[int, Shape | None]:
-        """At start: build every runner's shape, resolving the proxy image anew (the pin)."""
+        """At start, under hard isolation: build every runner's shape, resolving the proxy image
+        anew (the pin). Empty at the cooperative level."""
+        if not self.settings.isolation:
+            return {}
         return {
             identity.id: self.ensure_isolation(identity, repin=True)
             for identity in list(self.identities.values())
@@ -464,7 +469,12 @@ class RunnerHost:
                 problem = probing.check_proxy(
                     self._probe_engine(identity),
                     self.settings.check_image,
-                    self._probe_where(identity),
+                    # Where sandboxes go; the proxy check needs no gateway (the probe does).
+                    probing.Where(
+                        network={"network": self.settings.network},
+                        proxy=self.settings.proxy,
+                        gateway="",
+                    ),
                     self.settings.homes / str(identity.id),
                 )
             except (EngineError, OSError) as exc:
@@ -556,6 +566,10 @@ class RunnerHost:
                     identity.client.heartbeat(self.settings.isolation_mode)
                 except ControlPlaneError as exc:
                     logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
+                if identity.id in self._proxy_checks:
+                    # Checked once: keep checking while it serves (here, not in the watcher:
+                    # a check runs a container, and the watcher must not wait for it).
+                    self.check_proxy(identity)
             self._stop.wait(interval)
 
     def stop(self) -> None:
@@ -573,8 +587,6 @@ class RunnerHost:
                 self._timed_out.add(sandbox.run_id)
                 engine.stop(sandbox.run_id, timeout=STOP_GRACE_SECONDS)
         self.ship_output(identity)
-        if identity.id in self._proxy_checks:  # checked once: keep checking while it serves
-            self.check_proxy(identity)
         if self._probe_due(identity):
             first = identity.id not in self._probes
             self._probe_safely(identity, None, "runner start" if first else "retry")

@@ -3,18 +3,7 @@
 
 from django.db import migrations
 
-MOVED = ["run", "runevent", "runoutput"]
-
-
-def move_content_types(apps, schema_editor, source="agents", target="runs"):
-    content_types = apps.get_model("contenttypes", "ContentType")
-    for model in MOVED:
-        if not content_types.objects.filter(app_label=target, model=model).exists():
-            content_types.objects.filter(app_label=source, model=model).update(app_label=target)
-
-
-def move_them_back(apps, schema_editor):
-    move_content_types(apps, schema_editor, source="runs", target="agents")
+from covey.moved_models import move_content_types
 
 
 class Migration(migrations.Migration):
@@ -22,6 +11,8 @@ class Migration(migrations.Migration):
         ("runs", "0001_initial"),
         ("agents", "0006_organisations_and_runs_move_out"),
         ("contenttypes", "0002_remove_content_type_name"),
+        ("auth", "0012_alter_user_first_name_max_length"),
+        ("admin", "0003_logentry_add_action_flag_choices"),
     ]
 
     operations = [
@@ -33,5 +24,5 @@ class Migration(migrations.Migration):
             new_name="runs_run_agent_i_26707d_idx",
             old_name="agents_run_agent_i_fd2b23_idx",
         ),
-        migrations.RunPython(move_content_types, move_them_back),
+        move_content_types("agents", "runs", ["run", "runevent", "runoutput"]),
     ]

@@ -264,7 +264,7 @@ def test_a_bad_base_list_in_the_admin_is_a_form_error_and_makes_nothing(operator
         {"name": "Broken", "slug": "broken", "base_allowlist": "10.0.0.1", **EMPTY_MEMBERSHIPS},
     )
     assert response.status_code == 200
-    assert b"IP" in response.content
+    assert b"IP addresses are not allowed" in response.content
     assert not Organisation.objects.filter(slug="broken").exists()
 
 
@@ -365,4 +365,48 @@ def test_an_organisations_saved_version_opens_from_its_history(operator, acme):
         )
         assert operator.get(page).status_code == 200
     added = operator.get(reverse("admin:organisations_organisation_add")).content.decode()
-    assert "prepopulated" in added  # the add form still fills the slug in from the name
+    # The add form still fills the slug in from the name.
+    assert re.search(r'data-prepopulated-fields="[^"]*id_slug', added), added[-2000:]
+
+
+def test_an_empty_organisation_is_deleted_from_the_admin_with_its_built_in_runner(operator):
+    from organisations import services as organisations
+    from organisations.models import Organisation
+    from runners.models import Runner
+
+    empty = organisations.create_organisation("Emptied")
+    url = reverse("admin:organisations_organisation_delete", args=[empty.pk])
+    confirm = operator.get(url).content.decode()
+    assert "Cannot delete" not in confirm
+    assert operator.post(url, {"post": "yes"}).status_code == 302
+    assert not Organisation.objects.filter(pk=empty.pk).exists()
+    assert not Runner.objects.filter(organisation_id=empty.pk).exists()
+
+
+def test_an_organisation_with_a_registered_runner_is_kept(operator, acme):
+    from tests.factories import online_runner
+
+    online_runner(acme, "edge-1")
+    url = reverse("admin:organisations_organisation_delete", args=[acme.pk])
+    assert "Cannot delete organisation" in operator.get(url).content.decode()
+
+
+def test_runner_labels_are_typed_and_cleaned_as_an_agents_are(operator, acme):
+    from runners.models import Runner
+
+    runner = Runner.objects.get(organisation=acme, builtin=True)
+    url = reverse("admin:runners_runner_change", args=[runner.pk])
+    page = operator.get(url).content.decode()
+    inline = {  # the probes inline's management form, as the page gives it
+        name: value
+        for name, value in re.findall(r'name="([\w-]+-(?:TOTAL|INITIAL|MIN_NUM|MAX_NUM)_FORMS)"'
+                                      r'[^>]*value="(\d+)"', page)
+    }  # fmt: skip
+    response = operator.post(url, {"name": runner.name, "labels": "GPU , eu", **inline})
+    assert response.status_code == 302, response.content.decode()[-2000:]
+    runner.refresh_from_db()
+    assert runner.labels == ["eu", "gpu"]
+    bad = operator.post(url, {"name": runner.name, "labels": "has space", **inline})
+    assert bad.status_code == 200
+    runner.refresh_from_db()
+    assert runner.labels == ["eu", "gpu"]

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from django.utils import timezone
+from playwright.sync_api import sync_playwright
 
 from organisations.models import Membership, Organisation, Role
 from runners.models import Runner
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):
         message = f"no Chromium at {CHROMIUM} (scripts/test-services installs it)"
         if os.environ.get("CI") == "true":
@@ -30,7 +30,7 @@ def browser() -> Iterator[object]:
     # Playwright's sync API keeps an event loop on this thread; the ORM calls of the test and
     # its fixtures are still plain synchronous calls, which Django refuses beside a loop.
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    with sync_api.sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,

@@ -1,4 +1,4 @@
-"""The egress proxy's image for runner hosts (``make egress-image``: scripts/egress-image, built
+"""The egress proxy's image for runner hosts (``make egress-image``: scripts/image egress, built
 from Dockerfile.egress on covey-base:trixie).
 
 Uses the docker CLI, not the SDK: only runners/engine.py may import docker. Every container a

@@ -211,3 +211,25 @@ def test_what_is_remembered_is_bounded():
         lookups.end(f"t{n}", f"client{n}", found=False)
     assert len(lookups._missed) == 100 and len(lookups._clients) == 100
     assert lookups.begin(SECRET, "t0", "client0")  # forgotten, so asked again
+
+
+def test_a_look_up_that_gives_up_leaves_the_round_and_the_polling_thread_alone(monkeypatch):
+    """A look-up waits LOOKUP_SECONDS at most; the round it shares with others goes on, and
+    the polling thread, which completes it, keeps polling."""
+    import asyncio
+
+    from egress.proxy import addon
+    from egress.proxy.feed import DecisionLog
+
+    monkeypatch.setattr(addon, "LOOKUP_SECONDS", 0.05)
+    source = CountingSource(delay=0.3)
+    feed = started(source)
+    egress = addon.CoveyEgress(feed, DecisionLog(lambda events: None))
+    try:
+        assert egress.lookups.begin(SECRET, "t1", "c")
+        asyncio.run(egress._look_up(addon._LookUp("t1", "c")))  # gives up after 0.05 s
+        time.sleep(0.5)  # the round it gave up on ends meanwhile
+        assert feed._thread.is_alive()
+        assert refresh_now(feed, timeout=2) is True
+    finally:
+        feed.stop()

@@ -3,6 +3,7 @@
 import contextlib
 import hashlib
 import os
+import secrets
 import socket
 import ssl
 import subprocess
@@ -579,6 +580,6 @@ def test_a_token_issued_after_the_last_poll_works_from_the_first_byte(
         with httpx.Client(proxy=slow.url(fresh), timeout=10) as http:
             assert http.get("http://plain.test/").status_code == 200
         # A token nobody issued is still refused (how often it is asked about: test_feed.py).
-        bogus = f"{agent.slug}:covey-egress-never-issued"
+        bogus = f"{agent.slug}:{secrets.token_urlsafe(32)}"  # shaped like one: it is looked up
         answers = [connect(slow, target, bogus) for _ in range(3)]
         assert [a.status for a in answers] == [407, 407, 407]

@@ -2,6 +2,8 @@
 does on a launch order, when a sandbox ends or overstays, and when it reconciles. No Docker,
 Redis or PostgreSQL: milliseconds. The same paths run for real in test_runs.py."""
 
+import threading
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -101,10 +103,20 @@ def test_a_run_no_longer_ours_is_not_started(host):
     assert host.engine.sandboxes() == [] and host.control.reports == []
 
 
-def test_the_same_order_twice_builds_one_sandbox(host):
-    host.order(spec())
-    host.order(spec())
-    assert len(host.engine.sandboxes()) == 1
+def test_an_order_that_comes_again_while_its_launch_runs_is_dropped(host):
+    """A redelivered order (or the reconcile's relaunch) while the first launch is still
+    building the sandbox: the host launches once."""
+    host.engine.hold = threading.Event()
+    host.control.specs[RUN] = spec()
+    first = threading.Thread(target=host.host.launch, args=(1, RUN))
+    first.start()
+    while host.engine.launches == 0:
+        time.sleep(0.001)
+    host.host.launch(1, RUN)  # returns at once: that run is being launched
+    host.engine.hold.set()
+    first.join(5)
+    assert host.engine.launches == 1
+    assert host.control.states(RUN) == ["running"]
 
 
 def test_an_ended_sandbox_is_reported_with_its_exit_code_and_log_then_removed(host):

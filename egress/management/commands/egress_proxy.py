@@ -7,8 +7,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from egress.proxy.__main__ import remote_source
 from egress.proxy.config import ProxyConfig
+from egress.proxy.control_plane import remote_source
 from egress.proxy.feed import DecisionSink, PolicySource
 from egress.proxy.server import ProxyError, parse_listen, serve
 from egress.sources import DatabaseSink, DatabaseSource
@@ -53,10 +53,6 @@ class Command(BaseCommand):
             source: PolicySource
             sink: DecisionSink
             if options["runner_config"] or options["runner_token"] or config.runner_token:
-                if options["control_plane"] is None and not (
-                    options["runner_config"] or config.control_plane_url
-                ):
-                    raise ProxyError("--runner-token needs a control plane (--control-plane)")
                 remote = remote_source(
                     config,
                     options["control_plane"],
@@ -81,7 +77,7 @@ class Command(BaseCommand):
                 say=self._say,
                 verbose=options["verbosity"] >= 2,
             )
-        except ProxyError as exc:
+        except (ProxyError, ValueError) as exc:
             raise CommandError(str(exc)) from None
 
     def _say(self, line: str) -> None:

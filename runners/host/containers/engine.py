@@ -188,7 +188,12 @@ class Engine:
         containers = self._client.containers.list(
             all=True, filters={"label": list(self._labels)}, ignore_removed=True
         )
-        found = [self._as_sandbox(c) for c in [*containers, *self._legacy_containers()]]
+        legacy = self._legacy_containers()
+        if not legacy:
+            # None left from before installation keys, and no covey makes them any more: stop
+            # asking (a second listing on every sweep otherwise).
+            self._legacy_label = ""
+        found = [self._as_sandbox(c) for c in [*containers, *legacy]]
         return sorted(found, key=lambda s: s.run_id)
 
     def address(self, run_id: str, network: str | None = None) -> str:

@@ -77,6 +77,11 @@ class Command(BaseCommand):
                 raise CommandError(f"the control plane refuses this runner: {exc}") from None
             host = runner_host.RunnerHost({identity.id: identity}, host_settings)
             queue, name = me.queue, identity.name
+        if not host_settings.isolation and not host_settings.proxy:
+            self.stdout.write(
+                f"covey runner {name}: no egress proxy for sandboxes (COVEY_RUNNER_PROXY is not"
+                " set): runs the control plane enforces egress for fail until it is"
+            )
         for runner_id, shape in host.start_isolation().items():
             # Without a shape the runner still starts: it refuses launches until one is built.
             self.stdout.write(
