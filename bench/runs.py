@@ -219,6 +219,9 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
         del os.environ[key]  # this process's Django must read the same settings
     os.environ.update(django_env(var_dir))
+    from covey import var
+
+    var.prepare(var_dir)  # its secret key and broker folders, before any process reads them
     import django
 
     django.setup()

@@ -4,33 +4,25 @@
 Production sets DATABASE_URL, CELERY_BROKER_URL, DJANGO_SECRET_KEY and DJANGO_ALLOWED_HOSTS.
 """
 
-import secrets
 from pathlib import Path
 
 import environ
 
+from covey import var
 from egress.proxy.config import ProxyConfig
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 _proxy = ProxyConfig()  # the proxy reads the same variables, with these defaults
-VAR_DIR = Path(env.str("COVEY_VAR_DIR", default=str(BASE_DIR / "var")))
-
-
-def _local_secret_key() -> str:
-    """A secret key made once per checkout and kept in var/, for installs that set none."""
-    path = VAR_DIR / "secret_key"
-    if not path.exists():
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(50))
-    return path.read_text().strip()
+VAR_DIR = var.default_var_dir()
 
 
 # --- Django core --------------------------------------------------------------------------
 
-SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or _local_secret_key()
+# Settings make nothing: without DJANGO_SECRET_KEY the key is the one `python -m covey.var` made
+# (make run does), and the covey.E001 check says so when there is none.
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or var.secret_key(VAR_DIR)
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
@@ -112,8 +104,6 @@ USE_TZ = True
 STATIC_URL = "static/"
 # collectstatic fills it (make run; the control-plane image at build time, read-only after).
 STATIC_ROOT = Path(env.str("COVEY_STATIC_ROOT", default=str(VAR_DIR / "static")))
-if not STATIC_ROOT.exists():
-    STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing one
 
 LOGGING = {
     "version": 1,
@@ -158,18 +148,15 @@ SPECTACULAR_SETTINGS = {
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
 if CELERY_BROKER_URL.startswith("filesystem://"):
     # kombu's file-system transport: a broker with no server, for the embedded defaults.
-    _broker_dir = VAR_DIR / "broker"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(_broker_dir / "queue"),
-        "data_folder_out": str(_broker_dir / "queue"),
-        "processed_folder": str(_broker_dir / "processed"),
-        "control_folder": str(_broker_dir / "control"),
+        "data_folder_in": str(var.broker_folder(VAR_DIR, "queue")),
+        "data_folder_out": str(var.broker_folder(VAR_DIR, "queue")),
+        "processed_folder": str(var.broker_folder(VAR_DIR, "processed")),
+        "control_folder": str(var.broker_folder(VAR_DIR, "control")),
         "store_processed": False,
         # It polls the folder; the default second would be most of a run's time to start.
         "polling_interval": 0.05,
     }
-    for _sub in ("queue", "processed", "control"):
-        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

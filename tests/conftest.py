@@ -21,6 +21,7 @@ from django.conf import settings
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from covey import var
 from organisations.models import Membership, Role
 from tests.factories import OrganisationFactory, UserFactory
 
@@ -69,9 +70,11 @@ def _required_services(request: pytest.FixtureRequest) -> None:
 def _own_var_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """What the control plane writes at run time (built-in runner identities, run logs) goes
     to a directory of the test session, never to the project's var/."""
-    var = tmp_path_factory.mktemp("var")
-    settings.VAR_DIR = var
-    settings.MEDIA_ROOT = var / "media"
+    directory = var.prepare(tmp_path_factory.mktemp("var"))
+    settings.VAR_DIR = directory
+    settings.MEDIA_ROOT = directory / "media"
+    if not os.environ.get("DJANGO_SECRET_KEY"):  # a fresh clone has made none (make run does)
+        settings.SECRET_KEY = var.secret_key(directory)
 
 
 @pytest.fixture

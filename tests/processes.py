@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from covey import var
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
 
@@ -65,6 +67,7 @@ def control_plane(
         "COVEY_VAR_DIR": str(tmp_path / "control-plane-var"),
         **env_overrides,
     }
+    var.prepare(Path(env["COVEY_VAR_DIR"]))  # as make run does: a key before two workers boot
     args = [str(VENV_BIN / "gunicorn"), "covey.wsgi", "--bind", f"127.0.0.1:{port}", "-w", "2"]
     log = tmp_path / f"control-plane-{port}-{time.monotonic_ns()}.log"
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,77 @@
+"""The control plane's own directory (``COVEY_VAR_DIR``) on embedded defaults: its secret key
+and the file-system broker's folders.
+
+Settings only read it: every process imports them (gunicorn's workers at the same moment), and a
+file made at import by one is read half-written by another. ``prepare`` makes it, once, by an
+explicit step: ``make run`` (scripts/run), ``python -m covey.var``, the tests' control planes.
+It is safe to run any number of times and from several processes at once. No Django here.
+"""
+
+import contextlib
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+SECRET_KEY_FILE = "secret_key"  # noqa: S105 - a file name
+BROKER = "broker"
+BROKER_FOLDERS = ("queue", "processed", "control")
+STATIC = "static"
+
+
+def default_var_dir() -> Path:
+    """``COVEY_VAR_DIR``, else ``var/`` in the checkout."""
+    return Path(os.environ.get("COVEY_VAR_DIR") or Path(__file__).resolve().parent.parent / "var")
+
+
+def secret_key(var_dir: Path) -> str:
+    """The key kept in ``var_dir``, or "" when none has been made."""
+    try:
+        return (var_dir / SECRET_KEY_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def broker_folder(var_dir: Path, name: str) -> Path:
+    return var_dir / BROKER / name
+
+
+def prepare(var_dir: Path) -> Path:
+    """Make ``var_dir``, its broker folders, its static folder and (the first time) its secret
+    key; returns the directory."""
+    for name in BROKER_FOLDERS:
+        broker_folder(var_dir, name).mkdir(parents=True, exist_ok=True)
+    (var_dir / STATIC).mkdir(exist_ok=True)
+    _make_secret_key(var_dir / SECRET_KEY_FILE)
+    return var_dir
+
+
+def _make_secret_key(path: Path) -> None:
+    """Write a new key whole into a private file, then give it its name with link(2), which
+    fails when the name exists: whoever comes second keeps the first key, and nobody ever reads
+    a half-written one."""
+    if path.exists():
+        return
+    descriptor, draft = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_urlsafe(50))
+            file.flush()
+            os.fsync(file.fileno())
+        with contextlib.suppress(FileExistsError):  # another process named its key first
+            os.link(draft, path)
+    finally:
+        os.unlink(draft)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 2 or (len(argv) == 2 and argv[1].startswith("-")):
+        print("usage: python -m covey.var [DIRECTORY]   (default: COVEY_VAR_DIR, else var/)")
+        return 2
+    print(prepare(Path(argv[1]) if len(argv) == 2 else default_var_dir()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
