@@ -1,16 +1,27 @@
 """The egress decision, as pure Python: no Django, no mitmproxy, no I/O.
 
-The proxy addon asks, in the order of DESIGN.md §3: who is this (:meth:`Policy.authenticate`),
-may they connect at all and may they reach this host and port (:meth:`Policy.decide`), and is
-every address the name resolved to one they may reach (:func:`vet_addresses`).
+Every CONNECT tunnel and plain-HTTP request (an :class:`Attempt`) is decided in these steps, in
+this order (DESIGN.md §3); each function returns a :class:`Decision`, and the first refusal is
+the answer:
+
+1. Who is it: :func:`check_request` refuses when the proxy has no policy it can trust, when the
+   proxy found the request malformed, and when the credential proves no agent (407); then
+2. may this agent connect at all (disabled, budget used up, its tunnels or the proxy's full), and
+3. may it reach this host and port by name (no IP literal; on the effective allowlist; plain
+   HTTP only to port 80): :func:`check_agent`, which ``egress_explain`` calls for a given agent.
+4. Is every address the name resolved to one it may reach: :func:`check_addresses`, which
+   also picks the one address to connect to (no second look-up).
+5. Does the tunnel open with a TLS ClientHello naming the CONNECT host: :func:`check_client_hello`.
+
+The proxy addon, ``egress_explain`` and the tests call these same functions.
 """
 
 import base64
 import binascii
 import hashlib
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -69,19 +80,51 @@ def status_of(code: Code) -> int:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One CONNECT or plain-HTTP request, as the proxy received it."""
+
+    credential: str | None  # the Proxy-Authorization header
+    host: str
+    port: int
+    plain_http: bool = False
+    problem: str = ""  # what the proxy found malformed or ambiguous in it ('' when nothing)
+
+    @property
+    def credentials(self) -> tuple[str, str] | None:
+        """(username, token) from the credential, or None when it is not one."""
+        return parse_basic(self.credential)
+
+    @property
+    def username(self) -> str:
+        """The name the credential claims ('' when there is none)."""
+        credentials = self.credentials
+        return credentials[0] if credentials else ""
+
+
+@dataclass(frozen=True)
 class Decision:
-    """One verdict on one connection or request, with what it was based on."""
+    """The answer to one attempt, as far as its steps have gone. A refusal is final; an allow
+    lets the attempt on to the next step, and after the last one, through."""
 
     code: Code
-    host: str = ""
-    port: int = 0
+    host: str
+    port: int
+    username: str = ""  # as claimed by the credential
+    agent: "AgentPolicy | None" = None  # once identified
     sources: tuple[str, ...] = ()  # for an allow: where the matching entry comes from
+    address: str | None = None  # for an allow whose addresses were checked: the one to dial
     detail: str = ""
+    generation: str = ""  # of the policy it was decided by
+    unknown_token: str = ""  # a 407 for a token this policy has never seen: its SHA-256
 
     @property
     def allowed(self) -> bool:
         """True only for an allow."""
         return self.code is Code.ALLOWED
+
+    def refuse(self, code: Code, detail: str = "") -> "Decision":
+        """This attempt refused at a later step: who, what and where to are kept."""
+        return replace(self, code=code, detail=detail, sources=())
 
 
 @dataclass(frozen=True)
@@ -141,10 +184,6 @@ class Policy:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed policy snapshot: {exc!r}") from None
 
-    def authenticate(self, header: str | None, now: float) -> AgentPolicy | None:
-        """The agent a ``Proxy-Authorization: Basic`` header proves, or None."""
-        return self.identify(parse_basic(header), now)[0]
-
     def identify(
         self, credentials: tuple[str, str] | None, now: float
     ) -> tuple[AgentPolicy | None, str]:
@@ -165,34 +204,67 @@ class Policy:
             return None, ""
         return agent, ""
 
-    def decide(
-        self, agent: AgentPolicy, host: str, port: int, *, plain_http: bool, at_capacity: bool
-    ) -> Decision:
-        """Steps 2 and 3 of the decision: the agent's switches, then the target itself."""
-        if not agent.enabled:
-            return Decision(Code.AGENT_DISABLED, host, port)
-        if agent.budget_exhausted:
-            return Decision(Code.BUDGET_EXHAUSTED, host, port)
-        if at_capacity:
-            return Decision(Code.CAPACITY, host, port)
-        return decide_target(agent, host, port, plain_http=plain_http)
+
+def _never(agent_id: int) -> bool:
+    return False
 
 
-def decide_target(agent: AgentPolicy, host: str, port: int, *, plain_http: bool) -> Decision:
-    """Is host:port on the agent's effective allowlist (and plain HTTP only to port 80)?"""
+def check_request(
+    policy: Policy | None,
+    attempt: Attempt,
+    now: float,
+    *,
+    full: Callable[[int], bool] = _never,
+) -> Decision:
+    """Step 1, then :func:`check_agent`: is there a policy to decide by, is the request well
+    formed, and which agent does its credential prove. ``full(agent_id)``: whether a new tunnel
+    of that agent would be over a limit."""
+    start = Decision(Code.ALLOWED, attempt.host, attempt.port, attempt.username)
+    if policy is None:
+        return start.refuse(Code.POLICY_UNAVAILABLE)
+    start = replace(start, generation=policy.generation)
+    if attempt.problem:
+        return start.refuse(Code.BAD_REQUEST, attempt.problem)
+    agent, unknown = policy.identify(attempt.credentials, now)
+    if agent is None:
+        return replace(start.refuse(Code.PROXY_AUTH), unknown_token=unknown)
+    return check_agent(agent, attempt, full=full, generation=policy.generation)
+
+
+def check_agent(
+    agent: AgentPolicy,
+    attempt: Attempt,
+    *,
+    full: Callable[[int], bool] = _never,
+    generation: str = "",
+) -> Decision:
+    """Steps 2 and 3 for an identified agent: its switches and the proxy's capacity (tunnels
+    only; plain requests hold nothing open), then the target by name."""
+    start = Decision(
+        Code.ALLOWED, attempt.host, attempt.port, attempt.username, agent, generation=generation
+    )
+    if not agent.enabled:
+        return start.refuse(Code.AGENT_DISABLED)
+    if agent.budget_exhausted:
+        return start.refuse(Code.BUDGET_EXHAUSTED)
+    if not attempt.plain_http and full(agent.id):
+        return start.refuse(Code.CAPACITY)
     try:
-        entry = parse_entry(f"{host}:{port}")
+        entry = parse_entry(f"{attempt.host}:{attempt.port}")
     except IPLiteralError:
-        return Decision(Code.IP_LITERAL, host, port)
+        return start.refuse(Code.IP_LITERAL)
     except EntryError as exc:
-        return Decision(Code.BAD_REQUEST, host, port, detail=str(exc))
+        return start.refuse(Code.BAD_REQUEST, str(exc))
+    named = replace(start, host=entry.host, port=entry.port)
     sources = agent.entries.get(entry)
-    if sources is not None and (not plain_http or entry.port == PLAIN_HTTP_PORT):
-        return Decision(Code.ALLOWED, entry.host, entry.port, sources)
+    if sources is not None and (not attempt.plain_http or entry.port == PLAIN_HTTP_PORT):
+        return replace(named, sources=sources)
     if entry.host in agent.hosts:
-        detail = "plain HTTP is allowed only to port 80" if plain_http and sources else ""
-        return Decision(Code.PORT_NOT_ALLOWED, entry.host, entry.port, detail=detail)
-    return Decision(Code.NOT_ON_ALLOWLIST, entry.host, entry.port)
+        plain_only = attempt.plain_http and sources
+        return named.refuse(
+            Code.PORT_NOT_ALLOWED, "plain HTTP is allowed only to port 80" if plain_only else ""
+        )
+    return named.refuse(Code.NOT_ON_ALLOWLIST)
 
 
 def parse_basic(header: str | None) -> tuple[str, str] | None:
@@ -279,28 +351,42 @@ def is_public(address: IPAddress) -> bool:
     )
 
 
-def vet_addresses(
-    host: str,
-    port: int,
-    addresses: Iterable[str],
-    allowed_private: Sequence[IPNetwork] = (),
-) -> tuple[Decision, IPAddress | None]:
-    """Step 4: refuse if any resolved address is not public (unless explicitly allowed).
-
-    Returns the decision and, for an allow, the one vetted address to connect to.
-    """
+def check_addresses(
+    decision: Decision, addresses: Iterable[str], allowed_private: Sequence[IPNetwork] = ()
+) -> Decision:
+    """Step 4: refuse if the name has no address, or any is not public (unless inside
+    ``allowed_private``); else the allow with the one vetted address to dial (IPv4 first)."""
+    if not decision.allowed:
+        return decision
     parsed = [ipaddress.ip_address(a) for a in addresses]
     if not parsed:
-        return Decision(Code.UNRESOLVABLE, host, port, detail="the name has no address"), None
+        return decision.refuse(Code.UNRESOLVABLE, "the name has no address")
     for address in parsed:
         inner = embedded_ipv4(address) or address
         if any(inner in net for net in allowed_private if net.version == inner.version):
             continue
         if not is_public(address):
-            return Decision(Code.NON_PUBLIC_ADDRESS, host, port, detail=str(address)), None
-    # Prefer IPv4: the first answer of the first family the resolver returned.
+            return decision.refuse(Code.NON_PUBLIC_ADDRESS, str(address))
     chosen = next((a for a in parsed if a.version == 4), parsed[0])
-    return Decision(Code.ALLOWED, host, port), chosen
+    return replace(decision, address=str(chosen))
+
+
+def check_client_hello(decision: Decision, sni: str, problem: str = "") -> Decision:
+    """Step 5, for a tunnel: its first bytes are a TLS ClientHello (``problem`` says how they
+    are not, as the proxy read them) whose SNI is the CONNECT host."""
+    if not decision.allowed:
+        return decision
+    if problem:
+        return decision.refuse(Code.BAD_REQUEST, problem)
+    name = sni.lower().rstrip(".")
+    if not name:
+        return decision.refuse(Code.BAD_REQUEST, "the TLS ClientHello names no server (SNI)")
+    if name != decision.host:
+        return decision.refuse(
+            Code.BAD_REQUEST,
+            f"the TLS ClientHello names {name!r}, not the CONNECT host {decision.host!r}",
+        )
+    return decision
 
 
 def parse_networks(texts: Iterable[str]) -> list[IPNetwork]:

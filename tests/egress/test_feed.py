@@ -227,7 +227,7 @@ def test_a_look_up_that_gives_up_leaves_the_round_and_the_polling_thread_alone(m
     egress = addon.CoveyEgress(feed, DecisionLog(lambda events: None))
     try:
         assert egress.lookups.begin(SECRET, "t1", "c")
-        asyncio.run(egress._look_up(addon._LookUp("t1", "c")))  # gives up after 0.05 s
+        asyncio.run(egress._look_up(addon.LookUp("t1", "c")))  # gives up after 0.05 s
         time.sleep(0.5)  # the round it gave up on ends meanwhile
         assert feed._thread.is_alive()
         assert refresh_now(feed, timeout=2) is True

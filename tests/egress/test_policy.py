@@ -7,13 +7,18 @@ import pytest
 
 from allowlists.entries import Entry
 from egress.policy import (
+    Attempt,
     Code,
+    Decision,
     Policy,
+    check_addresses,
+    check_agent,
+    check_client_hello,
+    check_request,
     hash_token,
     is_public,
     parse_basic,
     parse_networks,
-    vet_addresses,
 )
 
 NOW = 1_000_000.0
@@ -47,9 +52,27 @@ def policy():
     return Policy.from_snapshot(snapshot())
 
 
+def authenticate(policy, header, now=NOW):
+    """The agent step 1 identifies from a credential (None: a 407)."""
+    decision = check_request(policy, Attempt(header, "api.anthropic.com", 443), now)
+    assert (decision.agent is None) == (decision.code is Code.PROXY_AUTH)
+    return decision.agent
+
+
+def decide(agent, host, port, *, plain_http, at_capacity):
+    """Steps 2 and 3 for an identified agent."""
+    return check_agent(agent, Attempt(None, host, port, plain_http), full=lambda _: at_capacity)
+
+
+def vet_addresses(host, port, addresses, allowed=()):
+    """Step 4 after an allow of host:port: the decision and the address it dials."""
+    decision = check_addresses(Decision(Code.ALLOWED, host, port), addresses, allowed)
+    return decision, decision.address
+
+
 @pytest.fixture
 def agent(policy):
-    return policy.authenticate(basic("acme.builder", "s3cret"), NOW)
+    return authenticate(policy, basic("acme.builder", "s3cret"))
 
 
 class TestIdentity:
@@ -72,14 +95,14 @@ class TestIdentity:
         ],
     )
     def test_anything_else_identifies_nobody(self, policy, header):
-        assert policy.authenticate(header, NOW) is None
+        assert authenticate(policy, header, NOW) is None
 
     def test_an_expired_token_identifies_nobody(self, policy):
-        assert policy.authenticate(basic("acme.builder", "s3cret"), NOW + 60) is None
+        assert authenticate(policy, basic("acme.builder", "s3cret"), NOW + 60) is None
 
     def test_the_scheme_is_case_insensitive(self, policy):
         header = basic("acme.builder", "s3cret").replace("Basic", "basic")
-        assert policy.authenticate(header, NOW) is not None
+        assert authenticate(policy, header, NOW) is not None
 
     def test_a_token_may_contain_colons(self):
         assert parse_basic(basic("a", "b:c")) == ("a", "b:c")
@@ -113,23 +136,23 @@ class TestDecision:
         ],
     )
     def test_targets(self, policy, agent, host, port, plain, code):
-        assert policy.decide(agent, host, port, plain_http=plain, at_capacity=False).code == code
+        assert decide(agent, host, port, plain_http=plain, at_capacity=False).code == code
 
     def test_an_allow_says_where_the_entry_comes_from(self, policy, agent):
-        decision = policy.decide(agent, "deb.example", 80, plain_http=True, at_capacity=False)
+        decision = decide(agent, "deb.example", 80, plain_http=True, at_capacity=False)
         assert decision.sources == ("template:debian-ubuntu",)
 
     def test_switches_come_before_the_target_in_the_order_of_the_design(self):
         disabled = Policy.from_snapshot(snapshot(enabled=False, budget_exhausted=True))
         agent = disabled.agents[7]
-        decision = disabled.decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        decision = decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.AGENT_DISABLED
         broke = Policy.from_snapshot(snapshot(budget_exhausted=True))
-        decision = broke.decide(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
+        decision = decide(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.BUDGET_EXHAUSTED
 
     def test_a_full_proxy_refuses_before_looking_at_the_target(self, policy, agent):
-        decision = policy.decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        decision = decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.CAPACITY
 
     @pytest.mark.parametrize(
@@ -223,3 +246,64 @@ class TestAddresses:
 
 def test_entries_in_a_snapshot_are_parsed_with_the_grammar(policy):
     assert Entry("git.example", 8443) in policy.agents[7].entries
+
+
+class TestPipeline:
+    """check_request → check_addresses → check_client_hello, in the order of the design: the
+    first refusal is the answer, and who and what it was about stay on it."""
+
+    def test_no_policy_refuses_everything_first(self):
+        attempt = Attempt(basic("acme.builder", "s3cret"), "x", 1, problem="bad")
+        assert check_request(None, attempt, NOW).code is Code.POLICY_UNAVAILABLE
+
+    def test_a_malformed_request_is_refused_before_anyone_is_identified(self, policy):
+        attempt = Attempt(None, "api.anthropic.com", 80, plain_http=True, problem="two Hosts")
+        decision = check_request(policy, attempt, NOW)
+        assert (decision.code, decision.detail, decision.agent) == (
+            Code.BAD_REQUEST,
+            "two Hosts",
+            None,
+        )
+
+    def test_a_token_the_policy_never_saw_is_named_for_a_look_up_and_a_wrong_one_is_not(
+        self, policy
+    ):
+        unseen = check_request(policy, Attempt(basic("acme.builder", "new"), "x", 443), NOW)
+        assert unseen.code is Code.PROXY_AUTH and unseen.unknown_token == hash_token("new")
+        assert unseen.username == "acme.builder"
+        expired = Attempt(basic("acme.builder", "s3cret"), "x", 443)
+        assert check_request(policy, expired, NOW + 60).unknown_token == ""
+
+    def test_an_allow_carries_its_agent_its_entry_and_the_generation(self, policy):
+        attempt = Attempt(basic("acme.builder", "s3cret"), "Git.Example.", 8443)
+        decision = check_request(policy, attempt, NOW)
+        assert decision.allowed and decision.agent is policy.agents[7]
+        assert (decision.host, decision.port, decision.sources) == ("git.example", 8443, ("agent",))
+        assert decision.generation == "g1" and decision.address is None
+
+    def test_capacity_counts_tunnels_only(self, policy):
+        full = lambda agent_id: agent_id == 7  # noqa: E731
+        tunnel = Attempt(basic("acme.builder", "s3cret"), "deb.example", 80)
+        assert check_request(policy, tunnel, NOW, full=full).code is Code.CAPACITY
+        request = Attempt(basic("acme.builder", "s3cret"), "deb.example", 80, plain_http=True)
+        assert check_request(policy, request, NOW, full=full).allowed
+
+    def test_later_steps_keep_a_refusal_and_refine_an_allow(self, policy):
+        attempt = Attempt(basic("acme.builder", "s3cret"), "git.example", 8443)
+        refused = check_request(policy, replace_host(attempt, "other.example"), NOW)
+        assert check_addresses(refused, ["8.8.8.8"]) is refused
+        assert check_client_hello(refused, "other.example") is refused
+        allowed = check_addresses(check_request(policy, attempt, NOW), ["8.8.8.8"])
+        assert allowed.address == "8.8.8.8"
+        assert check_client_hello(allowed, "GIT.example.") is allowed
+        wrong = check_client_hello(allowed, "evil.example")
+        assert wrong.code is Code.BAD_REQUEST and wrong.agent is policy.agents[7]
+        assert "names 'evil.example', not the CONNECT host 'git.example'" in wrong.detail
+        assert wrong.address == "8.8.8.8"  # what it would have dialled, for the log
+        assert "no server (SNI)" in check_client_hello(allowed, "").detail
+        not_tls = check_client_hello(allowed, "", "the tunnel did not start with a TLS ClientHello")
+        assert not_tls.code is Code.BAD_REQUEST and "TLS ClientHello" in not_tls.detail
+
+
+def replace_host(attempt, host):
+    return Attempt(attempt.credential, host, attempt.port, attempt.plain_http)

@@ -9,7 +9,15 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from agents.models import Agent
 from agents.services import find_agent
 from allowlists.entries import split_host_port
-from egress.policy import EXPLANATIONS, Code, Policy, parse_networks, vet_addresses
+from egress.policy import (
+    EXPLANATIONS,
+    Attempt,
+    Decision,
+    Policy,
+    check_addresses,
+    check_agent,
+    parse_networks,
+)
 from egress.proxy.resolver import ResolutionError, Resolver
 from egress.services import build_snapshot
 
@@ -46,9 +54,10 @@ class Command(BaseCommand):
         subject = policy.agents[agent.pk]
         kind = "plain HTTP request" if plain else "CONNECT tunnel"
         self.stdout.write(f"agent {agent} (version {agent.version}), {kind} to {host}:{port}")
-        decision = policy.decide(subject, host, port, plain_http=plain, at_capacity=False)
+        # The proxy's own steps (egress.policy), from step 2: the agent is given, not proven.
+        decision = check_agent(subject, Attempt(None, host, port, plain_http=plain))
         if not decision.allowed:
-            self._deny(decision.code, decision.detail)
+            self._deny(decision)
             return
         self.stdout.write(
             f"on the allowlist: {decision.host}:{decision.port} from {', '.join(decision.sources)}"
@@ -60,16 +69,17 @@ class Command(BaseCommand):
         try:
             addresses = asyncio.run(resolver.resolve(decision.host))
         except ResolutionError as exc:
-            self._deny(Code.UNRESOLVABLE, str(exc))
-            return
+            addresses = []
+            self.stdout.write(f"cannot resolve: {exc}")
         allowed_private = parse_networks(settings.COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS)
-        vetted, address = vet_addresses(decision.host, decision.port, addresses, allowed_private)
+        decision = check_addresses(decision, addresses, allowed_private)
         self.stdout.write(f"resolves to: {', '.join(addresses) or 'nothing'}")
-        if not vetted.allowed:
-            self._deny(vetted.code, vetted.detail)
+        if not decision.allowed:
+            self._deny(decision)
             return
-        self.stdout.write(f"decision: allow, connecting to {address} port {decision.port}")
+        self.stdout.write(f"decision: allow, connecting to {decision.address} port {decision.port}")
 
-    def _deny(self, code: Code, detail: str) -> None:
+    def _deny(self, decision: Decision) -> None:
+        code, detail = decision.code, decision.detail
         reason = EXPLANATIONS.get(code, str(code))
         self.stdout.write(f"decision: deny {code}: {reason}" + (f" ({detail})" if detail else ""))

@@ -1,0 +1,71 @@
+"""What the proxy reads from a request and says back: the refusal an agent can act on, and
+what makes a plain request or a tunnel's first bytes unfit for the decision."""
+
+from mitmproxy import http
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy.layers.tls import parse_client_hello
+
+from egress.policy import EXPLANATIONS, Code, Decision, status_of
+
+MAX_CLIENT_HELLO = 64 * 1024
+_NOT_TLS = "the tunnel did not start with a TLS ClientHello"
+
+
+def refusal(decision: Decision) -> http.Response:
+    """The answer to a refused connection: status, deny reason and how to ask for access."""
+    code = decision.code
+    target = f"{decision.host}:{decision.port}"
+    lines = [f"covey refused {target}: {EXPLANATIONS.get(code, str(code))} ({code})."]
+    if decision.detail:
+        lines.append(decision.detail)
+    if code in (Code.NOT_ON_ALLOWLIST, Code.PORT_NOT_ALLOWED, Code.NON_PUBLIC_ADDRESS):
+        who = f"agent {decision.username}" if decision.username else "your agent"
+        lines.append(
+            f"If {who} needs {target}, ask for it: a person on your platform team can add it"
+            " to the agent's allowlist in covey. Do not try another route."
+        )
+    headers = {"X-Covey-Deny-Reason": str(code), "Content-Type": "text/plain; charset=utf-8"}
+    if code is Code.PROXY_AUTH:
+        headers["Proxy-Authenticate"] = 'Basic realm="covey egress"'
+    if code is Code.CAPACITY:
+        headers["Retry-After"] = "1"
+    return http.Response.make(status_of(code), "\n".join(lines) + "\n", headers)
+
+
+def plain_http_problem(request: http.Request) -> str:
+    """Why a plain-HTTP proxy request is ambiguous, or '' when it names one host clearly.
+
+    mitmproxy has already taken the host from the absolute URL (or, for an origin-form
+    request, from the Host header); a Host header that names anything else is refused, and
+    the request goes out with the decided host only.
+    """
+    if request.scheme != "http":
+        return "only http:// URLs can be sent as plain requests; use CONNECT for TLS"
+    host_headers = request.headers.get_all("Host")
+    if len(host_headers) > 1:
+        return "more than one Host header"
+    if host_headers:
+        given = host_headers[0].strip().lower().rstrip(".")
+        expected = {
+            request.host.lower().rstrip("."),
+            f"{request.host.lower().rstrip('.')}:{request.port}",
+        }
+        if given not in expected:
+            return f"the Host header ({host_headers[0]!r}) does not match the URL's host"
+    return ""
+
+
+def read_client_hello(data: bytes) -> tuple[str, str] | None:
+    """A tunnel's first bytes as ``(sni, problem)`` for :func:`egress.policy.check_client_hello`;
+    None while they may still become a whole ClientHello."""
+    if len(data) < 3:
+        return None if data in (b"", b"\x16", b"\x16\x03") else ("", _NOT_TLS)
+    if not starts_like_tls_record(data):
+        return "", _NOT_TLS
+    try:
+        hello = parse_client_hello(data)
+    except ValueError:
+        return "", "the tunnel did not start with a valid TLS ClientHello"
+    if hello is None:
+        return ("", "the ClientHello is too large") if len(data) > MAX_CLIENT_HELLO else None
+    return hello.sni or "", ""
