@@ -73,6 +73,7 @@ def _own_var_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     directory = var.prepare(tmp_path_factory.mktemp("var"))
     settings.VAR_DIR = directory
     settings.MEDIA_ROOT = directory / "media"
+    settings.STATIC_ROOT = directory / var.STATIC  # made (empty): WhiteNoise wants one
     if not os.environ.get("DJANGO_SECRET_KEY"):  # a fresh clone has made none (make run does)
         settings.SECRET_KEY = var.secret_key(directory)
 

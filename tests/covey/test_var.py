@@ -4,8 +4,6 @@ once read a secret key the other had not finished writing, and the control plane
 import os
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 from covey import var
 from tests.processes import ROOT, VENV_BIN, free_port
@@ -28,16 +26,25 @@ def test_prepare_makes_the_folders_and_one_private_key_that_stays(tmp_path):
     assert sorted(p.name for p in directory.iterdir()) == ["broker", "secret_key", "static"]
 
 
-def _prepare_and_read(directory: str) -> str:
-    return var.secret_key(var.prepare(Path(directory)))
-
-
 def test_processes_preparing_at_once_all_read_the_same_whole_key(tmp_path):
-    for attempt in range(5):
-        directory = str(tmp_path / f"var-{attempt}")
-        with ProcessPoolExecutor(max_workers=4) as pool:
-            keys = set(pool.map(_prepare_and_read, [directory] * 8))
+    code = (
+        "import sys, pathlib; from covey import var;"
+        " print(var.secret_key(var.prepare(pathlib.Path(sys.argv[1]))))"
+    )
+    for attempt in range(3):
+        directory = tmp_path / f"var-{attempt}"
+        racing = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(directory)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(6)
+        ]
+        keys = {process.communicate(timeout=60)[0].strip() for process in racing}
         assert len(keys) == 1 and len(keys.pop()) >= 50
+        assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
 
 
 def test_importing_settings_writes_nothing(tmp_path):

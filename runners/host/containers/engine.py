@@ -503,14 +503,19 @@ def _sandbox(container: Any, *, legacy: bool = False) -> Sandbox:
     labels = container.attrs["Config"]["Labels"]
     state = container.attrs["State"]
     status = state["Status"]
+    started_at, finished_at = _time(state.get("StartedAt")), _time(state.get("FinishedAt"))
+    if started_at and finished_at and finished_at < started_at:
+        # Docker stamps the start once the process runs and the end when it exits: a process
+        # that exits at once can end a fraction of a millisecond before it "started".
+        finished_at = started_at
     return Sandbox(
         run_id=labels[LABEL_RUN],
         agent_id=int(labels[LABEL_AGENT]),
         container_id=container.id,
         status=status,
         exit_code=state["ExitCode"] if status in ("exited", "dead") else None,
-        started_at=_time(state.get("StartedAt")),
-        finished_at=_time(state.get("FinishedAt")),
+        started_at=started_at,
+        finished_at=finished_at,
         timeout=int(labels[LABEL_TIMEOUT]) if labels.get(LABEL_TIMEOUT, "").isdigit() else None,
         legacy=legacy,
     )
