@@ -11,8 +11,9 @@ from django.utils.html import format_html
 
 from agents.admin import LabelsField
 from allowlists.entries import EntryError
-from runners import probes, services
+from runners import services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
+from runners.probe import service as probes
 
 PROBE_COLOURS = {
     ProbeStatus.PASSED: "#2e7d32",

@@ -10,6 +10,7 @@ class RunnersConfig(AppConfig):
 
     def ready(self) -> None:
         from organisations import services as organisations
+        from runners import checks  # noqa: F401  (registers the system checks)
         from runners.services import ensure_builtin_runner, remove_builtin_runner
 
         # Every new organisation gets its built-in runner (organisations imports no app).

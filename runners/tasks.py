@@ -7,9 +7,10 @@ once done, so a worker killed mid-launch gets it again (launching is idempotent 
 
 from celery import shared_task
 
-from runners import dispatch, probes
+from runners import dispatch
 from runners.host import runner as host
 from runners.host.client import ControlPlaneError
+from runners.probe import service as probes
 
 # The control plane may be restarting: try again a few times, a little later each time.
 RETRY = {"autoretry_for": (ControlPlaneError,), "retry_backoff": 1, "max_retries": 6}

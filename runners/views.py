@@ -18,9 +18,8 @@ from agents.models import Agent
 from agents.services import find_agent
 from allowlists.entries import EntryError
 from egress import services as egress
-from egress.probe import Verdict
 from organisations.api import OrganisationScoped
-from runners import probes, services
+from runners import services
 from runners.auth import RunnerEndpoint
 from runners.messages import (
     ProbePlanSerializer,
@@ -29,6 +28,8 @@ from runners.messages import (
     RunnerInfoSerializer,
 )
 from runners.models import Probe, Runner
+from runners.probe import service as probes
+from runners.probe.checks import Verdict
 from runners.protocol import ProbeStatusAnswer, RunnerInfo
 
 

@@ -4,6 +4,7 @@ Docker seam (runners/host/containers/engine.py) and the runner's control-plane c
 happened; the real seams have their own tests against the real Docker and control plane."""
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,8 @@ from runners.protocol import (
 
 class FakeEngine:
     """Sandboxes in a dict; ``exit`` ends one as if its process had, ``refuse`` makes the next
-    launch fail the way Docker would."""
+    launch fail the way Docker would, ``runs`` says how a sandbox ends by itself at once (its
+    exit code and output; None: it goes on running)."""
 
     def __init__(self, name: str, installation: str = "", legacy: str = "") -> None:
         self.name, self.installation, self.legacy = name, installation, legacy
@@ -34,6 +36,7 @@ class FakeEngine:
         self.refuse = ""
         self.launches = 0  # calls, idempotent or not
         self.hold: threading.Event | None = None  # set: launches wait for it (a slow engine)
+        self.runs: Callable[[SandboxSpec], tuple[int, bytes] | None] = lambda spec: None
 
     # --- what a test does --------------------------------------------------------------------
 
@@ -66,6 +69,15 @@ class FakeEngine:
             timeout=spec.timeout,
         )  # fmt: skip
         self.sandboxes_by_run[spec.run_id] = sandbox
+        if (ended := self.runs(spec)) is not None:
+            self.exit(spec.run_id, *ended)
+            return self.sandboxes_by_run[spec.run_id]
+        return sandbox
+
+    def wait(self, run_id: str, timeout: float) -> Sandbox:
+        sandbox = self.sandboxes_by_run[run_id]
+        if sandbox.status == "running":
+            raise TimeoutError(f"run {run_id} still running after {timeout} s")
         return sandbox
 
     def get(self, run_id: str) -> Sandbox | None:

@@ -8,11 +8,18 @@ plane says it has another amount, the output goes on from there, or stops being 
 """
 
 import codecs
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from runners.host.client import ControlPlaneError, OutputBehind, OutputClosed
+from runners.host.containers.engine import Engine, EngineError, LogStream
+from runners.host.identity import Identity
 from runners.protocol import cut_at_character, printable
+
+logger = logging.getLogger(__name__)
 
 SHIP_EVERY_SECONDS = 1.0
 MAX_CHUNK_BYTES = 64 * 1024
@@ -119,3 +126,94 @@ class LiveOutput:
         """Nothing more will be sent: the stream ended and all of it went (or it gave up)."""
         with self._lock:
             return self.ended and (not self._pending or bool(self.given_up))
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A running sandbox whose output is sent live: the stream and the thread that reads it."""
+
+    runner_id: int
+    live: LiveOutput
+    stream: LogStream
+    reader: threading.Thread
+
+
+class Outputs:
+    """The running sandboxes of this host whose output goes live."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Followed | None] = {}  # None: being set up
+        self._lock = threading.Lock()
+
+    def live(self, run_id: str) -> Followed | None:
+        with self._lock:
+            return self._live.get(run_id)
+
+    def follow(self, identity: Identity, engine: Engine, run_id: str, skip: int = 0) -> None:
+        """Start sending a running sandbox's output live (``skip``: bytes the control plane
+        has already); a second call for the same run does nothing."""
+        with self._lock:
+            if run_id in self._live:
+                return
+            self._live[run_id] = None  # taken: the engine is asked outside the lock
+        try:
+            stream = engine.follow_logs(run_id)
+        except EngineError as exc:
+            logger.info("covey runner: cannot follow the output of run %s: %s", run_id, exc)
+            with self._lock:
+                self._live.pop(run_id, None)
+            return
+        live = LiveOutput(skip)
+
+        def read() -> None:
+            for chunk in stream:
+                live.feed(chunk)
+            live.feed(b"", final=True)
+
+        reader = threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True)
+        reader.start()  # before it is listed: whoever finds it may join it
+        with self._lock:
+            self._live[run_id] = Followed(identity.id, live, stream, reader)
+
+    def ship(self, identity: Identity) -> None:
+        """Send every due chunk of this runner's running sandboxes (one each per call)."""
+        with self._lock:
+            mine = [
+                (run_id, followed.live)
+                for run_id, followed in self._live.items()
+                if followed is not None and followed.runner_id == identity.id
+            ]
+        for run_id, live in mine:
+            if live.done or not live.due() or (chunk := live.take()) is None:
+                continue  # nothing to send; the stream and its count stay until the end
+            offset, text = chunk
+            try:
+                live.confirm(identity.client.put_output(run_id, offset, text))
+            except OutputBehind as exc:
+                live.confirm(exc.size)
+            except OutputClosed as exc:
+                live.give_up(str(exc))
+            except ControlPlaneError as exc:
+                if exc.status is not None and 400 <= exc.status < 500:
+                    live.give_up(str(exc))  # not ours any more, or refused: no point resending
+                else:
+                    live.failed()  # unreachable: try again in a second
+                    logger.debug("covey runner: output of run %s: %s", run_id, exc)
+                    continue
+            if live.given_up:
+                logger.info(
+                    "covey runner: run %s: output no longer sent live: %s", run_id, live.given_up
+                )
+
+    def stop(self, run_id: str, wait: float = 0.0) -> int | None:
+        """Stop following a run's output; the number of bytes the sandbox wrote in all when
+        it was followed from its first byte to its end (waiting up to ``wait`` seconds for the
+        stream to end), else None."""
+        with self._lock:
+            followed = self._live.pop(run_id, None)
+        if followed is None:
+            return None
+        if wait:
+            followed.reader.join(wait)
+        followed.stream.close()
+        return followed.live.total

@@ -4,7 +4,7 @@ stand-ins for the outside world (tests/runners/test_isolated_runs.py: Outside, t
 and its DNS server). Every hole is made deliberately, on this machine's own firewall or in the
 sandbox's options, and the probe must name it; no packet goes anywhere but this machine.
 
-The probe runs from this process through runners/probing.py (the runner host's own code) with
+The probe runs from this process through runners/probe/host.py (the runner host's own code) with
 an order from the control plane's runner API, and reports back through it.
 """
 
@@ -13,7 +13,6 @@ import json
 import random
 import subprocess
 from collections.abc import Iterator
-from dataclasses import replace
 from uuid import uuid4
 
 import pytest
@@ -22,15 +21,16 @@ from django.db import connection
 from agents import services as agent_services
 from agents.models import Agent
 from egress.models import Decision
-from egress.probe import Category, Check, Expect, Result, Verdict, judge, parse_address
 from organisations.models import Organisation
-from runners.host import probing
 from runners.host import runner as host_module
+from runners.host import trust
 from runners.host.client import ControlPlaneClient
 from runners.host.containers import isolation
 from runners.host.containers.engine import Engine
 from runners.host.identity import Identity, docker_name
 from runners.models import Probe, ProbeStatus, Runner
+from runners.probe import host as probing
+from runners.probe.checks import Category, Check, Expect, Result, Verdict, judge, parse_address
 from runners.protocol import ProbePlan
 from runners.services import installation_key
 from tests.runners.world import UPSTREAM_NAME, World
@@ -165,17 +165,17 @@ def test_a_probe_that_cannot_reach_the_control_plane_is_tried_again_soon(tmp_pat
     config.write_text(json.dumps({"url": "http://127.0.0.1:9", "id": 7, "name": "e", "token": "t"}))
     identity = Identity(config)
     settings = host_module.HostSettings(homes=tmp_path, isolation=True, probe_retry=300)
-    runner_host = host_module.RunnerHost({7: identity}, settings)
-    assert runner_host._probe_due(identity)  # never probed
+    now = [1000.0]
+    runner_host = host_module.RunnerHost({7: identity}, settings, clock=lambda: now[0])
+    assert runner_host.trust.due(identity)  # never probed
 
     assert runner_host.start_probes() == {7: None}
 
-    assert not runner_host._probe_due(identity)  # not again at every poll
+    assert not runner_host.trust.due(identity)  # not again at every poll
     with pytest.raises(host_module.UntrustedError, match="the probe could not run: "):
-        runner_host._check_probe(identity)  # and no work meanwhile
-    state = runner_host._probes[7]
-    runner_host._probes[7] = replace(state, at=state.at - host_module.RECONCILE_SECONDS)
-    assert runner_host._probe_due(identity)  # soon, not after probe_retry
+        runner_host.trust.require(identity, proxied=False)  # and no work meanwhile
+    now[0] += trust.UNREPORTED_RETRY_SECONDS
+    assert runner_host.trust.due(identity)  # soon, not after probe_retry
 
 
 # --- the real shape -------------------------------------------------------------------------

@@ -10,11 +10,11 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from egress.checks import check_probe_settings
 from egress.models import EgressToken
-from egress.probe import Result, Verdict
-from runners import probes
+from runners.checks import check_probe_settings
 from runners.models import Probe, ProbeStatus, Runner
+from runners.probe import service as probes
+from runners.probe.checks import Result, Verdict
 from runs import services as runs
 from runs.models import Run, RunStatus
 from tests.factories import AgentFactory, online_runner

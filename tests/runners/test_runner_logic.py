@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from runners.host import runner as host_module
+from runners.host import trust
 from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
 from runners.protocol import ActiveRun, EgressGrant, LaunchSpec, ReportState
 from tests.fakes import FakeControlPlane, FakeEngine, FakeIdentity
@@ -25,21 +26,30 @@ def spec(run: str = RUN, enforce: bool = False, timeout: int = 3600) -> LaunchSp
     )  # fmt: skip
 
 
-class Host:
-    """A RunnerHost serving one runner, on a FakeEngine and a FakeControlPlane."""
+def proxy_check(exit_code: int = 0, output: bytes = b"answered HTTP/1.1 407"):
+    """How the proxy check's container ends (the runner's own sandboxes go on running)."""
+    return lambda spec: (exit_code, output) if "proxy-check" in spec.command else None
 
-    def __init__(self, tmp_path, **settings) -> None:
+
+class Host:
+    """A RunnerHost serving one runner, on a FakeEngine and a FakeControlPlane; ``proxy``:
+    how its check of the proxy ends (the check itself is the runner's own code)."""
+
+    def __init__(self, tmp_path, proxy_answers=None, clock=time.monotonic, **settings) -> None:
         self.control = FakeControlPlane()
         self.identity = FakeIdentity(self.control)
         self.engines: dict[str, FakeEngine] = {}
 
         def make_engine(name: str, installation: str, legacy: str) -> FakeEngine:
-            return self.engines.setdefault(name, FakeEngine(name, installation, legacy))
+            engine = self.engines.setdefault(name, FakeEngine(name, installation, legacy))
+            engine.runs = proxy_answers or proxy_check()
+            return engine
 
         self.host = RunnerHost(
             {1: self.identity},  # type: ignore[dict-item]
             HostSettings(homes=tmp_path / "homes", **settings),
             make_engine=make_engine,  # type: ignore[arg-type]
+            clock=clock,
         )
         self.engine: FakeEngine = self.host.engine(self.identity)  # type: ignore[assignment,arg-type]
 
@@ -66,8 +76,11 @@ def test_a_launch_builds_the_sandbox_from_the_spec_and_reports_it_running(host, 
 
 def test_an_enforced_run_is_told_of_the_proxy_with_its_credential(tmp_path):
     enforced = Host(tmp_path, proxy="172.17.0.1:3128")
-    enforced.host._proxy_checks[1] = host_module.ProxyCheck("", float("inf"))  # it answered
     enforced.order(spec(enforce=True))
+    (check,) = [e for name, e in enforced.engines.items() if name.endswith(".probe")]
+    (checked,) = check.specs.values()  # it answered, from the sandboxes' network; then gone
+    assert checked.command[-3:] == ["proxy-check", "172.17.0.1", "3128"]
+    assert check.sandboxes() == []
     environment = enforced.engine.specs[RUN].environment
     assert environment["HTTPS_PROXY"] == "http://acme-builder:tok@172.17.0.1:3128"
     assert environment["NO_PROXY"] == "localhost,127.0.0.1,::1"
@@ -81,14 +94,36 @@ def test_an_enforced_run_without_a_proxy_fails_built_and_nothing_is_made(host):
 
 
 def test_a_proxy_that_does_not_answer_fails_the_launch_saying_so(tmp_path):
-    checked = Host(tmp_path, proxy="172.17.0.1:3128")
-    checked.host._proxy_checks[1] = host_module.ProxyCheck(
-        "the egress proxy at 172.17.0.1:3128 does not answer", float("inf")
-    )
+    refused = proxy_check(1, b"ConnectionRefusedError: Connection refused")
+    checked = Host(tmp_path, refused, proxy="172.17.0.1:3128")
     checked.order(spec(enforce=True))
     assert checked.control.states(RUN) == ["built"]
     assert "does not answer" in checked.control.reports[0][1].detail
     assert checked.engine.sandboxes() == []
+
+
+def test_a_failed_proxy_check_is_repeated_soon_and_a_passed_one_seldom(tmp_path):
+    now, answer = [0.0], [proxy_check(1, b"ConnectionRefusedError")]
+    checked = Host(tmp_path, lambda s: answer[0](s), lambda: now[0], proxy="172.17.0.1:3128")
+    runs = [spec(run=f"0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a{n:02}", enforce=True) for n in range(3)]
+
+    def checks() -> int:
+        return sum(e.launches for name, e in checked.engines.items() if name.endswith(".probe"))
+
+    checked.order(runs[0])
+    checked.order(runs[1])  # at once: the failed answer stands
+    assert [checked.control.states(r.run) for r in runs[:2]] == [["built"], ["built"]]
+    assert checks() == 1
+    now[0] += trust.PROXY_RECHECK_SECONDS
+    answer[0] = proxy_check()  # the proxy is up now
+    checked.order(runs[2])
+    assert checked.control.states(runs[2].run) == ["running"] and checks() == 2
+    now[0] += trust.PROXY_CHECK_EVERY_SECONDS - 1
+    checked.host.trust.recheck_proxy(checked.identity)  # what each heartbeat does
+    assert checks() == 2
+    now[0] += 1
+    checked.host.trust.recheck_proxy(checked.identity)
+    assert checks() == 3
 
 
 def test_an_engine_refusal_is_reported_as_built_with_its_reason(host):
@@ -203,11 +238,10 @@ class TestReconcile:
 def test_output_goes_live_and_the_whole_log_carries_the_count(host):
     host.engine.output[RUN] = "hello ✓\n".encode()
     host.order(spec())
-    live = host.host._live[RUN]
+    live = host.host.outputs.live(RUN)
     assert live is not None
-    live.reader.join(2)
-    live.live._last = float("-inf")  # due now, not in a second
-    host.host.ship_output(host.identity)
+    live.reader.join(2)  # the stream has ended: what is pending goes now
+    host.host.outputs.ship(host.identity)
     assert host.control.output[RUN] == "hello ✓\n"
     host.engine.exit(RUN, 0)
     host.host.sweep(host.identity)

@@ -15,8 +15,8 @@ from agents.models import Agent
 from agents.services import find_agent
 from allowlists.entries import EntryError
 from organisations.services import find_one
-from runners import probes
 from runners.models import Probe, ProbeStatus, Runner
+from runners.probe import service as probes
 
 
 class Command(BaseCommand):

@@ -10,12 +10,12 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runners.host import probing
 from runners.host import runner as runner_host
 from runners.host.client import ControlPlaneError
 from runners.host.containers import isolation
 from runners.host.identity import Identity
 from runners.models import BUILTIN_QUEUE
+from runners.probe import host as probing
 from runners.services import builtin_dir
 
 logger = logging.getLogger(__name__)

@@ -3,8 +3,9 @@
 A probe is a list of :class:`Check`. Each names a category, a target and what must happen:
 ``reach`` (the allowed vendor, through the proxy, must work), ``refuse`` (the proxy must refuse
 it with covey's own answer) or ``block`` (no packet may get there and back). The runner host
-turns the list into JSON, runs :data:`SCRIPT` in a container placed exactly like a sandbox, and
-reads back one observation per check; :func:`judge` says, for each, whether it held.
+turns the list into JSON, runs :mod:`runners.probe.program` in a container placed exactly like
+a sandbox, and reads back one observation per check; :func:`judge` says, for each, whether it
+held.
 
 What counts as blocked is strict, because a probe can only prove what answers: a TCP connect
 that times out or finds no route is blocked; one that is refused is a leak (a reset came back,
@@ -219,7 +220,7 @@ def _join(host: str, port: int) -> str:
 
 
 def plan_json(checks: Sequence[Check], proxy: str, credentials: str, timeout: float) -> str:
-    """What :data:`SCRIPT` reads from ``COVEY_PROBE``."""
+    """What :mod:`runners.probe.program` reads from ``COVEY_PROBE``."""
     return json.dumps(
         {
             "proxy": proxy,
@@ -238,145 +239,3 @@ def observations(checks: Sequence[Check], printed: Sequence[Mapping[str, Any]]) 
     """Spread the script's observations (one per check tried) over every check."""
     found = iter(printed)
     return [{} if c.skip else next(found, None) for c in checks]
-
-
-# Runs in the probe container (python3 of the sandbox image, as the sandbox's user). Reads the
-# plan from COVEY_PROBE, tries every check at once, prints {"observations": [...]} as one line.
-SCRIPT = r"""
-import base64, json, os, random, socket, ssl, struct, threading, time
-plan = json.loads(os.environ["COVEY_PROBE"])
-T = float(plan["timeout"])
-out = [None] * len(plan["checks"])
-
-def why(exc):
-    return os.strerror(exc.errno) if exc.errno else str(exc)
-
-def tcp(host, port, family=socket.AF_INET):
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.settimeout(T)
-    try:
-        s.connect((host, port))
-        return {"outcome": "connected"}
-    except ConnectionRefusedError:
-        return {"outcome": "refused"}
-    except (socket.timeout, TimeoutError):
-        return {"outcome": "timeout", "detail": f"no answer in {T:g} s"}
-    except OSError as exc:
-        return {"outcome": "unreachable", "detail": why(exc)}
-    finally:
-        s.close()
-
-def proxy(host, port):
-    p_host, _, p_port = plan["proxy"].rpartition(":")
-    if not p_host:
-        return {"outcome": "no-proxy", "detail": "no proxy to ask"}
-    auth = base64.b64encode(plan["credentials"].encode()).decode()
-    shown = f"[{host}]" if ":" in host else host
-    deadline = time.monotonic() + 3 * T
-    while True:
-        s = socket.socket()
-        s.settimeout(T)
-        try:
-            s.connect((p_host, int(p_port)))
-            if port == 80:
-                head = f"GET http://{shown}/ HTTP/1.1\r\nHost: {shown}\r\nConnection: close"
-            else:
-                head = f"CONNECT {shown}:{port} HTTP/1.1\r\nHost: {shown}:{port}"
-            s.sendall(f"{head}\r\nProxy-Authorization: Basic {auth}\r\n\r\n".encode())
-            head = b""
-            while b"\r\n\r\n" not in head and len(head) < 65536:
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                head += chunk
-            lines = head.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-            parts = lines[0].split(" ")
-            status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-            headers = {}
-            for line in lines[1:]:
-                k, _, v = line.partition(":")
-                headers[k.strip().lower()] = v.strip()
-            if status == 407 and time.monotonic() < deadline:
-                time.sleep(0.2)  # the proxy may not have this token's policy yet
-                continue
-            seen = {"outcome": "answered", "status": status,
-                    "deny_reason": headers.get("x-covey-deny-reason", "")}
-            if status == 200 and port != 80:
-                try:
-                    context = ssl.create_default_context()
-                    context.check_hostname = False
-                    context.verify_mode = ssl.CERT_NONE
-                    sni = None if host.replace(".", "").isdigit() else host
-                    context.wrap_socket(s, server_hostname=sni).close()
-                    seen["upstream"] = "ok"
-                except (OSError, ssl.SSLError) as exc:
-                    seen["upstream"] = f"TLS handshake failed: {exc}"
-            return seen
-        except OSError as exc:
-            return {"outcome": "unreachable", "detail": f"{type(exc).__name__}: {exc}"}
-        finally:
-            s.close()
-
-def dns(server, port, name):
-    ident = random.randrange(65536)
-    question = b"".join(bytes([len(p)]) + p.encode() for p in name.strip(".").split(".")) + b"\0"
-    query = struct.pack(">HHHHHH", ident, 0x0100, 1, 0, 0, 0) + question + b"\0\1\0\1"
-    family = socket.AF_INET6 if ":" in server else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_DGRAM)
-    s.settimeout(T)
-    try:
-        s.sendto(query, (server, port))
-        while True:
-            reply = s.recv(4096)
-            if len(reply) >= 12 and struct.unpack(">H", reply[:2])[0] == ident:
-                return {"outcome": "reply", "rcode": reply[3] & 15,
-                        "answers": struct.unpack(">H", reply[6:8])[0]}
-    except (socket.timeout, TimeoutError):
-        return {"outcome": "timeout", "detail": f"no reply in {T:g} s"}
-    except OSError as exc:
-        return {"outcome": "unreachable", "detail": why(exc)}
-    finally:
-        s.close()
-
-def ipv6(host, port):
-    seen = {"addresses": []}
-    try:
-        with open("/proc/net/if_inet6") as f:
-            for line in f:
-                fields = line.split()
-                if fields and fields[-1] != "lo":
-                    raw = fields[0]
-                    address = ":".join(raw[i:i + 4] for i in range(0, 32, 4))
-                    seen["addresses"].append(f"{address}%{fields[-1]}")
-    except OSError:
-        pass  # no IPv6 in this kernel at all
-    if host:
-        try:
-            seen.update(tcp(host, port, socket.AF_INET6))
-        except OSError as exc:
-            seen.update({"outcome": "unreachable", "detail": str(exc)})
-    return seen
-
-def run(index, check):
-    try:
-        kind = check["kind"]
-        if kind == "tcp":
-            out[index] = tcp(check["host"], check["port"])
-        elif kind == "proxy":
-            out[index] = proxy(check["host"], check["port"])
-        elif kind == "dns":
-            out[index] = dns(check["host"], check["port"], check["name"])
-        elif kind == "ipv6":
-            out[index] = ipv6(check["host"], check["port"])
-        else:
-            out[index] = {"error": f"unknown kind {kind}"}
-    except Exception as exc:
-        out[index] = {"error": f"{type(exc).__name__}: {exc}"}
-
-threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(plan["checks"])]
-for thread in threads:
-    thread.start()
-for thread in threads:
-    thread.join()
-print(json.dumps({"observations": out}), flush=True)
-"""

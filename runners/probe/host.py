@@ -1,4 +1,4 @@
-"""Running the egress probe (egress/probe.py) on a runner host, in the runner's real shape.
+"""Running the egress probe (checks.py) on a runner host, in the runner's real shape.
 
 Two containers are built through the runner's engine exactly like sandboxes (same hardening,
 same network options, under the name ``<runner>.probe`` so the runner's own sweep never takes
@@ -13,6 +13,7 @@ sandbox network's gateway). No Django: runner hosts have no database.
 """
 
 import contextlib
+import functools
 import ipaddress
 import json
 import shutil
@@ -27,25 +28,39 @@ from typing import Any
 import psutil
 
 from allowlists.entries import split_host_port
-from egress import probe
-from egress.probe import Category, Check, Expect, Result
 from runners.host.containers.engine import Engine, EngineError, SandboxSpec
+from runners.probe import program
+from runners.probe.checks import (
+    Category,
+    Check,
+    Expect,
+    Result,
+    failure_line,
+    judge,
+    observations,
+    parse_address,
+    parse_host_port,
+    plan_json,
+)
+from runners.probe.checks import passed as all_passed
+from runners.probe.checks import summary as summarise
 from runners.protocol import ProbePlan
 
 PEER_PORT = 8080
 EMBEDDED_RESOLVER = "127.0.0.11"
 MAX_HOST_CHECKS = 96  # a host listening on many ports gets its gateway tried on all, others on some
 CHECK_TIMEOUT = 2.0  # seconds per connect or query (they all run at once)
-PEER_SCRIPT = f"""
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", {PEER_PORT}))
-s.listen(64)
-print("ready", flush=True)
-while True:
-    s.accept()[0].close()
-"""
+
+
+@functools.cache
+def _program_source() -> str:
+    return Path(program.__file__).read_text()
+
+
+def command(*args: str) -> list[str]:
+    """The command that runs :mod:`runners.probe.program` in a container with these
+    arguments: its own source, sent whole (the image has python3 and nothing of covey)."""
+    return ["python3", "-c", _program_source(), *args]
 
 
 class ProbeError(Exception):
@@ -70,7 +85,7 @@ class Targets:
         """ValueError naming the first entry that is not ``ip:port``."""
         for name in ("internet", "private", "metadata", "resolvers", "ipv6"):
             for text in getattr(self, name):
-                probe.parse_address(text)
+                parse_address(text)
 
 
 @dataclass(frozen=True)
@@ -92,11 +107,11 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return not self.detail and probe.passed(self.results)
+        return not self.detail and all_passed(self.results)
 
     @property
     def summary(self) -> str:
-        return self.detail or probe.summary(self.results)
+        return self.detail or summarise(self.results)
 
 
 def plan(
@@ -111,9 +126,9 @@ def plan(
     no_agent = "" if credentials else (order.no_agent or "no agent to probe as")
     no_proxy = "" if where.proxy else "this runner has no proxy (COVEY_RUNNER_PROXY)"
     via = no_proxy or no_agent
-    allowed_host, allowed_port = probe.parse_host_port(order.allowed)
-    off_host, off_port = probe.parse_host_port(order.off_list)
-    internet = [probe.parse_address(t) for t in targets.internet]
+    allowed_host, allowed_port = parse_host_port(order.allowed)
+    off_host, off_port = parse_host_port(order.off_list)
+    internet = [parse_address(t) for t in targets.internet]
     checks = [
         Check(Category.ALLOWED, "proxy", allowed_host, allowed_port, expect=Expect.REACH, skip=via),
         Check(Category.OFF_LIST, "proxy", off_host, off_port, expect=Expect.REFUSE, skip=via),
@@ -141,11 +156,11 @@ def plan(
     ]
     checks.append(Check(Category.PEER, "tcp", peer, PEER_PORT))
     checks.append(Check(Category.DNS_EMBEDDED, "dns", EMBEDDED_RESOLVER, 53, allowed_host))
-    resolvers = [probe.parse_address(text, 53) for text in targets.resolvers]
+    resolvers = [parse_address(text, 53) for text in targets.resolvers]
     checks += [Check(Category.DNS_OUTSIDE, "dns", a, p, allowed_host) for a, p in resolvers] or [
         _nothing(Category.DNS_OUTSIDE, "dns", "RESOLVERS")
     ]
-    v6 = [probe.parse_address(t) for t in targets.ipv6] or [("", 0)]
+    v6 = [parse_address(t) for t in targets.ipv6] or [("", 0)]
     checks += [Check(Category.IPV6, "ipv6", a, p) for a, p in v6]
     return checks
 
@@ -156,7 +171,7 @@ def _nothing(category: Category, kind: str, setting: str) -> Check:
 
 
 def _tcp(category: Category, text: str) -> Check:
-    address, port = probe.parse_address(text)
+    address, port = parse_address(text)
     return Check(category, "tcp", address, port)
 
 
@@ -237,15 +252,15 @@ def run(
     for stale in engine.sandboxes():  # a probe cut short (the runner was killed)
         engine.remove(stale.run_id)
     try:
-        engine.launch(_spec(peer_id, image, ["python3", "-c", PEER_SCRIPT], where, home, {}))
+        engine.launch(_spec(peer_id, image, command("peer", str(PEER_PORT)), where, home, {}))
         peer = _wait_ready(engine, peer_id, where, timeout)
         checks = plan(order, targets, where, peer, host_targets(where.gateway))
-        script_plan = probe.plan_json(checks, where.proxy, order.credentials, CHECK_TIMEOUT)
+        script_plan = plan_json(checks, where.proxy, order.credentials, CHECK_TIMEOUT)
         engine.launch(
             _spec(
                 probe_id,
                 image,
-                ["python3", "-c", probe.SCRIPT],
+                command("probe"),
                 where,
                 home,
                 {"COVEY_PROBE": script_plan},
@@ -264,27 +279,8 @@ def run(
             with contextlib.suppress(EngineError):
                 engine.remove(run_id)
         shutil.rmtree(home, ignore_errors=True)
-    results = probe.judge(checks, probe.observations(checks, printed))
+    results = judge(checks, observations(checks, printed))
     return Report(results, lines=[r.line() for r in results])
-
-
-# Run in a container on the sandbox network: does the proxy sandboxes are told of answer there?
-PROXY_CHECK_SCRIPT = """
-import socket, sys
-host, port = sys.argv[1], int(sys.argv[2])
-try:
-    with socket.create_connection((host, port), timeout=5) as s:
-        s.settimeout(5)
-        s.sendall(b"CONNECT covey-proxy-check.invalid:443 HTTP/1.1\\r\\n\\r\\n")
-        answer = s.recv(64)
-except OSError as exc:
-    print(f"{type(exc).__name__}: {exc.strerror or exc}")
-    sys.exit(1)
-if not answer.startswith(b"HTTP/"):
-    print(f"something answers there, but not an HTTP proxy: {answer[:40]!r}")
-    sys.exit(1)
-print("answered", answer.split(b"\\r\\n")[0].decode(errors="replace"))
-"""
 
 
 def check_proxy(
@@ -297,9 +293,9 @@ def check_proxy(
     network = where.network.get("network") or "Docker's default bridge"
     tag = uuid.uuid4().hex[:12]
     run_id, home = f"proxy-check-{tag}", scratch / f"proxy-check-{tag}"
-    command = ["python3", "-c", PROXY_CHECK_SCRIPT, host, str(port)]
+    command_line = command("proxy-check", host, str(port))
     try:
-        engine.launch(_spec(run_id, image, command, where, home, {}))
+        engine.launch(_spec(run_id, image, command_line, where, home, {}))
         done = engine.wait(run_id, timeout=timeout)
         output = engine.logs(run_id).strip()
     except (EngineError, TimeoutError) as exc:
@@ -371,4 +367,4 @@ def _observations(output: str) -> list[Any] | None:
 
 def failed(detail: str) -> Report:
     """The report of a probe that could not run."""
-    return Report([], detail=detail, lines=[probe.failure_line(detail)])
+    return Report([], detail=detail, lines=[failure_line(detail)])

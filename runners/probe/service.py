@@ -1,5 +1,5 @@
 """Egress probes on the control plane: ordering one, what the runner is told to try, and what
-it reported (egress/probe.py says what a check is; runners/probing.py runs them).
+it reported (checks.py says what a check is; host.py runs them on a runner host).
 
 A probe acts as one agent: its credentials and allowlist are what the proxy checks are made
 with (a short-lived egress token, revoked when the probe reports). Without ``agent`` it is the
@@ -23,10 +23,10 @@ from django.utils import timezone
 from agents.models import Agent
 from agents.services import effective_allowlist
 from allowlists.entries import EntryError, parse_entry
-from egress import probe
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch, services
 from runners.models import Probe, ProbeStatus, Runner
+from runners.probe import checks
 from runners.protocol import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, ProbePlan
 
 TOKEN_TTL = timedelta(minutes=10)
@@ -178,7 +178,7 @@ def finish(
     if probe_row is None:
         raise ProbeConflict("no pending probe of this runner has that id")
     try:
-        parsed = [probe.Result.from_dict(item) for item in results]
+        parsed = [checks.Result.from_dict(item) for item in results]
     except (KeyError, ValueError, TypeError) as exc:
         raise ValidationError({"checks": [f"malformed check: {exc}"]}) from None
     _finish(probe_row, parsed, detail)
@@ -206,13 +206,13 @@ def expire(now: Any = None) -> int:
 
 
 def _finish(
-    probe_row: Probe, results: Sequence[probe.Result], detail: str, *, trusts: bool = True
+    probe_row: Probe, results: Sequence[checks.Result], detail: str, *, trusts: bool = True
 ) -> None:
     if detail:
         probe_row.status = ProbeStatus.ERROR
     else:
-        probe_row.status = ProbeStatus.PASSED if probe.passed(results) else ProbeStatus.FAILED
-    probe_row.summary = (detail or probe.summary(results))[:400]
+        probe_row.status = ProbeStatus.PASSED if checks.passed(results) else ProbeStatus.FAILED
+    probe_row.summary = (detail or checks.summary(results))[:400]
     probe_row.detail = detail
     probe_row.checks = [r.as_dict() for r in results]
     probe_row.finished_at = timezone.now()
@@ -251,8 +251,8 @@ def wait(probes: Iterable[Probe], timeout: float, poll: float = 0.2) -> list[Pro
 def lines(probe_row: Probe) -> list[str]:
     """The probe as people read it: one line per check."""
     if probe_row.detail and not probe_row.checks:
-        return [probe.failure_line(probe_row.detail)]
-    return [probe.Result.from_dict(c).line() for c in probe_row.checks]
+        return [checks.failure_line(probe_row.detail)]
+    return [checks.Result.from_dict(c).line() for c in probe_row.checks]
 
 
 def words(exc: Exception) -> str:

@@ -1,0 +1,33 @@
+"""What a runner host is told at start (``manage.py runner`` reads it from the environment)."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runners.probe import host as probing
+from runners.protocol import ISOLATION_COOPERATIVE, ISOLATION_NETWORK
+
+
+@dataclass
+class HostSettings:
+    homes: Path  # <homes>/<runner id>/<agent id> is an agent's home
+    proxy: str = ""  # host:port of the egress proxy as sandboxes reach it
+    network: str | None = None
+    poll: float = 0.5
+    # Hard isolation: the proxy container's image (pinned to its ID at the first build), the
+    # control plane's URL as that container reaches it ("": the runner's own), and more
+    # variables for it (its resolvers, the private ranges it may reach).
+    isolation: bool = False
+    proxy_image: str = "covey-egress:latest"
+    proxy_control_plane_url: str = ""
+    proxy_environment: Mapping[str, str] = field(default_factory=dict)
+    # The egress probe: what stands for the outside world, and how long a runner whose probe
+    # failed waits before it probes again on its own.
+    probe_targets: probing.Targets = field(default_factory=probing.Targets)
+    probe_retry: float = 300.0
+    # The image the proxy check runs in (it needs python3): the default sandbox image.
+    check_image: str = "covey-base:trixie"
+
+    @property
+    def isolation_mode(self) -> str:
+        return ISOLATION_NETWORK if self.isolation else ISOLATION_COOPERATIVE

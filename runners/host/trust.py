@@ -1,0 +1,253 @@
+"""Whether each runner this host serves may take work.
+
+Under hard isolation, only once its latest egress probe passed (:mod:`runners.probe.host`): it
+is probed when it starts, on order, and again while its last probe failed. At the cooperative
+level, only while its sandboxes reach the proxy they are told of (COVEY_RUNNER_PROXY): that is
+checked from a container on the sandbox network at start, again every few minutes, and soon
+after a failed check. Until then its launches fail with a status that says why.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runners.host.client import ControlPlaneError
+from runners.host.config import HostSettings
+from runners.host.containers import isolation
+from runners.host.containers.engine import Engine, EngineError
+from runners.host.containers.isolation import IsolationError
+from runners.host.identity import Identity, runner_name
+from runners.host.shapes import Shapes
+from runners.probe import host as probing
+
+logger = logging.getLogger(__name__)
+
+# A probe that could not run or be reported proves nothing: it is tried again this soon.
+UNREPORTED_RETRY_SECONDS = 30.0
+# The proxy sandboxes are told of is checked again this long after a failed check, and this
+# long after one that passed (on the heartbeat thread, so launches seldom wait for it).
+PROXY_RECHECK_SECONDS = 10.0
+PROXY_CHECK_EVERY_SECONDS = 300.0
+
+
+class UntrustedError(Exception):
+    """The runner may not take work: its egress probe has not passed (hard isolation), or its
+    sandboxes do not reach their proxy (cooperative)."""
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    """A runner's latest egress probe on this host."""
+
+    passed: bool
+    at: float  # the host's clock (monotonic)
+    summary: str
+    retry: float | None = None  # seconds until the next try while it has not passed (None:
+    # HostSettings.probe_retry)
+
+
+@dataclass(frozen=True)
+class ProxyCheck:
+    """Whether the proxy sandboxes are told of answered from the sandbox network, last time."""
+
+    problem: str  # "" when it answered
+    at: float  # the host's clock (monotonic)
+
+
+class Trust:
+    """Probes and proxy checks of the runners this host serves, and what they allow."""
+
+    def __init__(
+        self,
+        settings: HostSettings,
+        shapes: Shapes,
+        *,
+        engine_of: Callable[[Identity], Engine],
+        make_engine: Callable[[str, str, str], Engine],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.shapes = shapes
+        self.engine_of = engine_of  # the runner's own engine (its network's gateway)
+        self.make_engine = make_engine
+        self.clock = clock
+        self._probes: dict[int, ProbeState] = {}
+        self._probe_locks: dict[int, threading.Lock] = {}  # one probe at a time per runner
+        self._probe_engines: dict[int, Engine] = {}
+        self._proxy_checks: dict[int, ProxyCheck] = {}
+        self._proxy_check_locks: dict[int, threading.Lock] = {}
+
+    def require(self, identity: Identity, *, proxied: bool) -> None:
+        """UntrustedError unless the runner may launch now (``proxied``: its sandbox is to be
+        told of the proxy)."""
+        if self.settings.isolation:
+            state = self._probes.get(identity.id)
+            if state is None:
+                raise UntrustedError("this runner has not passed an egress probe yet")
+            if not state.passed:
+                raise UntrustedError(f"this runner's last egress probe failed: {state.summary}")
+        elif proxied and (problem := self.check_proxy(identity)):
+            raise UntrustedError(problem)
+
+    # --- the egress probe (hard isolation) ---------------------------------------------------
+
+    def start_probes(self, identities: list[Identity]) -> dict[int, probing.Report | None]:
+        """At start: probe every runner before it takes work."""
+        if not self.settings.isolation:
+            return {}
+        return {
+            identity.id: self._probe_safely(identity, None, "runner start")
+            for identity in identities
+        }
+
+    def probe_if_due(self, identity: Identity) -> None:
+        """Probe a runner never probed here, or whose last probe failed long enough ago."""
+        if not self.due(identity):
+            return
+        first = identity.id not in self._probes
+        self._probe_safely(identity, None, "runner start" if first else "retry")
+
+    def due(self, identity: Identity) -> bool:
+        if not self.settings.isolation:
+            return False
+        state = self._probes.get(identity.id)
+        if state is None:
+            return True
+        retry = self.settings.probe_retry if state.retry is None else state.retry
+        return not state.passed and self.clock() - state.at >= retry
+
+    def probe(
+        self, identity: Identity, probe_id: str | None = None, reason: str = "ordered"
+    ) -> probing.Report | None:
+        """Run an egress probe (the one the control plane ordered, or a new one) in the
+        runner's real shape and report it; None when the order is no longer ours."""
+        lock = self._probe_locks.setdefault(identity.id, threading.Lock())
+        with lock:
+            client = identity.client
+            order = client.begin_probe(probe_id, self.settings.isolation_mode, reason)
+            if order is None:
+                logger.info("covey runner %s: probe %s is not ours to run", identity.name, probe_id)
+                return None
+            if order.error:  # the control plane finished it already
+                report = probing.failed(order.error)
+            else:
+                try:
+                    report = probing.run(
+                        self._probe_engine(identity),
+                        order,
+                        self.settings.probe_targets,
+                        self._where(identity),
+                        self.settings.homes / str(identity.id),
+                    )
+                except (probing.ProbeError, EngineError, IsolationError, ValueError) as exc:
+                    report = probing.failed(str(exc))
+                client.report_probe(
+                    order.probe, [r.as_dict() for r in report.results], report.detail
+                )
+            summary = report.summary
+            self._probes[identity.id] = ProbeState(report.passed, self.clock(), summary)
+        level = logging.INFO if report.passed else logging.WARNING
+        logger.log(
+            level,
+            "covey runner %s: egress probe %s: %s\n%s",
+            identity.name,
+            "passed" if report.passed else "FAILED",
+            summary,
+            "\n".join(report.lines),
+        )
+        return report
+
+    def _probe_safely(
+        self, identity: Identity, probe_id: str | None, reason: str
+    ) -> probing.Report | None:
+        try:
+            return self.probe(identity, probe_id, reason)
+        except ControlPlaneError as exc:
+            # Not run, or not reported: it proves nothing, and is tried again soon (not at
+            # every poll). A probe that had passed before still counts meanwhile.
+            logger.warning("covey runner %s: egress probe: %s", identity.name, exc)
+            state = self._probes.get(identity.id)
+            if state is None or not state.passed:
+                summary = f"the probe could not run: {exc}"
+                self._probes[identity.id] = ProbeState(
+                    False, self.clock(), summary, retry=UNREPORTED_RETRY_SECONDS
+                )
+            return None
+
+    def _where(self, identity: Identity) -> probing.Where:
+        """The shape a sandbox of this runner would get right now."""
+        if self.settings.isolation:
+            shape = self.shapes.checked(identity)
+            return probing.Where(
+                network=isolation.sandbox_network_options(shape),
+                proxy=isolation.proxy_address(shape),
+                gateway=shape.gateway,
+            )
+        network = self.settings.network
+        return probing.Where(
+            network={"network": network},
+            proxy=self.settings.proxy,
+            gateway=self.engine_of(identity).gateway(network),
+        )
+
+    def _probe_engine(self, identity: Identity) -> Engine:
+        if identity.id not in self._probe_engines:
+            # Another name than the runner's: its sweep never takes a probe for a run.
+            self._probe_engines[identity.id] = self.make_engine(
+                f"{runner_name(identity)}.probe", identity.installation, ""
+            )
+        return self._probe_engines[identity.id]
+
+    # --- the proxy sandboxes are told of (cooperative) ---------------------------------------
+
+    def start_proxy_checks(self, identities: list[Identity]) -> dict[int, str]:
+        """At start: does each runner's proxy answer its sandboxes? Runner id → '' or what is
+        wrong."""
+        if self.settings.isolation or not self.settings.proxy:
+            return {}
+        return {identity.id: self.check_proxy(identity) for identity in identities}
+
+    def recheck_proxy(self, identity: Identity) -> None:
+        """Checked once: keep checking while it serves (when the last answer is old)."""
+        if identity.id in self._proxy_checks:
+            self.check_proxy(identity)
+
+    def check_proxy(self, identity: Identity) -> str:
+        """'' when the proxy sandboxes are told of answered from a container on the sandbox
+        network, else what is wrong. The answer is kept PROXY_RECHECK_SECONDS when it failed,
+        PROXY_CHECK_EVERY_SECONDS when it passed."""
+        if self.settings.isolation or not self.settings.proxy:
+            return ""
+        lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
+        with lock:
+            last = self._proxy_checks.get(identity.id)
+            again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS
+            if last is not None and self.clock() - last.at < again:
+                return last.problem
+            try:
+                problem = probing.check_proxy(
+                    self._probe_engine(identity),
+                    self.settings.check_image,
+                    # Where sandboxes go; the proxy check needs no gateway (the probe does).
+                    probing.Where(
+                        network={"network": self.settings.network},
+                        proxy=self.settings.proxy,
+                        gateway="",
+                    ),
+                    self.settings.homes / str(identity.id),
+                )
+            except (EngineError, OSError) as exc:
+                problem = f"the egress proxy at {self.settings.proxy} could not be checked: {exc}"
+            self._proxy_checks[identity.id] = ProxyCheck(problem, self.clock())
+        if problem:
+            logger.warning("covey runner %s: %s", identity.name, problem)
+        elif last is None or last.problem:
+            logger.info(
+                "covey runner %s: sandboxes reach the egress proxy at %s%s",
+                identity.name,
+                self.settings.proxy,
+                " again" if last is not None else "",  # after a failed check
+            )
+        return problem
