@@ -21,7 +21,8 @@ VAR_DIR = var.default_var_dir()
 # --- Django core --------------------------------------------------------------------------
 
 # Settings make nothing: without DJANGO_SECRET_KEY the key is the one `python -m covey.var` made
-# (make run does), and the covey.E001 check says so when there is none.
+# (make run does); the web server refuses to start with neither (covey/wsgi.py), and processes
+# that sign nothing (the worker, runners, the proxy) need none.
 SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or var.secret_key(VAR_DIR)
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])

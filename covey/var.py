@@ -7,7 +7,6 @@ explicit step: ``make run`` (scripts/run), ``python -m covey.var``, the tests' c
 It is safe to run any number of times and from several processes at once. No Django here.
 """
 
-import contextlib
 import os
 import secrets
 import sys
@@ -59,8 +58,16 @@ def _make_secret_key(path: Path) -> None:
             file.write(secrets.token_urlsafe(50))
             file.flush()
             os.fsync(file.fileno())
-        with contextlib.suppress(FileExistsError):  # another process named its key first
+        try:
             os.link(draft, path)
+        except FileExistsError:
+            pass  # another process named its key first: that one stays
+        except OSError as exc:
+            raise OSError(
+                f"cannot make the secret key {path}: its file system does not take hard links"
+                f" ({exc.strerror or exc}); set DJANGO_SECRET_KEY, or COVEY_VAR_DIR to a"
+                " directory on another file system"
+            ) from exc
     finally:
         os.unlink(draft)
 

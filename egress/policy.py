@@ -83,7 +83,7 @@ def status_of(code: Code) -> int:
 class Attempt:
     """One CONNECT or plain-HTTP request, as the proxy received it."""
 
-    credential: str | None  # the Proxy-Authorization header
+    credential: str | None = field(repr=False)  # the Proxy-Authorization header: a secret
     host: str
     port: int
     plain_http: bool = False
@@ -99,6 +99,11 @@ class Attempt:
         """The name the credential claims ('' when there is none)."""
         credentials = self.credentials
         return credentials[0] if credentials else ""
+
+    def to(self, decision: "Decision") -> "Attempt":
+        """This attempt aimed where ``decision`` says (its host and port normalised): what a
+        later check decides again, so that its refusal names what the allow named."""
+        return replace(self, host=decision.host, port=decision.port)
 
 
 @dataclass(frozen=True)

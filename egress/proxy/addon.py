@@ -287,7 +287,7 @@ class CoveyEgress:
         if decision.allowed:
             latest = self.feed.current()
             if latest is None or latest.generation != allowed.generation:
-                again = check_request(latest, attempt, self.clock())
+                again = check_request(latest, attempt.to(allowed), self.clock())
                 if not again.allowed:
                     decision = again
         if not decision.allowed:
@@ -344,7 +344,7 @@ class CoveyEgress:
         if attempt.plain_http:
             state.pinned[(decision.host, decision.port)] = decision.address
             return None
-        state.tunnel = Tunnel(decision_id, attempt, decision)
+        state.tunnel = Tunnel(decision_id, attempt.to(decision), decision)
         self.open_tunnels += 1
         self.tunnels_by_agent[decision.agent.id] += 1
         return state.tunnel

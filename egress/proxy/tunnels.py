@@ -1,8 +1,9 @@
 """Allowed tunnels and their hand-over from mitmproxy to covey's :class:`Relay`.
 
-Everything of mitmproxy's own machinery that covey touches is here and only here: the
+What covey touches of mitmproxy beyond its addon and layer API is here and only here: the
 connection handlers of its ``proxyserver`` addon, their transports and stream buffers, and
-cancelling a handler to close a client. A mitmproxy upgrade is checked against this file.
+cancelling a handler to close a client (the layers use mitmproxy's layer API, and the answers
+its ClientHello parser). A mitmproxy upgrade is checked against this file first.
 """
 
 import asyncio
@@ -31,7 +32,7 @@ class Tunnel:
     """An allowed CONNECT tunnel, from the decision until the client disconnects."""
 
     decision_id: str
-    attempt: Attempt  # decided again by every new policy while the tunnel is open
+    attempt: Attempt  # aimed at the decided host; decided again by every new policy
     decision: Decision  # the allow, with the vetted address
     started: bool = False  # the ClientHello was checked and the bytes flow
     bytes_up: int = 0  # before the relay took over; then the relay counts

@@ -173,7 +173,11 @@ class Outputs:
         reader = threading.Thread(target=read, name=f"covey-output-{run_id}", daemon=True)
         reader.start()  # before it is listed: whoever finds it may join it
         with self._lock:
-            self._live[run_id] = Followed(identity.id, live, stream, reader)
+            stopped = run_id not in self._live  # it ended (and was stopped) meanwhile
+            if not stopped:
+                self._live[run_id] = Followed(identity.id, live, stream, reader)
+        if stopped:
+            stream.close()  # the reader ends with it
 
     def ship(self, identity: Identity) -> None:
         """Send every due chunk of this runner's running sandboxes (one each per call)."""

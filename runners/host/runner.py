@@ -246,21 +246,25 @@ class RunnerHost:
     def watch(self) -> None:
         """Until :meth:`stop`: finish exited sandboxes, stop overdue ones, reconcile."""
         warned: dict[int, float] = {}
+
+        def once_a_minute(runner_id: int) -> bool:  # the same trouble comes back every poll
+            if time.monotonic() - warned.get(runner_id, -WARN_EVERY_SECONDS) < WARN_EVERY_SECONDS:
+                return False
+            warned[runner_id] = time.monotonic()
+            return True
+
         while not self._stop.is_set():
             self.rescan()
             for identity in list(self.identities.values()):
                 try:
                     self.sweep(identity)
                 except (ControlPlaneError, EngineError, OSError) as exc:
-                    # Once a minute: the same trouble comes back every poll.
-                    if time.monotonic() - warned.get(identity.id, -60.0) >= 60:
-                        warned[identity.id] = time.monotonic()
+                    if once_a_minute(identity.id):
                         logger.warning("covey runner %s: %s", identity.name, exc)
                 except Exception:
-                    # A defect: said with its traceback, once a minute; the watcher goes on, as
-                    # every run of this host depends on it.
-                    if time.monotonic() - warned.get(identity.id, -60.0) >= 60:
-                        warned[identity.id] = time.monotonic()
+                    # A defect: said with its traceback; the watcher goes on, as every run of
+                    # this host depends on it.
+                    if once_a_minute(identity.id):
                         logger.exception("covey runner %s: the watcher failed", identity.name)
                 else:
                     warned.pop(identity.id, None)

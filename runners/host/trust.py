@@ -76,6 +76,7 @@ class Trust:
         self._probes: dict[int, ProbeState] = {}
         self._probe_locks: dict[int, threading.Lock] = {}  # one probe at a time per runner
         self._probe_engines: dict[int, Engine] = {}
+        self._locks_lock = threading.Lock()  # makes the per-runner locks and engines
         self._proxy_checks: dict[int, ProxyCheck] = {}
         self._proxy_check_locks: dict[int, threading.Lock] = {}
 
@@ -123,8 +124,7 @@ class Trust:
     ) -> probing.Report | None:
         """Run an egress probe (the one the control plane ordered, or a new one) in the
         runner's real shape and report it; None when the order is no longer ours."""
-        lock = self._probe_locks.setdefault(identity.id, threading.Lock())
-        with lock:
+        with self._probe_lock(identity):
             client = identity.client
             order = client.begin_probe(probe_id, self.settings.isolation_mode, reason)
             if order is None:
@@ -168,12 +168,13 @@ class Trust:
             # Not run, or not reported: it proves nothing, and is tried again soon (not at
             # every poll). A probe that had passed before still counts meanwhile.
             logger.warning("covey runner %s: egress probe: %s", identity.name, exc)
-            state = self._probes.get(identity.id)
-            if state is None or not state.passed:
-                summary = f"the probe could not run: {exc}"
-                self._probes[identity.id] = ProbeState(
-                    False, self.clock(), summary, retry=UNREPORTED_RETRY_SECONDS
-                )
+            with self._probe_lock(identity):
+                state = self._probes.get(identity.id)
+                if state is None or not state.passed:
+                    summary = f"the probe could not run: {exc}"
+                    self._probes[identity.id] = ProbeState(
+                        False, self.clock(), summary, retry=UNREPORTED_RETRY_SECONDS
+                    )
             return None
 
     def _where(self, identity: Identity) -> probing.Where:
@@ -192,13 +193,18 @@ class Trust:
             gateway=self.engine_of(identity).gateway(network),
         )
 
+    def _probe_lock(self, identity: Identity) -> threading.Lock:
+        with self._locks_lock:
+            return self._probe_locks.setdefault(identity.id, threading.Lock())
+
     def _probe_engine(self, identity: Identity) -> Engine:
-        if identity.id not in self._probe_engines:
-            # Another name than the runner's: its sweep never takes a probe for a run.
-            self._probe_engines[identity.id] = self.make_engine(
-                f"{runner_name(identity)}.probe", identity.installation, ""
-            )
-        return self._probe_engines[identity.id]
+        with self._locks_lock:
+            if identity.id not in self._probe_engines:
+                # Another name than the runner's: its sweep never takes a probe for a run.
+                self._probe_engines[identity.id] = self.make_engine(
+                    f"{runner_name(identity)}.probe", identity.installation, ""
+                )
+            return self._probe_engines[identity.id]
 
     # --- the proxy sandboxes are told of (cooperative) ---------------------------------------
 
@@ -220,7 +226,8 @@ class Trust:
         PROXY_CHECK_EVERY_SECONDS when it passed."""
         if self.settings.isolation or not self.settings.proxy:
             return ""
-        lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
+        with self._locks_lock:
+            lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
         with lock:
             last = self._proxy_checks.get(identity.id)
             again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS

@@ -150,7 +150,7 @@ def parse_host_port(text: str, default_port: int = 443) -> tuple[str, int]:
 
 def judge(checks: Sequence[Check], observations: Sequence[Mapping[str, Any]]) -> list[Result]:
     """Each check with what was seen of it (``observations`` in the same order, as the
-    script printed them); a missing observation is a failure."""
+    program printed them); a missing observation is a failure."""
     results = []
     for index, check in enumerate(checks):
         seen: Any = observations[index] if index < len(observations) else None
@@ -236,6 +236,6 @@ def plan_json(checks: Sequence[Check], proxy: str, credentials: str, timeout: fl
 
 
 def observations(checks: Sequence[Check], printed: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """Spread the script's observations (one per check tried) over every check."""
+    """Spread the program's observations (one per check tried) over every check."""
     found = iter(printed)
     return [{} if c.skip else next(found, None) for c in checks]

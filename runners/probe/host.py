@@ -255,7 +255,7 @@ def run(
         engine.launch(_spec(peer_id, image, command("peer", str(PEER_PORT)), where, home, {}))
         peer = _wait_ready(engine, peer_id, where, timeout)
         checks = plan(order, targets, where, peer, host_targets(where.gateway))
-        script_plan = plan_json(checks, where.proxy, order.credentials, CHECK_TIMEOUT)
+        program_plan = plan_json(checks, where.proxy, order.credentials, CHECK_TIMEOUT)
         engine.launch(
             _spec(
                 probe_id,
@@ -263,7 +263,7 @@ def run(
                 command("probe"),
                 where,
                 home,
-                {"COVEY_PROBE": script_plan},
+                {"COVEY_PROBE": program_plan},
             )
         )
         done = engine.wait(probe_id, timeout=timeout)

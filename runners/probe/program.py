@@ -1,5 +1,6 @@
 """The program that runs inside probe containers, with the sandbox image's ``python3`` as the
-sandbox's user: the standard library only, nothing of covey (the image has none of it). The
+sandbox's user: the standard library only, nothing of covey (the image has none of it), and
+nothing newer than Python 3.7 (ruff checks this file against 3.7; a test parses it as 3.7). The
 runner host sends this file's own source (``python3 -c <source> <mode> ...``), so what runs is
 what ruff, mypy and the tests see.
 
@@ -12,8 +13,6 @@ Modes:
 - ``proxy-check HOST PORT``: does an HTTP proxy answer at HOST:PORT; exit status 0 when it does.
 """
 
-from __future__ import annotations
-
 import base64
 import json
 import os
@@ -24,9 +23,9 @@ import struct
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Dict, List, Optional, Tuple
 
-Seen = dict[str, Any]
+Seen = Dict[str, Any]
 
 
 def why(exc: OSError) -> str:
@@ -41,7 +40,7 @@ def tcp(host: str, port: int, timeout: float, family: int = socket.AF_INET) -> S
         return {"outcome": "connected"}
     except ConnectionRefusedError:
         return {"outcome": "refused"}
-    except (socket.timeout, TimeoutError):  # noqa: UP041 - one class only from Python 3.10
+    except (socket.timeout, TimeoutError):  # one class only from Python 3.10
         return {"outcome": "timeout", "detail": f"no answer in {timeout:g} s"}
     except OSError as exc:
         return {"outcome": "unreachable", "detail": why(exc)}
@@ -49,7 +48,7 @@ def tcp(host: str, port: int, timeout: float, family: int = socket.AF_INET) -> S
         s.close()
 
 
-def read_head(s: socket.socket) -> tuple[int, dict[str, str]]:
+def read_head(s: socket.socket) -> Tuple[int, Dict[str, str]]:
     """An HTTP response's status and headers (lower-case names)."""
     head = b""
     while b"\r\n\r\n" not in head and len(head) < 65536:
@@ -67,7 +66,7 @@ def read_head(s: socket.socket) -> tuple[int, dict[str, str]]:
     return status, headers
 
 
-def proxy(plan: dict[str, Any], host: str, port: int, timeout: float) -> Seen:
+def proxy(plan: Dict[str, Any], host: str, port: int, timeout: float) -> Seen:
     """Ask the proxy for host:port as the plan's agent (CONNECT, or GET for port 80)."""
     p_host, _, p_port = str(plan["proxy"]).rpartition(":")
     if not p_host:
@@ -130,7 +129,7 @@ def dns(server: str, port: int, name: str, timeout: float) -> Seen:
                     "rcode": reply[3] & 15,
                     "answers": struct.unpack(">H", reply[6:8])[0],
                 }
-    except (socket.timeout, TimeoutError):  # noqa: UP041
+    except (socket.timeout, TimeoutError):
         return {"outcome": "timeout", "detail": f"no reply in {timeout:g} s"}
     except OSError as exc:
         return {"outcome": "unreachable", "detail": why(exc)}
@@ -140,7 +139,7 @@ def dns(server: str, port: int, name: str, timeout: float) -> Seen:
 
 def ipv6(host: str, port: int, timeout: float) -> Seen:
     """The container's IPv6 addresses (but loopback's), and whether host:port answers."""
-    addresses: list[str] = []
+    addresses: List[str] = []
     try:
         with open("/proc/net/if_inet6") as f:
             for line in f:
@@ -160,7 +159,7 @@ def ipv6(host: str, port: int, timeout: float) -> Seen:
     return seen
 
 
-def observe(plan: dict[str, Any], check: dict[str, Any]) -> Seen:
+def observe(plan: Dict[str, Any], check: Dict[str, Any]) -> Seen:
     timeout = float(plan["timeout"])
     kind = check["kind"]
     if kind == "tcp":
@@ -174,12 +173,12 @@ def observe(plan: dict[str, Any], check: dict[str, Any]) -> Seen:
     return {"error": f"unknown kind {kind}"}
 
 
-def probe(plan: dict[str, Any]) -> list[Seen | None]:
+def probe(plan: Dict[str, Any]) -> List[Optional[Seen]]:
     """Every check of the plan, at once; one observation each, in order."""
     checks = plan["checks"]
-    out: list[Seen | None] = [None] * len(checks)
+    out: List[Optional[Seen]] = [None] * len(checks)
 
-    def run(index: int, check: dict[str, Any]) -> None:
+    def run(index: int, check: Dict[str, Any]) -> None:
         try:
             out[index] = observe(plan, check)
         except Exception as exc:
@@ -219,7 +218,7 @@ def proxy_check(host: str, port: int) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: List[str]) -> int:
     mode = argv[1] if len(argv) > 1 else ""
     if mode == "probe":
         observations = probe(json.loads(os.environ["COVEY_PROBE"]))

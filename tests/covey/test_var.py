@@ -4,6 +4,9 @@ once read a secret key the other had not finished writing, and the control plane
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from covey import var
 from tests.processes import ROOT, VENV_BIN, free_port
@@ -27,15 +30,18 @@ def test_prepare_makes_the_folders_and_one_private_key_that_stays(tmp_path):
 
 
 def test_processes_preparing_at_once_all_read_the_same_whole_key(tmp_path):
+    """They wait for one moment to start together (Python's start-up would spread them out)."""
     code = (
-        "import sys, pathlib; from covey import var;"
+        "import sys, time, pathlib; from covey import var;"
+        " time.sleep(max(0.0, float(sys.argv[2]) - time.time()));"
         " print(var.secret_key(var.prepare(pathlib.Path(sys.argv[1]))))"
     )
-    for attempt in range(3):
+    for attempt in range(2):
         directory = tmp_path / f"var-{attempt}"
+        start = time.time() + 2
         racing = [
             subprocess.Popen(
-                [sys.executable, "-c", code, str(directory)],
+                [sys.executable, "-c", code, str(directory), str(start)],
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -45,6 +51,31 @@ def test_processes_preparing_at_once_all_read_the_same_whole_key(tmp_path):
         keys = {process.communicate(timeout=60)[0].strip() for process in racing}
         assert len(keys) == 1 and len(keys.pop()) >= 50
         assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
+
+
+def test_whoever_names_the_key_second_keeps_the_first_and_leaves_no_draft(tmp_path, monkeypatch):
+    directory = tmp_path / "var"
+    directory.mkdir()
+    link = os.link
+
+    def another_process_first(source, target):
+        (directory / var.SECRET_KEY_FILE).write_text("the-first-key")
+        link(source, target)
+
+    monkeypatch.setattr(var.os, "link", another_process_first)
+    var.prepare(directory)
+    assert var.secret_key(directory) == "the-first-key"
+    assert sorted(p.name for p in directory.iterdir()) == ["broker", "secret_key", "static"]
+
+
+def test_a_file_system_without_hard_links_is_said_and_nothing_is_left(tmp_path, monkeypatch):
+    def no_links(source, target):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(var.os, "link", no_links)
+    with pytest.raises(OSError, match=r"does not take hard links .*set DJANGO_SECRET_KEY"):
+        var.prepare(tmp_path / "var")
+    assert not [p for p in (tmp_path / "var").iterdir() if "secret" in p.name]
 
 
 def test_importing_settings_writes_nothing(tmp_path):
@@ -86,3 +117,19 @@ def test_python_m_covey_var_prepares_the_configured_directory(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(directory)
     assert var.secret_key(directory)
+
+
+def test_celery_makes_the_file_system_brokers_folders_when_a_process_first_uses_it(tmp_path):
+    """No step of its own: a web server or worker on a fresh COVEY_VAR_DIR can send at once."""
+    directory = tmp_path / "fresh"
+    code = (
+        "import django; django.setup(); from covey.celery import app;"
+        " app.send_task('covey.nothing')"
+    )
+    env = clean_env(directory) | {"DJANGO_SETTINGS_MODULE": "covey.settings"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(list(var.broker_folder(directory, "queue").iterdir())) == 1  # the message
+    assert not (directory / var.SECRET_KEY_FILE).exists()  # and it made nothing else

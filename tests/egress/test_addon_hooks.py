@@ -5,6 +5,7 @@ process and real clients."""
 
 import asyncio
 import base64
+import ssl
 import time
 
 import pytest
@@ -157,6 +158,7 @@ def test_an_allowed_connect_goes_on_and_is_logged(proxy):
     run(proxy.http_connect(flow))
     assert flow.response is None
     assert "Proxy-Authorization" not in flow.request.headers
+    assert [(d["host"], d["allowed"]) for d in decisions(proxy)] == [("good.test", True)]
 
 
 def test_a_disabled_agent_is_refused(proxy):
@@ -181,3 +183,120 @@ def test_without_a_policy_everything_is_refused(proxy):
     flow = connect("good.test")
     run(proxy.http_connect(flow))
     assert (flow.response.status_code, reason(flow)) == (503, "policy-unavailable")
+
+
+def logged(proxy) -> list[dict]:
+    """Every event the addon logged so far (the log writes them in batches: flush it)."""
+    proxy.log.flush()
+    return proxy.events
+
+
+def decisions(proxy) -> list[dict]:
+    return [e for e in logged(proxy) if e["event"] == "decision"]
+
+
+def client_hello(server_name: str) -> bytes:
+    """The first bytes a TLS client sends for ``server_name``."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname=server_name)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def test_every_decision_is_logged_with_who_where_and_why(proxy):
+    run(proxy.http_connect(connect("GOOD.test.")))
+    run(proxy.http_connect(connect("evil.test")))
+    run(proxy.requestheaders(plain("plain.test", credential=None)))
+    allowed, refused, anonymous = decisions(proxy)
+    assert {k: allowed[k] for k in ("agent_id", "username", "kind", "host", "port")} == {
+        "agent_id": 1, "username": "acme-builder", "kind": "connect", "host": "good.test",
+        "port": 443,
+    }  # fmt: skip
+    assert (allowed["address"], allowed["allowed"], allowed["reason"], allowed["detail"]) == (
+        "10.9.0.6", True, "allowed", "agent",
+    )  # fmt: skip
+    assert (refused["agent_id"], refused["reason"], refused["address"]) == (
+        1, "not-on-allowlist", None,
+    )  # fmt: skip
+    assert (anonymous["agent_id"], anonymous["username"], anonymous["kind"]) == (None, "", "http")
+    assert anonymous["reason"] == "proxy-auth-required"
+
+
+def test_tunnels_are_counted_while_open_and_their_close_is_logged(proxy):
+    flow = connect("good.test")
+    run(proxy.http_connect(flow))
+    assert (proxy.open_tunnels, proxy.tunnels_by_agent[1]) == (1, 1)
+    proxy.client_disconnected(flow.client_conn)
+    assert (proxy.open_tunnels, dict(proxy.tunnels_by_agent)) == (0, {})
+    (allowed,) = decisions(proxy)
+    close = logged(proxy)[-1]
+    assert (close["event"], close["id"]) == ("close", allowed["id"])
+
+
+def test_a_full_proxy_refuses_tunnels_but_not_plain_requests(proxy):
+    with taddons.context(proxy) as tctx:
+        tctx.configure(proxy, covey_max_tunnels_per_agent=1)
+        run(proxy.http_connect(connect("good.test")))
+        second = connect("good.test")
+        run(proxy.http_connect(second))
+        assert (second.response.status_code, reason(second)) == (429, "capacity")
+        assert second.response.headers["Retry-After"] == "1"
+        request = plain("plain.test", credential=basic())
+        run(proxy.requestheaders(request))
+        assert request.response is None
+
+
+def test_an_open_tunnel_the_new_policy_refuses_is_closed_and_logged_by_its_decided_name(proxy):
+    flow = connect("GOOD.test.")
+    run(proxy.http_connect(flow))
+    proxy.source.served = snapshot("g2", TOKEN, enabled=False)
+    proxy.feed.refresh()
+    proxy.enforce(proxy.feed.current())  # no mitmproxy handler here: nothing to cancel
+    cut = decisions(proxy)[-1]
+    assert (cut["reason"], cut["host"], cut["agent_id"], cut["address"]) == (
+        "agent-disabled", "good.test", 1, "10.9.0.6",
+    )  # fmt: skip
+    proxy.source.served = snapshot("g3", TOKEN)
+    proxy.feed.refresh()
+    before = len(logged(proxy))
+    proxy.enforce(proxy.feed.current())  # allowed again: left alone
+    assert len(logged(proxy)) == before
+
+
+def test_the_tunnels_first_bytes_must_be_a_client_hello_naming_the_host(proxy):
+    flow = connect("good.test")
+    run(proxy.http_connect(flow))
+    tunnel = proxy.tunnel_of(flow.client_conn.id)
+    assert proxy.check_hello(tunnel, client_hello("good.test")[:20]) is None  # wait for more
+    assert proxy.check_hello(tunnel, b"GET / HTTP/1.1\r\n\r\n") is False
+    assert proxy.check_hello(tunnel, client_hello("evil.test")) is False
+    not_tls, other_name = decisions(proxy)[-2:]
+    assert (not_tls["reason"], not_tls["agent_id"], not_tls["address"]) == (
+        "bad-request", 1, "10.9.0.6",
+    )  # fmt: skip
+    assert "did not start with a TLS ClientHello" in not_tls["detail"]
+    assert "names 'evil.test', not the CONNECT host 'good.test'" in other_name["detail"]
+    assert not tunnel.started
+    assert proxy.check_hello(tunnel, client_hello("GOOD.test")) is True and tunnel.started
+
+
+def test_a_policy_that_changes_while_the_name_resolves_decides_again(proxy):
+    table = proxy.resolver.table
+
+    class Slow:
+        def cached(self, host):
+            return None
+
+        async def resolve(self, host):
+            proxy.source.served = snapshot("g2", TOKEN, enabled=False)  # meanwhile
+            proxy.feed.refresh()
+            return table[host]
+
+    proxy.resolver = Slow()
+    flow = connect("GOOD.test.")
+    run(proxy.http_connect(flow))
+    assert reason(flow) == "agent-disabled"
+    refused = decisions(proxy)[-1]
+    assert (refused["host"], refused["agent_id"]) == ("good.test", 1)
+    assert proxy.open_tunnels == 0

@@ -52,27 +52,27 @@ def policy():
     return Policy.from_snapshot(snapshot())
 
 
-def authenticate(policy, header, now=NOW):
-    """The agent step 1 identifies from a credential (None: a 407)."""
+def identified(policy, header, now=NOW):
+    """The agent check_request identifies from a credential (None: a 407)."""
     decision = check_request(policy, Attempt(header, "api.anthropic.com", 443), now)
     assert (decision.agent is None) == (decision.code is Code.PROXY_AUTH)
     return decision.agent
 
 
-def decide(agent, host, port, *, plain_http, at_capacity):
-    """Steps 2 and 3 for an identified agent."""
+def by_name(agent, host, port, *, plain_http, at_capacity):
+    """check_agent: steps 2 and 3 for an identified agent."""
     return check_agent(agent, Attempt(None, host, port, plain_http), full=lambda _: at_capacity)
 
 
-def vet_addresses(host, port, addresses, allowed=()):
-    """Step 4 after an allow of host:port: the decision and the address it dials."""
+def by_address(host, port, addresses, allowed=()):
+    """check_addresses after an allow of host:port: the decision and the address it dials."""
     decision = check_addresses(Decision(Code.ALLOWED, host, port), addresses, allowed)
     return decision, decision.address
 
 
 @pytest.fixture
 def agent(policy):
-    return authenticate(policy, basic("acme.builder", "s3cret"))
+    return identified(policy, basic("acme.builder", "s3cret"))
 
 
 class TestIdentity:
@@ -95,14 +95,14 @@ class TestIdentity:
         ],
     )
     def test_anything_else_identifies_nobody(self, policy, header):
-        assert authenticate(policy, header, NOW) is None
+        assert identified(policy, header, NOW) is None
 
     def test_an_expired_token_identifies_nobody(self, policy):
-        assert authenticate(policy, basic("acme.builder", "s3cret"), NOW + 60) is None
+        assert identified(policy, basic("acme.builder", "s3cret"), NOW + 60) is None
 
     def test_the_scheme_is_case_insensitive(self, policy):
         header = basic("acme.builder", "s3cret").replace("Basic", "basic")
-        assert authenticate(policy, header, NOW) is not None
+        assert identified(policy, header, NOW) is not None
 
     def test_a_token_may_contain_colons(self):
         assert parse_basic(basic("a", "b:c")) == ("a", "b:c")
@@ -136,23 +136,23 @@ class TestDecision:
         ],
     )
     def test_targets(self, policy, agent, host, port, plain, code):
-        assert decide(agent, host, port, plain_http=plain, at_capacity=False).code == code
+        assert by_name(agent, host, port, plain_http=plain, at_capacity=False).code == code
 
     def test_an_allow_says_where_the_entry_comes_from(self, policy, agent):
-        decision = decide(agent, "deb.example", 80, plain_http=True, at_capacity=False)
+        decision = by_name(agent, "deb.example", 80, plain_http=True, at_capacity=False)
         assert decision.sources == ("template:debian-ubuntu",)
 
     def test_switches_come_before_the_target_in_the_order_of_the_design(self):
         disabled = Policy.from_snapshot(snapshot(enabled=False, budget_exhausted=True))
         agent = disabled.agents[7]
-        decision = decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        decision = by_name(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.AGENT_DISABLED
         broke = Policy.from_snapshot(snapshot(budget_exhausted=True))
-        decision = decide(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
+        decision = by_name(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.BUDGET_EXHAUSTED
 
     def test_a_full_proxy_refuses_before_looking_at_the_target(self, policy, agent):
-        decision = decide(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
+        decision = by_name(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.CAPACITY
 
     @pytest.mark.parametrize(
@@ -211,36 +211,36 @@ class TestAddresses:
     )
     def test_non_public_addresses_are_refused(self, address):
         assert not is_public(ipaddress.ip_address(address))
-        decision, chosen = vet_addresses("h.example", 443, [address])
+        decision, chosen = by_address("h.example", 443, [address])
         assert decision.code is Code.NON_PUBLIC_ADDRESS
         assert chosen is None
 
     @pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"])
     def test_public_addresses_pass(self, address):
-        decision, chosen = vet_addresses("h.example", 443, [address])
+        decision, chosen = by_address("h.example", 443, [address])
         assert decision.allowed
         assert str(chosen) == address
 
     def test_one_bad_answer_among_good_ones_refuses_the_name(self):
-        decision, _ = vet_addresses("h.example", 443, ["8.8.8.8", "10.0.0.1", "1.1.1.1"])
+        decision, _ = by_address("h.example", 443, ["8.8.8.8", "10.0.0.1", "1.1.1.1"])
         assert decision.code is Code.NON_PUBLIC_ADDRESS
         assert decision.detail == "10.0.0.1"
 
     def test_no_answer_is_unresolvable(self):
-        decision, _ = vet_addresses("h.example", 443, [])
+        decision, _ = by_address("h.example", 443, [])
         assert decision.code is Code.UNRESOLVABLE
 
     def test_allowed_private_networks_are_let_through(self):
         allowed = parse_networks(["10.20.0.0/16"])
-        decision, chosen = vet_addresses("mirror.corp", 443, ["10.20.1.2"], allowed)
+        decision, chosen = by_address("mirror.corp", 443, ["10.20.1.2"], allowed)
         assert decision.allowed and str(chosen) == "10.20.1.2"
-        mapped, _ = vet_addresses("mirror.corp", 443, ["::ffff:10.20.1.2"], allowed)
+        mapped, _ = by_address("mirror.corp", 443, ["::ffff:10.20.1.2"], allowed)
         assert mapped.allowed
-        outside, _ = vet_addresses("mirror.corp", 443, ["10.21.0.1"], allowed)
+        outside, _ = by_address("mirror.corp", 443, ["10.21.0.1"], allowed)
         assert outside.code is Code.NON_PUBLIC_ADDRESS
 
     def test_ipv4_is_preferred(self):
-        _, chosen = vet_addresses("h.example", 443, ["2606:4700:4700::1111", "1.1.1.1"])
+        _, chosen = by_address("h.example", 443, ["2606:4700:4700::1111", "1.1.1.1"])
         assert str(chosen) == "1.1.1.1"
 
 

@@ -2,12 +2,15 @@
 runs it (its source through ``python3 -c``), against loopback servers this test starts. The
 real containers, networks and firewall are in test_probe.py."""
 
+import ast
 import json
 import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
+from runners.probe import program
 from runners.probe.host import command
 from tests.processes import free_port
 
@@ -87,3 +90,23 @@ def test_the_probe_prints_one_observation_per_check_in_order():
 def test_a_wrong_call_says_how_to_call_it():
     wrong = run("nothing")
     assert wrong.returncode == 2 and "usage: program.py probe" in wrong.stderr
+
+
+def test_it_is_python_any_sandbox_image_runs():
+    """Sandbox images bring their own python3: nothing in the program needs more than 3.7,
+    neither its grammar nor what it evaluates when it loads (subscripted builtins, ``X | Y``)."""
+    source = Path(program.__file__).read_text()
+    tree = ast.parse(source, feature_version=(3, 7))
+    assert not [
+        n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "__future__"
+    ]
+    evaluated = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("dict", "list", "tuple", "set", "type")
+    ]
+    assert evaluated == []
+    unions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.BitOr)]
+    assert unions == []

@@ -246,3 +246,19 @@ def test_output_goes_live_and_the_whole_log_carries_the_count(host):
     host.engine.exit(RUN, 0)
     host.host.sweep(host.identity)
     assert host.control.logs[RUN] == ("hello ✓\n", len("hello ✓\n".encode()))
+
+
+def test_output_of_a_sandbox_stopped_while_its_following_starts_is_not_kept(host):
+    """The watcher finishes a sandbox that exited at once while its launch is still setting up
+    the live output: the follower must not be listed afterwards (it would never go)."""
+    outputs = host.host.outputs
+    follow_logs = host.engine.follow_logs
+
+    def finished_meanwhile(run_id):
+        stream = follow_logs(run_id)
+        assert outputs.stop(run_id) is None  # only the placeholder was there
+        return stream
+
+    host.engine.follow_logs = finished_meanwhile
+    host.order(spec())
+    assert outputs.live(RUN) is None

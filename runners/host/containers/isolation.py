@@ -766,6 +766,12 @@ def _wait_ready(client: docker.DockerClient, shape: Shape, timeout: float) -> No
     deadline = time.monotonic() + timeout
     while True:
         attrs = _proxy(client, shape.runner)
+        if attrs is not None and attrs.get("Id") != shape.proxy_container_id:
+            # Removed, and its name taken by another container: waiting would wait for that.
+            raise IsolationError(
+                f"the proxy container went while it started, and another now has its name"
+                f" ({proxy_container_name(shape.runner)})"
+            )
         status = ((attrs or {}).get("State") or {}).get("Status")
         if attrs is None or status not in ("running", "restarting", "created"):
             raise IsolationError(f"the proxy stopped ({status}): {_logs(client, shape)}")
