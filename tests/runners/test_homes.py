@@ -1,0 +1,306 @@
+"""An agent's home from outside (runners/host/homes.py), on real directories, with what a hostile
+agent could plant in it: links out of the home (at every place in a path, swapped in while it is
+read), hard links, FIFOs, devices, names no path can give. Nothing outside the home is ever read
+or written, nothing hangs, and each refusal says what is wrong."""
+
+import io
+import os
+import stat
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runners.host.homes import SKIPPED_FILE, UPLOAD_PREFIX, Home, HomeError, changes, names
+
+SECRET = b"outside the home"
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """A directory beside the home, with a file the agent must never reach through covey."""
+    directory = tmp_path / "outside"
+    directory.mkdir()
+    (directory / "secret").write_bytes(SECRET)
+    return directory
+
+
+@pytest.fixture
+def home(tmp_path) -> Home:
+    root = tmp_path / "homes" / "1" / "7"
+    root.mkdir(parents=True)
+    (root / "src").mkdir()
+    (root / "src" / "main.py").write_text("print('hi')\n")
+    (root / "notes.md").write_text("# notes\n")
+    return Home(root)
+
+
+def read(home: Home, path: str) -> bytes:
+    _, chunks = home.read(path)
+    return b"".join(chunks)
+
+
+def refused(status: int, message: str):
+    return pytest.raises(HomeError, match=message)
+
+
+class TestPaths:
+    @pytest.mark.parametrize(
+        ("path", "message"),
+        [
+            ("../outside/secret", "'..'"),
+            ("src/../../outside", "'..'"),
+            ("/etc/passwd", "is absolute"),
+            ("src//main.py", "an empty name"),
+            ("./src", "'.'"),
+            ("src/\x1b[31mred", "control character"),
+            ("new\nline", "control character"),
+            ("nul\0byte", "NUL"),
+            ("x" * 256, "longer than 255 bytes"),
+            ("a/" * 2100 + "b", "longer than 4096 bytes"),
+        ],
+    )
+    def test_a_path_that_could_leave_the_home_or_mislead_is_refused_saying_why(self, path, message):
+        with pytest.raises(HomeError, match=message) as error:
+            names(path)
+        assert error.value.status == 400
+
+    @pytest.mark.parametrize(
+        ("path", "parts"), [("", []), (".", []), ("/", []), ("a/b/", ["a", "b"])]
+    )
+    def test_the_home_and_ordinary_paths(self, path, parts):
+        assert names(path) == parts
+
+
+class TestReading:
+    def test_list_stat_and_read(self, home):
+        listing = home.listing("")
+        assert [(e.name, e.type) for e in listing.entries] == [
+            ("notes.md", "file"),
+            ("src", "directory"),
+        ]
+        assert listing.total == 2
+        assert home.stat("src/main.py").size == len("print('hi')\n")
+        assert read(home, "src/main.py") == b"print('hi')\n"
+
+    def test_a_large_directory_is_listed_in_pages(self, home):
+        for n in range(25):
+            (home.root / "src" / f"f{n:02}").write_text("")
+        page = home.listing("src", offset=10, limit=5)
+        assert (page.total, [e.name for e in page.entries]) == (
+            26,
+            ["f10", "f11", "f12", "f13", "f14"],
+        )
+
+    def test_a_missing_home_is_empty_and_a_missing_path_is_404(self, tmp_path):
+        nowhere = Home(tmp_path / "never-ran")
+        assert nowhere.listing("").total == 0
+        assert nowhere.usage().files == 0
+        with pytest.raises(HomeError, match="no home yet") as error:
+            nowhere.listing("src")
+        assert error.value.status == 404
+        assert not nowhere.root.exists()  # looking makes nothing
+
+    @pytest.mark.parametrize("where", ["link", "src/link", "linkdir/secret", "src/linkdir/secret"])
+    def test_a_planted_link_is_never_followed_wherever_it_is_in_the_path(
+        self, home, outside, where
+    ):
+        (home.root / "link").symlink_to(outside / "secret")
+        (home.root / "src" / "link").symlink_to(outside / "secret")
+        (home.root / "linkdir").symlink_to(outside)
+        (home.root / "src" / "linkdir").symlink_to(outside)
+        with pytest.raises(HomeError, match="symbolic link: covey does not follow links"):
+            read(home, where)
+
+    def test_a_link_is_listed_as_a_link_with_its_target(self, home, outside):
+        (home.root / "link").symlink_to(outside / "secret")
+        (entry,) = [e for e in home.listing("").entries if e.name == "link"]
+        assert (entry.type, entry.target) == ("symlink", str(outside / "secret"))
+        with pytest.raises(HomeError, match="symbolic link"):
+            home.listing("link")
+
+    def test_a_link_swapped_in_while_reading_never_reads_outside(self, home, outside):
+        """The agent flips a directory of the path between itself and a link out of the home
+        as fast as it can while covey reads through it."""
+        real = home.root / "flip"
+        real.mkdir()
+        (real / "secret").write_bytes(b"inside")
+        parked = home.root / "parked"
+        stop = threading.Event()
+
+        def flip() -> None:
+            while not stop.is_set():
+                with_link = home.root / "flip.link"
+                with_link.symlink_to(outside)
+                os.rename(real, parked)
+                os.rename(with_link, real)  # now flip -> outside
+                os.unlink(real)
+                os.rename(parked, real)  # and back
+
+        flipper = threading.Thread(target=flip)
+        flipper.start()
+        seen = set()
+        try:
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                try:
+                    seen.add(read(home, "flip/secret"))
+                except HomeError as exc:
+                    seen.add(exc.status)
+        finally:
+            stop.set()
+            flipper.join()
+        assert SECRET not in seen
+        assert b"inside" in seen
+
+    def test_a_fifo_is_refused_at_once_and_nothing_hangs(self, home):
+        os.mkfifo(home.root / "pipe")
+        started = time.monotonic()
+        with pytest.raises(HomeError, match="is a fifo, not a file"):
+            read(home, "pipe")
+        assert time.monotonic() - started < 1
+
+    @pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+    def test_a_device_is_refused_without_being_opened(self, home):
+        os.mknod(home.root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        with pytest.raises(HomeError, match="is a device, not a file"):
+            read(home, "null")
+
+    def test_a_hard_linked_file_is_refused(self, home, tmp_path):
+        other = tmp_path / "homes" / "elsewhere"
+        other.write_bytes(SECRET)
+        os.link(other, home.root / "linked")
+        with pytest.raises(HomeError, match="2 hard links"):
+            read(home, "linked")
+
+    def test_a_name_no_path_can_give_is_listed_escaped_and_unusable(self, home):
+        os.close(os.open(os.fsencode(home.root) + b"/bad\x1bname\xff", os.O_CREAT | os.O_WRONLY))
+        (entry,) = [e for e in home.listing("").entries if "bad" in e.name]
+        assert not entry.usable and "\\x1b" in entry.name
+
+
+class TestArchives:
+    def test_a_directory_streams_as_a_tar_without_what_it_cannot_vouch_for(self, home, outside):
+        (home.root / "src" / "link").symlink_to(outside / "secret")
+        (home.root / "src" / "outdir").symlink_to(outside)
+        os.mkfifo(home.root / "src" / "pipe")
+        data = b"".join(home.archive("src"))
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            assert set(members) == {"src", "src/main.py", f"src/{SKIPPED_FILE}"}
+            assert tar.extractfile("src/main.py").read() == b"print('hi')\n"
+            skipped = tar.extractfile(f"src/{SKIPPED_FILE}").read().decode()
+        assert "link: a symbolic link" in skipped and "pipe: a fifo" in skipped
+        assert "outdir: a symbolic link" in skipped
+        assert SECRET not in data
+
+    def test_a_large_file_streams_in_bounded_chunks(self, home):
+        (home.root / "big").write_bytes(os.urandom(3 * 1024 * 1024 + 5))
+        sizes = [len(c) for c in home.archive("", chunk=64 * 1024)]
+        assert max(sizes) <= 64 * 1024 and sum(sizes) > 3 * 1024 * 1024
+
+    def test_a_reader_that_stops_ends_the_archive(self, home):
+        (home.root / "big").write_bytes(b"\0" * (8 * 1024 * 1024))
+        before = threading.active_count()
+        chunks = home.archive("", chunk=64 * 1024)
+        next(chunks)
+        chunks.close()  # the client went
+        time.sleep(0.5)
+        assert threading.active_count() <= before
+
+
+class TestWriting:
+    def test_write_makes_directories_and_replaces_only_when_asked(self, home):
+        entry = home.write("new/deep/file.txt", [b"one ", b"two"])
+        assert (entry.type, entry.size) == ("file", 7)
+        assert read(home, "new/deep/file.txt") == b"one two"
+        with pytest.raises(HomeError, match="exists: say replace") as error:
+            home.write("new/deep/file.txt", [b"x"])
+        assert error.value.status == 409
+        home.write("new/deep/file.txt", [b"three"], replace=True)
+        assert read(home, "new/deep/file.txt") == b"three"
+        with pytest.raises(HomeError, match="is a directory"):
+            home.write("new", [b"x"], replace=True)
+
+    def test_a_link_at_the_destination_is_replaced_never_written_through(self, home, outside):
+        (home.root / "trap").symlink_to(outside / "secret")
+        home.write("trap", [b"mine"], replace=True)
+        assert (outside / "secret").read_bytes() == SECRET
+        assert not (home.root / "trap").is_symlink() and read(home, "trap") == b"mine"
+
+    def test_a_link_in_the_destination_directory_is_never_followed(self, home, outside):
+        (home.root / "out").symlink_to(outside)
+        with pytest.raises(HomeError, match="symbolic link"):
+            home.write("out/planted", [b"x"])
+        assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+
+    def test_an_upload_over_the_limit_is_refused_and_leaves_nothing(self, home):
+        with pytest.raises(HomeError, match="quota") as error:
+            home.write("big", iter([b"x" * 600, b"x" * 600]), limit=1000)
+        assert error.value.status == 413
+        assert not [p for p in home.root.iterdir() if p.name.startswith(UPLOAD_PREFIX)]
+        assert not (home.root / "big").exists()
+
+    def test_a_failed_upload_leaves_the_old_file(self, home):
+        def broken():
+            yield b"half"
+            raise ConnectionResetError("the client went")
+
+        with pytest.raises(ConnectionResetError):
+            home.write("notes.md", broken(), replace=True)
+        assert read(home, "notes.md") == b"# notes\n"
+        assert not [p for p in home.root.iterdir() if p.name.startswith(UPLOAD_PREFIX)]
+
+    @pytest.mark.skipif(os.geteuid() != 0, reason="giving files away needs root")
+    def test_what_is_written_belongs_to_the_sandboxs_user(self, tmp_path):
+        owned = Home(tmp_path / "fresh", owner=(1000, 1000))
+        owned.write("dir/file", [b"x"])
+        for path in (owned.root, owned.root / "dir", owned.root / "dir" / "file"):
+            assert (path.stat().st_uid, path.stat().st_gid) == (1000, 1000), path
+        assert stat.S_IMODE(owned.root.stat().st_mode) == 0o700
+
+    def test_mkdir_move_and_delete(self, home, outside):
+        home.mkdir("a/b")
+        with pytest.raises(HomeError, match="exists"):
+            home.mkdir("a/b")
+        home.move("notes.md", "a/b/notes.md")
+        assert read(home, "a/b/notes.md") == b"# notes\n"
+        with pytest.raises(HomeError, match="is inside"):
+            home.move("a", "a/b/c")
+        home.write("x", [b"x"])
+        with pytest.raises(HomeError, match="exists") as error:
+            home.move("x", "a/b/notes.md")
+        assert error.value.status == 409
+        (home.root / "a" / "out").symlink_to(outside)
+        home.delete("a")  # the link goes, not what it points to
+        assert not (home.root / "a").exists()
+        assert (outside / "secret").read_bytes() == SECRET
+        with pytest.raises(HomeError, match="cannot be deleted"):
+            home.delete("")
+        with pytest.raises(HomeError, match="is not there") as error:
+            home.delete("a")
+        assert error.value.status == 404
+
+
+class TestUsage:
+    def test_usage_ranks_where_the_space_goes(self, home):
+        (home.root / "src" / "big.bin").write_bytes(b"x" * 5000)
+        (home.root / "data").mkdir()
+        (home.root / "data" / "huge.bin").write_bytes(b"x" * 9000)
+        usage = home.usage()
+        assert usage.files == 4 and usage.directories == 2
+        assert usage.bytes == 5000 + 9000 + len("print('hi')\n") + len("# notes\n")
+        assert usage.largest_files[:2] == [("data/huge.bin", 9000), ("src/big.bin", 5000)]
+        assert usage.largest_directories[0] == ("data", 9000)
+
+    def test_the_changes_of_a_run_from_two_manifests(self, home):
+        before = home.manifest()
+        (home.root / "notes.md").write_text("# notes\nmore\n")
+        (home.root / "src" / "main.py").unlink()
+        (home.root / "src" / "new.py").write_text("x")
+        found = changes(before, home.manifest())
+        assert found.added == ["src/new.py"]
+        assert found.changed == ["notes.md"]
+        assert found.removed == ["src/main.py"]
