@@ -197,7 +197,8 @@ class Stack:
     installation: str = ""
     runner_token: str = ""
     clock_agent: int = 0
-    sleep_agent: int = 0
+    sleep_agents: list[int] = field(default_factory=list)  # one per run of a burst: runs of one
+    # agent take turns with its home
 
     @property
     def url(self) -> str:
@@ -215,7 +216,8 @@ class Stack:
 
 def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     """Migrate the SQLite database; a superuser and its API token (returned), and for each
-    stack an organisation, a registered runner and two agents."""
+    stack an organisation, a registered runner and its agents (a clock, and a sleeper per run
+    of a burst)."""
     for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
         del os.environ[key]  # this process's Django must read the same settings
     os.environ.update(django_env(var_dir))
@@ -249,10 +251,13 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
         clock = services.create_agent(
             organisation, "clock", runtime_command=CLOCK_COMMAND, run_timeout=RUN_TIMEOUT
         )
-        sleeper = services.create_agent(
-            organisation, "sleeper", runtime_command=SLEEP_COMMAND, run_timeout=RUN_TIMEOUT
-        )
-        stack.clock_agent, stack.sleep_agent = clock.pk, sleeper.pk
+        stack.clock_agent = clock.pk
+        stack.sleep_agents = [
+            services.create_agent(
+                organisation, f"sleeper {n}", runtime_command=SLEEP_COMMAND, run_timeout=RUN_TIMEOUT
+            ).pk
+            for n in range(CONCURRENT_RUNS)
+        ]
     connections.close_all()
     return token
 
@@ -664,7 +669,11 @@ def measure_burst(
     def post(i: int) -> str:
         with api_client(stack, token) as api:
             response = api.post(
-                "/api/v1/runs/", json={"agent": stack.sleep_agent, "task": f"sleep {i}"}
+                "/api/v1/runs/",
+                json={
+                    "agent": stack.sleep_agents[i % len(stack.sleep_agents)],
+                    "task": f"sleep {i}",
+                },
             )
         if response.status_code != 201:
             raise BenchError(f"POST run answered {response.status_code}")

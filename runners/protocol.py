@@ -112,9 +112,26 @@ class ActiveRuns(Message):
     runs: tuple[ActiveRun, ...]
 
 
+MAX_LISTED_CHANGES = 1000  # paths listed per kind in HomeChanges; the totals count them all
+
+
+@dataclasses.dataclass(frozen=True)
+class HomeChanges(Message):
+    """What a run changed in its agent's home, from a manifest before it and one after (paths
+    relative to the home; each list at most MAX_LISTED_CHANGES long, the totals whole)."""
+
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    added_total: int = 0
+    changed_total: int = 0
+    removed_total: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RunReport(Message):
-    """What a runner reports of a run's sandbox."""
+    """What a runner reports of a run's sandbox (``changes``: with an exit, when the runner
+    saw the home before the run)."""
 
     state: ReportState
     exit_code: int | None = None
@@ -122,6 +139,7 @@ class RunReport(Message):
     detail: str = ""
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    changes: HomeChanges | None = None
 
 
 @dataclasses.dataclass(frozen=True)

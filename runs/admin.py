@@ -6,7 +6,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import path, reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from runs import output, services
 from runs.models import FINISHED, Run, RunEvent
@@ -46,6 +46,7 @@ class RunAdmin(admin.ModelAdmin):
         "exit_code",
         "log_tail",
         "log_link",
+        "changes_in_home",
         "output_size",
         "log_start",
         "created_by",
@@ -74,6 +75,28 @@ class RunAdmin(admin.ModelAdmin):
             path("<uuid:object_id>/log/", log, name="runs_run_log"),
             *super().get_urls(),
         ]
+
+    @admin.display(description="Changes in the home")
+    def changes_in_home(self, obj: Run) -> str:
+        changed = obj.home_changes
+        if not changed:
+            return "not recorded" if obj.finished_at else "-"
+        parts = []
+        for kind in ("added", "changed", "removed"):
+            listed, total = changed.get(kind, []), changed.get(f"{kind}_total", 0)
+            if not total:
+                continue
+            more = f" and {total - len(listed)} more" if total > len(listed) else ""
+            parts.append(
+                format_html(
+                    "<p><strong>{} {}</strong>{}</p><pre>{}</pre>",
+                    total,
+                    kind,
+                    more,
+                    "\n".join(listed),
+                )
+            )
+        return format_html_join("", "{}", ((p,) for p in parts)) if parts else "nothing"
 
     @admin.display(description="Output")
     def log_link(self, obj: Run) -> str:

@@ -51,6 +51,12 @@ class Run(models.Model):
     timeout = models.PositiveIntegerField(help_text="Seconds, from the agent at queueing.")
     exit_code = models.IntegerField(null=True, blank=True)
     log_tail = models.TextField(blank=True, help_text="The end of the output.")
+    home_changes = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="What the run changed in its agent's home: paths added, changed and removed"
+        " (at most 1000 of each listed; the totals count them all). Empty: not recorded.",
+    )
     log = models.FileField(upload_to="runs/%Y/%m/", blank=True, help_text="The whole output.")
     output_size = models.BigIntegerField(
         default=0, help_text="Bytes of output received so far (UTF-8), live or whole."

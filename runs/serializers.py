@@ -44,6 +44,7 @@ class RunSerializer(serializers.ModelSerializer):
             "runner",
             "exit_code",
             "log_tail",
+            "home_changes",
             "timeout",
             "created_by",
             "created_at",

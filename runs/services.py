@@ -19,7 +19,7 @@ from runners import dispatch
 from runners.models import Runner
 from runners.protocol import ActiveRun, ActiveRuns, EgressGrant, LaunchSpec, ReportState, RunReport
 from runs.models import ACTIVE, FINISHED, Run, RunEvent, RunStatus
-from runs.placement import place
+from runs.placement import Placement, place
 
 MAX_TASK_BYTES = 100 * 1024  # it travels in an environment variable too
 LOG_TAIL_CHARS = 16_000
@@ -79,8 +79,9 @@ def place_waiting(organisation_id: int | None = None) -> int:
 
 
 def _place(run: Run) -> bool:
-    agent = Agent.objects.select_for_update().get(pk=run.agent_id)
-    placement = place(agent)
+    agent = Agent.objects.select_for_update().get(pk=run.agent_id)  # one placement at a time
+    ahead = _ahead(run)
+    placement = Placement(None, ahead) if ahead else place(agent)
     if placement.runner is None:
         reason = _fit(placement.reason, Run._meta.get_field("status_detail").max_length)
         if reason != run.status_detail:
@@ -98,6 +99,31 @@ def _place(run: Run) -> bool:
     return True
 
 
+def _ahead(run: Run) -> str:
+    """Why the run must wait for another run of its agent ('' when it need not): one run at a
+    time uses an agent's home, and they take it in the order they were queued."""
+    others = Run.objects.filter(agent_id=run.agent_id).exclude(pk=run.pk)
+    active = others.filter(status__in=ACTIVE).order_by("placed_at").first()
+    if active is not None:
+        return f"waiting for run {active.pk} of this agent to end: one run at a time uses its home"
+    older = (
+        others.filter(status=RunStatus.QUEUED, created_at__lt=run.created_at)
+        .order_by("created_at")
+        .first()
+    )
+    if older is not None:
+        return f"waiting behind run {older.pk} of this agent, queued before it"
+    return ""
+
+
+def _ended(run: Run) -> None:
+    """A run of the agent has ended: the next one waiting for its home goes, once this commits
+    (the heartbeats would place it too, later)."""
+    if Run.objects.filter(agent_id=run.agent_id, status=RunStatus.QUEUED).exists():
+        organisation_id = run.agent.organisation_id
+        transaction.on_commit(lambda: place_waiting(organisation_id))
+
+
 @transaction.atomic
 def cancel(run: Run, *, by: Any = None) -> Run:
     """Cancel a run: at once when it waits, through its runner when it has one."""
@@ -108,6 +134,7 @@ def cancel(run: Run, *, by: Any = None) -> Run:
     if run.status == RunStatus.QUEUED or run.runner is None:
         run.finished_at = timezone.now()
         _move(run, RunStatus.CANCELLED, f"cancelled{who} before it started", ["finished_at"])
+        _ended(run)
         return run
     if run.cancel_requested_at is None:
         run.cancel_requested_at = timezone.now()
@@ -131,6 +158,7 @@ def start(run_id: str, runner: Runner) -> LaunchSpec | None:
     if run.cancel_requested_at is not None:
         run.finished_at = timezone.now()
         _move(run, RunStatus.CANCELLED, "cancelled before it started", ["finished_at"])
+        _ended(run)
         return None
     if run.egress_token is not None:  # the first try died mid-launch: a fresh credential
         revoke_tokens([run.egress_token])
@@ -212,6 +240,8 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
         _place(run)
         return run
     run.exit_code = exit_code
+    if seen.changes is not None:
+        run.home_changes = seen.changes.to_json()
     if log_tail:  # else the tail of the whole log the runner sent first
         run.log_tail = log_tail[-LOG_TAIL_CHARS:]
     run.finished_at = finished_at or now
@@ -236,7 +266,8 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
     else:  # VANISHED
         status, why = RunStatus.FAILED, f"its sandbox vanished ({detail})"
     _end_credential(run)
-    _move(run, status, why, ["exit_code", "log_tail", "finished_at"])
+    _move(run, status, why, ["exit_code", "log_tail", "finished_at", "home_changes"])
+    _ended(run)
     return run
 
 

@@ -35,13 +35,20 @@ from runners.host.config import HostSettings
 from runners.host.containers import isolation
 from runners.host.containers.engine import Engine, EngineError, Sandbox, SandboxSpec
 from runners.host.containers.isolation import IsolationError, Shape
+from runners.host.homes import Home, HomeError, Manifest, changes
 from runners.host.identity import Identity, runner_name
 from runners.host.output import Outputs
 from runners.host.sealing import unseal
 from runners.host.shapes import Shapes
 from runners.host.trust import Trust, UntrustedError
 from runners.probe import host as probing
-from runners.protocol import LaunchSpec, ReportState, RunReport
+from runners.protocol import (
+    MAX_LISTED_CHANGES,
+    HomeChanges,
+    LaunchSpec,
+    ReportState,
+    RunReport,
+)
 
 __all__ = ["HostSettings", "RunnerHost", "UntrustedError", "current", "set_current"]
 
@@ -84,6 +91,8 @@ class RunnerHost:
     # Runs being launched right now: the reconcile leaves them alone.
     _launching: set[str] = field(default_factory=set)
     _launching_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Runs launched here: their home's manifest just before (what they changed, at the end).
+    _manifests: dict[str, Manifest] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.shapes = Shapes(self.settings)
@@ -164,9 +173,13 @@ class RunnerHost:
         try:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
-            sandbox = self.engine(identity).launch(self._sandbox_spec(identity, spec, shape))
+            sandbox_spec = self._sandbox_spec(identity, spec, shape)
+            self._note_home(run_id, sandbox_spec.home)
+            sandbox = self.engine(identity).launch(sandbox_spec)
         except (EngineError, IsolationError, UntrustedError, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
+            with self._launching_lock:
+                self._manifests.pop(run_id, None)
             client.report(run_id, RunReport(ReportState.BUILT, detail=str(exc)[:400]))
             return
         client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
@@ -364,6 +377,7 @@ class RunnerHost:
                 detail="timeout" if _ran_out(sandbox) else "",
                 started_at=sandbox.started_at,
                 finished_at=sandbox.finished_at,
+                changes=self._home_changes(run_id, self._home_of(identity, sandbox.agent_id)),
             )
             client.report(run_id, ended)
         except ControlPlaneError as exc:
@@ -373,6 +387,44 @@ class RunnerHost:
                 return  # from before installation keys and not ours: another installation's
         engine.remove(run_id)
         self._timed_out.discard(run_id)
+        with self._launching_lock:
+            self._manifests.pop(run_id, None)
+
+    # --- what a run changed in its home ----------------------------------------------------
+
+    def _home_of(self, identity: Identity, agent_id: int) -> Path:
+        return self.settings.homes / str(identity.id) / str(agent_id)
+
+    def _note_home(self, run_id: str, home: Path) -> None:
+        """The home's manifest before the run (kept in memory: a runner restarted meanwhile
+        reports no changes for it, rather than wrong ones)."""
+        try:
+            manifest = Home(home).manifest()
+        except (OSError, HomeError) as exc:
+            logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
+            return
+        with self._launching_lock:
+            self._manifests[run_id] = manifest
+
+    def _home_changes(self, run_id: str, home: Path) -> HomeChanges | None:
+        with self._launching_lock:
+            before = self._manifests.get(run_id)
+        if before is None:
+            return None
+        try:
+            found = changes(before, Home(home).manifest())
+        except (OSError, HomeError) as exc:
+            logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
+            return None
+        most = MAX_LISTED_CHANGES
+        return HomeChanges(
+            added=tuple(found.added[:most]),
+            changed=tuple(found.changed[:most]),
+            removed=tuple(found.removed[:most]),
+            added_total=len(found.added),
+            changed_total=len(found.changed),
+            removed_total=len(found.removed),
+        )
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

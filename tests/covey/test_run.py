@@ -96,16 +96,20 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
                 " curl -s -o /dev/null -w 'connect=%{http_connect}\\n' https://not-on-the-list.test/;"
                 " echo done",
             ]
-            agent = api.post(
-                "/api/v1/agents/",
-                json={"organisation": organisation["id"], "name": "Builder",
-                      "runtime_command": command},
-            ).json()  # fmt: skip
-            assert "id" in agent, agent
-            # Several at once: each run's credential works on its sandbox's first request.
+            agents = [
+                api.post(
+                    "/api/v1/agents/",
+                    json={"organisation": organisation["id"], "name": f"Builder {n}",
+                          "runtime_command": command},
+                ).json()
+                for n in range(RUNS)
+            ]  # fmt: skip
+            assert all("id" in agent for agent in agents), agents
+            # Several at once (of several agents: runs of one agent take turns with its home):
+            # each run's credential works on its sandbox's first request.
             queued = [
                 api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "hello"}).json()
-                for _ in range(RUNS)
+                for agent in agents
             ]
             deadline = time.monotonic() + 120
             finished = []

@@ -79,17 +79,21 @@ curl -sS --noproxy '*' --connect-timeout 3 http://{gateway}:{world.relay_port}/;
 
         # Several at once, each asking through the proxy at its first instant: every run's
         # credential works from the first byte (the proxy looks up a token it has not seen).
-        eager = world.stack.agent(
-            acme,
-            "Eager",
-            [
-                "sh",
-                "-c",
-                f"curl -sS --max-time 10 -w ' status=%{{http_code}}' http://{UPSTREAM_NAME}/",
-            ],
-            allowlist=[f"{UPSTREAM_NAME}:80"],
-        )
-        burst = [run_services.queue_run(eager, f"burst {i}") for i in range(5)]
+        # Five agents: runs of one agent take turns with its home.
+        eager = [
+            world.stack.agent(
+                acme,
+                f"Eager {i}",
+                [
+                    "sh",
+                    "-c",
+                    f"curl -sS --max-time 10 -w ' status=%{{http_code}}' http://{UPSTREAM_NAME}/",
+                ],
+                allowlist=[f"{UPSTREAM_NAME}:80"],
+            )
+            for i in range(5)
+        ]
+        burst = [run_services.queue_run(agent, f"burst {i}") for i, agent in enumerate(eager)]
         for one in burst:
             world.stack.wait(one, *FINISHED, timeout=90)
         assert [(r.status, r.log_tail.split()[-1]) for r in burst] == [

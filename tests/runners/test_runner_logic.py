@@ -12,7 +12,7 @@ import pytest
 from runners.host import runner as host_module
 from runners.host import trust
 from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
-from runners.protocol import ActiveRun, EgressGrant, LaunchSpec, ReportState
+from runners.protocol import ActiveRun, EgressGrant, HomeChanges, LaunchSpec, ReportState
 from tests.fakes import FakeControlPlane, FakeEngine, FakeIdentity
 
 RUN = "0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a11"
@@ -262,3 +262,33 @@ def test_output_of_a_sandbox_stopped_while_its_following_starts_is_not_kept(host
     host.engine.follow_logs = finished_meanwhile
     host.order(spec())
     assert outputs.live(RUN) is None
+
+
+def test_the_exit_report_says_what_the_run_changed_in_its_home(host, tmp_path):
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    (home / "kept.txt").write_text("same")
+    (home / "edited.txt").write_text("before")
+    (home / "gone.txt").write_text("bye")
+    host.order(spec())
+    # What the agent does while it runs:
+    (home / "edited.txt").write_text("after, and longer")
+    (home / "gone.txt").unlink()
+    (home / "src").mkdir()
+    (home / "src" / "new.py").write_text("x")
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    (exited,) = [seen for run, seen in host.control.reports if seen.state == ReportState.EXITED]
+    assert exited.changes == HomeChanges(
+        added=("src", "src/new.py"), changed=("edited.txt",), removed=("gone.txt",),
+        added_total=2, changed_total=1, removed_total=1,
+    )  # fmt: skip
+
+
+def test_a_run_whose_home_was_not_seen_before_reports_no_changes_rather_than_wrong_ones(host):
+    host.engine.add(RUN)  # running before this runner (re)started: no manifest from before
+    host.control.active[RUN] = ActiveRun(RUN, "running", False, 5.0, 0)
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    (exited,) = [seen for run, seen in host.control.reports if seen.state == ReportState.EXITED]
+    assert exited.changes is None

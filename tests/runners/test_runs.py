@@ -169,11 +169,16 @@ def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, a
         )
         assert paused.returncode == 0 and "is paused" in paused.stdout, paused.stderr
         waiting = run_services.queue_run(agent, "second")
+        assert waiting.status_detail.startswith(f"waiting for run {running_run.pk} of this agent")
         stack.wait(running_run, *FINISHED)
         assert running_run.status == RunStatus.SUCCEEDED
-        waiting.refresh_from_db()
+
+        def says_paused() -> bool:  # once the first has ended, the second waits for the runner
+            waiting.refresh_from_db()
+            return "paused" in waiting.status_detail
+
+        wait_for(says_paused, 10, "the waiting run saying its runner is paused")
         assert waiting.status == RunStatus.QUEUED
-        assert "paused" in waiting.status_detail
         assert api.post(f"/api/v1/runners/{runner.pk}/resume/").json()["paused"] is False
         stack.wait(waiting, *FINISHED)
     assert waiting.status == RunStatus.SUCCEEDED

@@ -12,6 +12,7 @@ from rest_framework.test import APIClient
 from runners import dispatch
 from runners.host import sealing
 from runners.models import Runner
+from runners.protocol import ReportState, RunReport
 from runners.services import (
     builtin_dir,
     renew_runner_tokens,
@@ -116,8 +117,11 @@ class TestPlacement:
         home, _ = online_runner(acme, "home")
         other, _ = online_runner(acme, "other")
         agent = AgentFactory(organisation=acme, home_runner=home)
-        runs.queue_run(agent, "busy")  # home is now the busier one, yet:
-        assert runs.queue_run(agent, "again").runner == home
+        neighbour = AgentFactory(organisation=acme, home_runner=home)
+        runs.queue_run(neighbour, "busy")  # home is now the busier one, yet:
+        again = runs.queue_run(agent, "again")
+        assert again.runner == home
+        runs.report(str(again.pk), home, RunReport(ReportState.EXITED, exit_code=0))
         Runner.objects.filter(pk=home.pk).update(paused=True)
         waiting = runs.queue_run(agent, "waits")
         assert waiting.status_detail == "waiting for home, which holds the home: paused"
@@ -128,6 +132,42 @@ class TestPlacement:
         assert runs.place_waiting(acme.pk) == 1
         waiting.refresh_from_db()
         assert waiting.runner == other
+
+    def test_one_run_of_an_agent_at_a_time_uses_its_home_in_the_order_queued(
+        self, acme, orders, django_capture_on_commit_callbacks
+    ):
+        runner, _ = online_runner(acme)
+        agent = AgentFactory(organisation=acme)
+        first, second, third = (runs.queue_run(agent, task) for task in ("1", "2", "3"))
+        assert first.status == "placed"
+        busy = f"waiting for run {first.pk} of this agent to end: one run at a time uses its home"
+        assert [(r.status, r.status_detail) for r in (second, third)] == [("queued", busy)] * 2
+        assert runs.place_waiting(acme.pk) == 0  # the heartbeats change nothing meanwhile
+        assert runs.queue_run(AgentFactory(organisation=acme), "x").status == "placed"  # others
+        with django_capture_on_commit_callbacks(execute=True):
+            runs.report(str(first.pk), runner, RunReport(ReportState.EXITED, exit_code=3))
+        second.refresh_from_db()
+        third.refresh_from_db()
+        assert (second.status, third.status) == ("placed", "queued")
+        assert third.status_detail == busy.replace(str(first.pk), str(second.pk))
+        assert [o for o in orders if o[2] == str(second.pk)] == [
+            ("launch", runner.pk, str(second.pk))
+        ]
+
+    def test_a_run_waits_behind_an_older_one_of_its_agent_and_goes_when_that_is_cancelled(
+        self, acme, alice, orders, django_capture_on_commit_callbacks
+    ):
+        runner, _ = online_runner(acme, paused=True)
+        agent = AgentFactory(organisation=acme)
+        first, second = runs.queue_run(agent, "1"), runs.queue_run(agent, "2")
+        assert first.status_detail.startswith("no runner can take it now: edge-1 paused")
+        behind = f"waiting behind run {first.pk} of this agent, queued before it"
+        assert second.status_detail == behind
+        Runner.objects.filter(pk=runner.pk).update(paused=False)
+        with django_capture_on_commit_callbacks(execute=True):
+            runs.cancel(first, by=alice)
+        second.refresh_from_db()
+        assert (second.status, second.runner) == ("placed", runner)
 
     def test_resuming_a_runner_places_what_waits(self, api, alice, acme, orders):
         runner, _ = online_runner(acme, paused=True)
@@ -477,3 +517,34 @@ def test_a_default_runtime_run_on_an_image_without_claude_says_what_to_do(acme, 
     )
     other.refresh_from_db()
     assert other.status_detail == "exit code 127"
+
+
+def test_what_a_run_changed_in_its_home_is_kept_and_shown(acme, alice, root, api, orders, client):
+    _, token = online_runner(acme)
+    run = runs.queue_run(AgentFactory(organisation=acme), "edit")
+    runner = runner_api(APIClient(), token)
+    runner.post(f"/api/v1/runner/runs/{run.pk}/start/")
+    changes = {
+        "added": ["src/new.py"], "changed": ["notes.md"], "removed": ["old<script>.txt"],
+        "added_total": 1, "changed_total": 1, "removed_total": 1,
+    }  # fmt: skip
+    report = runner.post(
+        f"/api/v1/runner/runs/{run.pk}/report/",
+        {"state": "exited", "exit_code": 0, "changes": changes},
+        format="json",
+    )
+    assert report.status_code == 200, report.json()
+    body = api(alice).get(f"/api/v1/runs/{run.pk}/").json()
+    assert body["home_changes"] == changes
+    malformed = runner.post(
+        f"/api/v1/runner/runs/{run.pk}/report/",
+        {"state": "exited", "exit_code": 0, "changes": {"added": "not a list"}},
+        format="json",
+    )
+    assert malformed.status_code == 400
+    client.force_login(root)
+    page = client.get(f"/admin/runs/run/{run.pk}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "1 added" in html and "src/new.py" in html
+    assert "old&lt;script&gt;.txt" in html and "old<script>" not in html
