@@ -145,13 +145,28 @@ class AgentForm(forms.ModelForm):
 @admin.register(Agent)
 class AgentAdmin(admin.ModelAdmin):
     form = AgentForm
-    list_display = ["name", "organisation", "enabled", "version", "template_list", "updated_at"]
+    list_display = [
+        "name",
+        "organisation",
+        "enabled",
+        "version",
+        "template_list",
+        "home_usage",
+        "updated_at",
+    ]
     list_filter = ["enabled", "organisation", "templates"]
     list_select_related = ["organisation"]
     search_fields = ["name", "slug", "organisation__name"]
     prepopulated_fields = {"slug": ["name"]}
     filter_horizontal = ["templates"]
-    readonly_fields = ["version", "effective_allowlist", "created_at", "updated_at"]
+    readonly_fields = [
+        "version",
+        "effective_allowlist",
+        "home_usage",
+        "home_measured_at",
+        "created_at",
+        "updated_at",
+    ]
     inlines = [AgentVersionInline]
     actions = ["enable_agents", "disable_agents"]
 
@@ -164,6 +179,10 @@ class AgentAdmin(admin.ModelAdmin):
         """An agent's history is its versions: who changed what, when."""
         url = reverse("admin:agents_agentversion_changelist")
         return HttpResponseRedirect(f"{url}?{urlencode({'agent__id__exact': object_id})}")
+
+    @admin.display(description="Home")
+    def home_usage(self, obj: Agent) -> str:
+        return obj.home_usage_text() if obj.pk else "-"
 
     @admin.display(description="Templates")
     def template_list(self, obj: Agent) -> str:

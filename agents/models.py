@@ -68,6 +68,13 @@ class Agent(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(7 * 24 * 3600)],
         help_text="Seconds a run may take before it is stopped (timed out).",
     )
+    home_quota_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(1024 * 1024 * 1024)],
+        help_text="The most its home may hold, in MiB; empty: COVEY_HOME_QUOTA_MB. A run whose"
+        " home holds more is refused before its sandbox is built.",
+    )
     home_runner = models.ForeignKey(
         "runners.Runner",
         on_delete=models.SET_NULL,
@@ -76,6 +83,10 @@ class Agent(models.Model):
         related_name="homes",
         help_text="The runner that holds the agent's home; its runs go there. Clear it to move.",
     )
+    # What the home held when its runner last measured it (at the start and end of each run).
+    home_bytes = models.BigIntegerField(null=True, blank=True, editable=False)
+    home_files = models.BigIntegerField(null=True, blank=True, editable=False)
+    home_measured_at = models.DateTimeField(null=True, blank=True, editable=False)
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -92,6 +103,26 @@ class Agent(models.Model):
     def __str__(self) -> str:
         return f"{self.organisation.slug}/{self.slug}"
 
+    @property
+    def home_quota_bytes(self) -> int:
+        quota = self.home_quota_mb or settings.COVEY_HOME_QUOTA_MB
+        return int(quota) * 1024 * 1024
+
+    def home_usage_text(self) -> str:
+        """'1.2 GiB of 10.0 GiB (3,402 files)', or that it was never measured."""
+        of = f"of {size_text(self.home_quota_bytes)}"
+        if self.home_measured_at is None or self.home_bytes is None:
+            return f"not measured yet ({of})"
+        return f"{size_text(self.home_bytes)} {of} ({self.home_files or 0:,} files)"
+
+
+def size_text(count: int) -> str:
+    """A number of bytes for people: 1.2 GiB, 300.0 KiB, 12 bytes."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
+
 
 # What people set on an agent, in the order forms show it; changes go through agents.services.
 AGENT_FIELDS = (
@@ -107,6 +138,7 @@ AGENT_FIELDS = (
     "memory_mb",
     "pids_limit",
     "run_timeout",
+    "home_quota_mb",
     "home_runner",
 )
 

@@ -53,11 +53,32 @@ class AgentSerializer(serializers.ModelSerializer):
         help_text="Where its home is; runs go there. Set null to let the next run choose again.",
     )
 
+    home_usage = serializers.SerializerMethodField(
+        help_text="What its home held when its runner last measured it (at the start and end of"
+        " each run), against its quota; bytes, files and measured_at are null until then."
+    )
+
     class Meta:
         model = Agent
-        fields = ["id", "organisation", *AGENT_FIELDS, "version", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "organisation",
+            *AGENT_FIELDS,
+            "home_usage",
+            "version",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = ["slug", "version", "created_at", "updated_at"]
         validators: list[Any] = []  # uniqueness is checked by the service, with field messages
+
+    def get_home_usage(self, agent: Agent) -> dict[str, Any]:
+        return {
+            "bytes": agent.home_bytes,
+            "files": agent.home_files,
+            "quota_bytes": agent.home_quota_bytes,
+            "measured_at": agent.home_measured_at,
+        }
 
     def validate_organisation(self, value: Organisation) -> Organisation:
         if self.instance is not None and value.pk != self.instance.organisation_id:

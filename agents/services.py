@@ -22,7 +22,9 @@ from workplaces.models import Workplace
 AGENT_FIELDS = frozenset(models.AGENT_FIELDS)  # what update_agent accepts
 
 
-SANDBOX_FIELDS = frozenset({"runtime_command", "cpus", "memory_mb", "pids_limit", "run_timeout"})
+SANDBOX_FIELDS = frozenset(
+    {"runtime_command", "cpus", "memory_mb", "pids_limit", "run_timeout", "home_quota_mb"}
+)
 
 
 def find_agent(reference: str) -> Agent:
@@ -50,6 +52,7 @@ def agent_config(agent: Agent) -> dict[str, Any]:
             "memory_mb": agent.memory_mb,
             "pids": agent.pids_limit,
             "timeout": agent.run_timeout,
+            "home_quota_mb": agent.home_quota_mb,
         },
     }
 

@@ -214,6 +214,9 @@ COVEY_RUN_LOST = env.str("COVEY_RUN_LOST", default="fail")
 # Runner host side: where agents' homes live, the egress proxy as sandboxes reach it
 # (host:port; required while COVEY_EGRESS_ENFORCE is on), the Docker network sandboxes join.
 COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "homes")))
+# The most an agent's home may hold, in MiB, unless the agent says otherwise: a run whose home
+# holds more is refused before its sandbox is built.
+COVEY_HOME_QUOTA_MB = env.int("COVEY_HOME_QUOTA_MB", default=10 * 1024)
 COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
 COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
 # Under COVEY_EGRESS_ISOLATION=network (read on the runner host): the image of the runner's proxy

@@ -93,6 +93,7 @@ class LaunchSpec(Message):
     pids: int
     timeout: int
     egress: EgressGrant
+    home_quota_bytes: int = 0  # the most its home may hold (0: no limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +130,17 @@ class HomeChanges(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class HomeUsage(Message):
+    """What an agent's home held when its runner measured it."""
+
+    bytes: int
+    files: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RunReport(Message):
     """What a runner reports of a run's sandbox (``changes``: with an exit, when the runner
-    saw the home before the run)."""
+    saw the home before the run; ``usage``: what the home held, when it was measured)."""
 
     state: ReportState
     exit_code: int | None = None
@@ -140,6 +149,7 @@ class RunReport(Message):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     changes: HomeChanges | None = None
+    usage: HomeUsage | None = None
 
 
 @dataclasses.dataclass(frozen=True)

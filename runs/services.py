@@ -201,7 +201,13 @@ def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
         pids=int(sandbox.get("pids", 512)),
         timeout=run.timeout,
         egress=EgressGrant(enforce=settings.COVEY_EGRESS_ENFORCE, credentials=credentials),
+        home_quota_bytes=_quota_bytes(sandbox.get("home_quota_mb")),
     )
+
+
+def _quota_bytes(quota_mb: int | None) -> int:
+    """The home quota of the version the run was queued at (its default: the setting now)."""
+    return int(quota_mb or settings.COVEY_HOME_QUOTA_MB) * 1024 * 1024
 
 
 @transaction.atomic
@@ -217,6 +223,10 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
     if run.status in FINISHED:
         return run  # a late or repeated report changes nothing
     now = timezone.now()
+    if seen.usage is not None:
+        Agent.objects.filter(pk=run.agent_id).update(
+            home_bytes=seen.usage.bytes, home_files=seen.usage.files, home_measured_at=now
+        )
     if state == ReportState.RUNNING or (
         state == ReportState.EXITED and run.status != RunStatus.RUNNING
     ):

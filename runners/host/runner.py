@@ -35,7 +35,7 @@ from runners.host.config import HostSettings
 from runners.host.containers import isolation
 from runners.host.containers.engine import Engine, EngineError, Sandbox, SandboxSpec
 from runners.host.containers.isolation import IsolationError, Shape
-from runners.host.homes import Home, HomeError, Manifest, changes
+from runners.host.homes import Changes, Home, HomeError, Manifest, changes
 from runners.host.identity import Identity, runner_name
 from runners.host.output import Outputs
 from runners.host.sealing import unseal
@@ -45,6 +45,7 @@ from runners.probe import host as probing
 from runners.protocol import (
     MAX_LISTED_CHANGES,
     HomeChanges,
+    HomeUsage,
     LaunchSpec,
     ReportState,
     RunReport,
@@ -170,19 +171,23 @@ class RunnerHost:
         if spec is None:
             logger.info("covey runner: run %s is no longer ours to start", run_id)
             return
+        usage: HomeUsage | None = None
         try:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             sandbox_spec = self._sandbox_spec(identity, spec, shape)
-            self._note_home(run_id, sandbox_spec.home)
+            usage = self._note_home(run_id, sandbox_spec.home)
+            _within_quota(usage, spec.home_quota_bytes)
             sandbox = self.engine(identity).launch(sandbox_spec)
-        except (EngineError, IsolationError, UntrustedError, ValueError) as exc:
+        except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             with self._launching_lock:
                 self._manifests.pop(run_id, None)
-            client.report(run_id, RunReport(ReportState.BUILT, detail=str(exc)[:400]))
+            refused = RunReport(ReportState.BUILT, detail=str(exc)[:400], usage=usage)
+            client.report(run_id, refused)
             return
-        client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
+        running = RunReport(ReportState.RUNNING, started_at=sandbox.started_at, usage=usage)
+        client.report(run_id, running)
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
         else:
@@ -369,6 +374,7 @@ class RunnerHost:
         run_id = sandbox.run_id
         # The whole log replaces what went live; the count says whether Docker kept all of it.
         total = self.outputs.stop(run_id, wait=5.0)
+        changed, usage = self._home_after(run_id, self._home_of(identity, sandbox.agent_id))
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
             ended = RunReport(
@@ -377,7 +383,8 @@ class RunnerHost:
                 detail="timeout" if _ran_out(sandbox) else "",
                 started_at=sandbox.started_at,
                 finished_at=sandbox.finished_at,
-                changes=self._home_changes(run_id, self._home_of(identity, sandbox.agent_id)),
+                changes=changed,
+                usage=usage,
             )
             client.report(run_id, ended)
         except ControlPlaneError as exc:
@@ -395,36 +402,67 @@ class RunnerHost:
     def _home_of(self, identity: Identity, agent_id: int) -> Path:
         return self.settings.homes / str(identity.id) / str(agent_id)
 
-    def _note_home(self, run_id: str, home: Path) -> None:
+    def _note_home(self, run_id: str, home: Path) -> HomeUsage | None:
         """The home's manifest before the run (kept in memory: a runner restarted meanwhile
-        reports no changes for it, rather than wrong ones)."""
+        reports no changes for it, rather than wrong ones), and what the home holds."""
         try:
             manifest = Home(home).manifest()
         except (OSError, HomeError) as exc:
             logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
-            return
+            return None
         with self._launching_lock:
             self._manifests[run_id] = manifest
+        return _usage(manifest)
 
-    def _home_changes(self, run_id: str, home: Path) -> HomeChanges | None:
+    def _home_after(self, run_id: str, home: Path) -> tuple[HomeChanges | None, HomeUsage | None]:
+        """What the run changed in its home (when it was seen before), and what it holds now."""
         with self._launching_lock:
             before = self._manifests.get(run_id)
-        if before is None:
-            return None
         try:
-            found = changes(before, Home(home).manifest())
+            after = Home(home).manifest()
         except (OSError, HomeError) as exc:
             logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
-            return None
-        most = MAX_LISTED_CHANGES
-        return HomeChanges(
-            added=tuple(found.added[:most]),
-            changed=tuple(found.changed[:most]),
-            removed=tuple(found.removed[:most]),
-            added_total=len(found.added),
-            changed_total=len(found.changed),
-            removed_total=len(found.removed),
+            return None, None
+        if before is None:
+            return None, _usage(after)
+        return _changes(changes(before, after)), _usage(after)
+
+
+class OverQuota(Exception):
+    """The home holds more than its quota: no sandbox is built until it holds less."""
+
+
+def _within_quota(usage: HomeUsage | None, quota: int) -> None:
+    if usage is not None and quota and usage.bytes > quota:
+        raise OverQuota(
+            f"the home holds {_size(usage.bytes)}, more than its quota of {_size(quota)}:"
+            " delete some of what it holds, or raise the agent's home quota"
         )
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def _usage(manifest: Manifest) -> HomeUsage:
+    sizes = [size for kind, size, _ in manifest.values() if kind != "directory"]
+    files = sum(1 for kind, _, _ in manifest.values() if kind == "file")
+    return HomeUsage(bytes=sum(sizes), files=files)
+
+
+def _changes(found: Changes) -> HomeChanges:
+    most = MAX_LISTED_CHANGES
+    return HomeChanges(
+        added=tuple(found.added[:most]),
+        changed=tuple(found.changed[:most]),
+        removed=tuple(found.removed[:most]),
+        added_total=len(found.added),
+        changed_total=len(found.changed),
+        removed_total=len(found.removed),
+    )
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

@@ -35,7 +35,14 @@ def test_an_agent_starts_at_version_one_with_its_whole_configuration(acme):
         "allowlist": ["a.example:80", "b.example"],
         "required_labels": ["eu"],
         "workplace": {"id": workplace.pk, "image": "covey/base:1"},
-        "sandbox": {"command": [], "cpus": 1.0, "memory_mb": 2048, "pids": 512, "timeout": 3600},
+        "sandbox": {
+            "command": [],
+            "cpus": 1.0,
+            "memory_mb": 2048,
+            "pids": 512,
+            "timeout": 3600,
+            "home_quota_mb": None,
+        },
     }
 
 

@@ -12,7 +12,14 @@ import pytest
 from runners.host import runner as host_module
 from runners.host import trust
 from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
-from runners.protocol import ActiveRun, EgressGrant, HomeChanges, LaunchSpec, ReportState
+from runners.protocol import (
+    ActiveRun,
+    EgressGrant,
+    HomeChanges,
+    HomeUsage,
+    LaunchSpec,
+    ReportState,
+)
 from tests.fakes import FakeControlPlane, FakeEngine, FakeIdentity
 
 RUN = "0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a11"
@@ -292,3 +299,30 @@ def test_a_run_whose_home_was_not_seen_before_reports_no_changes_rather_than_wro
     host.host.sweep(host.identity)
     (exited,) = [seen for run, seen in host.control.reports if seen.state == ReportState.EXITED]
     assert exited.changes is None
+
+
+def test_a_home_over_its_quota_is_refused_before_a_sandbox_is_built(host, tmp_path):
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    (home / "big").write_bytes(b"x" * 3000)
+    host.order(replace(spec(), home_quota_bytes=2048))
+    assert host.control.states(RUN) == ["built"]
+    refused = host.control.reports[0][1]
+    assert refused.detail.startswith("the home holds 2.9 KiB, more than its quota of 2.0 KiB")
+    assert refused.usage == HomeUsage(bytes=3000, files=1)
+    assert host.engine.sandboxes() == []
+
+
+def test_what_the_home_holds_is_reported_when_a_run_starts_and_ends(host, tmp_path):
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    (home / "a").write_bytes(b"x" * 10)
+    host.order(replace(spec(), home_quota_bytes=1024))
+    (home / "b").write_bytes(b"x" * 5)
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    usage = {seen.state: seen.usage for _, seen in host.control.reports}
+    assert usage == {
+        ReportState.RUNNING: HomeUsage(bytes=10, files=1),
+        ReportState.EXITED: HomeUsage(bytes=15, files=2),
+    }

@@ -548,3 +548,46 @@ def test_what_a_run_changed_in_its_home_is_kept_and_shown(acme, alice, root, api
     html = page.content.decode()
     assert "1 added" in html and "src/new.py" in html
     assert "old&lt;script&gt;.txt" in html and "old<script>" not in html
+
+
+def test_the_home_quota_goes_with_the_spec_and_what_the_home_holds_comes_back(
+    acme, alice, api, orders, settings, client, root
+):
+    settings.COVEY_HOME_QUOTA_MB = 300
+    _, token = online_runner(acme)
+    runner = runner_api(APIClient(), token)
+    default, limited = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
+    response = api(alice).patch(f"/api/v1/agents/{limited.pk}/", {"home_quota_mb": 5}, "json")
+    assert response.status_code == 200, response.json()
+    assert response.json()["home_usage"] == {
+        "bytes": None, "files": None, "quota_bytes": 5 * 1024 * 1024, "measured_at": None,
+    }  # fmt: skip
+    limited.refresh_from_db()  # at its new version
+    quotas = []
+    for agent in (default, limited):
+        run = runs.queue_run(agent, "x")
+        quotas.append(
+            runner.post(f"/api/v1/runner/runs/{run.pk}/start/").json()["home_quota_bytes"]
+        )
+    assert quotas == [300 * 1024 * 1024, 5 * 1024 * 1024]
+    report = runner.post(
+        f"/api/v1/runner/runs/{run.pk}/report/",
+        {"state": "built", "detail": "the home holds 6.0 MiB, more than its quota of 5.0 MiB",
+         "usage": {"bytes": 6 * 1024 * 1024, "files": 12}},
+        format="json",
+    )  # fmt: skip
+    assert report.json()["status"] == "failed"
+    usage = api(alice).get(f"/api/v1/agents/{limited.pk}/").json()["home_usage"]
+    assert (usage["bytes"], usage["files"], usage["quota_bytes"]) == (6 * 1024**2, 12, 5 * 1024**2)
+    assert usage["measured_at"] is not None
+    client.force_login(root)
+    listing = client.get("/admin/agents/agent/").content.decode()
+    assert "6.0 MiB of 5.0 MiB (12 files)" in listing
+    assert "not measured yet (of 300.0 MiB)" in listing
+
+
+@pytest.mark.parametrize("quota", [0, -1, "lots"])
+def test_a_home_quota_is_a_positive_number_of_mib(acme, alice, api, quota):
+    agent = AgentFactory(organisation=acme)
+    response = api(alice).patch(f"/api/v1/agents/{agent.pk}/", {"home_quota_mb": quota}, "json")
+    assert response.status_code == 400 and "home_quota_mb" in response.json()
