@@ -113,6 +113,7 @@ class ActiveRuns(Message):
     runs: tuple[ActiveRun, ...]
 
 
+OVER_QUOTA = "home-over-quota"  # an exit's detail: stopped for it (then why, after ": ")
 MAX_LISTED_CHANGES = 1000  # paths listed per kind in HomeChanges; the totals count them all
 
 

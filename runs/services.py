@@ -17,7 +17,15 @@ from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
 from runners.models import Runner
-from runners.protocol import ActiveRun, ActiveRuns, EgressGrant, LaunchSpec, ReportState, RunReport
+from runners.protocol import (
+    OVER_QUOTA,
+    ActiveRun,
+    ActiveRuns,
+    EgressGrant,
+    LaunchSpec,
+    ReportState,
+    RunReport,
+)
 from runs.models import ACTIVE, FINISHED, Run, RunEvent, RunStatus
 from runs.placement import Placement, place
 
@@ -259,6 +267,8 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
         status, why = RunStatus.CANCELLED, "cancelled"
     elif state == ReportState.EXITED and detail == "timeout":
         status, why = RunStatus.TIMED_OUT, f"stopped after {run.timeout} s"
+    elif state == ReportState.EXITED and detail.startswith(f"{OVER_QUOTA}: "):
+        status, why = RunStatus.FAILED, f"stopped: {detail.removeprefix(f'{OVER_QUOTA}: ')}"
     elif state == ReportState.EXITED and exit_code == 0:
         status, why = RunStatus.SUCCEEDED, ""
     elif state == ReportState.EXITED and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):

@@ -44,6 +44,7 @@ from runners.host.trust import Trust, UntrustedError
 from runners.probe import host as probing
 from runners.protocol import (
     MAX_LISTED_CHANGES,
+    OVER_QUOTA,
     HomeChanges,
     HomeUsage,
     LaunchSpec,
@@ -93,7 +94,8 @@ class RunnerHost:
     _launching: set[str] = field(default_factory=set)
     _launching_lock: threading.Lock = field(default_factory=threading.Lock)
     # Runs launched here: their home's manifest just before (what they changed, at the end).
-    _manifests: dict[str, Manifest] = field(default_factory=dict)
+    _homes: dict[str, "Watched"] = field(default_factory=dict)
+    _over_quota: dict[str, str] = field(default_factory=dict)  # stopped for it: why
 
     def __post_init__(self) -> None:
         self.shapes = Shapes(self.settings)
@@ -176,13 +178,13 @@ class RunnerHost:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             sandbox_spec = self._sandbox_spec(identity, spec, shape)
-            usage = self._note_home(run_id, sandbox_spec.home)
+            usage = self._note_home(run_id, sandbox_spec.home, spec.home_quota_bytes)
             _within_quota(usage, spec.home_quota_bytes)
             sandbox = self.engine(identity).launch(sandbox_spec)
         except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             with self._launching_lock:
-                self._manifests.pop(run_id, None)
+                self._homes.pop(run_id, None)
             refused = RunReport(ReportState.BUILT, detail=str(exc)[:400], usage=usage)
             client.report(run_id, refused)
             return
@@ -300,6 +302,7 @@ class RunnerHost:
                 # Here, not in the watcher: a check runs a container, and the watcher must
                 # not wait for it.
                 self.trust.recheck_proxy(identity)
+            self.watch_quotas()  # here too: walking a large home takes a while
             self._stop.wait(interval)
 
     def stop(self) -> None:
@@ -377,10 +380,11 @@ class RunnerHost:
         changed, usage = self._home_after(run_id, self._home_of(identity, sandbox.agent_id))
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
+            over = self._over_quota.get(run_id)
             ended = RunReport(
                 ReportState.EXITED,
                 exit_code=sandbox.exit_code,
-                detail="timeout" if _ran_out(sandbox) else "",
+                detail="timeout" if _ran_out(sandbox) else f"{OVER_QUOTA}: {over}" if over else "",
                 started_at=sandbox.started_at,
                 finished_at=sandbox.finished_at,
                 changes=changed,
@@ -395,29 +399,63 @@ class RunnerHost:
         engine.remove(run_id)
         self._timed_out.discard(run_id)
         with self._launching_lock:
-            self._manifests.pop(run_id, None)
+            self._homes.pop(run_id, None)
+            self._over_quota.pop(run_id, None)
 
     # --- what a run changed in its home ----------------------------------------------------
 
     def _home_of(self, identity: Identity, agent_id: int) -> Path:
         return self.settings.homes / str(identity.id) / str(agent_id)
 
-    def _note_home(self, run_id: str, home: Path) -> HomeUsage | None:
+    def _note_home(self, run_id: str, home: Path, quota: int) -> HomeUsage | None:
         """The home's manifest before the run (kept in memory: a runner restarted meanwhile
         reports no changes for it, rather than wrong ones), and what the home holds."""
+        started = self.clock()
         try:
             manifest = Home(home).manifest()
         except (OSError, HomeError) as exc:
             logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
             return None
+        took = self.clock() - started
         with self._launching_lock:
-            self._manifests[run_id] = manifest
+            self._homes[run_id] = Watched(home, quota, manifest, started + _check_after(took))
         return _usage(manifest)
+
+    def watch_quotas(self) -> None:
+        """Measure the homes of running sandboxes when due, and stop a run whose home holds
+        more than its quota (on the heartbeat thread: a large home takes a while to walk)."""
+        with self._launching_lock:
+            due = [
+                (run_id, watched)
+                for run_id, watched in self._homes.items()
+                if watched.quota
+                and watched.next_check <= self.clock()
+                and run_id not in self._over_quota
+            ]
+        for run_id, watched in due:
+            started = self.clock()
+            try:
+                held = Home(watched.home).usage().bytes
+            except (OSError, HomeError) as exc:
+                logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
+                held = 0
+            watched.next_check = self.clock() + _check_after(self.clock() - started)
+            if held <= watched.quota:
+                continue
+            why = f"its home passed its quota ({_size(held)} of {_size(watched.quota)})"
+            logger.info("covey runner: run %s: %s; stopping", run_id, why)
+            with self._launching_lock:
+                self._over_quota[run_id] = why
+            for identity in list(self.identities.values()):
+                engine = self.engine(identity)
+                if engine.get(run_id) is not None:
+                    engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
 
     def _home_after(self, run_id: str, home: Path) -> tuple[HomeChanges | None, HomeUsage | None]:
         """What the run changed in its home (when it was seen before), and what it holds now."""
         with self._launching_lock:
-            before = self._manifests.get(run_id)
+            watched = self._homes.get(run_id)
+        before = watched.manifest if watched else None
         try:
             after = Home(home).manifest()
         except (OSError, HomeError) as exc:
@@ -426,6 +464,27 @@ class RunnerHost:
         if before is None:
             return None, _usage(after)
         return _changes(changes(before, after)), _usage(after)
+
+
+# A running sandbox's home is measured at most this often (and, for a home that takes long to
+# walk, no more than a twentieth of the time): a run can pass its quota by what it writes
+# between two measurements before it is stopped.
+HOME_CHECK_SECONDS = 10.0
+
+
+def _check_after(walk: float) -> float:
+    return max(HOME_CHECK_SECONDS, 20 * walk)
+
+
+@dataclass
+class Watched:
+    """A sandbox launched here: its home, its quota, the manifest from before it ran, and
+    when its home is measured next."""
+
+    home: Path
+    quota: int
+    manifest: Manifest
+    next_check: float
 
 
 class OverQuota(Exception):

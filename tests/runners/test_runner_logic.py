@@ -326,3 +326,31 @@ def test_what_the_home_holds_is_reported_when_a_run_starts_and_ends(host, tmp_pa
         ReportState.RUNNING: HomeUsage(bytes=10, files=1),
         ReportState.EXITED: HomeUsage(bytes=15, files=2),
     }
+
+
+def test_a_run_whose_home_passes_its_quota_is_stopped_at_the_next_measurement(tmp_path):
+    now = [0.0]
+    watched = Host(tmp_path, clock=lambda: now[0])
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    (home / "small").write_bytes(b"x" * 50)
+    watched.order(replace(spec(), home_quota_bytes=100))
+    (home / "grown").write_bytes(b"x" * 200)  # what the run writes
+    watched.host.watch_quotas()  # not due yet: nothing is measured
+    assert watched.engine.stopped == []
+    now[0] += host_module.HOME_CHECK_SECONDS
+    watched.host.watch_quotas()
+    assert watched.engine.stopped == [RUN]
+    watched.host.sweep(watched.identity)
+    exited = watched.control.reports[-1][1]
+    assert exited.state == ReportState.EXITED
+    assert exited.detail == "home-over-quota: its home passed its quota (250 bytes of 100 bytes)"
+
+
+def test_a_run_without_a_quota_is_never_measured_while_it_runs(tmp_path):
+    now = [0.0]
+    free = Host(tmp_path, clock=lambda: now[0])
+    free.order(spec())  # home_quota_bytes 0: no limit
+    now[0] += 3600
+    free.host.watch_quotas()
+    assert free.engine.stopped == []

@@ -368,3 +368,30 @@ def test_a_runner_removes_only_leftovers_of_its_own_installation(stack, acme, tm
     finally:
         ours.remove(leftover.run_id)
         theirs.remove(foreign.run_id)
+
+
+def test_a_home_keeps_what_a_run_changed_its_usage_and_its_quota(stack, acme):
+    """The runner's own view of the home, end to end: what the run changed and what the home
+    holds come back with its exit; past its quota the next run is refused before it is built,
+    and a run that fills it is stopped (issue 11)."""
+    runner, config = stack.register(acme, "edge-1")
+    write = "echo edited > notes.md; mkdir -p src; head -c 1500000 /dev/zero > src/data.bin"
+    agent = stack.agent(acme, "Writer", ["sh", "-c", f"cd $HOME && {write}"], home_quota_mb=1)
+    with stack.runner(runner, config):
+        run = stack.wait(run_services.queue_run(agent, "write"), *FINISHED)
+        assert run.status == RunStatus.SUCCEEDED, run.status_detail
+        assert run.home_changes["added"] == ["notes.md", "src", "src/data.bin"]
+        agent.refresh_from_db()
+        assert (agent.home_bytes, agent.home_files) == (1_500_007, 2)
+        refused = stack.wait(run_services.queue_run(agent, "again"), *FINISHED)
+        assert refused.status == RunStatus.FAILED
+        assert "the home holds 1.4 MiB, more than its quota of 1.0 MiB" in refused.status_detail
+        assert containers_of(runner) == []
+
+        grower = stack.agent(
+            acme, "Grower", ["sh", "-c", "head -c 2000000 /dev/zero > $HOME/big; sleep 60"],
+            home_quota_mb=1,
+        )  # fmt: skip
+        stopped = stack.wait(run_services.queue_run(grower, "fill"), *FINISHED, timeout=45)
+        assert stopped.status == RunStatus.FAILED
+        assert stopped.status_detail.startswith("stopped: its home passed its quota (1.9 MiB")

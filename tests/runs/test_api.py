@@ -591,3 +591,19 @@ def test_a_home_quota_is_a_positive_number_of_mib(acme, alice, api, quota):
     agent = AgentFactory(organisation=acme)
     response = api(alice).patch(f"/api/v1/agents/{agent.pk}/", {"home_quota_mb": quota}, "json")
     assert response.status_code == 400 and "home_quota_mb" in response.json()
+
+
+def test_a_run_its_runner_stopped_for_the_home_quota_fails_saying_so(acme, orders):
+    _, token = online_runner(acme)
+    run = runs.queue_run(AgentFactory(organisation=acme), "fill the disk")
+    client = runner_api(APIClient(), token)
+    client.post(f"/api/v1/runner/runs/{run.pk}/start/")
+    detail = "home-over-quota: its home passed its quota (12.0 GiB of 10.0 GiB)"
+    report = client.post(
+        f"/api/v1/runner/runs/{run.pk}/report/",
+        {"state": "exited", "exit_code": 137, "detail": detail},
+        format="json",
+    )
+    assert report.json()["status"] == "failed"
+    run.refresh_from_db()
+    assert run.status_detail == "stopped: its home passed its quota (12.0 GiB of 10.0 GiB)"
