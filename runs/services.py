@@ -68,12 +68,15 @@ def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
     return run
 
 
-def place_waiting(organisation_id: int | None = None) -> int:
-    """Place queued runs, oldest first; returns how many found a runner."""
+def place_waiting(organisation_id: int | None = None, *, agent_id: int | None = None) -> int:
+    """Place queued runs (of an organisation, or of one agent), oldest first; returns how many
+    found a runner."""
     placed = 0
     queued = Run.objects.filter(status=RunStatus.QUEUED).order_by("created_at")
     if organisation_id is not None:
         queued = queued.filter(agent__organisation_id=organisation_id)
+    if agent_id is not None:
+        queued = queued.filter(agent_id=agent_id)
     for run_id in list(queued.values_list("pk", flat=True)[:500]):
         with transaction.atomic():
             run = (
@@ -126,10 +129,9 @@ def _ahead(run: Run) -> str:
 
 def _ended(run: Run) -> None:
     """A run of the agent has ended: the next one waiting for its home goes, once this commits
-    (the heartbeats would place it too, later)."""
-    if Run.objects.filter(agent_id=run.agent_id, status=RunStatus.QUEUED).exists():
-        organisation_id = run.agent.organisation_id
-        transaction.on_commit(lambda: place_waiting(organisation_id))
+    (the periodic placement would place it too, later)."""
+    agent_id = run.agent_id
+    transaction.on_commit(lambda: place_waiting(agent_id=agent_id))
 
 
 @transaction.atomic
@@ -139,7 +141,9 @@ def cancel(run: Run, *, by: Any = None) -> Run:
     if run.status in FINISHED:
         raise RunError(f"the run has ended already ({run.status})")
     who = f" by {by.get_username()}" if by is not None and by.is_authenticated else ""
-    if run.status == RunStatus.QUEUED or run.runner is None:
+    if run.status in (RunStatus.QUEUED, RunStatus.PLACED) or run.runner is None:
+        # Placed but not started: its runner will not start it now (start() refuses a run that
+        # is not placed or starting), and a lost order cannot strand it, nor its agent's next.
         run.finished_at = timezone.now()
         _move(run, RunStatus.CANCELLED, f"cancelled{who} before it started", ["finished_at"])
         _ended(run)

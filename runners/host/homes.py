@@ -23,15 +23,16 @@ Memory stays bounded: files and archives are read and written in chunks. No Djan
 
 import contextlib
 import errno
+import heapq
 import os
 import queue
-import shutil
 import stat
 import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ PATH_MAX = 4096
 UPLOAD_PREFIX = ".covey-upload-"
 SKIPPED_FILE = "covey-skipped.txt"  # in an archive: what it left out, and why
 LARGEST = 10  # directories and files in a usage report
+MAX_SKIPPED = 10_000  # lines in an archive's covey-skipped.txt
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -65,24 +67,36 @@ def names(path: str) -> list[str]:
     if "\0" in path:
         raise _refused("a path cannot contain a NUL character")
     if path.startswith("/"):
-        raise _refused(f"{_shown(path)} is absolute: paths are relative to the home")
-    if len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        raise _refused(f"{shown(path)} is absolute: paths are relative to the home")
+    if len(path.encode("utf-8", "surrogatepass")) > PATH_MAX:
         raise _refused(f"the path is longer than {PATH_MAX} bytes")
     parts = path.removesuffix("/").split("/")
     for name in parts:
         if name in ("", ".", ".."):
             what = "an empty name" if not name else f"{name!r}"
-            raise _refused(f"{_shown(path)} has {what} in it: give each name once, no '..'")
-        if any(ord(c) < 32 or ord(c) == 127 for c in name):
-            raise _refused(f"{_shown(path)} has a control character in a name")
-        if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
-            raise _refused(f"a name in {_shown(path)} is longer than {NAME_MAX} bytes")
+            raise _refused(f"{shown(path)} has {what} in it: give each name once, no '..'")
+        if not name.isprintable():  # control, format (bidi) and separator characters
+            raise _refused(f"{shown(path)} has a control character in a name")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _refused(f"{shown(path)} is not valid UTF-8") from None
+        if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX:
+            raise _refused(f"a name in {shown(path)} is longer than {NAME_MAX} bytes")
     return parts
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """A name as it can be printed (control characters and undecodable bytes escaped)."""
-    return repr(text)[1:-1] if not text.isprintable() else text
+    return text if text.isprintable() and _encodes(text) else repr(text)[1:-1]
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,12 @@ class Usage:
     largest_directories: list[tuple[str, int]]  # with everything below them
     measured_at: float
     seconds: float  # how long measuring took
+    problems: list[tuple[str, str]] = field(default_factory=list)  # the first not measured
+    unmeasured: int = 0  # how many places could not be measured (0: the figures are whole)
+
+    @property
+    def whole(self) -> bool:
+        return not self.unmeasured
 
 
 @dataclass(frozen=True)
@@ -126,7 +146,17 @@ class Changes:
     removed: list[str] = field(default_factory=list)
 
 
-Manifest = dict[str, tuple[str, int, int]]  # path → (type, size, mtime in ns)
+@dataclass
+class Manifest:
+    """Every path in a home (as on disk: names are kept whole, escaped only to be shown) with
+    its type, size and modification time in ns; and what could not be walked."""
+
+    entries: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        return not self.problems
 
 
 class Home:
@@ -160,148 +190,88 @@ class Home:
         with self._directory(parts[:-1]) as parent:
             return _entry(parts[-1], _lstat(parent, parts[-1], path), parent)
 
-    def read(self, path: str, *, chunk: int = CHUNK) -> tuple[int, Iterator[bytes]]:
-        """A regular file's size and its bytes, in chunks (the file is open until they end)."""
+    def read(self, path: str, *, chunk: int = CHUNK) -> "Stream":
+        """A regular file's bytes in chunks, as many as it had when opened (the file is open
+        until they end or the stream is closed)."""
         parts = names(path)
         if not parts:
             raise HomeError(400, "the home is a directory: download it as an archive")
         with self._directory(parts[:-1]) as parent:
             fd = _open_file(parent, parts[-1], path)
-        size = os.fstat(fd).st_size
+        return Stream(fd, os.fstat(fd).st_size, chunk)
 
-        def chunks() -> Iterator[bytes]:
-            with os.fdopen(fd, "rb", buffering=0) as file:
-                while data := file.read(chunk):
-                    yield data
-
-        return size, chunks()
-
-    def archive(self, path: str = "", *, chunk: int = CHUNK) -> Iterator[bytes]:
+    def archive(self, path: str = "", *, chunk: int = CHUNK) -> "Archive":
         """A directory (or file) as a tar archive, streamed: made on a thread that waits while
         nobody reads, so memory stays a few chunks whatever the size. What it cannot vouch for
-        (symbolic links, FIFOs, devices, hard-linked files, unusable names) is left out and
-        listed in ``covey-skipped.txt`` at the archive's root."""
+        (symbolic links, FIFOs, devices, hard-linked files, unusable names, what could not be
+        walked) is left out and listed in ``covey-skipped.txt`` at the archive's root."""
         parts = names(path)
         base = parts[-1] if parts else "home"
-        top: int | None = None  # the directory archived
-        single: int | None = None  # or the one file
-        with self._directory(parts[:-1]) as parent:
+        with self._directory(parts[:-1] if parts else []) as parent:
             if not parts:
-                top = os.dup(parent)
-            else:
-                st = _lstat(parent, parts[-1], path)
-                if stat.S_ISDIR(st.st_mode):
-                    try:
-                        top = os.open(parts[-1], _DIRECTORY, dir_fd=parent)
-                    except OSError as exc:
-                        raise _open_error(exc, path) from None
-                else:
-                    single = _open_file(parent, parts[-1], path)
-        pipe: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=4)
-        stop = threading.Event()
-
-        class Sink:
-            def write(self, data: bytes) -> int:
-                for start in range(0, len(data), chunk):
-                    while not stop.is_set():
-                        try:
-                            pipe.put(bytes(data[start : start + chunk]), timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        raise BrokenPipeError("the archive's reader went")
-                return len(data)
-
-        def make() -> None:
+                return Archive(os.dup(parent), None, base, chunk)
+            st = _lstat(parent, parts[-1], path)
+            if not stat.S_ISDIR(st.st_mode):
+                return Archive(None, _open_file(parent, parts[-1], path), base, chunk)
             try:
-                with tarfile.open(fileobj=Sink(), mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
-                    if single is not None:
-                        _add_file(tar, single, base)
-                    else:
-                        assert top is not None  # noqa: S101
-                        skipped = _add_tree(tar, top, base)
-                        if skipped:
-                            text = "".join(f"{p}: {why}\n" for p, why in skipped).encode()
-                            info = tarfile.TarInfo(f"{base}/{SKIPPED_FILE}")
-                            info.size, info.mtime = len(text), int(time.time())
-                            tar.addfile(info, _Bytes(text))
-                pipe.put(None)
-            except BaseException as exc:  # the reader hears of it
-                if not stop.is_set():
-                    pipe.put(exc)
-            finally:
-                for fd in (top, single):
-                    if fd is not None:
-                        os.close(fd)
-
-        def chunks() -> Iterator[bytes]:
-            maker = threading.Thread(target=make, name="covey-home-archive", daemon=True)
-            maker.start()
-            try:
-                while (item := pipe.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-            finally:
-                stop.set()
-                maker.join(5)
-
-        return chunks()
+                return Archive(os.open(parts[-1], _DIRECTORY, dir_fd=parent), None, base, chunk)
+            except OSError as exc:
+                raise _open_error(exc, path, parent, parts[-1]) from None
 
     def usage(self) -> Usage:
         """Bytes, files and where the space goes, walking the whole home (never following a
-        link); how long it took is part of the answer."""
+        link); how long it took, and what could not be measured, are part of the answer."""
         started, measured_at = time.monotonic(), time.time()
-        files: list[tuple[int, str]] = []
-        sizes: dict[str, int] = {}
-        count = directories = total = 0
         if not self.root.exists():
             return Usage(0, 0, 0, [], [], measured_at, 0.0)
+        count = directories = total = 0
+        largest: list[tuple[int, str]] = []  # a heap of the LARGEST biggest files
+        direct: dict[str, int] = {}  # directory → bytes of the files right in it
+        problems: list[tuple[str, str]] = []
         with self._directory([]) as fd:
-            # fwalk descends into every directory, never through a link.
-            for top, _dirs, filenames, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-                directories += 1
-                here = top.removeprefix("./").removeprefix(".")
-                for name in filenames:
-                    try:
-                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # gone meanwhile
-                    total += st.st_size
-                    count += 1
-                    files.append((st.st_size, f"{here}/{name}" if here else name))
-                    for ancestor in _ancestors(here):
-                        sizes[ancestor] = sizes.get(ancestor, 0) + st.st_size
-        files.sort(key=lambda f: (-f[0], f[1]))
-        ranked = sorted(((p, s) for p, s in sizes.items() if p), key=lambda d: (-d[1], d[0]))
+            for _, here, name, st in _walk(fd, lambda p, why: problems.append((p, why))):
+                if stat.S_ISDIR(st.st_mode):
+                    directories += 1
+                    continue
+                total += st.st_size
+                count += stat.S_ISREG(st.st_mode)
+                direct[here] = direct.get(here, 0) + st.st_size
+                entry = (st.st_size, f"{here}/{name}" if here else name)
+                if len(largest) < LARGEST:
+                    heapq.heappush(largest, entry)
+                elif entry > largest[0]:
+                    heapq.heapreplace(largest, entry)
+        below: dict[str, int] = {}  # directory → bytes in it and everything below it
+        for directory, size in direct.items():
+            parts = directory.split("/") if directory else []
+            for depth in range(1, len(parts) + 1):
+                key = "/".join(parts[:depth])
+                below[key] = below.get(key, 0) + size
+        ranked = sorted(below.items(), key=lambda d: (-d[1], d[0]))[:LARGEST]
         return Usage(
             bytes=total,
             files=count,
-            directories=max(directories - 1, 0),
-            largest_files=[(_shown(p), s) for s, p in files[:LARGEST]],
-            largest_directories=[(_shown(p), s) for p, s in ranked[:LARGEST]],
+            directories=directories,
+            largest_files=[(shown(p), n) for n, p in sorted(largest, key=lambda f: (-f[0], f[1]))],
+            largest_directories=[(shown(p), n) for p, n in ranked],
             measured_at=measured_at,
             seconds=time.monotonic() - started,
+            problems=[(shown(p), why) for p, why in problems[:LARGEST]],
+            unmeasured=len(problems),
         )
 
     def manifest(self) -> Manifest:
-        """Every path in the home with its type, size and modification time."""
-        found: Manifest = {}
+        """Every path in the home (as it is on disk) with its type, size and modification
+        time; and what could not be walked."""
+        found = Manifest()
         if not self.root.exists():
             return found
         with self._directory([]) as fd:
-            for top, dirs, filenames, dirfd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-                here = top.removeprefix("./").removeprefix(".")
-                for name in [*dirs, *filenames]:
-                    try:
-                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    kind = _kind(st.st_mode)
-                    # A directory changes when what is in it does: that is said of its entries.
-                    size, mtime = (0, 0) if kind == "directory" else (st.st_size, st.st_mtime_ns)
-                    found[_shown(f"{here}/{name}" if here else name)] = (kind, size, mtime)
+            for _, here, name, st in _walk(fd, lambda p, why: found.problems.append((p, why))):
+                kind = _kind(st.st_mode)
+                # A directory changes when what is in it does: that is said of its entries.
+                size, mtime = (0, 0) if kind == "directory" else (st.st_size, st.st_mtime_ns)
+                found.entries[f"{here}/{name}" if here else name] = (kind, size, mtime)
         return found
 
     # --- writing ---------------------------------------------------------------------------
@@ -325,9 +295,9 @@ class Home:
         with self._directory(parts[:-1], make=True) as parent:
             existing = _lstat_or_none(parent, name)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
-                raise HomeError(409, f"{_shown(path)} is a directory")
+                raise HomeError(409, f"{shown(path)} is a directory")
             if existing is not None and not replace:
-                raise HomeError(409, f"{_shown(path)} exists: say replace to write over it")
+                raise HomeError(409, f"{shown(path)} exists: say replace to write over it")
             draft = f"{UPLOAD_PREFIX}{uuid.uuid4().hex}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(draft, flags, 0o644, dir_fd=parent)
@@ -338,7 +308,7 @@ class Home:
                         written += len(data)
                         if limit is not None and written > limit:
                             raise HomeError(
-                                413, f"{_shown(path)} would pass the home's quota ({limit} bytes)"
+                                413, f"{shown(path)} would pass the home's quota ({limit} bytes)"
                             )
                         file.write(data)
                     file.flush()
@@ -361,7 +331,7 @@ class Home:
             try:
                 os.mkdir(parts[-1], 0o755, dir_fd=parent)
             except FileExistsError:
-                raise HomeError(409, f"{_shown(path)} exists") from None
+                raise HomeError(409, f"{shown(path)} exists") from None
             fd = os.open(parts[-1], _DIRECTORY, dir_fd=parent)
             try:
                 self._own(fd)
@@ -375,11 +345,11 @@ class Home:
         if not old or not new:
             raise HomeError(400, "the home itself cannot be moved, nor be a target")
         if new[: len(old)] == old:
-            raise HomeError(400, f"{_shown(target)} is inside {_shown(source)}")
+            raise HomeError(400, f"{shown(target)} is inside {shown(source)}")
         with self._directory(old[:-1]) as src, self._directory(new[:-1], make=True) as dst:
             _lstat(src, old[-1], source)  # 404 when it is not there
             if _lstat_or_none(dst, new[-1]) is not None:
-                raise HomeError(409, f"{_shown(target)} exists")
+                raise HomeError(409, f"{shown(target)} exists")
             os.rename(old[-1], new[-1], src_dir_fd=src, dst_dir_fd=dst)
             return _entry(new[-1], _lstat(dst, new[-1], target), dst)
 
@@ -391,7 +361,7 @@ class Home:
         with self._directory(parts[:-1]) as parent:
             st = _lstat(parent, parts[-1], path)
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(parts[-1], dir_fd=parent)  # fd-based: immune to swapped links
+                _remove_tree(parent, parts[-1], "/".join(parts))
             else:
                 os.unlink(parts[-1], dir_fd=parent)
 
@@ -415,7 +385,7 @@ class Home:
                 try:
                     below = os.open(name, _DIRECTORY, dir_fd=fd)
                 except FileNotFoundError:
-                    here = _shown("/".join(parts[: depth + 1]))
+                    here = shown("/".join(parts[: depth + 1]))
                     if not make:
                         raise HomeError(404, f"{here} is not there") from None
                     with contextlib.suppress(FileExistsError):  # made meanwhile: opened below
@@ -437,6 +407,111 @@ class Home:
             return
         uid, gid = self.owner or _owner_of(self.root)
         os.fchown(fd, uid, gid)
+
+
+class Stream:
+    """A file's bytes in chunks, as many as it had when it was opened. Iterating to the end or
+    ``close()`` closes the file (so does dropping it): a download that never starts leaks
+    nothing."""
+
+    def __init__(self, fd: int, size: int, chunk: int) -> None:
+        self._fd: int | None = fd
+        self.size = size
+        self._chunk = chunk
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def __iter__(self) -> Iterator[bytes]:
+        left = self.size
+        try:
+            while left > 0 and self._fd is not None:
+                data = os.read(self._fd, min(self._chunk, left))
+                if not data:
+                    break
+                left -= len(data)
+                yield data
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._fd = None
+        self._finalizer()
+
+
+class Archive:
+    """A tar archive of a directory (or of one file), streamed (see :meth:`Home.archive`).
+    Iterating makes it on a thread that waits for its reader; ``close()`` ends it, whether it
+    started or not."""
+
+    def __init__(self, top: int | None, single: int | None, base: str, chunk: int) -> None:
+        self._fds = [fd for fd in (top, single) if fd is not None]
+        self._top, self._single, self._base, self._chunk = top, single, base, chunk
+        self._stop = threading.Event()
+        self._pipe: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=4)
+        self._maker: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _close_all, list(self._fds))
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._maker is not None or self._stop.is_set():
+            raise RuntimeError("an archive is read once")
+        self._maker = threading.Thread(target=self._make, name="covey-home-archive", daemon=True)
+        self._maker.start()
+        try:
+            while (item := self._pipe.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._maker is not None and self._maker is not threading.current_thread():
+            self._maker.join(5)
+        self._finalizer()
+
+    def _put(self, item: bytes | BaseException | None) -> None:
+        """Hand the reader an item, unless it has gone (then raise, to end the thread)."""
+        while not self._stop.is_set():
+            try:
+                self._pipe.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        raise BrokenPipeError("the archive's reader went")
+
+    def _make(self) -> None:
+        archive = self
+
+        class Sink:
+            def write(self, data: bytes) -> int:
+                for start in range(0, len(data), archive._chunk):
+                    archive._put(bytes(data[start : start + archive._chunk]))
+                return len(data)
+
+        try:
+            with tarfile.open(fileobj=Sink(), mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+                if self._single is not None:
+                    _add_file(tar, self._single, self._base)
+                else:
+                    assert self._top is not None  # noqa: S101 - one of the two is given
+                    skipped = _add_tree(tar, self._top, self._base)
+                    if skipped:
+                        text = "".join(f"{p}: {why}\n" for p, why in skipped).encode()
+                        info = tarfile.TarInfo(f"{self._base}/{SKIPPED_FILE}")
+                        info.size, info.mtime = len(text), int(time.time())
+                        tar.addfile(info, _Bytes(text))
+            self._put(None)
+        except BrokenPipeError:
+            pass  # the reader went: nobody to tell
+        except BaseException as exc:  # the reader hears of it
+            with contextlib.suppress(BrokenPipeError):
+                self._put(exc)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class _Descriptor:
@@ -471,7 +546,7 @@ def _lstat(parent: int, name: str, path: str) -> os.stat_result:
     """What ``name`` is in the directory ``parent`` (a link is a link); 404 when nothing."""
     found = _lstat_or_none(parent, name)
     if found is None:
-        raise HomeError(404, f"{_shown(path)} is not there")
+        raise HomeError(404, f"{shown(path)} is not there")
     return found
 
 
@@ -495,18 +570,18 @@ def _open_file(parent: int, name: str, path: str) -> int:
     after = os.fstat(fd)
     if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not _is_plain(after):
         os.close(fd)
-        raise HomeError(409, f"{_shown(path)} changed while it was opened; try again")
+        raise HomeError(409, f"{shown(path)} changed while it was opened; try again")
     return fd
 
 
 def _readable(st: os.stat_result, path: str) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise HomeError(400, f"{_shown(path)} is a symbolic link: covey does not follow links")
+        raise HomeError(400, f"{shown(path)} is a symbolic link: covey does not follow links")
     if not stat.S_ISREG(st.st_mode):
-        raise HomeError(400, f"{_shown(path)} is a {_kind(st.st_mode)}, not a file")
+        raise HomeError(400, f"{shown(path)} is a {_kind(st.st_mode)}, not a file")
     if st.st_nlink > 1:
         raise HomeError(
-            400, f"{_shown(path)} has {st.st_nlink} hard links (one may be outside the home)"
+            400, f"{shown(path)} has {st.st_nlink} hard links (one may be outside the home)"
         )
 
 
@@ -522,12 +597,12 @@ def _open_error(exc: OSError, path: str, parent: int | None = None, name: str = 
         found = _lstat_or_none(parent, name)
         link = found is not None and stat.S_ISLNK(found.st_mode)
     if link:
-        return HomeError(400, f"{_shown(path)} is a symbolic link: covey does not follow links")
+        return HomeError(400, f"{shown(path)} is a symbolic link: covey does not follow links")
     if exc.errno == errno.ENOTDIR:
-        return HomeError(400, f"{_shown(path)} is not a directory")
+        return HomeError(400, f"{shown(path)} is not a directory")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return HomeError(403, f"{_shown(path)}: permission denied")
-    return HomeError(500, f"{_shown(path)}: {exc.strerror or exc}")
+        return HomeError(403, f"{shown(path)}: permission denied")
+    return HomeError(500, f"{shown(path)}: {exc.strerror or exc}")
 
 
 def _kind(mode: int) -> str:
@@ -549,7 +624,7 @@ def _entry(name: str, st: os.stat_result, parent: int) -> Entry:
     target = ""
     if kind == "symlink":
         try:
-            target = _shown(os.readlink(name, dir_fd=parent))
+            target = shown(os.readlink(name, dir_fd=parent))
         except OSError:
             target = "?"
     usable = True
@@ -559,23 +634,13 @@ def _entry(name: str, st: os.stat_result, parent: int) -> Entry:
     except (HomeError, UnicodeEncodeError):
         usable = False
     return Entry(
-        name=_shown(name) if not usable else name,
+        name=shown(name) if not usable else name,
         type=kind,
         size=st.st_size if kind != "directory" else 0,
         modified=st.st_mtime,
         usable=usable,
         target=target,
     )
-
-
-def _ancestors(here: str) -> Iterator[str]:
-    """'' and every directory from the top down to ``here``."""
-    yield ""
-    if not here:
-        return
-    parts = here.split("/")
-    for depth in range(1, len(parts) + 1):
-        yield "/".join(parts[:depth])
 
 
 def _add_file(tar: tarfile.TarFile, fd: int, name: str) -> None:
@@ -589,54 +654,50 @@ def _add_file(tar: tarfile.TarFile, fd: int, name: str) -> None:
 def _add_tree(tar: tarfile.TarFile, top: int, base: str) -> list[tuple[str, str]]:
     """Everything under the directory ``top`` as ``base/...``; what was left out, and why."""
     skipped: list[tuple[str, str]] = []
+
+    def left_out(where: str, why: str) -> None:
+        if len(skipped) < MAX_SKIPPED:
+            skipped.append((shown(where), why))
+
     info = tarfile.TarInfo(base)
     info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(os.fstat(top).st_mtime)
     tar.addfile(info)
-    for here, dirs, filenames, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
-        rel = here.removeprefix("./").removeprefix(".")
-        prefix = f"{base}/{rel}" if rel else base
-        for name in list(dirs):
-            shown = f"{rel}/{name}" if rel else name
-            if not _usable_name(name):
-                skipped.append((_shown(shown), "a name that cannot be given back as a path"))
-                dirs.remove(name)
-                continue
-            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):  # listed with the directories, never descended into
-                skipped.append((shown, "a symbolic link (covey does not follow links)"))
-                dirs.remove(name)
-                continue
-            info = tarfile.TarInfo(f"{prefix}/{name}")
+    for dirfd, here, name, st in _walk(top, left_out, descend=_usable_path):
+        path = f"{here}/{name}" if here else name
+        if not _usable_name(name):
+            left_out(path, "a name that cannot be given back as a path")
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            info = tarfile.TarInfo(f"{base}/{path}")
             info.type, info.mode, info.mtime = tarfile.DIRTYPE, st.st_mode & 0o777, int(st.st_mtime)
             tar.addfile(info)
-        for name in filenames:
-            shown = f"{rel}/{name}" if rel else name
-            try:
-                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not _usable_name(name):
-                skipped.append((_shown(shown), "a name that cannot be given back as a path"))
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                skipped.append((shown, "a symbolic link (covey does not follow links)"))
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                skipped.append((shown, f"a {_kind(st.st_mode)}, not a file"))
-                continue
-            if st.st_nlink > 1:
-                skipped.append((shown, f"{st.st_nlink} hard links (one may be outside)"))
-                continue
-            try:
-                fd = _open_file(dirfd, name, shown)
-            except HomeError as exc:
-                skipped.append((shown, str(exc)))
-                continue
-            try:
-                _add_file(tar, fd, f"{prefix}/{name}")
-            finally:
-                os.close(fd)
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            left_out(path, "a symbolic link (covey does not follow links)")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            left_out(path, f"a {_kind(st.st_mode)}, not a file")
+            continue
+        if st.st_nlink > 1:
+            left_out(path, f"{st.st_nlink} hard links (one may be outside)")
+            continue
+        if here == "" and name == SKIPPED_FILE:
+            left_out(path, "its name is the one this list takes")
+            continue
+        try:
+            fd = _open_file(dirfd, name, path)
+        except HomeError as exc:
+            left_out(path, str(exc))
+            continue
+        try:
+            _add_file(tar, fd, f"{base}/{path}")
+        finally:
+            os.close(fd)
     return skipped
+
+
+def _usable_path(path: str) -> bool:
+    return all(_usable_name(name) for name in path.split("/"))
 
 
 def _usable_name(name: str) -> bool:
@@ -649,9 +710,111 @@ def _usable_name(name: str) -> bool:
 
 
 def changes(before: Manifest, after: Manifest) -> Changes:
-    """Paths added, changed (type, size or modification time) and removed, in order."""
+    """Paths added, changed (type, size or modification time) and removed, in order, shown
+    escaped (the manifests keep them whole, so two names never meet under one spelling)."""
+    old, new = before.entries, after.entries
     return Changes(
-        added=sorted(set(after) - set(before)),
-        changed=sorted(p for p in set(after) & set(before) if after[p] != before[p]),
-        removed=sorted(set(before) - set(after)),
+        added=[shown(p) for p in sorted(set(new) - set(old))],
+        changed=[shown(p) for p in sorted(p for p in set(new) & set(old) if new[p] != old[p])],
+        removed=[shown(p) for p in sorted(set(old) - set(new))],
     )
+
+
+# --- walking a tree ------------------------------------------------------------------------
+
+MAX_DEPTH = 128  # directories below the top a walk goes into; deeper ones are a problem
+_WALK_DIRECTORY = _DIRECTORY | os.O_NONBLOCK | os.O_NOCTTY  # nothing swapped in is opened
+
+
+def _walk(
+    top: int,
+    problem: Callable[[str, str], None],
+    descend: Callable[[str], bool] = lambda path: True,
+) -> Iterator[tuple[int, str, str, os.stat_result]]:
+    """Everything below the directory ``top``, depth first in name order: (descriptor of its
+    directory, that directory's path, its name, what it is, not following a link).
+
+    Each directory is opened from the one above with O_NOFOLLOW, O_DIRECTORY, O_NONBLOCK and
+    O_NOCTTY, and must still be what was listed: a link, a FIFO or a device swapped in is never
+    opened, let alone followed. At most MAX_DEPTH descriptors are open at once. What cannot be
+    walked (too deep, unreadable, changed meanwhile) is told to ``problem(path, why)``;
+    ``descend(path)`` says whether to go into a directory at all."""
+    stack: list[tuple[int, str, list[tuple[str, os.stat_result]] | None]] = [
+        (os.dup(top), "", None)
+    ]
+    try:
+        while stack:
+            fd, here, pending = stack[-1]
+            if pending is None:
+                pending = []
+                stack[-1] = (fd, here, pending)
+                try:
+                    listed = sorted(os.listdir(fd))
+                except OSError as exc:
+                    problem(here or ".", exc.strerror or str(exc))
+                    listed = []
+                for name in listed:
+                    path = f"{here}/{name}" if here else name
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # gone meanwhile
+                    except OSError as exc:
+                        problem(path, exc.strerror or str(exc))
+                        continue
+                    yield fd, here, name, st
+                    if stat.S_ISDIR(st.st_mode) and descend(path):
+                        pending.append((name, st))
+                pending.reverse()  # taken from the end, in name order
+            if not pending:
+                stack.pop()
+                os.close(fd)
+                continue
+            name, listed_as = pending.pop()
+            path = f"{here}/{name}" if here else name
+            if len(stack) > MAX_DEPTH:
+                problem(path, f"more than {MAX_DEPTH} directories deep: not walked")
+                continue
+            try:
+                child = os.open(name, _WALK_DIRECTORY, dir_fd=fd)
+            except OSError as exc:
+                problem(
+                    path,
+                    "it is no longer a directory"
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
+                    else exc.strerror or str(exc),
+                )
+                continue
+            opened = os.fstat(child)
+            if (opened.st_dev, opened.st_ino) != (listed_as.st_dev, listed_as.st_ino):
+                os.close(child)
+                problem(path, "it changed while it was walked")
+                continue
+            stack.append((child, path, None))
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def _remove_tree(parent: int, name: str, path: str, depth: int = 0) -> None:
+    """Delete the directory ``name`` and everything in it, entering each directory with
+    O_NOFOLLOW (a link swapped in is removed as a link, or refused, never entered)."""
+    try:
+        fd = os.open(name, _WALK_DIRECTORY, dir_fd=parent)
+    except OSError as exc:
+        raise _open_error(exc, path, parent, name) from None
+    try:
+        if depth >= MAX_DEPTH:
+            raise HomeError(400, f"{shown(path)} is more than {MAX_DEPTH} directories deep")
+        for child in os.listdir(fd):
+            below = f"{path}/{child}"
+            found = _lstat_or_none(fd, child)
+            if found is None:
+                continue
+            if stat.S_ISDIR(found.st_mode):
+                _remove_tree(fd, child, below, depth + 1)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)

@@ -35,7 +35,7 @@ from runners.host.config import HostSettings
 from runners.host.containers import isolation
 from runners.host.containers.engine import Engine, EngineError, Sandbox, SandboxSpec
 from runners.host.containers.isolation import IsolationError, Shape
-from runners.host.homes import Changes, Home, HomeError, Manifest, changes
+from runners.host.homes import Changes, Home, HomeError, Manifest, changes, shown
 from runners.host.identity import Identity, runner_name
 from runners.host.output import Outputs
 from runners.host.sealing import unseal
@@ -179,12 +179,12 @@ class RunnerHost:
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             sandbox_spec = self._sandbox_spec(identity, spec, shape)
             usage = self._note_home(run_id, sandbox_spec.home, spec.home_quota_bytes)
-            _within_quota(usage, spec.home_quota_bytes)
             sandbox = self.engine(identity).launch(sandbox_spec)
         except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
+            if isinstance(exc, OverQuota):
+                usage = exc.usage
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
-            with self._launching_lock:
-                self._homes.pop(run_id, None)
+            self._forget(run_id)
             refused = RunReport(ReportState.BUILT, detail=str(exc)[:400], usage=usage)
             client.report(run_id, refused)
             return
@@ -302,7 +302,6 @@ class RunnerHost:
                 # Here, not in the watcher: a check runs a container, and the watcher must
                 # not wait for it.
                 self.trust.recheck_proxy(identity)
-            self.watch_quotas()  # here too: walking a large home takes a while
             self._stop.wait(interval)
 
     def stop(self) -> None:
@@ -350,6 +349,7 @@ class RunnerHost:
                     logger.info("covey runner: removing sandbox %s (no live run)", run_id)
                 self.outputs.stop(run_id)
                 engine.remove(run_id)
+                self._forget(run_id)
             elif run.cancel and sandbox.status == "running":
                 engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
             elif run.status != "running" and sandbox.status == "running":
@@ -366,6 +366,7 @@ class RunnerHost:
                 if engine.get(run_id) is None:
                     gone = RunReport(ReportState.VANISHED, detail=f"no sandbox on {identity.name}")
                     client.report(run_id, gone)
+                    self._forget(run_id)
             elif run.waited >= RELAUNCH_AFTER_SECONDS and not run.cancel:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
                 self.launch(identity.id, run_id)
@@ -398,32 +399,53 @@ class RunnerHost:
                 return  # from before installation keys and not ours: another installation's
         engine.remove(run_id)
         self._timed_out.discard(run_id)
-        with self._launching_lock:
-            self._homes.pop(run_id, None)
-            self._over_quota.pop(run_id, None)
+        self._forget(run_id)
 
     # --- what a run changed in its home ----------------------------------------------------
 
     def _home_of(self, identity: Identity, agent_id: int) -> Path:
         return self.settings.homes / str(identity.id) / str(agent_id)
 
-    def _note_home(self, run_id: str, home: Path, quota: int) -> HomeUsage | None:
+    def _note_home(self, run_id: str, home: Path, quota: int) -> HomeUsage:
         """The home's manifest before the run (kept in memory: a runner restarted meanwhile
-        reports no changes for it, rather than wrong ones), and what the home holds."""
+        reports no changes for it, rather than wrong ones), and what the home holds.
+        OverQuota when it holds more than ``quota`` (0: none), or when a quota cannot be
+        vouched for because the home cannot be walked whole (fail closed)."""
         started = self.clock()
         try:
             manifest = Home(home).manifest()
         except (OSError, HomeError) as exc:
-            logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
-            return None
+            raise OverQuota(f"the home could not be read: {exc}") from None
+        usage = _usage(manifest)
+        if quota and not manifest.whole:
+            where, why = manifest.problems[0]
+            raise OverQuota(
+                f"the home could not be measured whole ({len(manifest.problems)} places, the"
+                f" first {shown(where)}: {why}), so its quota cannot be vouched for",
+                usage,
+            )
+        if quota and usage.bytes > quota:
+            raise OverQuota(
+                f"the home holds {_size(usage.bytes)}, more than its quota of {_size(quota)}:"
+                " delete some of what it holds, or raise the agent's home quota",
+                usage,
+            )
         took = self.clock() - started
         with self._launching_lock:
             self._homes[run_id] = Watched(home, quota, manifest, started + _check_after(took))
-        return _usage(manifest)
+            self._over_quota.pop(run_id, None)
+        return usage
+
+    def quotas(self) -> None:
+        """Until :meth:`stop`: :meth:`watch_quotas` every second (its own thread: a large
+        home takes a while to walk, and heartbeats must not wait for it)."""
+        while not self._stop.is_set():
+            self.watch_quotas()
+            self._stop.wait(1.0)
 
     def watch_quotas(self) -> None:
         """Measure the homes of running sandboxes when due, and stop a run whose home holds
-        more than its quota (on the heartbeat thread: a large home takes a while to walk)."""
+        more than its quota, or cannot be measured whole (fail closed)."""
         with self._launching_lock:
             due = [
                 (run_id, watched)
@@ -433,23 +455,36 @@ class RunnerHost:
                 and run_id not in self._over_quota
             ]
         for run_id, watched in due:
-            started = self.clock()
             try:
-                held = Home(watched.home).usage().bytes
-            except (OSError, HomeError) as exc:
-                logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
-                held = 0
-            watched.next_check = self.clock() + _check_after(self.clock() - started)
-            if held <= watched.quota:
-                continue
-            why = f"its home passed its quota ({_size(held)} of {_size(watched.quota)})"
-            logger.info("covey runner: run %s: %s; stopping", run_id, why)
-            with self._launching_lock:
-                self._over_quota[run_id] = why
-            for identity in list(self.identities.values()):
-                engine = self.engine(identity)
-                if engine.get(run_id) is not None:
-                    engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
+                self._watch_quota(run_id, watched)
+            except Exception:  # a defect, or the engine: the next round tries again
+                logger.exception(
+                    "covey runner: run %s: its home quota could not be checked", run_id
+                )
+
+    def _watch_quota(self, run_id: str, watched: "Watched") -> None:
+        started = self.clock()
+        try:
+            usage = Home(watched.home).usage()
+        except (OSError, HomeError) as exc:
+            usage, why = None, f"its home could not be read ({exc})"
+        watched.next_check = self.clock() + _check_after(self.clock() - started)
+        if usage is not None and not usage.whole:
+            where, problem = usage.problems[0]
+            why = f"its home could not be measured whole ({where}: {problem})"
+        elif usage is not None and usage.bytes <= watched.quota:
+            return
+        elif usage is not None:
+            why = f"its home passed its quota ({_size(usage.bytes)} of {_size(watched.quota)})"
+        with self._launching_lock:
+            if run_id not in self._homes:
+                return  # it ended meanwhile
+            self._over_quota[run_id] = why
+        logger.info("covey runner: run %s: %s; stopping", run_id, why)
+        for identity in list(self.identities.values()):
+            engine = self.engine(identity)
+            if engine.get(run_id) is not None:
+                engine.stop(run_id, timeout=QUOTA_STOP_GRACE_SECONDS)
 
     def _home_after(self, run_id: str, home: Path) -> tuple[HomeChanges | None, HomeUsage | None]:
         """What the run changed in its home (when it was seen before), and what it holds now."""
@@ -465,15 +500,23 @@ class RunnerHost:
             return None, _usage(after)
         return _changes(changes(before, after)), _usage(after)
 
+    def _forget(self, run_id: str) -> None:
+        """What this host kept about a run that is over (or was never ours)."""
+        with self._launching_lock:
+            self._homes.pop(run_id, None)
+            self._over_quota.pop(run_id, None)
+
 
 # A running sandbox's home is measured at most this often (and, for a home that takes long to
 # walk, no more than a twentieth of the time): a run can pass its quota by what it writes
 # between two measurements before it is stopped.
 HOME_CHECK_SECONDS = 10.0
+HOME_CHECK_MOST_SECONDS = 120.0  # however long the walk: a run is never left longer unmeasured
+QUOTA_STOP_GRACE_SECONDS = 1  # a run that passed its quota is not given time to write more
 
 
 def _check_after(walk: float) -> float:
-    return max(HOME_CHECK_SECONDS, 20 * walk)
+    return min(max(HOME_CHECK_SECONDS, 20 * walk), HOME_CHECK_MOST_SECONDS)
 
 
 @dataclass
@@ -488,15 +531,11 @@ class Watched:
 
 
 class OverQuota(Exception):
-    """The home holds more than its quota: no sandbox is built until it holds less."""
+    """The home holds more than its quota (or cannot be vouched for): no sandbox is built."""
 
-
-def _within_quota(usage: HomeUsage | None, quota: int) -> None:
-    if usage is not None and quota and usage.bytes > quota:
-        raise OverQuota(
-            f"the home holds {_size(usage.bytes)}, more than its quota of {_size(quota)}:"
-            " delete some of what it holds, or raise the agent's home quota"
-        )
+    def __init__(self, message: str, usage: HomeUsage | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 def _size(count: int) -> str:
@@ -507,17 +546,33 @@ def _size(count: int) -> str:
 
 
 def _usage(manifest: Manifest) -> HomeUsage:
-    sizes = [size for kind, size, _ in manifest.values() if kind != "directory"]
-    files = sum(1 for kind, _, _ in manifest.values() if kind == "file")
+    entries = manifest.entries.values()
+    sizes = [size for kind, size, _ in entries if kind != "directory"]
+    files = sum(1 for kind, _, _ in entries if kind == "file")
     return HomeUsage(bytes=sum(sizes), files=files)
 
 
+MAX_CHANGED_PATH = 1024  # characters of one listed path (longer ones are cut, and say so)
+MAX_CHANGES_TEXT = 256 * 1024  # characters of all listed paths of a report together
+
+
 def _changes(found: Changes) -> HomeChanges:
-    most = MAX_LISTED_CHANGES
+    budget = [MAX_CHANGES_TEXT]
+
+    def listed(paths: list[str]) -> tuple[str, ...]:
+        kept = []
+        for path in paths[:MAX_LISTED_CHANGES]:
+            shown = path if len(path) <= MAX_CHANGED_PATH else path[: MAX_CHANGED_PATH - 1] + "…"
+            if len(shown) > budget[0]:
+                break
+            budget[0] -= len(shown)
+            kept.append(shown)
+        return tuple(kept)
+
     return HomeChanges(
-        added=tuple(found.added[:most]),
-        changed=tuple(found.changed[:most]),
-        removed=tuple(found.removed[:most]),
+        added=listed(found.added),
+        changed=listed(found.changed),
+        removed=listed(found.removed),
         added_total=len(found.added),
         changed_total=len(found.changed),
         removed_total=len(found.removed),

@@ -38,12 +38,7 @@ def home(tmp_path) -> Home:
 
 
 def read(home: Home, path: str) -> bytes:
-    _, chunks = home.read(path)
-    return b"".join(chunks)
-
-
-def refused(status: int, message: str):
-    return pytest.raises(HomeError, match=message)
+    return b"".join(home.read(path))
 
 
 class TestPaths:
@@ -204,9 +199,10 @@ class TestArchives:
     def test_a_reader_that_stops_ends_the_archive(self, home):
         (home.root / "big").write_bytes(b"\0" * (8 * 1024 * 1024))
         before = threading.active_count()
-        chunks = home.archive("", chunk=64 * 1024)
+        archive = home.archive("", chunk=64 * 1024)
+        chunks = iter(archive)
         next(chunks)
-        chunks.close()  # the client went
+        archive.close()  # the client went
         time.sleep(0.5)
         assert threading.active_count() <= before
 
@@ -304,3 +300,96 @@ class TestUsage:
         assert found.added == ["src/new.py"]
         assert found.changed == ["notes.md"]
         assert found.removed == ["src/main.py"]
+
+
+class TestWalks:
+    """usage, manifest, archive and delete walk the whole home: nothing swapped in is opened."""
+
+    def test_no_walk_opens_a_fifo_swapped_in_for_a_directory(self, home, outside):
+        fifo = outside / "fifo"
+        os.mkfifo(fifo)
+        (home.root / "flip").mkdir()
+        (home.root / "flip" / "f").write_text("x")
+        stop, opened = threading.Event(), []
+
+        def flip() -> None:  # the agent: a directory, then a link to the FIFO, and back
+            while not stop.is_set():
+                os.rename(home.root / "flip", home.root / "parked")
+                (home.root / "flip").symlink_to(fifo)
+                os.unlink(home.root / "flip")
+                os.rename(home.root / "parked", home.root / "flip")
+
+        def writer() -> None:  # opening for writing succeeds only while a reader has it open
+            while not stop.is_set():
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                    opened.append(1)
+                except OSError:
+                    pass
+
+        threads = [threading.Thread(target=flip), threading.Thread(target=writer)]
+        for thread in threads:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                home.usage()
+                home.manifest()
+                b"".join(home.archive(""))
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert opened == []
+
+    def test_a_tree_deeper_than_a_walk_goes_is_said_not_followed_nor_fatal(self, home):
+        deep = home.root.joinpath(*["d"] * 140)
+        deep.mkdir(parents=True)
+        (deep / "hidden.bin").write_bytes(b"x" * 1000)
+        usage = home.usage()
+        assert not usage.whole and usage.unmeasured == 1
+        assert "more than 128 directories deep" in usage.problems[0][1]
+        assert not home.manifest().whole
+        with tarfile.open(fileobj=io.BytesIO(b"".join(home.archive("d")))) as tar:
+            skipped = tar.extractfile(f"d/{SKIPPED_FILE}").read().decode()
+        assert "more than 128 directories deep" in skipped
+        with pytest.raises(HomeError, match="more than 128 directories deep"):
+            home.delete("d")
+
+    def test_names_that_print_alike_are_never_one_in_a_manifest(self, home):
+        (home.root / "a\x01").write_text("control")
+        (home.root / "a\\x01").write_text("backslash")
+        before = home.manifest()
+        (home.root / "a\x01").unlink()
+        assert len(changes(before, home.manifest()).removed) == 1
+
+    def test_downloads_that_never_start_leak_no_descriptor(self, home):
+        def open_descriptors() -> int:
+            return len(os.listdir("/proc/self/fd"))
+
+        before = open_descriptors()
+        for _ in range(20):
+            home.read("notes.md").close()
+            home.archive("src").close()
+            home.read("src/main.py")  # dropped without a word
+            home.archive("")
+        import gc
+
+        gc.collect()
+        assert open_descriptors() == before
+
+    def test_an_archive_whose_reader_leaves_with_its_queue_full_ends_its_thread(self, home):
+        (home.root / "big").write_bytes(b"\0" * (2 * 1024 * 1024))
+        archive = home.archive("", chunk=64 * 1024)
+        chunks = iter(archive)
+        next(chunks)
+        time.sleep(0.3)  # the maker fills the queue and waits
+        archive.close()
+        names = [t.name for t in threading.enumerate()]
+        assert "covey-home-archive" not in names
+
+    def test_a_name_with_a_bidi_override_or_a_lone_surrogate_is_refused(self):
+        for name in ("evil\u202etxt.exe", "a\ud800b", "nbsp\u0085"):
+            with pytest.raises(HomeError) as error:
+                names(name)
+            assert error.value.status == 400

@@ -354,3 +354,28 @@ def test_a_run_without_a_quota_is_never_measured_while_it_runs(tmp_path):
     now[0] += 3600
     free.host.watch_quotas()
     assert free.engine.stopped == []
+
+
+def test_a_home_that_cannot_be_measured_whole_is_refused_when_it_has_a_quota(host, tmp_path):
+    home = tmp_path / "homes" / "1" / "7"
+    home.joinpath(*["d"] * 140).mkdir(parents=True)  # deeper than a walk goes
+    host.order(replace(spec(), home_quota_bytes=1024 * 1024))
+    assert host.control.states(RUN) == ["built"]
+    assert "could not be measured whole" in host.control.reports[0][1].detail
+    assert host.engine.sandboxes() == []
+    host.order(replace(spec(run=RUN.replace("a11", "a12")), home_quota_bytes=0))  # no quota
+    assert host.control.states(RUN.replace("a11", "a12")) == ["running"]
+
+
+def test_a_running_home_that_cannot_be_measured_whole_is_stopped(tmp_path):
+    now = [0.0]
+    watched = Host(tmp_path, clock=lambda: now[0])
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    watched.order(replace(spec(), home_quota_bytes=1024 * 1024))
+    home.joinpath(*["d"] * 140).mkdir(parents=True)  # what the run does
+    now[0] += host_module.HOME_CHECK_SECONDS
+    watched.host.watch_quotas()
+    assert watched.engine.stopped == [RUN]
+    watched.host.sweep(watched.identity)
+    assert "its home could not be measured whole" in watched.control.reports[-1][1].detail

@@ -192,14 +192,29 @@ class TestCancelling:
         again = api(alice).post(f"/api/v1/runs/{run.pk}/cancel/")
         assert again.status_code == 409
 
-    def test_a_placed_run_is_cancelled_through_its_runner(
+    def test_a_started_run_is_cancelled_through_its_runner_a_placed_one_at_once(
         self, acme, orders, django_capture_on_commit_callbacks
     ):
-        runner, _ = online_runner(acme)
+        runner, token = online_runner(acme)
+        agent = AgentFactory(organisation=acme)
         with django_capture_on_commit_callbacks(execute=True):
-            run = runs.cancel(runs.queue_run(AgentFactory(organisation=acme), "x"))
-        assert run.status == "placed" and run.cancel_requested_at is not None
-        assert orders[-1] == ("cancel", runner.pk, str(run.pk))
+            placed = runs.cancel(runs.queue_run(agent, "x"))
+        # Its order may be lost or on its way: its runner will not start it now, and the
+        # agent's next run need not wait for it.
+        assert (placed.status, placed.status_detail) == ("cancelled", "cancelled before it started")
+        assert (
+            runner_api(APIClient(), token)
+            .post(f"/api/v1/runner/runs/{placed.pk}/start/")
+            .status_code
+            == 409
+        )
+        started = runs.queue_run(agent, "y")
+        assert started.status == "placed"
+        runner_api(APIClient(), token).post(f"/api/v1/runner/runs/{started.pk}/start/")
+        with django_capture_on_commit_callbacks(execute=True):
+            started = runs.cancel(started)
+        assert started.status == "starting" and started.cancel_requested_at is not None
+        assert orders[-1] == ("cancel", runner.pk, str(started.pk))
 
 
 class TestRunnerEndpoints:

@@ -109,6 +109,7 @@ class Command(BaseCommand):
         runner_host.set_current(host)
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),
+            threading.Thread(target=host.quotas, name="covey-quotas", daemon=True),
             threading.Thread(
                 target=host.heartbeats,
                 args=(settings.COVEY_RUNNER_HEARTBEAT_SECONDS,),
