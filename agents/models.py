@@ -110,7 +110,7 @@ class Agent(models.Model):
 
     def home_usage_text(self) -> str:
         """'1.2 GiB of 10.0 GiB (3,402 files)', or that it was never measured."""
-        of = f"of {size_text(self.home_quota_bytes)}"
+        of = f"of {size_text(self.home_quota_bytes)}" if self.home_quota_bytes else "no quota"
         if self.home_measured_at is None or self.home_bytes is None:
             return f"not measured yet ({of})"
         return f"{size_text(self.home_bytes)} {of} ({self.home_files or 0:,} files)"

@@ -49,3 +49,17 @@ def check_probe_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
                     )
                 )
     return errors
+
+
+@register("covey")
+def check_home_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A home quota is a number of MiB, 0 for none."""
+    if settings.COVEY_HOME_QUOTA_MB < 0:
+        return [
+            Error(
+                f"COVEY_HOME_QUOTA_MB is {settings.COVEY_HOME_QUOTA_MB}: it would refuse every run",
+                hint="Give the MiB an agent's home may hold, or 0 for no quota.",
+                id="runners.E001",
+            )
+        ]
+    return []

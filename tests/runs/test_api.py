@@ -622,3 +622,14 @@ def test_a_run_its_runner_stopped_for_the_home_quota_fails_saying_so(acme, order
     assert report.json()["status"] == "failed"
     run.refresh_from_db()
     assert run.status_detail == "stopped: its home passed its quota (12.0 GiB of 10.0 GiB)"
+
+
+def test_a_negative_home_quota_setting_stops_start_up_and_zero_means_none(settings, acme):
+    from runners.checks import check_home_settings
+
+    settings.COVEY_HOME_QUOTA_MB = -1
+    assert [e.id for e in check_home_settings()] == ["runners.E001"]
+    settings.COVEY_HOME_QUOTA_MB = 0
+    assert check_home_settings() == []
+    agent = AgentFactory(organisation=acme)
+    assert agent.home_usage_text() == "not measured yet (no quota)"
