@@ -18,6 +18,7 @@ The proxy addon, ``egress_explain`` and the tests call these same functions.
 
 import base64
 import binascii
+import functools
 import hashlib
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,9 +90,10 @@ class Attempt:
     plain_http: bool = False
     problem: str = ""  # what the proxy found malformed or ambiguous in it ('' when nothing)
 
-    @property
+    @functools.cached_property
     def credentials(self) -> tuple[str, str] | None:
-        """(username, token) from the credential, or None when it is not one."""
+        """(username, token) from the credential, or None when it is not one (decoded once
+        per attempt, however many steps ask)."""
         return parse_basic(self.credential)
 
     @property

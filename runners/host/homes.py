@@ -627,12 +627,7 @@ def _entry(name: str, st: os.stat_result, parent: int) -> Entry:
             target = shown(os.readlink(name, dir_fd=parent))
         except OSError:
             target = "?"
-    usable = True
-    try:
-        names(name) if name else None
-        name.encode("utf-8")
-    except (HomeError, UnicodeEncodeError):
-        usable = False
+    usable = not name or _usable_name(name)
     return Entry(
         name=shown(name) if not usable else name,
         type=kind,
@@ -701,10 +696,10 @@ def _usable_path(path: str) -> bool:
 
 
 def _usable_name(name: str) -> bool:
+    """Whether a name on disk can be given back as a path (names() checks UTF-8 too)."""
     try:
         names(name)
-        name.encode("utf-8")
-    except (HomeError, UnicodeEncodeError):
+    except HomeError:
         return False
     return True
 

@@ -95,7 +95,6 @@ class RunnerHost:
     _launching_lock: threading.Lock = field(default_factory=threading.Lock)
     # Runs launched here: their home's manifest just before (what they changed, at the end).
     _homes: dict[str, "Watched"] = field(default_factory=dict)
-    _over_quota: dict[str, str] = field(default_factory=dict)  # stopped for it: why
 
     def __post_init__(self) -> None:
         self.shapes = Shapes(self.settings)
@@ -178,7 +177,7 @@ class RunnerHost:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             sandbox_spec = self._sandbox_spec(identity, spec, shape)
-            usage = self._note_home(run_id, sandbox_spec.home, spec.home_quota_bytes)
+            usage = self._note_home(identity.id, run_id, sandbox_spec.home, spec.home_quota_bytes)
             sandbox = self.engine(identity).launch(sandbox_spec)
         except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
             if isinstance(exc, OverQuota):
@@ -379,9 +378,11 @@ class RunnerHost:
         # The whole log replaces what went live; the count says whether Docker kept all of it.
         total = self.outputs.stop(run_id, wait=5.0)
         changed, usage = self._home_after(run_id, self._home_of(identity, sandbox.agent_id))
+        with self._launching_lock:
+            watched = self._homes.get(run_id)
+        over = watched.stopped_for if watched else ""
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
-            over = self._over_quota.get(run_id)
             ended = RunReport(
                 ReportState.EXITED,
                 exit_code=sandbox.exit_code,
@@ -406,7 +407,7 @@ class RunnerHost:
     def _home_of(self, identity: Identity, agent_id: int) -> Path:
         return self.settings.homes / str(identity.id) / str(agent_id)
 
-    def _note_home(self, run_id: str, home: Path, quota: int) -> HomeUsage:
+    def _note_home(self, runner_id: int, run_id: str, home: Path, quota: int) -> HomeUsage:
         """The home's manifest before the run (kept in memory: a runner restarted meanwhile
         reports no changes for it, rather than wrong ones), and what the home holds.
         OverQuota when it holds more than ``quota`` (0: none), or when a quota cannot be
@@ -432,8 +433,9 @@ class RunnerHost:
             )
         took = self.clock() - started
         with self._launching_lock:
-            self._homes[run_id] = Watched(home, quota, manifest, started + _check_after(took))
-            self._over_quota.pop(run_id, None)
+            self._homes[run_id] = Watched(
+                runner_id, home, quota, manifest, started + _check_after(took)
+            )
         return usage
 
     def quotas(self) -> None:
@@ -450,9 +452,7 @@ class RunnerHost:
             due = [
                 (run_id, watched)
                 for run_id, watched in self._homes.items()
-                if watched.quota
-                and watched.next_check <= self.clock()
-                and run_id not in self._over_quota
+                if watched.quota and watched.next_check <= self.clock() and not watched.stopped_for
             ]
         for run_id, watched in due:
             try:
@@ -477,34 +477,34 @@ class RunnerHost:
         elif usage is not None:
             why = f"its home passed its quota ({_size(usage.bytes)} of {_size(watched.quota)})"
         with self._launching_lock:
-            if run_id not in self._homes:
+            if self._homes.get(run_id) is not watched:
                 return  # it ended meanwhile
-            self._over_quota[run_id] = why
+            watched.stopped_for = why
         logger.info("covey runner: run %s: %s; stopping", run_id, why)
-        for identity in list(self.identities.values()):
-            engine = self.engine(identity)
-            if engine.get(run_id) is not None:
-                engine.stop(run_id, timeout=QUOTA_STOP_GRACE_SECONDS)
+        engine = self.engine(self.identity(watched.runner_id))
+        engine.stop(run_id, timeout=QUOTA_STOP_GRACE_SECONDS)
 
     def _home_after(self, run_id: str, home: Path) -> tuple[HomeChanges | None, HomeUsage | None]:
-        """What the run changed in its home (when it was seen before), and what it holds now."""
+        """What the run changed in its home (when it was seen before), and what it holds now:
+        measured once, when the sandbox has ended (a report that failed is sent again as is)."""
         with self._launching_lock:
             watched = self._homes.get(run_id)
-        before = watched.manifest if watched else None
+        if watched is not None and watched.ended is not None:
+            return watched.ended
         try:
             after = Home(home).manifest()
         except (OSError, HomeError) as exc:
             logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
             return None, None
-        if before is None:
+        if watched is None:
             return None, _usage(after)
-        return _changes(changes(before, after)), _usage(after)
+        watched.ended = (_changes(changes(watched.manifest, after)), _usage(after))
+        return watched.ended
 
     def _forget(self, run_id: str) -> None:
         """What this host kept about a run that is over (or was never ours)."""
         with self._launching_lock:
             self._homes.pop(run_id, None)
-            self._over_quota.pop(run_id, None)
 
 
 # A running sandbox's home is measured at most this often (and, for a home that takes long to
@@ -521,13 +521,17 @@ def _check_after(walk: float) -> float:
 
 @dataclass
 class Watched:
-    """A sandbox launched here: its home, its quota, the manifest from before it ran, and
-    when its home is measured next."""
+    """A sandbox launched here: its runner, home and quota, the manifest from before it ran,
+    when its home is measured next, why it was stopped for its home, and once it has ended,
+    what it changed there and what the home holds."""
 
+    runner_id: int
     home: Path
     quota: int
     manifest: Manifest
     next_check: float
+    stopped_for: str = ""
+    ended: tuple[HomeChanges | None, HomeUsage | None] | None = None
 
 
 class OverQuota(Exception):

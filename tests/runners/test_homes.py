@@ -159,7 +159,7 @@ class TestReading:
         assert time.monotonic() - started < 1
 
     @pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
-    def test_a_device_is_refused_without_being_opened(self, home):
+    def test_a_device_is_refused(self, home):
         os.mknod(home.root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
         with pytest.raises(HomeError, match="is a device, not a file"):
             read(home, "null")

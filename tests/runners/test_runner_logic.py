@@ -379,3 +379,21 @@ def test_a_running_home_that_cannot_be_measured_whole_is_stopped(tmp_path):
     assert watched.engine.stopped == [RUN]
     watched.host.sweep(watched.identity)
     assert "its home could not be measured whole" in watched.control.reports[-1][1].detail
+
+
+def test_an_exit_report_sent_again_says_what_the_run_did_not_what_came_after(host, tmp_path):
+    """The control plane is away when the sandbox ends: the next sweep sends the same changes,
+    measured when it ended, not what the home holds by then."""
+    home = tmp_path / "homes" / "1" / "7"
+    home.mkdir(parents=True)
+    host.order(spec())
+    (home / "made.txt").write_text("by the run")
+    host.engine.exit(RUN, 0)
+    host.control.unreachable = True
+    with pytest.raises(host_module.ControlPlaneError):
+        host.host.sweep(host.identity)
+    (home / "later.txt").write_text("not by the run")  # e.g. an upload after it ended
+    host.control.unreachable = False
+    host.host.sweep(host.identity)
+    (exited,) = [seen for _, seen in host.control.reports if seen.state == ReportState.EXITED]
+    assert exited.changes is not None and exited.changes.added == ("made.txt",)
