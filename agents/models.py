@@ -113,7 +113,8 @@ class Agent(models.Model):
         of = f"of {size_text(self.home_quota_bytes)}" if self.home_quota_bytes else "no quota"
         if self.home_measured_at is None or self.home_bytes is None:
             return f"not measured yet ({of})"
-        return f"{size_text(self.home_bytes)} {of} ({self.home_files or 0:,} files)"
+        files = self.home_files or 0
+        return f"{size_text(self.home_bytes)} {of} ({files:,} file{'' if files == 1 else 's'})"
 
 
 def size_text(count: int) -> str:
