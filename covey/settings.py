@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "egress",
     "runners",
     "runs",
+    "homes",
     "budgets",
 ]
 
@@ -219,6 +220,12 @@ COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "h
 COVEY_HOME_QUOTA_MB = env.int("COVEY_HOME_QUOTA_MB", default=10 * 1024)
 COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
 COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
+# Homes from outside (homes/): changes while a run of the agent is active are refused (409)
+# unless this is true; one upload carries at most this many MiB; transfers between a runner
+# and the people asking pass through this folder on the control plane's disk.
+COVEY_HOME_WRITES_DURING_RUNS = env.bool("COVEY_HOME_WRITES_DURING_RUNS", default=False)
+COVEY_HOME_UPLOAD_MAX_MB = env.int("COVEY_HOME_UPLOAD_MAX_MB", default=4096)
+COVEY_HOME_SPOOL = Path(env.str("COVEY_HOME_SPOOL", default=str(VAR_DIR / "spool")))
 # Under COVEY_EGRESS_ISOLATION=network (read on the runner host): the image of the runner's proxy
 # container (pinned to its ID when the runner starts), and the control plane's URL as that
 # container reaches it (default: the runner's own URL; a localhost URL is the container's own

@@ -1,5 +1,7 @@
 """URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs."""
 
+from typing import Any
+
 from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
@@ -8,6 +10,12 @@ from rest_framework.routers import DefaultRouter
 
 from agents.views import AgentViewSet
 from egress.views import DecisionViewSet, EgressTokenViewSet
+from homes.views import (
+    HomeViewSet,
+    RunnerHomeAnswerView,
+    RunnerHomeBodyView,
+    RunnerHomeTakeView,
+)
 from organisations.views import OrganisationViewSet
 from runners.views import (
     DecisionIngestView,
@@ -40,6 +48,29 @@ router.register("egress-decisions", DecisionViewSet)
 router.register("runners", RunnerViewSet)
 router.register("runs", RunViewSet)
 
+
+def _home(suffix: str, actions: dict[str, Any], name: str) -> Any:
+    return path(
+        f"api/v1/agents/<int:agent_id>/home/{suffix}",
+        HomeViewSet.as_view(actions),
+        name=f"agent-home-{name}",
+    )
+
+
+home_urls = [
+    _home("", {"get": "summary"}, "summary"),
+    _home("entries/", {"get": "entries"}, "entries"),
+    _home("stat/", {"get": "stat"}, "stat"),
+    _home("download/", {"get": "download"}, "download"),
+    _home("file/", {"put": "put"}, "file"),
+    _home("upload/", {"post": "upload"}, "upload"),
+    _home("mkdir/", {"post": "mkdir"}, "mkdir"),
+    _home("move/", {"post": "move"}, "move"),
+    _home("delete/", {"post": "delete"}, "delete"),
+    _home("usage/", {"get": "usage"}, "usage"),
+    _home("changes/", {"get": "changes"}, "changes"),
+]
+
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
@@ -62,5 +93,21 @@ urlpatterns = [
         RunnerProbeReportView.as_view(),
         name="runner-probe-report",
     ),
+    path(
+        "api/v1/runner/home/<uuid:operation_id>/take/",
+        RunnerHomeTakeView.as_view(),
+        name="runner-home-take",
+    ),
+    path(
+        "api/v1/runner/home/<uuid:operation_id>/answer/",
+        RunnerHomeAnswerView.as_view(),
+        name="runner-home-answer",
+    ),
+    path(
+        "api/v1/runner/home/<uuid:operation_id>/body/",
+        RunnerHomeBodyView.as_view(),
+        name="runner-home-body",
+    ),
+    *home_urls,
     path("api/v1/", include(router.urls)),
 ]

@@ -13,6 +13,7 @@ LAUNCH = "covey.runner.launch"
 CANCEL = "covey.runner.cancel"
 RENEW = "covey.runner.renew_token"
 PROBE = "covey.runner.probe"
+HOME = "covey.runner.home"
 
 
 def send_launch(runner: Runner, run_id: str) -> None:
@@ -25,6 +26,12 @@ def send_cancel(runner: Runner, run_id: str) -> None:
 
 def send_probe(runner: Runner, probe_id: str) -> None:
     app.send_task(PROBE, args=[runner.pk, probe_id], queue=runner.queue)
+
+
+def send_home(runner: Runner, operation_id: str) -> None:
+    """An operation on a home the runner holds (it takes the details from the API)."""
+    # Not worth doing once its asker has given up (homes.services.TAKE_SECONDS).
+    app.send_task(HOME, args=[runner.pk, operation_id], queue=runner.queue, expires=30)
 
 
 def send_token(runner: Runner, old_token_sha256: str, new_token: str) -> None:

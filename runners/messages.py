@@ -70,3 +70,23 @@ class RunnerInfoSerializer(DataclassSerializer):
 
 # A refusal: {"detail": why} (DRF's own shape).
 Refusal = inline_serializer("Refusal", {"detail": serializers.CharField()})
+
+
+class HomeOrderSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.HomeOrder
+
+
+class HomeAnswerSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.HomeAnswer
+
+
+class HomeEntrySerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.HomeEntry
+
+
+class HomeSpaceSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.HomeSpace

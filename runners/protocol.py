@@ -201,6 +201,104 @@ class OutputAnswer(Message):
     detail: str = ""
 
 
+class HomeOp(StrEnum):
+    """What can be done to an agent's home from outside (homes/ on the control plane orders it,
+    runners/host/serving.py does it)."""
+
+    LIST = "list"
+    STAT = "stat"
+    READ = "read"  # a file's bytes, streamed
+    ARCHIVE = "archive"  # a directory as a tar archive, streamed
+    USAGE = "usage"  # where the space goes (a walk of the home or of one directory)
+    WRITE = "write"  # an upload: the runner fetches its bytes
+    MKDIR = "mkdir"
+    MOVE = "move"
+    DELETE = "delete"
+
+
+CHANGING = frozenset({HomeOp.WRITE, HomeOp.MKDIR, HomeOp.MOVE, HomeOp.DELETE})
+STREAMED = frozenset({HomeOp.READ, HomeOp.ARCHIVE})
+# A streamed answer's HomeAnswer travels in this header, its bytes in the body.
+HOME_ANSWER_HEADER = "X-Covey-Home-Answer"
+HOME_LISTING_MAX = 5000  # entries in one page of a listing
+
+
+@dataclasses.dataclass(frozen=True)
+class HomeOrder(Message):
+    """One operation on an agent's home, as the runner that holds it is to carry it out (the
+    answer to its taking the order). Paths are relative to the home."""
+
+    operation: str
+    agent: int
+    kind: HomeOp
+    path: str = ""
+    target: str = ""  # where a move goes
+    offset: int = 0  # a listing's page
+    limit: int = 1000
+    replace: bool = False  # a write may replace a file
+    room: int | None = None  # bytes the home may still take (None: no quota)
+    size: int = 0  # an upload's bytes
+    measure: bool = False  # measure the whole home after a change (no figure is kept yet)
+    during_runs: bool = False  # a change may be made while a sandbox of the agent runs
+
+
+@dataclasses.dataclass(frozen=True)
+class HomeEntry(Message):
+    """One thing in a home, as listed (a link is never followed: its target is text)."""
+
+    name: str
+    type: str  # file, directory, symlink, fifo, socket, device
+    size: int
+    modified: float  # seconds since the epoch
+    usable: bool = True  # False: its name cannot be given back as a path
+    target: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized(Message):
+    path: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmeasured(Message):
+    path: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HomeSpace(Message):
+    """Where the space goes in a home or one of its directories (``path``), by a walk."""
+
+    path: str
+    bytes: int
+    files: int
+    directories: int
+    largest_files: tuple[Sized, ...]
+    largest_directories: tuple[Sized, ...]  # with everything below them
+    measured_at: datetime
+    seconds: float
+    unmeasured: int = 0  # places that could not be measured (0: the figures are whole)
+    problems: tuple[Unmeasured, ...] = ()  # the first of them
+
+
+@dataclasses.dataclass(frozen=True)
+class HomeAnswer(Message):
+    """What came of a home operation: ``status`` as HTTP says it (200, 201, or the refusal's,
+    with ``detail``), what it found or made, and how the home's usage moved (a change's
+    ``bytes_delta`` and ``files_delta``; ``usage`` when the whole home was measured)."""
+
+    status: int = 200
+    detail: str = ""
+    entry: HomeEntry | None = None
+    entries: tuple[HomeEntry, ...] = ()
+    total: int = 0  # entries in the listed directory
+    space: HomeSpace | None = None
+    bytes_delta: int = 0
+    files_delta: int = 0
+    usage: HomeUsage | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerInfo(Message):
     """Who a runner is (the answer to its heartbeat)."""

@@ -36,6 +36,12 @@ def probe(runner_id: int, probe_id: str) -> None:
     host.current().probe(runner_id, probe_id)
 
 
+@shared_task(name=dispatch.HOME)
+def home(runner_id: int, operation_id: str) -> None:
+    # Not acknowledged late: the person asking waits seconds, not for a redelivery.
+    host.current().home(runner_id, operation_id)
+
+
 @shared_task(name="runners.expire_probes")
 def expire_probes() -> int:
     """Control plane (beat, every minute): end probes no runner reported on."""

@@ -1,14 +1,19 @@
 """The one module a runner uses to speak HTTP to the control plane (with its runner token)."""
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
 from runners.protocol import (
+    HOME_ANSWER_HEADER,
     OUTPUT_TOTAL_HEADER,
     ActiveRun,
     ActiveRuns,
+    HomeAnswer,
+    HomeOrder,
     LaunchSpec,
     Message,
     OutputAnswer,
@@ -146,6 +151,63 @@ class ControlPlaneClient:
             raise OutputClosed(answer.detail)
         return answer.size
 
+    # --- homes (runners/host/serving.py) ---------------------------------------------------
+
+    def take_home(self, operation: str) -> HomeOrder | None:
+        """The home operation to carry out; None when it is no longer wanted (its asker gave
+        up, or another taking got it)."""
+        response = self._request(
+            "POST", f"/api/v1/runner/home/{operation}/take/", allow=(404, 409, 410)
+        )
+        if response.status_code in (404, 409, 410):
+            return None
+        return _answer(HomeOrder, response)
+
+    def answer_home(self, operation: str, answer: HomeAnswer) -> None:
+        """What came of a home operation (a late answer to one given up on is dropped)."""
+        self._request(
+            "POST",
+            f"/api/v1/runner/home/{operation}/answer/",
+            json=answer.to_json(),
+            allow=(404, 409, 410),
+        )
+
+    def send_home(
+        self, operation: str, answer: HomeAnswer, chunks: Iterable[bytes], size: int | None
+    ) -> None:
+        """A streamed answer (a download): ``answer`` in a header, the bytes as the body, with
+        a length when it is known beforehand."""
+        headers = {
+            HOME_ANSWER_HEADER: json.dumps(answer.to_json()),
+            "Content-Type": "application/octet-stream",
+        }
+        if size is not None:
+            headers["Content-Length"] = str(size)
+        self._request(
+            "PUT",
+            f"/api/v1/runner/home/{operation}/body/",
+            content=chunks,
+            headers=headers,
+            timeout=STREAM_TIMEOUT,
+            allow=(404, 409, 410),
+        )
+
+    @contextmanager
+    def home_upload(self, operation: str) -> Iterator[Iterator[bytes]]:
+        """An upload's bytes, as they come from the control plane."""
+        path = f"/api/v1/runner/home/{operation}/body/"
+        try:
+            with self._client.stream("GET", path, timeout=STREAM_TIMEOUT) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise ControlPlaneError(
+                        f"GET {self.url}{path}: {response.status_code} {response.text[:200]}",
+                        response.status_code,
+                    )
+                yield _chunks(response)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneError(f"GET {self.url}{path}: {exc}") from exc
+
     def _request(
         self, method: str, path: str, *, allow: tuple[int, ...] = (), **kwargs: Any
     ) -> httpx.Response:
@@ -182,6 +244,17 @@ class ControlPlaneClient:
             raise ControlPlaneError(f"registration refused: {response.status_code} {response.text}")
         data: Mapping[str, Any] = response.json()
         return data
+
+
+# A transfer may pause this long between two chunks (a slow disk or client at the other end).
+STREAM_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+
+
+def _chunks(response: httpx.Response) -> Iterator[bytes]:
+    try:
+        yield from response.iter_raw(1024 * 1024)
+    except httpx.HTTPError as exc:
+        raise ControlPlaneError(f"the upload broke off: {exc}") from exc
 
 
 def _answer[M: Message](kind: type[M], response: httpx.Response) -> M:

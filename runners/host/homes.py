@@ -146,6 +146,27 @@ class Changes:
     removed: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Written:
+    """A file written: what it is now, and the size of the file it replaced (None: new)."""
+
+    entry: Entry
+    replaced: int | None
+
+
+@dataclass
+class Removed:
+    """What a delete took away, as usage counts it (bytes of all but directories; regular
+    files)."""
+
+    bytes: int = 0
+    files: int = 0
+
+    def count(self, st: os.stat_result) -> None:
+        self.bytes += st.st_size
+        self.files += stat.S_ISREG(st.st_mode)
+
+
 @dataclass
 class Manifest:
     """Every path in a home (as on disk: names are kept whole, escaped only to be shown) with
@@ -218,18 +239,26 @@ class Home:
             except OSError as exc:
                 raise _open_error(exc, path, parent, parts[-1]) from None
 
-    def usage(self) -> Usage:
-        """Bytes, files and where the space goes, walking the whole home (never following a
-        link); how long it took, and what could not be measured, are part of the answer."""
+    def usage(self, path: str = "") -> Usage:
+        """Bytes, files and where the space goes, walking the whole home or the directory at
+        ``path`` (never following a link); how long it took, and what could not be measured,
+        are part of the answer. Paths in it are relative to the home."""
         started, measured_at = time.monotonic(), time.time()
-        if not self.root.exists():
+        parts = names(path)
+        if not parts and not self.root.exists():
             return Usage(0, 0, 0, [], [], measured_at, 0.0)
         count = directories = total = 0
         largest: list[tuple[int, str]] = []  # a heap of the LARGEST biggest files
         direct: dict[str, int] = {}  # directory → bytes of the files right in it
         problems: list[tuple[str, str]] = []
-        with self._directory([]) as fd:
-            for _, here, name, st in _walk(fd, lambda p, why: problems.append((p, why))):
+        top = "/".join(parts)
+
+        def problem(where: str, why: str) -> None:
+            problems.append((f"{top}/{where}" if top and where != "." else top or where, why))
+
+        with self._directory(parts) as fd:
+            for _, below, name, st in _walk(fd, problem):
+                here = f"{top}/{below}" if top and below else top or below
                 if stat.S_ISDIR(st.st_mode):
                     directories += 1
                     continue
@@ -241,13 +270,13 @@ class Home:
                     heapq.heappush(largest, entry)
                 elif entry > largest[0]:
                     heapq.heapreplace(largest, entry)
-        below: dict[str, int] = {}  # directory → bytes in it and everything below it
+        within: dict[str, int] = {}  # directory → bytes in it and everything below it
         for directory, size in direct.items():
-            parts = directory.split("/") if directory else []
-            for depth in range(1, len(parts) + 1):
-                key = "/".join(parts[:depth])
-                below[key] = below.get(key, 0) + size
-        ranked = sorted(below.items(), key=lambda d: (-d[1], d[0]))[:LARGEST]
+            steps = directory.split("/") if directory else []
+            for depth in range(len(parts) + 1, len(steps) + 1):
+                key = "/".join(steps[:depth])
+                within[key] = within.get(key, 0) + size
+        ranked = sorted(within.items(), key=lambda d: (-d[1], d[0]))[:LARGEST]
         return Usage(
             bytes=total,
             files=count,
@@ -283,10 +312,12 @@ class Home:
         *,
         replace: bool = False,
         limit: int | None = None,
-    ) -> Entry:
+        room: int | None = None,
+    ) -> "Written":
         """Write a file from ``chunks``: into a new file beside it, renamed over the target
         once whole (a link there is replaced, never written through). ``limit``: the most bytes
-        it may have (413 beyond); ``replace``: whether an existing file may be replaced (409
+        it may have; ``room``: how many more bytes the home may hold (what it replaces counts
+        as room); 413 beyond either. ``replace``: whether an existing file may be replaced (409
         otherwise; a directory never is)."""
         parts = names(path)
         if not parts:
@@ -298,6 +329,11 @@ class Home:
                 raise HomeError(409, f"{shown(path)} is a directory")
             if existing is not None and not replace:
                 raise HomeError(409, f"{shown(path)} exists: say replace to write over it")
+            replaced = existing.st_size if existing is not None else None
+            if room is not None:
+                most = max(0, room + (replaced or 0))
+                if limit is None or most < limit:
+                    limit = most
             draft = f"{UPLOAD_PREFIX}{uuid.uuid4().hex}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(draft, flags, 0o644, dir_fd=parent)
@@ -308,7 +344,9 @@ class Home:
                         written += len(data)
                         if limit is not None and written > limit:
                             raise HomeError(
-                                413, f"{shown(path)} would pass the home's quota ({limit} bytes)"
+                                413,
+                                f"{shown(path)} would pass the home's quota: it has room for"
+                                f" {limit:,} bytes there",
                             )
                         file.write(data)
                     file.flush()
@@ -320,7 +358,7 @@ class Home:
                 raise
             finally:
                 os.close(fd)
-            return _entry(name, _lstat(parent, name, path), parent)
+            return Written(_entry(name, _lstat(parent, name, path), parent), replaced)
 
     def mkdir(self, path: str) -> Entry:
         """Make a directory (and those above it that are missing)."""
@@ -353,17 +391,21 @@ class Home:
             os.rename(old[-1], new[-1], src_dir_fd=src, dst_dir_fd=dst)
             return _entry(new[-1], _lstat(dst, new[-1], target), dst)
 
-    def delete(self, path: str) -> None:
-        """Delete a file, link or whole directory (a link is removed, never followed)."""
+    def delete(self, path: str) -> "Removed":
+        """Delete a file, link or whole directory (a link is removed, never followed); what
+        went, as usage counts it."""
         parts = names(path)
         if not parts:
             raise HomeError(400, "the home itself cannot be deleted")
+        removed = Removed()
         with self._directory(parts[:-1]) as parent:
             st = _lstat(parent, parts[-1], path)
             if stat.S_ISDIR(st.st_mode):
-                _remove_tree(parent, parts[-1], "/".join(parts))
+                _remove_tree(parent, parts[-1], "/".join(parts), removed)
             else:
                 os.unlink(parts[-1], dir_fd=parent)
+                removed.count(st)
+        return removed
 
     # --- inside ----------------------------------------------------------------------------
 
@@ -791,7 +833,7 @@ def _walk(
             os.close(fd)
 
 
-def _remove_tree(parent: int, name: str, path: str, depth: int = 0) -> None:
+def _remove_tree(parent: int, name: str, path: str, removed: "Removed", depth: int = 0) -> None:
     """Delete the directory ``name`` and everything in it, entering each directory with
     O_NOFOLLOW (a link swapped in is removed as a link, or refused, never entered)."""
     try:
@@ -807,9 +849,10 @@ def _remove_tree(parent: int, name: str, path: str, depth: int = 0) -> None:
             if found is None:
                 continue
             if stat.S_ISDIR(found.st_mode):
-                _remove_tree(fd, child, below, depth + 1)
+                _remove_tree(fd, child, below, removed, depth + 1)
             else:
                 os.unlink(child, dir_fd=fd)
+                removed.count(found)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent)

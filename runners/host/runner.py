@@ -39,6 +39,7 @@ from runners.host.homes import Changes, Home, HomeError, Manifest, changes, show
 from runners.host.identity import Identity, runner_name
 from runners.host.output import Outputs
 from runners.host.sealing import unseal
+from runners.host.serving import HomeLocks, HomeServer
 from runners.host.shapes import Shapes
 from runners.host.trust import Trust, UntrustedError
 from runners.probe import host as probing
@@ -86,6 +87,7 @@ class RunnerHost:
     shapes: Shapes = field(init=False)
     trust: Trust = field(init=False)
     outputs: Outputs = field(init=False, default_factory=Outputs)
+    serving: HomeServer = field(init=False)  # homes to people outside
     _engines: dict[int, Engine] = field(default_factory=dict)
     _timed_out: set[str] = field(default_factory=set)  # stopped for their time: stop once
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -95,8 +97,14 @@ class RunnerHost:
     _launching_lock: threading.Lock = field(default_factory=threading.Lock)
     # Runs launched here: their home's manifest just before (what they changed, at the end).
     _homes: dict[str, "Watched"] = field(default_factory=dict)
+    _home_locks: HomeLocks = field(default_factory=HomeLocks)
 
     def __post_init__(self) -> None:
+        self.serving = HomeServer(
+            lambda runner_id, agent_id: self.settings.homes / str(runner_id) / str(agent_id),
+            self._home_busy,
+            self._home_locks,
+        )
         self.shapes = Shapes(self.settings)
         self.trust = Trust(
             self.settings,
@@ -177,7 +185,11 @@ class RunnerHost:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             sandbox_spec = self._sandbox_spec(identity, spec, shape)
-            usage = self._note_home(identity.id, run_id, sandbox_spec.home, spec.home_quota_bytes)
+            # Not while a change from outside is being made; from here on they are refused.
+            with self._home_locks.of(sandbox_spec.home):
+                usage = self._note_home(
+                    identity.id, run_id, sandbox_spec.home, spec.home_quota_bytes
+                )
             sandbox = self.engine(identity).launch(sandbox_spec)
         except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
             if isinstance(exc, OverQuota):
@@ -198,6 +210,30 @@ class RunnerHost:
         """Stop a run's sandbox; the watcher reports how it ended."""
         identity = self.identity(runner_id)
         self.engine(identity).stop(run_id, timeout=STOP_GRACE_SECONDS)
+
+    def home(self, runner_id: int, operation: str) -> None:
+        """Serve an operation on a home this host holds (on a pool of its own: a transfer never
+        holds up a launch). A paused runner serves its homes too."""
+        identity = self.identity(runner_id)
+        self.serving.submit(runner_id, identity.client, operation)
+
+    def _home_busy(self, runner_id: int, agent_id: int) -> str:
+        """Why the agent's home here may not be changed from outside now ('' when it may): a
+        sandbox of the agent is being launched or runs."""
+        home = self.settings.homes / str(runner_id) / str(agent_id)
+        with self._launching_lock:
+            for run_id, watched in self._homes.items():
+                if watched.home == home and watched.ended is None:
+                    return f"run {run_id} of this agent is active"
+        identity = self.identity(runner_id)
+        try:
+            sandboxes = self.engine(identity).sandboxes()
+        except EngineError as exc:
+            return f"whether a run of this agent is active cannot be told ({exc})"
+        for sandbox in sandboxes:
+            if sandbox.agent_id == agent_id and sandbox.status not in ("exited", "dead"):
+                return f"run {sandbox.run_id} of this agent is active"
+        return ""
 
     def renew_token(self, runner_id: int, sealed: str) -> None:
         """Apply a token the control plane renewed (sealed with the current one)."""
@@ -305,6 +341,7 @@ class RunnerHost:
 
     def stop(self) -> None:
         self._stop.set()
+        self.serving.close()
 
     def sweep(self, identity: Identity) -> None:
         engine = self.engine(identity)

@@ -121,6 +121,31 @@ class Stack:
         # It never had a database: nothing made one where the default would be.
         assert not (var / "covey.sqlite3").exists()
 
+    @contextmanager
+    def builtin(self, organisation, **env: str) -> Iterator[RunnerProcess]:
+        """``manage.py runner --builtin``, as on the control-plane host: the built-in runners
+        of every organisation (``organisation``'s is the one handed back), from the identities
+        the control plane (this process) wrote, with no database settings."""
+        from django.conf import settings
+
+        environment = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+        environment.update(
+            COVEY_VAR_DIR=str(settings.VAR_DIR),
+            COVEY_CONTROL_PLANE_URL=self.url,
+            COVEY_RUNNER_HOMES=str(self.tmp / "homes"),
+            COVEY_RUNNER_HEARTBEAT_SECONDS="0.5",
+            PYTHONUNBUFFERED="1",
+            **env,
+        )
+        log = self.tmp / f"runner-builtin-{time.monotonic_ns()}.log"
+        args = [sys.executable, "manage.py", "runner", "--builtin"]
+        with running(args, environment, log) as process:
+            runner = Runner.objects.get(organisation=organisation, builtin=True)
+            handle = RunnerProcess(runner, Path(), Path(settings.VAR_DIR), log, process)
+            self.runners.append(handle)
+            wait_for(lambda: "taking orders" in handle.output(), 30, "the runner starting", log)
+            yield handle
+
     def agent(self, organisation, name: str, command: list[str], **fields):
         return agent_services.create_agent(organisation, name, runtime_command=command, **fields)
 

@@ -208,15 +208,46 @@ class TestArchives:
         assert threading.active_count() <= before
 
 
+class TestRoomAndRemoval:
+    def test_room_counts_what_a_write_replaces(self, home):
+        home.write("a", [b"x" * 600])
+        home.write("a", [b"y" * 700], replace=True, room=100)  # 600 of it are freed
+        with pytest.raises(HomeError, match="room for 700 bytes") as error:
+            home.write("a", [b"z" * 701], replace=True, room=0)
+        assert error.value.status == 413 and read(home, "a") == b"y" * 700
+
+    def test_delete_says_what_went(self, home):
+        home.write("d/one", [b"x" * 10])
+        home.write("d/e/two", [b"x" * 5])
+        home.mkdir("d/empty")
+        removed = home.delete("d")
+        assert (removed.bytes, removed.files) == (15, 2)
+        home.write("f", [b"abc"])
+        removed = home.delete("f")
+        assert (removed.bytes, removed.files) == (3, 1)
+
+    def test_usage_of_a_directory_ranks_below_it_with_paths_from_the_home(self, home):
+        home.write("top/a/big", [b"x" * 100])
+        home.write("top/b/small", [b"x" * 10])
+        home.write("other", [b"x" * 1000])
+        usage = home.usage("top")
+        assert (usage.bytes, usage.files) == (110, 2)
+        assert usage.largest_directories == [("top/a", 100), ("top/b", 10)]
+        assert usage.largest_files[0] == ("top/a/big", 100)
+        with pytest.raises(HomeError) as error:
+            home.usage("nowhere")
+        assert error.value.status == 404
+
+
 class TestWriting:
     def test_write_makes_directories_and_replaces_only_when_asked(self, home):
-        entry = home.write("new/deep/file.txt", [b"one ", b"two"])
-        assert (entry.type, entry.size) == ("file", 7)
+        written = home.write("new/deep/file.txt", [b"one ", b"two"])
+        assert (written.entry.type, written.entry.size, written.replaced) == ("file", 7, None)
         assert read(home, "new/deep/file.txt") == b"one two"
         with pytest.raises(HomeError, match="exists: say replace") as error:
             home.write("new/deep/file.txt", [b"x"])
         assert error.value.status == 409
-        home.write("new/deep/file.txt", [b"three"], replace=True)
+        assert home.write("new/deep/file.txt", [b"three"], replace=True).replaced == 7
         assert read(home, "new/deep/file.txt") == b"three"
         with pytest.raises(HomeError, match="is a directory"):
             home.write("new", [b"x"], replace=True)

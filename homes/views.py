@@ -1,0 +1,484 @@
+"""API: an agent's home from outside (``/api/v1/agents/{id}/home/…``; paths are relative to the
+home and given as ``?path=``), its audit, and the endpoints the runner holding it calls with its
+runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from django.http import FileResponse, HttpRequest, StreamingHttpResponse
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import exceptions, permissions, serializers, status, viewsets
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from agents.models import Agent
+from covey.pagination import BoundedPagination
+from homes import services
+from homes.models import HomeChange, HomeOperation, OperationState
+from homes.services import HomeProblem
+from organisations.models import Role
+from organisations.roles import role_of
+from runners.auth import RunnerEndpoint
+from runners.messages import (
+    HomeAnswerSerializer,
+    HomeEntrySerializer,
+    HomeOrderSerializer,
+    HomeSpaceSerializer,
+    Refusal,
+)
+from runners.protocol import HOME_ANSWER_HEADER, HOME_LISTING_MAX, HomeAnswer, HomeOp, ProtocolError
+
+CHUNK = services.CHUNK
+
+
+def body(request: HttpRequest) -> tuple[Iterator[bytes], int | None]:
+    """A request's body in chunks, never read whole; its length when it said one. A chunked
+    body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
+    raw = request.META.get("CONTENT_LENGTH")
+    if raw:
+        if not raw.isdigit():
+            raise exceptions.ValidationError({"Content-Length": "a number of bytes"})
+        size = int(raw)
+        return _read(request, size), size
+    if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
+        "wsgi.input_terminated"
+    ):
+        stream = request.META["wsgi.input"]
+        return iter(lambda: stream.read(CHUNK), b""), None
+    raise exceptions.ParseError("give the body's length (Content-Length)")
+
+
+def _read(request: HttpRequest, size: int) -> Iterator[bytes]:
+    left = size
+    while left > 0:
+        data = request.read(min(CHUNK, left))
+        if not data:
+            raise HomeProblem(400, f"the body ended {left} bytes short of its length")
+        left -= len(data)
+        yield data
+
+
+DRAIN_MAX = 64 * CHUNK
+
+
+def _drain(request: HttpRequest) -> None:
+    """Read what is left of a refused request's body (up to DRAIN_MAX), so the connection can
+    carry the next request: the server cannot be told to close it after the answer."""
+    try:
+        raw = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return
+    if raw <= 0 or raw > DRAIN_MAX or getattr(request, "_read_started", False) is None:
+        return
+    try:
+        while request.read(CHUNK):
+            pass
+    except OSError:
+        pass
+
+
+def _refusal(exc: HomeProblem) -> Response:
+    return Response({"detail": exc.detail}, status=exc.status)
+
+
+# --- people --------------------------------------------------------------------------------
+
+
+class PathSerializer(serializers.Serializer):
+    path = serializers.CharField(help_text="Relative to the home: names separated by '/'.")
+
+
+class MoveSerializer(PathSerializer):
+    target = serializers.CharField(help_text="Where it goes (must not exist yet).")
+
+
+class ListingSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    total = serializers.IntegerField(help_text="Entries in the directory; a page of them below.")
+    offset = serializers.IntegerField()
+    entries = HomeEntrySerializer(many=True)
+
+
+class HomeChangeSerializer(serializers.ModelSerializer):
+    runner: serializers.Field = serializers.StringRelatedField()
+
+    class Meta:
+        model = HomeChange
+        fields = [
+            "id",
+            "agent",
+            "by_name",
+            "operation",
+            "path",
+            "target",
+            "bytes",
+            "status",
+            "detail",
+            "runner",
+            "at",
+        ]
+        read_only_fields = fields
+
+
+class HomeSummarySerializer(serializers.Serializer):
+    agent = serializers.IntegerField()
+    runner = serializers.CharField(allow_null=True, help_text="Where the home is.")
+    runner_online = serializers.BooleanField(allow_null=True)
+    bytes = serializers.IntegerField(allow_null=True, help_text="Kept, not measured per request.")
+    files = serializers.IntegerField(allow_null=True)
+    measured_at = serializers.DateTimeField(allow_null=True)
+    quota_bytes = serializers.IntegerField(help_text="0: no quota.")
+    usage = serializers.CharField()
+    active_run = serializers.UUIDField(allow_null=True)
+
+
+PATH = OpenApiParameter("path", str, description="Relative to the home ('' or absent: the home).")
+PROBLEMS = {
+    403: Refusal,
+    404: Refusal,
+    409: Refusal,
+    413: Refusal,
+    503: OpenApiResponse(Refusal, description="The runner holding the home is offline."),
+}
+
+
+class HomeViewSet(viewsets.ViewSet):
+    """An agent's home: list, stat, download (a directory as a tar archive), upload, make a
+    directory, move, delete, usage, and the audit of changes made from outside. Members read;
+    admins of the agent's organisation change. Works whether or not a sandbox runs; changes
+    are refused (409) while a run of the agent is active."""
+
+    permission_classes = [permissions.IsAuthenticated]
+
+    def agent(self, request: Request, agent_id: int, *, change: bool = False) -> Agent:
+        agent = get_object_or_404(
+            Agent.objects.for_user(request.user).select_related("home_runner", "organisation"),
+            pk=agent_id,
+        )
+        if change and role_of(request.user, agent.organisation) != Role.ADMIN:
+            raise exceptions.PermissionDenied(
+                "Your role in this organisation does not allow changing homes."
+            )
+        return agent
+
+    def handle_exception(self, exc: Exception) -> Response:
+        _drain(self.request._request)
+        if isinstance(exc, HomeProblem):
+            return _refusal(exc)
+        return super().handle_exception(exc)
+
+    @extend_schema(responses=HomeSummarySerializer)
+    def summary(self, request: Request, agent_id: int) -> Response:
+        """Where the home is and what it holds (as last measured, with when)."""
+        agent = self.agent(request, agent_id)
+        runner = agent.home_runner
+        run = services.active_run(agent)
+        return Response(
+            {
+                "agent": agent.pk,
+                "runner": runner.name if runner else None,
+                "runner_online": runner.online if runner else None,
+                "bytes": agent.home_bytes,
+                "files": agent.home_files,
+                "measured_at": agent.home_measured_at,
+                "quota_bytes": agent.home_quota_bytes,
+                "usage": agent.home_usage_text(),
+                "active_run": run.pk if run else None,
+            }
+        )
+
+    @extend_schema(
+        parameters=[
+            PATH,
+            OpenApiParameter("offset", int, description="Entries to skip (by name)."),
+            OpenApiParameter("limit", int, description=f"At most {HOME_LISTING_MAX}."),
+        ],
+        responses={200: ListingSerializer, **PROBLEMS},
+    )
+    def entries(self, request: Request, agent_id: int) -> Response:
+        """A page of a directory, by name (a link is listed, never followed)."""
+        agent = self.agent(request, agent_id)
+        offset, limit = _number(request, "offset", 0), _number(request, "limit", 1000)
+        path = request.query_params.get("path", "")
+        answer = services.ask(
+            agent, HomeOp.LIST, path=path, offset=offset, limit=min(limit, HOME_LISTING_MAX)
+        )
+        entries = HomeEntrySerializer([*answer.entries], many=True).data
+        return Response({"path": path, "total": answer.total, "offset": offset, "entries": entries})
+
+    @extend_schema(parameters=[PATH], responses={200: HomeEntrySerializer, **PROBLEMS})
+    def stat(self, request: Request, agent_id: int) -> Response:
+        agent = self.agent(request, agent_id)
+        answer = services.ask(agent, HomeOp.STAT, path=request.query_params.get("path", ""))
+        return Response(HomeEntrySerializer(answer.entry).data)
+
+    @extend_schema(
+        parameters=[PATH],
+        responses={
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
+            (200, "application/x-tar"): OpenApiTypes.BINARY,
+            **PROBLEMS,
+        },
+    )
+    def download(self, request: Request, agent_id: int) -> StreamingHttpResponse:
+        """A file's bytes, or a directory (or the whole home) as a tar archive, streamed. An
+        archive leaves out what it cannot vouch for (links, FIFOs, devices, hard-linked files)
+        and lists it in covey-skipped.txt."""
+        agent = self.agent(request, agent_id)
+        path = request.query_params.get("path", "")
+        entry = services.ask(agent, HomeOp.STAT, path=path).entry
+        archive = not path or (entry is not None and entry.type == "directory")
+        got = services.download(agent, path, archive=archive)
+        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
+        response = StreamingHttpResponse(
+            got.chunks,
+            content_type="application/x-tar" if archive else "application/octet-stream",
+        )
+        if got.size is not None:
+            response["Content-Length"] = str(got.size)
+        response["Content-Disposition"] = _attachment(name)
+        return response
+
+    @extend_schema(
+        parameters=[
+            PATH,
+            OpenApiParameter("replace", bool, description="Write over a file that exists."),
+        ],
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        responses={200: HomeEntrySerializer, 201: HomeEntrySerializer, **PROBLEMS},
+    )
+    def put(self, request: Request, agent_id: int) -> Response:
+        """Upload one file, the request's body, to ``path`` (streamed; it appears whole or not
+        at all, so a broken upload is simply sent again). 413 when it would pass the quota."""
+        agent = self.agent(request, agent_id, change=True)
+        path = request.query_params.get("path", "")
+        chunks, size = body(request._request)
+        if size is None:
+            raise exceptions.ParseError("give the file's length (Content-Length)")
+        replace = _flag(request, "replace")
+        answer = services.upload(agent, request.user, path, chunks, size, replace=replace)
+        return Response(HomeEntrySerializer(answer.entry).data, status=answer.status)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("path", str, description="The directory the files go into."),
+            OpenApiParameter("replace", bool, description="Write over files that exist."),
+        ],
+        request={"multipart/form-data": {"type": "object", "properties": {"files": {}}}},
+        responses={201: HomeEntrySerializer(many=True), **PROBLEMS},
+    )
+    def upload(self, request: Request, agent_id: int) -> Response:
+        """Upload files (multipart, field ``files``, one or more) into a directory."""
+        agent = self.agent(request, agent_id, change=True)
+        services.check_changeable(agent)
+        size = int(request.META.get("CONTENT_LENGTH") or 0)
+        services.check_upload(agent, "", min(size, 1), False)  # the cap of one request
+        directory = request.query_params.get("path", "").strip("/")
+        files = request.FILES.getlist("files")
+        if not files:
+            raise exceptions.ValidationError({"files": "send one or more files"})
+        made = []
+        for file in files:
+            path = f"{directory}/{file.name}" if directory else file.name
+            answer = upload_file(agent, request.user, path, file, replace=_flag(request, "replace"))
+            made.append(answer.entry)
+        return Response(HomeEntrySerializer(made, many=True).data, status=201)
+
+    @extend_schema(request=PathSerializer, responses={201: HomeEntrySerializer, **PROBLEMS})
+    def mkdir(self, request: Request, agent_id: int) -> Response:
+        """Make a directory (and those above it that are missing)."""
+        agent = self.agent(request, agent_id, change=True)
+        given = _valid(PathSerializer, request)
+        answer = services.change(agent, request.user, HomeOp.MKDIR, given["path"])
+        return Response(HomeEntrySerializer(answer.entry).data, status=201)
+
+    @extend_schema(request=MoveSerializer, responses={200: HomeEntrySerializer, **PROBLEMS})
+    def move(self, request: Request, agent_id: int) -> Response:
+        """Move or rename (the target must not exist)."""
+        agent = self.agent(request, agent_id, change=True)
+        given = _valid(MoveSerializer, request)
+        answer = services.change(
+            agent, request.user, HomeOp.MOVE, given["path"], target=given["target"]
+        )
+        return Response(HomeEntrySerializer(answer.entry).data)
+
+    @extend_schema(request=PathSerializer, responses={204: None, **PROBLEMS})
+    def delete(self, request: Request, agent_id: int) -> Response:
+        """Delete a file, a link (never what it points to) or a whole directory."""
+        agent = self.agent(request, agent_id, change=True)
+        given = _valid(PathSerializer, request)
+        services.change(agent, request.user, HomeOp.DELETE, given["path"])
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(parameters=[PATH], responses={200: HomeSpaceSerializer, **PROBLEMS})
+    def usage(self, request: Request, agent_id: int) -> Response:
+        """Where the space goes: the largest directories and files in the home or in one of
+        its directories (a walk, on request; for the whole home it renews the kept figure)."""
+        agent = self.agent(request, agent_id)
+        found = services.space(agent, request.query_params.get("path", ""))
+        return Response(HomeSpaceSerializer(found).data)
+
+    @extend_schema(responses=HomeChangeSerializer(many=True))
+    def changes(self, request: Request, agent_id: int) -> Response:
+        """Every change made to the home from outside, or refused: who, what, how much, when."""
+        agent = self.agent(request, agent_id)
+        rows = HomeChange.objects.filter(agent=agent).select_related("runner")
+        paginator = BoundedPagination()
+        page = paginator.paginate_queryset(rows, request, view=self)
+        return paginator.get_paginated_response(HomeChangeSerializer(page, many=True).data)
+
+
+def upload_file(agent: Agent, user: Any, path: str, file: Any, *, replace: bool) -> HomeAnswer:
+    """One file of a form (the API's or the admin's): on disk already when it was large."""
+    if hasattr(file, "temporary_file_path"):
+        return services.adopt_upload(
+            agent, user, path, file.temporary_file_path(), file.size, replace=replace
+        )
+    return services.upload(agent, user, path, file.chunks(), file.size, replace=replace)
+
+
+def _valid(kind: type[serializers.Serializer], request: Request) -> dict[str, Any]:
+    serializer = kind(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+def _number(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not (raw.isascii() and raw.isdigit()):
+        raise exceptions.ValidationError({name: "a whole number, 0 or more"})
+    return int(raw)
+
+
+def _flag(request: Request, name: str) -> bool:
+    return request.query_params.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _attachment(name: str) -> str:
+    from urllib.parse import quote
+
+    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
+    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name)}"
+
+
+# --- the runner holding the home ------------------------------------------------------------
+
+
+class RunnerHomeView(RunnerEndpoint):
+    def operation(self, request: Request, operation_id: uuid.UUID) -> HomeOperation:
+        return get_object_or_404(
+            HomeOperation.objects.select_related("runner"),
+            pk=operation_id,
+            runner=self.runner(request),
+        )
+
+
+class RunnerHomeTakeView(RunnerHomeView):
+    """Take an operation ordered to this runner: what to do. 410 when it is no longer wanted."""
+
+    @extend_schema(request=None, responses={200: HomeOrderSerializer, 410: Refusal})
+    def post(self, request: Request, operation_id: uuid.UUID) -> Response:
+        op = self.operation(request, operation_id)
+        taken = HomeOperation.objects.filter(pk=op.pk, state=OperationState.ORDERED).update(
+            state=OperationState.TAKEN, taken_at=timezone.now()
+        )
+        if not taken:
+            return Response(
+                {"detail": f"the operation is {op.state}: not to be taken"},
+                status=status.HTTP_410_GONE,
+            )
+        return Response(op.order)
+
+
+class RunnerHomeAnswerView(RunnerHomeView):
+    """What came of an operation this runner took."""
+
+    @extend_schema(request=HomeAnswerSerializer, responses={204: None, 410: Refusal})
+    def post(self, request: Request, operation_id: uuid.UUID) -> Response:
+        op = self.operation(request, operation_id)
+        try:
+            answer = HomeAnswer.from_json(request.data)
+        except ProtocolError as exc:
+            raise exceptions.ValidationError(str(exc)) from None
+        answered = HomeOperation.objects.filter(
+            pk=op.pk, state__in=[OperationState.TAKEN, OperationState.STREAMING]
+        ).update(state=OperationState.ANSWERED, answer=answer.to_json(), answered_at=timezone.now())
+        if not answered:
+            return Response(
+                {"detail": f"the operation is {op.state}: no answer is wanted"},
+                status=status.HTTP_410_GONE,
+            )
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class RunnerHomeBodyView(RunnerHomeView):
+    """An operation's bytes: an upload's, fetched (GET); a download's, sent (PUT, with the
+    answer in the X-Covey-Home-Answer header) and read by the asker as they come."""
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    def get(self, request: Request, operation_id: uuid.UUID) -> Any:
+        op = self.operation(request, operation_id)
+        if op.kind != HomeOp.WRITE or op.state != OperationState.TAKEN:
+            return Response(
+                {"detail": f"no upload to fetch for this {op.kind} ({op.state})"},
+                status=status.HTTP_410_GONE,
+            )
+        try:
+            file = open(services.upload_path(op.pk), "rb")  # noqa: SIM115 (the response closes it)
+        except FileNotFoundError:
+            return Response({"detail": "the upload is gone"}, status=status.HTTP_410_GONE)
+        return FileResponse(file, content_type="application/octet-stream")
+
+    @extend_schema(
+        request={"application/octet-stream": OpenApiTypes.BINARY},
+        responses={204: None, 410: Refusal},
+    )
+    def put(self, request: Request, operation_id: uuid.UUID) -> Response:
+        op = self.operation(request, operation_id)
+        try:
+            answer = HomeAnswer.from_json(json.loads(request.headers.get(HOME_ANSWER_HEADER, "")))
+        except (ValueError, ProtocolError) as exc:
+            raise exceptions.ValidationError({HOME_ANSWER_HEADER: str(exc)}) from None
+        chunks, size = body(request._request)
+        spooled = services.download_path(op.pk)
+        end = spooled.with_name(spooled.name + services.END)
+        with open(spooled, "xb", buffering=0) as file:
+            streaming = HomeOperation.objects.filter(pk=op.pk, state=OperationState.TAKEN)
+            if not streaming.update(state=OperationState.STREAMING, answer=answer.to_json()):
+                spooled.unlink()
+                return Response(
+                    {"detail": f"the operation is {op.state}: its bytes are not wanted"},
+                    status=status.HTTP_410_GONE,
+                )
+            written, checked = 0, 0
+            outcome = "broken off"
+            try:
+                for data in chunks:
+                    file.write(data)
+                    written += len(data)
+                    if written - checked >= 64 * CHUNK:
+                        checked = written
+                        op.refresh_from_db(fields=["state"])
+                        if op.state == OperationState.ABANDONED:
+                            outcome = "its asker left"
+                            return Response(
+                                {"detail": "the operation is no longer wanted (its asker left)"},
+                                status=status.HTTP_410_GONE,
+                            )
+                if size is not None and written != size:
+                    outcome = f"{written} bytes came of {size}"
+                else:
+                    outcome = "whole"
+            finally:
+                end.write_text(outcome)
+        HomeOperation.objects.filter(pk=op.pk, state=OperationState.STREAMING).update(
+            state=OperationState.ANSWERED, answered_at=timezone.now()
+        )
+        return Response(status=status.HTTP_204_NO_CONTENT)
