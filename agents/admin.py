@@ -164,6 +164,7 @@ class AgentAdmin(admin.ModelAdmin):
         "effective_allowlist",
         "home_usage",
         "home_measured_at",
+        "home_browser",
         "created_at",
         "updated_at",
     ]
@@ -183,6 +184,13 @@ class AgentAdmin(admin.ModelAdmin):
     @admin.display(description="Home")
     def home_usage(self, obj: Agent) -> str:
         return obj.home_usage_text() if obj.pk else "-"
+
+    @admin.display(description="Browse the home")
+    def home_browser(self, obj: Agent) -> str:
+        if obj.pk is None:
+            return "-"
+        url = reverse("admin:homes_home_change", args=[obj.pk])  # the homes app's file browser
+        return format_html('<a href="{}">list, download, upload, move, delete</a>', url)
 
     @admin.display(description="Templates")
     def template_list(self, obj: Agent) -> str:

@@ -75,3 +75,12 @@ class HomeChange(models.Model):
     @property
     def done(self) -> bool:
         return 200 <= self.status < 300
+
+
+class Home(Agent):
+    """An agent seen as its home (the admin's file browser)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "home"
+        verbose_name_plural = "homes"

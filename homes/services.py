@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from django.conf import settings
 from django.db import transaction
@@ -391,6 +392,13 @@ def download(agent: Agent, path: str, *, archive: bool) -> Download:
     answer = answer_of(op)
     size = None if archive or answer.entry is None else answer.entry.size
     return Download(answer, size, _tail(op))
+
+
+def attachment(name: str) -> str:
+    """A Content-Disposition for a download named ``name`` (any characters, said safely)."""
+    plain = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
+    plain = "".join(c if c.isprintable() else "_" for c in plain)
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(name, safe='')}"
 
 
 def _tail(op: HomeOperation) -> Iterator[bytes]:

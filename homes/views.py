@@ -241,7 +241,7 @@ class HomeViewSet(viewsets.ViewSet):
         )
         if got.size is not None:
             response["Content-Length"] = str(got.size)
-        response["Content-Disposition"] = _attachment(name)
+        response["Content-Disposition"] = services.attachment(name)
         return response
 
     @extend_schema(
@@ -359,13 +359,6 @@ def _number(request: Request, name: str, default: int) -> int:
 
 def _flag(request: Request, name: str) -> bool:
     return request.query_params.get(name, "").lower() in ("1", "true", "yes", "on")
-
-
-def _attachment(name: str) -> str:
-    from urllib.parse import quote
-
-    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
-    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name)}"
 
 
 # --- the runner holding the home ------------------------------------------------------------

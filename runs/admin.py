@@ -80,7 +80,9 @@ class RunAdmin(admin.ModelAdmin):
     def changes_in_home(self, obj: Run) -> str:
         changed = obj.home_changes
         if not changed:
-            return "not recorded" if obj.finished_at else "-"
+            browse = reverse("admin:homes_home_change", args=[obj.agent_id])
+            said = "not recorded" if obj.finished_at else "-"
+            return format_html('{} (<a href="{}">browse the home</a>)', said, browse)
         parts = []
         for kind in ("added", "changed", "removed"):
             listed, total = changed.get(kind, []), changed.get(f"{kind}_total", 0)
@@ -96,7 +98,12 @@ class RunAdmin(admin.ModelAdmin):
                     "\n".join(listed),
                 )
             )
-        return format_html_join("", "{}", ((p,) for p in parts)) if parts else "nothing"
+        browse = format_html(
+            '<p><a href="{}">Browse the home</a></p>',
+            reverse("admin:homes_home_change", args=[obj.agent_id]),  # the homes app's browser
+        )
+        listed = format_html_join("", "{}", ((p,) for p in parts)) if parts else "nothing"
+        return format_html("{}{}", listed, browse)
 
     @admin.display(description="Output")
     def log_link(self, obj: Run) -> str:

@@ -1,0 +1,306 @@
+"""Admin: a file browser per agent's home (list, download, upload, make a directory, rename,
+delete with a confirmation, what takes the space), and the audit of changes from outside. It
+works through the same services as the API, so the runner holding the home does the work."""
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+    StreamingHttpResponse,
+)
+from django.http.response import HttpResponseBase
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path as url_path
+from django.urls import reverse
+from django.utils.http import urlencode
+
+from agents.models import Agent, size_text
+from homes import services
+from homes.models import Home, HomeChange
+from homes.services import HomeProblem
+from homes.views import upload_file
+from organisations.models import Role
+from organisations.roles import role_of
+from runners.protocol import HomeOp
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+@admin.register(Home)
+class HomeAdmin(admin.ModelAdmin):
+    list_display = ["name", "organisation", "home_runner", "usage", "home_measured_at"]
+    list_select_related = ["organisation", "home_runner"]
+    list_filter = ["organisation"]
+    search_fields = ["name", "slug"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).for_user(request.user)  # type: ignore[attr-defined]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="Holds")
+    def usage(self, obj: Agent) -> str:
+        return obj.home_usage_text()
+
+    def get_urls(self) -> list[Any]:
+        wrap = self.admin_site.admin_view
+        return [
+            url_path("<int:pk>/download/", wrap(self.download_view), name="homes_home_download"),
+            url_path("<int:pk>/upload/", wrap(self.upload_view), name="homes_home_upload"),
+            url_path("<int:pk>/mkdir/", wrap(self.mkdir_view), name="homes_home_mkdir"),
+            url_path("<int:pk>/rename/", wrap(self.rename_view), name="homes_home_rename"),
+            url_path("<int:pk>/remove/", wrap(self.remove_view), name="homes_home_remove"),
+            url_path("<int:pk>/space/", wrap(self.space_view), name="homes_home_space"),
+            *super().get_urls(),
+        ]
+
+    # --- who may ---------------------------------------------------------------------------
+
+    def _agent(self, request: HttpRequest, pk: Any) -> Agent:
+        agent = get_object_or_404(self.get_queryset(request), pk=pk)
+        if not self.has_view_permission(request, agent):
+            raise PermissionDenied
+        return Agent.objects.select_related("home_runner", "organisation").get(pk=agent.pk)
+
+    def _may_change(self, request: HttpRequest, agent: Agent) -> bool:
+        return self.has_change_permission(request, agent) and (
+            role_of(request.user, agent.organisation) == Role.ADMIN
+        )
+
+    def _changing(self, request: HttpRequest, pk: Any) -> Agent:
+        agent = self._agent(request, pk)
+        if not self._may_change(request, agent):
+            raise PermissionDenied
+        return agent
+
+    def _urls(self, agent: Agent) -> dict[str, str]:
+        return {
+            f"{name}_url": reverse(f"admin:homes_home_{view}", args=[agent.pk])
+            for name, view in [
+                ("browse", "change"),
+                ("download", "download"),
+                ("upload", "upload"),
+                ("mkdir", "mkdir"),
+                ("rename", "rename"),
+                ("remove", "remove"),
+                ("space", "space"),
+            ]
+        }
+
+    def _back(self, agent: Agent, path: str) -> HttpResponseRedirect:
+        url = reverse("admin:homes_home_change", args=[agent.pk])
+        return HttpResponseRedirect(f"{url}?{urlencode({'path': path})}" if path else url)
+
+    # --- pages -----------------------------------------------------------------------------
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        """The browser: a page of one directory, with what may be done there."""
+        agent = self._agent(request, object_id)
+        path = request.GET.get("path", "").strip("/")
+        offset = int(request.GET["offset"]) if request.GET.get("offset", "").isdigit() else 0
+        listing, total, problem = None, 0, ""
+        try:
+            answer = services.ask(agent, HomeOp.LIST, path=path, offset=offset, limit=500)
+            total = answer.total
+            listing = [
+                {
+                    **entry.to_json(),
+                    "path": f"{path}/{entry.name}" if path else entry.name,
+                    "size_text": size_text(entry.size) if entry.type == "file" else "",
+                    "modified_at": datetime.fromtimestamp(entry.modified, UTC),
+                }
+                for entry in answer.entries
+            ]
+        except HomeProblem as exc:
+            problem = exc.detail
+        agent.refresh_from_db()
+        steps = path.split("/") if path else []
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Home of {agent}",
+            "agent": agent,
+            "opts": self.model._meta,
+            "path": path,
+            "parent": _parent(path),
+            "crumbs": [
+                {"name": name, "path": "/".join(steps[: i + 1])} for i, name in enumerate(steps)
+            ],
+            "listing": listing,
+            "total": total,
+            "more": offset + 500 < total,
+            "offset_from": offset + 1,
+            "offset_to": min(offset + 500, total),
+            "next_offset": offset + 500,
+            "problem": problem,
+            "can_change": self._may_change(request, agent),
+            "active_run": services.active_run(agent),
+            "runner_name": agent.home_runner.name if agent.home_runner else "",
+            "changes": HomeChange.objects.filter(agent=agent)[:20],
+            **self._urls(agent),
+        }
+        return TemplateResponse(request, "admin/homes/browser.html", context)
+
+    def download_view(self, request: HttpRequest, pk: int) -> HttpResponseBase:
+        agent = self._agent(request, pk)
+        path = request.GET.get("path", "")
+        try:
+            entry = services.ask(agent, HomeOp.STAT, path=path).entry
+            archive = not path or (entry is not None and entry.type == "directory")
+            got = services.download(agent, path, archive=archive)
+        except HomeProblem as exc:
+            messages.error(request, exc.detail)
+            return self._back(agent, _parent(path))
+        response = StreamingHttpResponse(
+            got.chunks,
+            content_type="application/x-tar" if archive else "application/octet-stream",
+        )
+        if got.size is not None:
+            response["Content-Length"] = str(got.size)
+        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
+        response["Content-Disposition"] = services.attachment(name)
+        return response
+
+    def upload_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        agent = self._changing(request, pk)
+        directory = request.POST.get("path", "").strip("/")
+        replace = bool(request.POST.get("replace"))
+        done = []
+        for file in request.FILES.getlist("files"):
+            name = file.name or "upload"
+            path = f"{directory}/{name}" if directory else name
+            try:
+                upload_file(agent, request.user, path, file, replace=replace)
+            except HomeProblem as exc:
+                messages.error(request, f"{name}: {exc.detail}")
+            else:
+                done.append(name)
+        if done:
+            messages.success(request, f"Uploaded {', '.join(done)}.")
+        return self._back(agent, directory)
+
+    def mkdir_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        agent = self._changing(request, pk)
+        directory = request.POST.get("path", "").strip("/")
+        name = request.POST.get("name", "").strip()
+        path = f"{directory}/{name}" if directory else name
+        try:
+            services.change(agent, request.user, HomeOp.MKDIR, path)
+        except HomeProblem as exc:
+            messages.error(request, exc.detail)
+            return self._back(agent, directory)
+        messages.success(request, f"Made {path}.")
+        return self._back(agent, path)
+
+    def rename_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        agent = self._changing(request, pk)
+        path = request.GET.get("path", "")
+        if request.method == "POST":
+            target = request.POST.get("target", "").strip().strip("/")
+            try:
+                services.change(agent, request.user, HomeOp.MOVE, path, target=target)
+            except HomeProblem as exc:
+                return self._form(request, agent, path, "Rename or move", problem=exc.detail)
+            messages.success(request, f"Moved {path} to {target}.")
+            return self._back(agent, _parent(target))
+        return self._form(request, agent, path, "Rename or move")
+
+    def remove_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        agent = self._changing(request, pk)
+        path = request.GET.get("path", "")
+        if request.method == "POST":
+            try:
+                services.change(agent, request.user, HomeOp.DELETE, path)
+            except HomeProblem as exc:
+                return self._form(request, agent, path, "Delete", deleting=True, problem=exc.detail)
+            messages.success(request, f"Deleted {path}.")
+            return self._back(agent, _parent(path))
+        directory = False
+        try:
+            entry = services.ask(agent, HomeOp.STAT, path=path).entry
+            directory = entry is not None and entry.type == "directory"
+        except HomeProblem as exc:
+            return self._form(request, agent, path, "Delete", deleting=True, problem=exc.detail)
+        return self._form(request, agent, path, "Delete", deleting=True, is_directory=directory)
+
+    def space_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        """What takes the space (a walk, on request), each directory a link to drill into."""
+        agent = self._agent(request, pk)
+        path = request.GET.get("path", "").strip("/")
+        context: dict[str, Any] = {
+            **self.admin_site.each_context(request),
+            "title": f"What takes the space in the home of {agent}",
+            "agent": agent,
+            "path": path,
+            "quota": size_text(agent.home_quota_bytes),
+            **self._urls(agent),
+        }
+        try:
+            found = services.space(agent, path)
+        except HomeProblem as exc:
+            context["problem"] = exc.detail
+        else:
+            context.update(
+                space=found,
+                space_bytes=size_text(found.bytes),
+                directories=[
+                    {"path": d.path, "size": size_text(d.bytes)} for d in found.largest_directories
+                ],
+                files=[{"path": f.path, "size": size_text(f.bytes)} for f in found.largest_files],
+            )
+        return TemplateResponse(request, "admin/homes/space.html", context)
+
+    def _form(
+        self, request: HttpRequest, agent: Agent, path: str, title: str, **extra: Any
+    ) -> HttpResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{title}: {path}",
+            "agent": agent,
+            "path": path,
+            "parent": _parent(path),
+            **self._urls(agent),
+            **extra,
+        }
+        return TemplateResponse(request, "admin/homes/form.html", context)
+
+
+@admin.register(HomeChange)
+class HomeChangeAdmin(admin.ModelAdmin):
+    """The audit of changes made to homes from outside: a record, never edited."""
+
+    list_display = ["at", "agent", "by_name", "operation", "path", "target", "bytes", "status"]
+    list_filter = ["operation", "status", "agent__organisation"]
+    search_fields = ["path", "by_name", "agent__name"]
+    list_select_related = ["agent"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[HomeChange]:
+        return super().get_queryset(request).for_user(request.user)  # type: ignore[attr-defined]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
