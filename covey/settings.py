@@ -269,5 +269,6 @@ CELERY_BEAT_SCHEDULE = {
     "place-waiting-runs": {"task": "runs.place_waiting_runs", "schedule": 10.0},
     "prune-run-logs": {"task": "runs.prune_run_logs", "schedule": 3600.0},
     "expire-probes": {"task": "runners.expire_probes", "schedule": 60.0},
+    "prune-home-operations": {"task": "homes.prune_operations", "schedule": 600.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -392,6 +393,33 @@ def download(agent: Agent, path: str, *, archive: bool) -> Download:
     answer = answer_of(op)
     size = None if archive or answer.entry is None else answer.entry.size
     return Download(answer, size, _tail(op))
+
+
+KEEP_OPERATIONS = timedelta(hours=1)  # operations are pruned this long after they were ordered
+
+
+def prune() -> int:
+    """Forget operations ordered over KEEP_OPERATIONS ago (the audit keeps the changes), and
+    remove spool files of operations no longer known (a web process killed mid-transfer);
+    how many operations went."""
+    before = timezone.now() - KEEP_OPERATIONS
+    stale = HomeOperation.objects.filter(created_at__lt=before)
+    stale.exclude(state=OperationState.ANSWERED).update(state=OperationState.ABANDONED)
+    count, _ = stale.delete()
+    folder: Path = settings.COVEY_HOME_SPOOL
+    if folder.is_dir():
+        known = {str(pk) for pk in HomeOperation.objects.values_list("pk", flat=True)}
+        for item in folder.iterdir():
+            if item.name.split(".", 1)[0] not in known and _older(item, KEEP_OPERATIONS):
+                item.unlink(missing_ok=True)
+    return count
+
+
+def _older(item: Path, age: timedelta) -> bool:
+    try:
+        return time.time() - item.stat().st_mtime > age.total_seconds()
+    except FileNotFoundError:
+        return False
 
 
 def attachment(name: str) -> str:

@@ -170,12 +170,12 @@ def base_image() -> str:
 
 @pytest.fixture
 def orders(monkeypatch) -> list[tuple[str, int, str]]:
-    """The orders that would go to runners' queues (kind, runner id, run or probe id); no
-    broker needed."""
+    """The orders that would go to runners' queues (kind, runner id, run, probe or home
+    operation id); no broker needed."""
     from runners import dispatch
 
     sent: list[tuple[str, int, str]] = []
-    for kind in ("launch", "cancel", "probe"):
+    for kind in ("launch", "cancel", "probe", "home"):
         monkeypatch.setattr(
             dispatch, f"send_{kind}", lambda r, item, kind=kind: sent.append((kind, r.pk, item))
         )

@@ -4,7 +4,8 @@ Docker seam (runners/host/containers/engine.py) and the runner's control-plane c
 happened; the real seams have their own tests against the real Docker and control plane."""
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,6 +14,8 @@ from runners.host.client import ControlPlaneError, OutputBehind
 from runners.host.containers.engine import EngineError, LogStream, Sandbox, SandboxSpec
 from runners.protocol import (
     ActiveRun,
+    HomeAnswer,
+    HomeOrder,
     LaunchSpec,
     ReportState,
     RunnerInfo,
@@ -40,9 +43,13 @@ class FakeEngine:
 
     # --- what a test does --------------------------------------------------------------------
 
-    def add(self, run_id: str, status: str = "running", *, legacy: bool = False) -> Sandbox:
+    def add(
+        self, run_id: str, status: str = "running", *, legacy: bool = False, agent_id: int = 1
+    ) -> Sandbox:
         """A sandbox that is already there (a leftover, another installation's, …)."""
-        sandbox = Sandbox(run_id, 1, f"c-{run_id}", status, None, _now(), None, legacy=legacy)
+        sandbox = Sandbox(
+            run_id, agent_id, f"c-{run_id}", status, None, _now(), None, legacy=legacy
+        )
         self.sandboxes_by_run[run_id] = sandbox
         return sandbox
 
@@ -130,6 +137,11 @@ class FakeControlPlane:
     heartbeats: int = 0
     unreachable: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Homes: orders to take, uploads' bytes, and what was answered or sent back.
+    home_orders: dict[str, HomeOrder] = field(default_factory=dict)
+    uploads: dict[str, bytes] = field(default_factory=dict)
+    answers: dict[str, HomeAnswer] = field(default_factory=dict)
+    sent: dict[str, bytes] = field(default_factory=dict)
 
     def _check(self) -> None:
         if self.unreachable:
@@ -172,6 +184,36 @@ class FakeControlPlane:
             raise OutputBehind(len(have.encode()))
         self.output[run_id] = have + text
         return len(self.output[run_id].encode())
+
+    def take_home(self, operation: str) -> HomeOrder | None:
+        self._check()
+        return self.home_orders.pop(operation, None)
+
+    def answer_home(self, operation: str, answer: HomeAnswer) -> None:
+        self._check()
+        self.answers[operation] = answer
+
+    def send_home(
+        self, operation: str, answer: HomeAnswer, chunks: Iterable[bytes], size: int | None
+    ) -> None:
+        self._check()
+        self.answers[operation] = answer
+        self.sent[operation] = b"".join(chunks)
+        if size is not None and len(self.sent[operation]) != size:
+            raise ControlPlaneError(f"{len(self.sent[operation])} bytes sent of {size}")
+
+    @contextmanager
+    def home_upload(self, operation: str) -> Iterator[Iterator[bytes]]:
+        self._check()
+        data = self.uploads[operation]
+
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, len(data), 1000):
+                yield data[start : start + 1000]
+            if operation.endswith("broken"):
+                raise ControlPlaneError("the upload broke off")
+
+        yield chunks()
 
     def heartbeat(self, isolation: str = "") -> RunnerInfo:
         self._check()

@@ -1,0 +1,968 @@
+"""Benchmark agents' homes from outside: listing, transfers against ``cp``, memory, kept usage.
+
+Run it from the project root; it sets everything up itself and stops by itself::
+
+    .venv/bin/python bench/homes.py            # about 5 min: 1 GiB transfers, 30 samples
+    .venv/bin/python bench/homes.py --quick    # about 2 min: 256 MiB transfers, 10 samples
+
+Everything runs on this machine, on loopback, in a temporary directory (one filesystem: the
+homes, the control plane's spool and the client's files are on the same disk). The bench makes a
+SQLite database there (``manage.py migrate``), a superuser and its API token, and for each
+Celery broker an organisation with one remote runner (registration token, ``runner.json``) and
+three agents whose home is on that runner (``Agent.home_runner`` set in the database). For each
+broker it starts a control plane (gunicorn from the project root, so ``gunicorn.conf.py``'s
+threaded workers: 2 workers of 8 threads; ``COVEY_BUILTIN_RUNNER=false``,
+``COVEY_EGRESS_ENFORCE=false``; its own ``COVEY_HOME_SPOOL``) and a ``manage.py runner`` with no
+``DATABASE_URL`` (heartbeat every second; Docker must answer, as a runner host checks it, but no
+sandbox is started). The brokers: ``filesystem``, kombu's file-system transport covey uses when
+``CELERY_BROKER_URL`` is unset (polled every 50 ms), and ``redis``, a ``redis-server`` of the
+bench's own on loopback (what production uses). Every home operation is ordered over the broker
+to the runner, which takes it and answers through the runner API; bytes go through the spool.
+Files are made directly on disk in the home directories (``$COVEY_RUNNER_HOMES/<runner>/<agent>``)
+as the runner host would find them. For each broker it measures, with ``httpx`` on one keep-alive
+connection, each time from just before the request until the response is read (and parsed):
+
+1. listing: 10,000 small files in ``big/``; ``GET /api/v1/agents/{id}/home/entries/?path=big
+   &limit=1000`` (a few untimed warm-ups first), N times: p50 and p95. Target: p50 < 300 ms.
+2. transfers of one file of 1 GiB of random bytes (256 MiB with ``--quick``), interleaved with
+   ``cp`` of a file of the same size on the same disk, in rounds of: ``cp`` (the home's file to
+   the client's folder), download (``GET …/home/download/?path=``, streamed by ``httpx`` into a
+   file), ``cp`` (the client's file into the home's folder), upload (``PUT …/home/file/?path=``,
+   its body a generator of 1 MiB chunks read from the file, with ``Content-Length``; answered
+   once the runner has written, fsynced and renamed the file). 3 rounds; medians, in MiB/s
+   (1 MiB = 1,048,576 bytes), and the ratio to ``cp``'s median. Every transfer is verified: the
+   sha256 of what arrived (the downloaded file, the file in the home on disk) against the
+   source's. The time of a ``sync FILE`` (fsync) after each ``cp`` is shown too, apart (the runner
+   fsyncs every upload; ``cp`` does not). Nothing is dropped from the page cache: with this much
+   memory free, the files are read from memory on every path alike. Target: each direction at
+   least 50% of ``cp``'s throughput.
+3. memory: the RSS of every covey process (the gunicorn master and its workers, the runner and
+   any child of it) sampled every 0.1 s on a thread (psutil) throughout the transfers; per
+   process, its peak minus its RSS just before the first transfer. Target: < 64 MiB each.
+4. usage: 100,000 small files in another agent's home (100 directories of 1,000). First
+   ``GET …/home/usage/`` once, which has the runner walk the whole home and the control plane
+   keep the figure: its time end to end is the walk's cost (the runner's own measure of the
+   walk is shown too). Then ``GET /api/v1/agents/{id}/home/`` (the summary, which reads the kept
+   figure and asks no runner), N times: p50 and p95; each must say 100,000 files. Target: p50 <
+   100 ms.
+
+N is 30 (10 with ``--quick``). It ends with a table of the figures and the targets, met or not,
+and says what went wrong: failed requests, exceptions in the covey processes' logs, files left
+in the spool, operations not answered. Every process it starts is stopped by its id, its
+temporary directory is removed, and the whole run is bounded in time (an alarm; SIGTERM stops it
+cleanly).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent
+# Run as a script, this folder would come first on sys.path and bench/egress.py would shadow the
+# project's ``egress`` package: the project root goes there instead.
+sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
+
+from bench.runs import django_env, exceptions_logged, start_redis  # noqa: E402 - after the path
+from bench.support import (  # noqa: E402 - after the path is set
+    OTHER_SETTINGS,
+    BenchError,
+    Processes,
+    accepts,
+    alive,
+    free_port,
+    percentile,
+    ratio,
+    run_bench,
+    step,
+    verdict,
+    wait_until,
+)
+
+BROKERS = ("filesystem", "redis")
+GUNICORN_WORKERS = 2
+HEARTBEAT_SECONDS = 1
+LISTED_FILES = 10_000  # in the lister's big/
+LIST_LIMIT = 1000
+USAGE_DIRECTORIES, USAGE_PER_DIRECTORY = 100, 1000  # the hoarder's 100,000 files
+SMALL_FILE = b"covey bench: a small file in a home\n" * 3  # 108 bytes
+CHUNK = 1024 * 1024
+MIB = 1024 * 1024
+RSS_POLL = 0.1
+TRANSFER_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+
+# Targets
+LIST_P50_MS = 300.0
+SUMMARY_P50_MS = 100.0
+TRANSFER_SHARE = 0.5  # of cp's throughput
+RSS_GROWTH_MIB = 64.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    samples: int  # listings and summaries, each
+    warmup: int  # untimed, before them
+    rounds: int  # of cp, download, cp, upload
+    size: int  # bytes of the file transferred
+    time_limit: int  # seconds for the whole run
+
+    @classmethod
+    def make(cls, quick: bool) -> "Plan":
+        if quick:
+            return cls(samples=10, warmup=2, rounds=3, size=256 * MIB, time_limit=600)
+        return cls(samples=30, warmup=3, rounds=3, size=1024 * MIB, time_limit=900)
+
+
+# --------------------------------------------------------------------------------------------
+# covey: database, control planes, runners
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """One broker's control plane and runner, and what the database holds for it."""
+
+    broker: str
+    port: int
+    runner_id: int = 0
+    runner_token: str = ""
+    lister: int = 0  # the agent whose home has 10,000 files in big/
+    carrier: int = 0  # the agent whose home the transfers go from and to
+    hoarder: int = 0  # the agent whose home has 100,000 files
+    control_plane: Any = None  # subprocess.Popen: gunicorn's master
+    runner: Any = None  # subprocess.Popen: manage.py runner
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def runner_name(self) -> str:
+        return f"runner-{self.broker}"
+
+    @property
+    def short(self) -> str:
+        return "fs" if self.broker == "filesystem" else self.broker
+
+    def home(self, work: Path, agent: int) -> Path:
+        """Where the runner keeps the agent's home (runners/host/runner.py)."""
+        return work / "homes" / str(self.runner_id) / str(agent)
+
+    def spool(self, work: Path) -> Path:
+        return work / f"spool-{self.broker}"
+
+
+def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
+    """Migrate the SQLite database; a superuser and its API token (returned), and for each
+    stack an organisation, a registered runner and three agents whose home is on it."""
+    for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
+        del os.environ[key]  # this process's Django must read the same settings
+    os.environ.update(django_env(var_dir))
+    from covey import var
+
+    var.prepare(var_dir)  # its secret key and broker folders, before any process reads them
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.db import connections
+    from rest_framework.authtoken.models import Token
+
+    from agents import services
+    from agents.models import Agent
+    from organisations import services as organisations
+    from runners.services import create_registration_token, register_runner
+
+    call_command("migrate", verbosity=0, interactive=False)
+    user = get_user_model().objects.create_superuser(
+        "bench", "bench@example.test", secrets.token_urlsafe(24)
+    )
+    token = Token.objects.create(user=user).key
+    for stack in stacks:
+        organisation = organisations.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
+        _, secret = create_registration_token(organisation)
+        runner, stack.runner_token = register_runner(secret, stack.runner_name, [])
+        stack.runner_id = runner.pk
+        stack.lister, stack.carrier, stack.hoarder = (
+            services.create_agent(organisation, name, runtime_command=["true"]).pk
+            for name in ("lister", "carrier", "hoarder")
+        )
+        Agent.objects.filter(pk__in=[stack.lister, stack.carrier, stack.hoarder]).update(
+            home_runner=runner
+        )
+    connections.close_all()
+    return token
+
+
+def broker_env(env: dict[str, str], stack: Stack, redis_port: int | None) -> dict[str, str]:
+    if stack.broker == "redis":
+        return {**env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    return env  # unset: filesystem:// under COVEY_VAR_DIR/broker
+
+
+def start_control_plane(
+    processes: Processes, env: dict[str, str], stack: Stack, work: Path
+) -> None:
+    gunicorn = str(Path(sys.executable).parent / "gunicorn")
+    args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{stack.port}"]
+    args += ["--workers", str(GUNICORN_WORKERS)]
+    name = f"control-plane-{stack.broker}"
+    stack.control_plane = processes.start(
+        name, args, {**env, "COVEY_HOME_SPOOL": str(stack.spool(work))}
+    )
+    wait_until(
+        lambda: alive(stack.control_plane, name, processes) and accepts(stack.port),
+        60,
+        f"the {stack.broker} control plane listening",
+        lambda: processes.log(name),
+    )
+
+
+def start_runner(processes: Processes, env: dict[str, str], stack: Stack, work: Path) -> None:
+    """``manage.py runner`` for the stack's runner, with no database settings at all."""
+    config = work / f"runner-{stack.broker}.json"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with open(os.open(config, flags, 0o600), "w") as file:
+        json.dump(
+            {
+                "url": stack.url,
+                "id": stack.runner_id,
+                "name": stack.runner_name,
+                "token": stack.runner_token,
+            },
+            file,
+        )
+    env = {
+        **env,
+        "COVEY_RUNNER_HOMES": str(work / "homes"),
+        "COVEY_RUNNER_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
+    }
+    if "DATABASE_URL" in env:
+        raise BenchError("the runner must run without DATABASE_URL")
+    args = [sys.executable, "manage.py", "runner", "--config", str(config)]
+    name = f"runner-{stack.broker}"
+    stack.runner = processes.start(name, args, env)
+    wait_until(  # Celery says "ready." once it consumes its queue
+        lambda: alive(stack.runner, name, processes) and " ready." in processes.log(name),
+        60,
+        f"the {stack.broker} runner taking orders",
+        lambda: processes.log(name),
+    )
+
+
+def api_client(stack: Stack, token: str) -> httpx.Client:
+    return httpx.Client(
+        base_url=stack.url,
+        headers={"Authorization": f"Token {token}"},
+        timeout=httpx.Timeout(60.0, connect=5.0),
+        trust_env=False,
+    )
+
+
+def home_api(agent: int, endpoint: str = "") -> str:
+    return f"/api/v1/agents/{agent}/home/{endpoint}"
+
+
+def wait_online(api: httpx.Client, stack: Stack) -> None:
+    """Until the summary says the runner holding the homes is online (its first heartbeat)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        response = api.get(home_api(stack.lister))
+        if response.status_code == 200 and response.json()["runner_online"]:
+            return
+        time.sleep(0.2)
+    raise BenchError(f"runner {stack.runner_name} not online after 30 s")
+
+
+# --------------------------------------------------------------------------------------------
+# Files on disk
+# --------------------------------------------------------------------------------------------
+
+
+def make_small_files(directory: Path, count: int, per_directory: int | None = None) -> None:
+    """``count`` small files in ``directory`` (or in subdirectories of ``per_directory``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    folder = directory
+    for n in range(count):
+        if per_directory and n % per_directory == 0:
+            folder = directory / f"d{n // per_directory:03d}"
+            folder.mkdir()
+        fd = os.open(folder / f"f{n:06d}.txt", flags, 0o644)
+        try:
+            os.write(fd, SMALL_FILE)
+        finally:
+            os.close(fd)
+
+
+def make_random_file(path: Path, size: int) -> str:
+    """A file of ``size`` random bytes; its sha256."""
+    digest = hashlib.sha256()
+    with path.open("xb") as file:
+        left = size
+        while left > 0:
+            data = os.urandom(min(CHUNK, left))
+            digest.update(data)
+            file.write(data)
+            left -= len(data)
+    return digest.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while data := file.read(CHUNK):
+            digest.update(data)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timings:
+    ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def p(self, q: float) -> float | None:
+        return percentile(self.ms, q) if self.ms else None
+
+
+def timed_gets(
+    api: httpx.Client,
+    path: str,
+    params: dict[str, str | int],
+    check: Callable[[dict[str, Any]], str],
+    plan: Plan,
+) -> Timings:
+    """Warm up, then N GETs one after another: ms from before the request to the parsed JSON.
+    ``check`` says what is wrong with an answer ('' when nothing)."""
+    result = Timings()
+    for _ in range(plan.warmup):
+        response = api.get(path, params=params)
+        if response.status_code != 200:
+            raise BenchError(f"GET {path}: {response.status_code} {response.text[:300]}")
+    for _ in range(plan.samples):
+        started = time.perf_counter()
+        try:
+            response = api.get(path, params=params)
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            result.errors[f"{type(exc).__name__}: {str(exc)[:100]}"] += 1
+            continue
+        elapsed = (time.perf_counter() - started) * 1000
+        if response.status_code != 200:
+            result.errors[f"{response.status_code}: {str(body)[:100]}"] += 1
+            continue
+        if wrong := check(body):
+            result.errors[wrong] += 1
+            continue
+        result.ms.append(elapsed)
+    return result
+
+
+@dataclass
+class Process:
+    role: str
+    pid: int
+    before: int | None = None  # RSS just before the transfers (bytes)
+    peak: int = 0
+
+    @property
+    def growth_mib(self) -> float | None:
+        return None if self.before is None else (self.peak - self.before) / MIB
+
+
+class RssWatch:
+    """The RSS of every process in the trees of the given roots, every RSS_POLL s on a thread:
+    for each process (children found as they come), before the start and its peak."""
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+        self.seen: dict[int, Process] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bench-rss", daemon=True)
+
+    def _sample(self, first: bool) -> None:
+        for role, pid in self.roots.items():
+            try:
+                root = psutil.Process(pid)
+                tree = [(role, root)] + [
+                    (f"{role} child {child.name()}", child)
+                    for child in root.children(recursive=True)
+                ]
+            except psutil.Error:
+                continue
+            for name, process in tree:
+                try:
+                    rss = process.memory_info().rss
+                except psutil.Error:
+                    continue
+                seen = self.seen.setdefault(process.pid, Process(name, process.pid))
+                if first:
+                    seen.before = rss
+                seen.peak = max(seen.peak, rss)
+        self.samples += 1
+
+    def _watch(self) -> None:
+        while not self._stop.wait(RSS_POLL):
+            self._sample(first=False)
+
+    def __enter__(self) -> "RssWatch":
+        self._sample(first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sample(first=False)
+
+
+@dataclass
+class Transfers:
+    cp: list[float] = field(default_factory=list)  # seconds
+    cp_sync: list[float] = field(default_factory=list)  # seconds of cp and then sync FILE
+    download: list[float] = field(default_factory=list)
+    upload: list[float] = field(default_factory=list)
+    intact: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    processes: list[Process] = field(default_factory=list)
+    rss_samples: int = 0
+
+
+def copy(source: Path, target: Path) -> tuple[float, float]:
+    """``cp`` then ``sync FILE``: the seconds of each."""
+    cp, sync = shutil.which("cp") or "/bin/cp", shutil.which("sync") or "/bin/sync"
+    started = time.perf_counter()
+    subprocess.run([cp, str(source), str(target)], check=True, timeout=600)  # noqa: S603
+    copied = time.perf_counter()
+    subprocess.run([sync, str(target)], check=True, timeout=600)  # noqa: S603
+    return copied - started, time.perf_counter() - copied
+
+
+def download(api: httpx.Client, agent: int, path: str, target: Path) -> float:
+    """Stream a file of the home into ``target``: seconds from before the request to the last
+    byte written."""
+    started = time.perf_counter()
+    with (
+        api.stream(
+            "GET", home_api(agent, "download/"), params={"path": path}, timeout=TRANSFER_TIMEOUT
+        ) as response,
+        target.open("wb") as file,
+    ):
+        if response.status_code != 200:
+            response.read()
+            raise BenchError(f"download answered {response.status_code}: {response.text[:200]}")
+        for data in response.iter_raw(CHUNK):
+            file.write(data)
+    return time.perf_counter() - started
+
+
+def upload(api: httpx.Client, agent: int, source: Path, path: str, size: int) -> float:
+    """PUT a file into the home, its body streamed from ``source``: seconds from before the
+    request to the answer (the runner has written the file)."""
+
+    def chunks() -> Iterator[bytes]:
+        with source.open("rb") as file:
+            while data := file.read(CHUNK):
+                yield data
+
+    started = time.perf_counter()
+    response = api.put(
+        home_api(agent, "file/"),
+        params={"path": path},
+        content=chunks(),
+        headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        timeout=TRANSFER_TIMEOUT,
+    )
+    elapsed = time.perf_counter() - started
+    if response.status_code != 201:
+        raise BenchError(f"upload answered {response.status_code}: {response.text[:200]}")
+    if response.json().get("size") != size:
+        raise BenchError(f"upload answered a size of {response.json().get('size')}, not {size}")
+    return elapsed
+
+
+def measure_transfers(
+    api: httpx.Client,
+    stack: Stack,
+    work: Path,
+    source: Path,
+    digest: str,
+    plan: Plan,
+) -> Transfers:
+    """Rounds of cp, download, cp, upload of ``plan.size`` bytes, with the RSS watched."""
+    result = Transfers()
+    home = stack.home(work, stack.carrier)
+    client = work / "client"
+    shutil.copyfile(source, home / "big.bin")  # the file to download, in the home
+    roots = {"gunicorn": stack.control_plane.pid, "runner": stack.runner.pid}
+
+    def attempt(what: str, doing: Callable[[], None]) -> None:
+        try:
+            doing()
+        except (BenchError, httpx.HTTPError, OSError, subprocess.SubprocessError) as exc:
+            result.errors[f"{what}: {type(exc).__name__}: {str(exc)[:100]}"] += 1
+
+    def check(what: str, path: Path) -> None:
+        if sha256_of(path) == digest:
+            result.intact += 1
+        else:
+            result.corrupt.append(what)
+
+    def cp_once(source: Path, target: Path) -> None:
+        try:
+            copied, synced = copy(source, target)
+        finally:
+            target.unlink(missing_ok=True)
+        result.cp.append(copied)
+        result.cp_sync.append(copied + synced)
+
+    def download_once(n: int) -> None:
+        target = client / "down.bin"
+        try:
+            result.download.append(download(api, stack.carrier, "big.bin", target))
+            check(f"download {n}", target)
+        finally:
+            target.unlink(missing_ok=True)
+
+    def upload_once(n: int) -> None:
+        name = f"up-{n}.bin"
+        result.upload.append(upload(api, stack.carrier, source, name, plan.size))
+        check(f"upload {n}", home / name)
+        deleted = api.post(home_api(stack.carrier, "delete/"), json={"path": name})
+        if deleted.status_code != 204:
+            raise BenchError(f"delete answered {deleted.status_code}: {deleted.text[:200]}")
+
+    with RssWatch(roots) as watch:
+        for n in range(1, plan.rounds + 1):
+            attempt("cp", lambda: cp_once(home / "big.bin", client / "cp.bin"))
+            attempt("download", lambda: download_once(n))  # noqa: B023 - called at once
+            attempt("cp", lambda: cp_once(source, home / "cp.bin"))
+            attempt("upload", lambda: upload_once(n))  # noqa: B023 - called at once
+            print(
+                f"  round {n}/{plan.rounds}: cp {mib_s(plan.size, result.cp[-1:])}, download "
+                f"{mib_s(plan.size, result.download[-1:])}, upload "
+                f"{mib_s(plan.size, result.upload[-1:])} MiB/s",
+                flush=True,
+            )
+    result.processes = sorted(watch.seen.values(), key=lambda p: (p.role, p.pid))
+    result.rss_samples = watch.samples
+    return result
+
+
+def mib_s(size: int, seconds: Sequence[float]) -> str:
+    return "-" if not seconds else f"{size / MIB / statistics.median(seconds):.0f}"
+
+
+@dataclass
+class Usage:
+    walk_ms: float | None = None  # GET usage/, end to end
+    runner_walk_ms: float | None = None  # the runner's own measure of its walk
+    files: int | None = None
+    summary: Timings = field(default_factory=Timings)
+
+
+def measure_usage(api: httpx.Client, stack: Stack, plan: Plan) -> Usage:
+    result = Usage()
+    started = time.perf_counter()
+    response = api.get(home_api(stack.hoarder, "usage/"), timeout=TRANSFER_TIMEOUT)
+    body = response.json()
+    result.walk_ms = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        raise BenchError(f"GET usage/ answered {response.status_code}: {str(body)[:300]}")
+    result.files, result.runner_walk_ms = body["files"], body["seconds"] * 1000
+    files = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
+    if result.files != files:
+        raise BenchError(f"GET usage/ counted {result.files} files, not {files}")
+    result.summary = timed_gets(
+        api,
+        home_api(stack.hoarder),
+        {},
+        lambda b: "" if b["files"] == files else f"the summary said {b['files']} files",
+        plan,
+    )
+    return result
+
+
+@dataclass
+class Outcome:
+    """One broker's figures."""
+
+    listing: Timings = field(default_factory=Timings)
+    usage: Usage = field(default_factory=Usage)
+    transfers: Transfers = field(default_factory=Transfers)
+    log_errors: Counter[str] = field(default_factory=Counter)  # the covey processes' logs
+    spool_left: int = 0
+    unanswered: Counter[str] = field(default_factory=Counter)  # operations by state
+
+
+def leftovers(stack: Stack, work: Path, outcome: Outcome, processes: Processes) -> None:
+    """What the run left behind: exceptions logged, spool files, operations not answered."""
+    for name in (f"control-plane-{stack.broker}", f"runner-{stack.broker}"):
+        outcome.log_errors += exceptions_logged(processes.log(name))
+    spool = stack.spool(work)
+    outcome.spool_left = len(list(spool.iterdir())) if spool.exists() else 0
+    from django.db import connections
+
+    from homes.models import HomeOperation, OperationState
+
+    rows = HomeOperation.objects.filter(runner_id=stack.runner_id).exclude(
+        state=OperationState.ANSWERED
+    )
+    outcome.unanswered = Counter(rows.values_list("state", flat=True))
+    connections.close_all()
+
+
+def measure(
+    stack: Stack,
+    token: str,
+    work: Path,
+    source: Path,
+    digest: str,
+    plan: Plan,
+    outcome: Outcome,
+) -> None:
+    with api_client(stack, token) as api:
+        wait_online(api, stack)
+        step(f"{stack.broker}: making {LISTED_FILES:,} files in the lister's big/ on disk")
+        make_small_files(stack.home(work, stack.lister) / "big", LISTED_FILES)
+        step(f"{stack.broker}: 1. listing big/ (limit {LIST_LIMIT}), {plan.samples} times")
+        outcome.listing = timed_gets(
+            api,
+            home_api(stack.lister, "entries/"),
+            {"path": "big", "limit": LIST_LIMIT},
+            lambda b: (
+                ""
+                if b["total"] == LISTED_FILES and len(b["entries"]) == LIST_LIMIT
+                else f"the listing had {b['total']} in all, {len(b['entries'])} listed"
+            ),
+            plan,
+        )
+        total = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
+        step(f"{stack.broker}: making {total:,} files in the hoarder's home on disk")
+        make_small_files(stack.home(work, stack.hoarder), total, USAGE_PER_DIRECTORY)
+        step(f"{stack.broker}: 4. the usage walk, then the summary {plan.samples} times")
+        outcome.usage = measure_usage(api, stack, plan)
+        step(
+            f"{stack.broker}: 2-3. {plan.rounds} rounds of cp, download, cp, upload of "
+            f"{plan.size // MIB} MiB, RSS watched"
+        )
+        (stack.home(work, stack.carrier)).mkdir(parents=True, exist_ok=True)
+        outcome.transfers = measure_transfers(api, stack, work, source, digest, plan)
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    quick: bool = False
+    brokers: tuple[str, ...] = BROKERS
+    size: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    load: float | None = None
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def throughput(size: int, seconds: Sequence[float]) -> float | None:
+    return None if not seconds else size / MIB / statistics.median(seconds)
+
+
+COLUMN = {"filesystem": "covey fs", "redis": "covey redis"}
+
+
+def report(results: Results) -> str:
+    out: list[str] = []
+    add = out.append
+    outcomes = results.outcomes
+    brokers = [b for b in results.brokers if b in outcomes]
+    size_mib = results.size // MIB
+    add("")
+    add("=" * 100)
+    add(
+        "covey homes from outside: listing, transfers vs cp, memory, kept usage; one remote "
+        "runner" + (" (--quick)" if results.quick else "")
+    )
+    for key, value in results.versions.items():
+        add(f"  {key:<14} {value}")
+    if results.load is not None:
+        add(f"  {'machine':<14} {os.cpu_count()} cores, load average {results.load:.2f} at start")
+    add("")
+    head = f"{'metric':<58}" + "".join(f"{COLUMN[b]:>14}" for b in brokers)
+    add(head)
+    add("-" * len(head))
+
+    def row(label: str, cell: Callable[[Outcome], str]) -> None:
+        add(f"{label:<58}" + "".join(f"{cell(outcomes[b]):>14}" for b in brokers))
+
+    def counts(values: Callable[[Outcome], Sequence[object]]) -> str:
+        return "/".join(str(len(values(outcomes[b]))) for b in brokers)
+
+    listed = counts(lambda o: o.listing.ms)
+    row(
+        f"list {LISTED_FILES:,} files, limit {LIST_LIMIT}: p50 (ms, n={listed})",
+        lambda o: fmt(o.listing.p(50)),
+    )
+    row("  p95 (ms)", lambda o: fmt(o.listing.p(95)))
+    files = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
+    row(f"usage walk of {files:,} files, GET usage/ (ms)", lambda o: fmt(o.usage.walk_ms))
+    row("  the runner's walk, as it measured it (ms)", lambda o: fmt(o.usage.runner_walk_ms))
+    row(
+        f"summary GET home/ (kept figure): p50 (ms, n={counts(lambda o: o.usage.summary.ms)})",
+        lambda o: fmt(o.usage.summary.p(50), 1),
+    )
+    row("  p95 (ms)", lambda o: fmt(o.usage.summary.p(95), 1))
+
+    def rate(o: Outcome, kind: str) -> float | None:
+        return throughput(results.size, getattr(o.transfers, kind))
+
+    def extremes(o: Outcome, kind: str) -> str:
+        seconds: list[float] = getattr(o.transfers, kind)
+        return f"{max(seconds):.2f}, {min(seconds):.2f}" if seconds else "-"
+
+    row(
+        f"cp {size_mib} MiB, median (MiB/s, n={counts(lambda o: o.transfers.cp)})",
+        lambda o: fmt(rate(o, "cp")),
+    )
+    row("  cp then sync FILE (fsync), median (MiB/s)", lambda o: fmt(rate(o, "cp_sync")))
+    row("  slowest, fastest cp (s)", lambda o: extremes(o, "cp"))
+    for kind in ("download", "upload"):
+        taken = counts(lambda o: getattr(o.transfers, kind))  # noqa: B023 - called at once
+        row(f"{kind} {size_mib} MiB, median (MiB/s, n={taken})", partial(cell_speed, rate, kind))
+        row("  / cp", partial(cell_ratio, rate, kind, "cp"))
+        row("  / cp then fsync", partial(cell_ratio, rate, kind, "cp_sync"))
+        row("  slowest, fastest (s)", partial(extremes, kind=kind))
+    row(
+        "transfers intact (sha256 of both ends)",
+        lambda o: f"{o.transfers.intact}/{len(o.transfers.download) + len(o.transfers.upload)}",
+    )
+    row(
+        "requests failed (listing, summary, transfers)",
+        lambda o: str(
+            sum(o.listing.errors.values())
+            + sum(o.usage.summary.errors.values())
+            + sum(o.transfers.errors.values())
+        ),
+    )
+    row("exceptions in the covey processes' logs", lambda o: str(sum(o.log_errors.values())))
+    row("files left in the spool", lambda o: str(o.spool_left))
+    row("home operations not answered", lambda o: str(sum(o.unanswered.values())))
+
+    add("")
+    add(
+        "RSS of each covey process during the transfers (MiB): peak minus just before "
+        "(just before -> peak)"
+    )
+    for broker in brokers:
+        t = outcomes[broker].transfers
+        add(f"  {COLUMN[broker]} ({t.rss_samples} samples, every {RSS_POLL} s)")
+        for process in t.processes:
+            before = "-" if process.before is None else f"{process.before / MIB:.1f}"
+            add(
+                f"    {process.role:<30} pid {process.pid:<8} {signed(process.growth_mib):>8}"
+                f"   ({before} -> {process.peak / MIB:.1f})"
+            )
+
+    add("")
+    add("targets")
+
+    def target(name: str, figures: str, ok: bool | None) -> None:
+        add(f"  {name:<52}{figures:<36}{verdict(ok)}")
+
+    for broker in brokers:
+        o = outcomes[broker]
+        column = COLUMN[broker]
+        p50 = o.listing.p(50)
+        target(
+            f"list {LISTED_FILES:,}: p50 < {LIST_P50_MS:.0f} ms ({column})",
+            f"{fmt(p50)} ms",
+            None if p50 is None else p50 < LIST_P50_MS,
+        )
+        cp = throughput(results.size, o.transfers.cp)
+        for kind in ("download", "upload"):
+            speed = throughput(results.size, getattr(o.transfers, kind))
+            target(
+                f"{kind} >= {TRANSFER_SHARE:.0%} of cp ({column})",
+                f"{fmt(speed)} vs {fmt(cp)} MiB/s: {ratio(speed, cp)}",
+                None if speed is None or cp is None else speed >= TRANSFER_SHARE * cp,
+            )
+        intact = o.transfers.intact == len(o.transfers.download) + len(o.transfers.upload)
+        target(
+            f"transfers intact ({column})",
+            f"{o.transfers.intact} intact, {len(o.transfers.corrupt)} not",
+            intact and not o.transfers.corrupt and bool(o.transfers.intact),
+        )
+        growths = [g for p in o.transfers.processes if (g := p.growth_mib) is not None]
+        worst = max(growths) if growths else None
+        target(
+            f"RSS growth < {RSS_GROWTH_MIB:.0f} MiB, every process ({column})",
+            f"at most {fmt(worst, 1)} MiB",
+            None if worst is None else worst < RSS_GROWTH_MIB,
+        )
+        p50 = o.usage.summary.p(50)
+        target(
+            f"summary of {files:,} files: p50 < {SUMMARY_P50_MS:.0f} ms ({column})",
+            f"{fmt(p50, 1)} ms",
+            None if p50 is None else p50 < SUMMARY_P50_MS,
+        )
+    for broker in brokers:
+        o = outcomes[broker]
+        problems: Counter[str] = Counter()
+        for where, errors in (
+            ("listing", o.listing.errors),
+            ("summary", o.usage.summary.errors),
+            ("transfers", o.transfers.errors),
+            ("log", o.log_errors),
+        ):
+            for error, n in errors.items():
+                problems[f"{where}: {error}"] += n
+        for state, n in o.unanswered.items():
+            problems[f"operation left {state}"] += n
+        for what in o.transfers.corrupt:
+            problems[f"{what}: sha256 differs"] += 1
+        for problem, n in problems.most_common(8):
+            add(f"  {COLUMN[broker]}: {n} x {problem}")
+    add("=" * 100)
+    return "\n".join(out)
+
+
+def cell_speed(speed: Callable[[Outcome, str], float | None], kind: str, o: Outcome) -> str:
+    return fmt(speed(o, kind))
+
+
+def cell_ratio(
+    speed: Callable[[Outcome, str], float | None], kind: str, floor: str, o: Outcome
+) -> str:
+    return ratio(speed(o, kind), speed(o, floor))
+
+
+def signed(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def run(
+    plan: Plan,
+    results: Results,
+    work: Path,
+    processes: Processes,
+    stack: contextlib.ExitStack,
+) -> None:
+    results.load = os.getloadavg()[0]
+    step(f"working in {work}; load average {results.load:.2f} on {os.cpu_count()} cores")
+    needed = plan.size * 6  # the source, its copy in the home, one transfer, the spool, slack
+    free = shutil.disk_usage(work).free
+    if free < needed:
+        raise BenchError(f"{free // MIB} MiB free in {work}: the bench needs {needed // MIB}")
+    stacks = [Stack(broker, free_port()) for broker in results.brokers]
+
+    step("migrating a SQLite database; organisations, runners and agents")
+    var_dir = work / "var"
+    token = prepare_database(var_dir, stacks)
+    env = django_env(var_dir)
+    redis_port, redis_version = None, "-"
+    if "redis" in results.brokers:
+        redis_port, redis_version = start_redis(processes, work)
+        step(f"redis-server {redis_version} on 127.0.0.1:{redis_port}")
+    for each in stacks:
+        own = broker_env(env, each, redis_port)
+        start_control_plane(processes, own, each, work)
+        start_runner(processes, own, each, work)
+        step(f"{each.broker}: control plane on {each.url}, runner {each.runner_name} ready")
+
+    from importlib.metadata import version
+
+    results.versions = {
+        "python": platform.python_version(),
+        "control plane": f"gunicorn {version('gunicorn')}, {GUNICORN_WORKERS} workers x 8 "
+        f"threads (gthread), Django {version('django')}, SQLite",
+        "runner": f"manage.py runner, Celery {version('celery')} (threads), "
+        f"heartbeat {HEARTBEAT_SECONDS} s",
+        "brokers": "filesystem (kombu's file-system transport, polled every 50 ms)"
+        + (f"; redis (redis-server {redis_version}, loopback)" if redis_port else ""),
+        "client": f"httpx {version('httpx')}, one keep-alive connection per broker",
+        "disk": f"{work} ({free // (1024 * MIB)} GiB free at start), one filesystem for all",
+    }
+
+    client = work / "client"
+    client.mkdir()
+    source = client / "up.bin"
+    step(f"writing {plan.size // MIB} MiB of random bytes to {source}")
+    digest = make_random_file(source, plan.size)
+    for each in stacks:
+        outcome = results.outcomes.setdefault(each.broker, Outcome())
+        try:
+            measure(each, token, work, source, digest, plan, outcome)
+        finally:
+            leftovers(each, work, outcome, processes)
+        shutil.rmtree(work / "homes" / str(each.runner_id), ignore_errors=True)  # its disk back
+    step("done; stopping everything")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument(
+        "--quick", action="store_true", help="256 MiB transfers, 10 samples (a smoke run)"
+    )
+    parser.add_argument(
+        "--broker",
+        choices=(*BROKERS, "both"),
+        default="both",
+        help="the Celery broker(s) to measure covey with (default: both)",
+    )
+    args = parser.parse_args(argv)
+    plan = Plan.make(args.quick)
+    results = Results(
+        quick=args.quick,
+        brokers=BROKERS if args.broker == "both" else (args.broker,),
+        size=plan.size,
+    )
+    failed = run_bench(
+        "covey-bench-homes-",
+        plan.time_limit,
+        lambda work, processes, stack: run(plan, results, work, processes, stack),
+    )
+    print(report(results), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Homes on the control plane, without a runner: where a home is and what is refused before
+anything is ordered (offline, a run active, over quota, too large), what a runner may take and
+answer, and the pruning of operations and spool files."""
+
+import os
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from homes import services
+from homes.models import HomeChange, HomeOperation, OperationState
+from homes.services import HomeProblem
+from runners.models import Runner
+from runners.protocol import HomeOp
+from runs import services as runs
+from tests.factories import AgentFactory, online_runner, runner_api
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def agent(acme):
+    return AgentFactory(organisation=acme, name="Keeper")
+
+
+def test_an_agent_without_a_home_gets_one_where_its_runs_would_go(agent, acme, orders):
+    runner, _ = online_runner(acme)
+    assert services.holder(agent) == runner
+    agent.refresh_from_db()
+    assert agent.home_runner == runner
+
+
+def test_a_home_on_an_offline_runner_says_which_runner_and_since_when(agent, acme):
+    runner, _ = online_runner(acme)
+    agent.home_runner = runner
+    agent.save()
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=timezone.now() - timedelta(hours=2))
+    agent.refresh_from_db()
+    with pytest.raises(HomeProblem) as problem:
+        services.holder(agent)
+    assert problem.value.status == 503
+    assert "on runner edge-1: it has been silent since" in problem.value.detail
+    assert "(7200 s)" in problem.value.detail or "(7199 s)" in problem.value.detail
+    Runner.objects.filter(pk=runner.pk).update(last_seen_at=None)
+    agent.refresh_from_db()
+    with pytest.raises(HomeProblem, match="never been heard from"):
+        services.holder(agent)
+
+
+def test_no_runner_for_a_new_home_is_a_503_saying_why(agent):
+    Runner.objects.filter(organisation=agent.organisation).delete()
+    with pytest.raises(HomeProblem) as problem:
+        services.holder(agent)
+    assert problem.value.status == 503 and "has no runner; register one" in problem.value.detail
+
+
+def test_a_change_while_a_run_is_active_is_refused_and_recorded(
+    agent, acme, alice, orders, django_capture_on_commit_callbacks
+):
+    online_runner(acme)
+    with django_capture_on_commit_callbacks(execute=True):
+        run = runs.queue_run(agent, "work")
+    assert run.status == "placed"
+    with pytest.raises(HomeProblem) as problem, django_capture_on_commit_callbacks(execute=True):
+        services.change(agent, alice, HomeOp.MKDIR, "x")
+    assert problem.value.status == 409 and str(run.pk) in problem.value.detail
+    assert [kind for kind, _, _ in orders] == ["launch"]  # the run's; no home order
+    assert not HomeOperation.objects.exists()
+    (change,) = HomeChange.objects.all()
+    assert (change.by_name, change.operation, change.path, change.status) == (
+        "alice", "mkdir", "x", 409,
+    )  # fmt: skip
+
+
+def test_uploads_past_the_quota_or_the_cap_are_refused_before_their_bytes(agent, settings):
+    settings.COVEY_HOME_UPLOAD_MAX_MB = 1
+    agent.home_quota_mb = 1
+    agent.home_bytes, agent.home_files = 1024 * 1024 - 100, 1
+    agent.save()
+    with pytest.raises(HomeProblem, match=r"100 bytes more would pass it|101 bytes"):
+        services.check_upload(agent, "new", 101, replace=False)
+    services.check_upload(agent, "new", 100, replace=False)
+    with pytest.raises(HomeProblem) as problem:
+        services.check_upload(agent, "new", 2 * 1024 * 1024, replace=False)
+    assert problem.value.status == 413
+    assert "more than one upload may carry (1.0 MiB)" in problem.value.detail
+
+
+def test_a_runner_takes_only_its_own_operations_once_and_not_once_given_up(
+    agent, acme, globex, orders, django_capture_on_commit_callbacks
+):
+    runner, token = online_runner(acme)
+    _, other_token = online_runner(globex, "edge-9")
+    with django_capture_on_commit_callbacks(execute=True):
+        op = services.order(agent, HomeOp.LIST, path="")
+    assert orders == [("home", runner.pk, str(op.pk))]
+    client = runner_api(APIClient(), token)
+    foreign = runner_api(APIClient(), other_token)
+    assert foreign.post(f"/api/v1/runner/home/{op.pk}/take/").status_code == 404
+    taken = client.post(f"/api/v1/runner/home/{op.pk}/take/")
+    assert taken.status_code == 200 and taken.json()["kind"] == "list"
+    assert client.post(f"/api/v1/runner/home/{op.pk}/take/").status_code == 410
+    answered = client.post(
+        f"/api/v1/runner/home/{op.pk}/answer/", {"status": 200, "total": 3}, format="json"
+    )
+    assert answered.status_code == 204
+    op.refresh_from_db()
+    assert op.state == OperationState.ANSWERED and services.answer_of(op).total == 3
+
+    late = services.order(agent, HomeOp.STAT, path="x")
+    HomeOperation.objects.filter(pk=late.pk).update(state=OperationState.ABANDONED)
+    assert client.post(f"/api/v1/runner/home/{late.pk}/take/").status_code == 410
+    bad = client.post(f"/api/v1/runner/home/{op.pk}/answer/", {"status": "x"}, format="json")
+    assert bad.status_code in (400, 410)
+
+
+def test_old_operations_and_stray_spool_files_are_pruned(agent, acme, orders, settings, tmp_path):
+    settings.COVEY_HOME_SPOOL = tmp_path / "spool"
+    online_runner(acme)
+    old = services.order(agent, HomeOp.LIST)
+    new = services.order(agent, HomeOp.LIST)
+    HomeOperation.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(hours=2))
+    stray = services.download_path(uuid.uuid4())
+    stray.write_bytes(b"left by a killed web process")
+    an_hour_ago = time.time() - 2 * 3600
+    os.utime(stray, (an_hour_ago, an_hour_ago))
+    kept = services.download_path(new.pk)
+    kept.write_bytes(b"being read")
+    os.utime(kept, (an_hour_ago, an_hour_ago))
+    assert services.prune() == 1
+    assert list(HomeOperation.objects.values_list("pk", flat=True)) == [new.pk]
+    assert not stray.exists() and kept.exists()
+
+
+def test_a_download_name_is_said_safely():
+    said = services.attachment('ré"port\n.txt')
+    assert said == "attachment; filename=\"r?_port_.txt\"; filename*=UTF-8''r%C3%A9%22port%0A.txt"

@@ -1,0 +1,112 @@
+"""A runner host serving homes to people outside (runners/host/serving.py), on the in-memory
+seams (tests/fakes.py): what it answers for each operation, what it refuses and why, and that
+changes wait for no sandbox of the agent. No Docker, Redis or PostgreSQL; the same paths run for
+real in tests/homes/test_api.py."""
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from runners.protocol import HomeOp, HomeOrder
+from tests.runners.test_runner_logic import RUN, Host, spec
+
+AGENT = 7
+
+
+@pytest.fixture
+def host(tmp_path):
+    return Host(tmp_path)
+
+
+def serve(host: Host, kind: HomeOp, operation: str = "op-1", **fields):
+    host.control.home_orders[operation] = HomeOrder(operation, AGENT, kind, **fields)
+    host.host.serving.serve(1, host.control, operation)  # type: ignore[arg-type]
+    return host.control.answers.get(operation)
+
+
+def home(host: Host):
+    return host.host.settings.homes / "1" / str(AGENT)
+
+
+def test_an_upload_is_written_whole_with_what_it_did_to_the_usage(host):
+    host.control.uploads["op-1"] = b"x" * 2500
+    answer = serve(host, HomeOp.WRITE, path="a/b.bin", size=2500)
+    assert (answer.status, answer.entry.size, answer.bytes_delta, answer.files_delta) == (
+        201, 2500, 2500, 1,
+    )  # fmt: skip
+    host.control.uploads["op-2"] = b"y" * 100
+    again = serve(host, HomeOp.WRITE, "op-2", path="a/b.bin", size=100, replace=True)
+    assert (again.status, again.bytes_delta, again.files_delta) == (200, -2400, 0)
+    assert (home(host) / "a" / "b.bin").read_bytes() == b"y" * 100
+
+
+def test_an_upload_past_the_room_left_or_broken_off_leaves_nothing(host):
+    host.control.uploads["op-1"] = b"x" * 2500
+    answer = serve(host, HomeOp.WRITE, path="big", size=2500, room=1000)
+    assert answer.status == 413 and "room for 1,000 bytes" in answer.detail
+    host.control.uploads["op-broken"] = b"x" * 2500
+    broken = serve(host, HomeOp.WRITE, "op-broken", path="cut", size=2500)
+    assert broken.status == 502 and "did not come whole" in broken.detail
+    assert os.listdir(home(host)) == []  # no draft left either
+
+
+def test_the_first_change_to_a_home_with_no_figure_measures_it(host):
+    (home(host)).mkdir(parents=True)
+    (home(host) / "old").write_bytes(b"z" * 40)
+    answer = serve(host, HomeOp.MKDIR, path="new", measure=True)
+    assert answer.status == 201 and (answer.usage.bytes, answer.usage.files) == (40, 1)
+
+
+def test_changes_are_refused_while_a_sandbox_of_the_agent_runs_and_reads_are_not(host):
+    host.order(spec())  # agent 7's run is running
+    home(host).mkdir(parents=True, exist_ok=True)
+    (home(host) / "notes").write_text("hi")
+    refused = serve(host, HomeOp.DELETE, path="notes")
+    assert refused.status == 409 and f"run {RUN} of this agent is active" in refused.detail
+    assert (home(host) / "notes").exists()
+    assert serve(host, HomeOp.STAT, "op-2", path="notes").entry.size == 2
+    allowed = serve(host, HomeOp.DELETE, "op-3", path="notes", during_runs=True)
+    assert allowed.status == 200 and allowed.bytes_delta == -2
+
+
+def test_a_sandbox_left_from_before_a_restart_counts_as_running(host):
+    host.engine.add("left-over", agent_id=AGENT)  # not launched by this process
+    refused = serve(host, HomeOp.MKDIR, path="x")
+    assert refused.status == 409 and "run left-over" in refused.detail
+
+
+def test_downloads_stream_a_file_or_a_tar_and_refusals_say_why(host):
+    home(host).mkdir(parents=True)
+    (home(host) / "data.bin").write_bytes(b"d" * 3000)
+    os.symlink("/etc/passwd", home(host) / "link")
+    serve(host, HomeOp.READ, path="data.bin")
+    assert host.control.sent["op-1"] == b"d" * 3000
+    assert host.control.answers["op-1"].entry.size == 3000
+    serve(host, HomeOp.ARCHIVE, "op-2")
+    with tarfile.open(fileobj=io.BytesIO(host.control.sent["op-2"])) as tar:
+        assert tar.extractfile("home/data.bin").read() == b"d" * 3000
+        assert "link" in tar.extractfile("home/covey-skipped.txt").read().decode()
+    refused = serve(host, HomeOp.READ, "op-3", path="link")
+    assert refused.status == 400 and "op-3" not in host.control.sent
+    assert serve(host, HomeOp.READ, "op-4", path="../etc").status == 400
+    assert serve(host, HomeOp.STAT, "op-5", path="nowhere").status == 404
+
+
+def test_listing_pages_and_usage_of_a_directory(host):
+    home(host).mkdir(parents=True)
+    for n in range(30):
+        (home(host) / f"f{n:02}").write_bytes(b"x" * n)
+    page = serve(host, HomeOp.LIST, offset=10, limit=5)
+    assert page.total == 30
+    assert [e.name for e in page.entries] == ["f10", "f11", "f12", "f13", "f14"]
+    usage = serve(host, HomeOp.USAGE, "op-2")
+    assert (usage.space.bytes, usage.space.files) == (sum(range(30)), 30)
+    assert usage.usage.bytes == sum(range(30))  # the whole home: the figure to keep
+    assert usage.space.largest_files[0].path == "f29"
+
+
+def test_an_order_no_longer_wanted_is_left_alone(host):
+    host.host.serving.serve(1, host.control, "never-ordered")
+    assert host.control.answers == {}
