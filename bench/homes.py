@@ -23,28 +23,34 @@ as the runner host would find them. For each broker it measures, with ``httpx`` 
 connection, each time from just before the request until the response is read (and parsed):
 
 1. listing: 10,000 small files in ``big/``; ``GET /api/v1/agents/{id}/home/entries/?path=big
-   &limit=1000`` (a few untimed warm-ups first), N times: p50 and p95. Target: p50 < 300 ms.
+   &limit=1000``, N times: p50 and p95. Target: p50 < 300 ms. The floor, interleaved with it
+   (one each in turn, after a few untimed warm-ups of both): the same page made by the runner
+   host's own code, ``runners.host.homes.Home.listing``, in the bench's process (no API, no
+   broker, no JSON).
 2. transfers of one file of 1 GiB of random bytes (256 MiB with ``--quick``), interleaved with
    ``cp`` of a file of the same size on the same disk, in rounds of: ``cp`` (the home's file to
    the client's folder), download (``GET …/home/download/?path=``, streamed by ``httpx`` into a
    file), ``cp`` (the client's file into the home's folder), upload (``PUT …/home/file/?path=``,
    its body a generator of 1 MiB chunks read from the file, with ``Content-Length``; answered
    once the runner has written, fsynced and renamed the file). 3 rounds; medians, in MiB/s
-   (1 MiB = 1,048,576 bytes), and the ratio to ``cp``'s median. Every transfer is verified: the
-   sha256 of what arrived (the downloaded file, the file in the home on disk) against the
-   source's. The time of a ``sync FILE`` (fsync) after each ``cp`` is shown too, apart (the runner
-   fsyncs every upload; ``cp`` does not). Nothing is dropped from the page cache: with this much
-   memory free, the files are read from memory on every path alike. Target: each direction at
-   least 50% of ``cp``'s throughput.
+   (1 MiB = 1,048,576 bytes), and the ratio to ``cp``'s median (its 6 copies). Every transfer is
+   verified: the sha256 of what arrived (the downloaded file, the file in the home on disk)
+   against the source's. The time of a ``sync FILE`` (fsync) after each ``cp`` is shown too,
+   apart (the runner fsyncs every upload; ``cp`` does not). Nothing is dropped from the page
+   cache: with this much memory free, the files are read from memory on every path alike (the
+   disk is synced before the first round). Target: each direction at least 50% of ``cp``'s
+   throughput.
 3. memory: the RSS of every covey process (the gunicorn master and its workers, the runner and
    any child of it) sampled every 0.1 s on a thread (psutil) throughout the transfers; per
-   process, its peak minus its RSS just before the first transfer. Target: < 64 MiB each.
+   process, its peak minus its RSS just before the first transfer. Target: < 64 MiB each. Where
+   the time goes: the CPU time (user + system) each process spent during the downloads and
+   during the uploads, per GiB moved.
 4. usage: 100,000 small files in another agent's home (100 directories of 1,000). First
    ``GET …/home/usage/`` once, which has the runner walk the whole home and the control plane
    keep the figure: its time end to end is the walk's cost (the runner's own measure of the
    walk is shown too). Then ``GET /api/v1/agents/{id}/home/`` (the summary, which reads the kept
    figure and asks no runner), N times: p50 and p95; each must say 100,000 files. Target: p50 <
-   100 ms.
+   100 ms. The floor, interleaved: ``GET /api/v1/agents/{id}/``, the same agent through the API.
 
 N is 30 (10 with ``--quick``). It ends with a table of the figures and the targets, met or not,
 and says what went wrong: failed requests, exceptions in the covey processes' logs, files left
@@ -97,6 +103,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     verdict,
     wait_until,
 )
+from runners.host.homes import Home  # noqa: E402 - after the path is set
 
 BROKERS = ("filesystem", "redis")
 GUNICORN_WORKERS = 2
@@ -352,37 +359,50 @@ class Timings:
         return percentile(self.ms, q) if self.ms else None
 
 
-def timed_gets(
+def timed_get(
     api: httpx.Client,
     path: str,
     params: dict[str, str | int],
     check: Callable[[dict[str, Any]], str],
-    plan: Plan,
-) -> Timings:
-    """Warm up, then N GETs one after another: ms from before the request to the parsed JSON.
+    into: Timings,
+) -> None:
+    """One GET: ms from before the request to the parsed JSON, or the reason it failed.
     ``check`` says what is wrong with an answer ('' when nothing)."""
-    result = Timings()
-    for _ in range(plan.warmup):
+    started = time.perf_counter()
+    try:
         response = api.get(path, params=params)
-        if response.status_code != 200:
-            raise BenchError(f"GET {path}: {response.status_code} {response.text[:300]}")
+        body = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        into.errors[f"{type(exc).__name__}: {str(exc)[:100]}"] += 1
+        return
+    elapsed = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        into.errors[f"{response.status_code}: {str(body)[:100]}"] += 1
+    elif wrong := check(body):
+        into.errors[wrong] += 1
+    else:
+        into.ms.append(elapsed)
+
+
+def timed_local(doing: Callable[[], object], into: Timings) -> None:
+    started = time.perf_counter()
+    doing()
+    into.ms.append((time.perf_counter() - started) * 1000)
+
+
+def interleaved(
+    plan: Plan,
+    measured: Callable[[Timings], None],
+    floor: Callable[[Timings], None],
+    into: tuple[Timings, Timings],
+) -> None:
+    """Warm both up (untimed), then N samples of each, one after the other."""
+    for _ in range(plan.warmup):
+        measured(Timings())
+        floor(Timings())
     for _ in range(plan.samples):
-        started = time.perf_counter()
-        try:
-            response = api.get(path, params=params)
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            result.errors[f"{type(exc).__name__}: {str(exc)[:100]}"] += 1
-            continue
-        elapsed = (time.perf_counter() - started) * 1000
-        if response.status_code != 200:
-            result.errors[f"{response.status_code}: {str(body)[:100]}"] += 1
-            continue
-        if wrong := check(body):
-            result.errors[wrong] += 1
-            continue
-        result.ms.append(elapsed)
-    return result
+        floor(into[1])
+        measured(into[0])
 
 
 @dataclass
@@ -391,49 +411,86 @@ class Process:
     pid: int
     before: int | None = None  # RSS just before the transfers (bytes)
     peak: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds in downloads, uploads
 
     @property
     def growth_mib(self) -> float | None:
         return None if self.before is None else (self.peak - self.before) / MIB
 
 
-class RssWatch:
-    """The RSS of every process in the trees of the given roots, every RSS_POLL s on a thread:
-    for each process (children found as they come), before the start and its peak."""
+def child_role(role: str, child: psutil.Process) -> str:
+    if role == "gunicorn master":
+        return "gunicorn worker"
+    return f"{role}'s child {child.name()}"
+
+
+class Watch:
+    """The RSS of every process in the trees of the given roots (role: pid), every RSS_POLL s
+    on a thread: for each process (children found as they come), its RSS before the start and
+    its peak; and the CPU time each spends in what :meth:`cpu` is asked to count."""
 
     def __init__(self, roots: dict[str, int]) -> None:
         self.roots = roots
         self.seen: dict[int, Process] = {}
         self.samples = 0
+        self._handles: dict[int, psutil.Process] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="bench-rss", daemon=True)
 
     def _sample(self, first: bool) -> None:
-        for role, pid in self.roots.items():
-            try:
-                root = psutil.Process(pid)
-                tree = [(role, root)] + [
-                    (f"{role} child {child.name()}", child)
-                    for child in root.children(recursive=True)
-                ]
-            except psutil.Error:
-                continue
-            for name, process in tree:
+        with self._lock:
+            for role, pid in self.roots.items():
                 try:
-                    rss = process.memory_info().rss
+                    root = psutil.Process(pid)
+                    tree = [(role, root)] + [
+                        (
+                            f"{role} {'worker' if role == 'gunicorn' else 'child'} {child.name()}",
+                            child,
+                        )
+                        for child in root.children(recursive=True)
+                    ]
                 except psutil.Error:
                     continue
-                seen = self.seen.setdefault(process.pid, Process(name, process.pid))
-                if first:
-                    seen.before = rss
-                seen.peak = max(seen.peak, rss)
-        self.samples += 1
+                for name, process in tree:
+                    try:
+                        rss = process.memory_info().rss
+                    except psutil.Error:
+                        continue
+                    seen = self.seen.setdefault(process.pid, Process(name, process.pid))
+                    self._handles.setdefault(process.pid, process)
+                    if first:
+                        seen.before = rss
+                    seen.peak = max(seen.peak, rss)
+            self.samples += 1
+
+    def _cpu(self) -> dict[int, float]:
+        times = {}
+        with self._lock:
+            for pid, process in self._handles.items():
+                with contextlib.suppress(psutil.Error):
+                    used = process.cpu_times()
+                    times[pid] = used.user + used.system
+        return times
+
+    @contextlib.contextmanager
+    def cpu(self, kind: str) -> Iterator[None]:
+        """Count the CPU time each process uses meanwhile as spent in ``kind``."""
+        self._sample(first=False)  # a child that came since is counted from now
+        before = self._cpu()
+        try:
+            yield
+        finally:
+            for pid, seconds in self._cpu().items():
+                process = self.seen[pid]
+                used = seconds - before.get(pid, seconds)
+                process.cpu[kind] = process.cpu.get(kind, 0.0) + used
 
     def _watch(self) -> None:
         while not self._stop.wait(RSS_POLL):
             self._sample(first=False)
 
-    def __enter__(self) -> "RssWatch":
+    def __enter__(self) -> "Watch":
         self._sample(first=True)
         self._thread.start()
         return self
@@ -523,7 +580,8 @@ def measure_transfers(
     home = stack.home(work, stack.carrier)
     client = work / "client"
     shutil.copyfile(source, home / "big.bin")  # the file to download, in the home
-    roots = {"gunicorn": stack.control_plane.pid, "runner": stack.runner.pid}
+    os.sync()  # what came before is on disk: the first round starts on a quiet disk
+    roots = {"gunicorn master": stack.control_plane.pid, "runner": stack.runner.pid}
 
     def attempt(what: str, doing: Callable[[], None]) -> None:
         try:
@@ -561,12 +619,14 @@ def measure_transfers(
         if deleted.status_code != 204:
             raise BenchError(f"delete answered {deleted.status_code}: {deleted.text[:200]}")
 
-    with RssWatch(roots) as watch:
+    with Watch(roots) as watch:
         for n in range(1, plan.rounds + 1):
             attempt("cp", lambda: cp_once(home / "big.bin", client / "cp.bin"))
-            attempt("download", lambda: download_once(n))  # noqa: B023 - called at once
+            with watch.cpu("download"):
+                attempt("download", lambda: download_once(n))  # noqa: B023 - called at once
             attempt("cp", lambda: cp_once(source, home / "cp.bin"))
-            attempt("upload", lambda: upload_once(n))  # noqa: B023 - called at once
+            with watch.cpu("upload"):
+                attempt("upload", lambda: upload_once(n))  # noqa: B023 - called at once
             print(
                 f"  round {n}/{plan.rounds}: cp {mib_s(plan.size, result.cp[-1:])}, download "
                 f"{mib_s(plan.size, result.download[-1:])}, upload "
@@ -588,6 +648,7 @@ class Usage:
     runner_walk_ms: float | None = None  # the runner's own measure of its walk
     files: int | None = None
     summary: Timings = field(default_factory=Timings)
+    agent: Timings = field(default_factory=Timings)  # GET /api/v1/agents/{id}/, the floor
 
 
 def measure_usage(api: httpx.Client, stack: Stack, plan: Plan) -> Usage:
@@ -602,12 +663,15 @@ def measure_usage(api: httpx.Client, stack: Stack, plan: Plan) -> Usage:
     files = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
     if result.files != files:
         raise BenchError(f"GET usage/ counted {result.files} files, not {files}")
-    result.summary = timed_gets(
-        api,
-        home_api(stack.hoarder),
-        {},
-        lambda b: "" if b["files"] == files else f"the summary said {b['files']} files",
+
+    def said(b: dict[str, Any]) -> str:
+        return "" if b["files"] == files else f"the summary said {b['files']} files"
+
+    interleaved(
         plan,
+        lambda into: timed_get(api, home_api(stack.hoarder), {}, said, into),
+        lambda into: timed_get(api, f"/api/v1/agents/{stack.hoarder}/", {}, lambda b: "", into),
+        (result.summary, result.agent),
     )
     return result
 
@@ -617,6 +681,7 @@ class Outcome:
     """One broker's figures."""
 
     listing: Timings = field(default_factory=Timings)
+    listing_floor: Timings = field(default_factory=Timings)  # Home.listing in this process
     usage: Usage = field(default_factory=Usage)
     transfers: Transfers = field(default_factory=Transfers)
     log_errors: Counter[str] = field(default_factory=Counter)  # the covey processes' logs
@@ -637,7 +702,9 @@ def leftovers(stack: Stack, work: Path, outcome: Outcome, processes: Processes) 
     rows = HomeOperation.objects.filter(runner_id=stack.runner_id).exclude(
         state=OperationState.ANSWERED
     )
-    outcome.unanswered = Counter(rows.values_list("state", flat=True))
+    outcome.unanswered = Counter(
+        f"{kind} {state}" for kind, state in rows.values_list("kind", "state")
+    )
     connections.close_all()
 
 
@@ -654,21 +721,31 @@ def measure(
         wait_online(api, stack)
         step(f"{stack.broker}: making {LISTED_FILES:,} files in the lister's big/ on disk")
         make_small_files(stack.home(work, stack.lister) / "big", LISTED_FILES)
+        os.sync()  # on disk before the listing is timed
         step(f"{stack.broker}: 1. listing big/ (limit {LIST_LIMIT}), {plan.samples} times")
-        outcome.listing = timed_gets(
-            api,
-            home_api(stack.lister, "entries/"),
-            {"path": "big", "limit": LIST_LIMIT},
-            lambda b: (
-                ""
-                if b["total"] == LISTED_FILES and len(b["entries"]) == LIST_LIMIT
-                else f"the listing had {b['total']} in all, {len(b['entries'])} listed"
-            ),
+        home = Home(stack.home(work, stack.lister))
+
+        def listed(b: dict[str, Any]) -> str:
+            if b["total"] == LISTED_FILES and len(b["entries"]) == LIST_LIMIT:
+                return ""
+            return f"the listing had {b['total']} in all, {len(b['entries'])} listed"
+
+        interleaved(
             plan,
+            lambda into: timed_get(
+                api,
+                home_api(stack.lister, "entries/"),
+                {"path": "big", "limit": LIST_LIMIT},
+                listed,
+                into,
+            ),
+            lambda into: timed_local(lambda: home.listing("big", limit=LIST_LIMIT), into),
+            (outcome.listing, outcome.listing_floor),
         )
         total = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
         step(f"{stack.broker}: making {total:,} files in the hoarder's home on disk")
         make_small_files(stack.home(work, stack.hoarder), total, USAGE_PER_DIRECTORY)
+        os.sync()
         step(f"{stack.broker}: 4. the usage walk, then the summary {plan.samples} times")
         outcome.usage = measure_usage(api, stack, plan)
         step(
@@ -738,6 +815,12 @@ def report(results: Results) -> str:
         lambda o: fmt(o.listing.p(50)),
     )
     row("  p95 (ms)", lambda o: fmt(o.listing.p(95)))
+    row(
+        f"  floor: Home.listing here, p50 (ms, n={counts(lambda o: o.listing_floor.ms)})",
+        lambda o: fmt(o.listing_floor.p(50)),
+    )
+    row("  floor p95 (ms)", lambda o: fmt(o.listing_floor.p(95)))
+    row("  p50 / the floor's", lambda o: ratio(o.listing.p(50), o.listing_floor.p(50)))
     files = USAGE_DIRECTORIES * USAGE_PER_DIRECTORY
     row(f"usage walk of {files:,} files, GET usage/ (ms)", lambda o: fmt(o.usage.walk_ms))
     row("  the runner's walk, as it measured it (ms)", lambda o: fmt(o.usage.runner_walk_ms))
@@ -746,6 +829,12 @@ def report(results: Results) -> str:
         lambda o: fmt(o.usage.summary.p(50), 1),
     )
     row("  p95 (ms)", lambda o: fmt(o.usage.summary.p(95), 1))
+    row(
+        f"  floor: GET /api/v1/agents/{{id}}/, p50 (ms, n={counts(lambda o: o.usage.agent.ms)})",
+        lambda o: fmt(o.usage.agent.p(50), 1),
+    )
+    row("  floor p95 (ms)", lambda o: fmt(o.usage.agent.p(95), 1))
+    row("  p50 / the floor's", lambda o: ratio(o.usage.summary.p(50), o.usage.agent.p(50)))
 
     def rate(o: Outcome, kind: str) -> float | None:
         return throughput(results.size, getattr(o.transfers, kind))
@@ -784,17 +873,32 @@ def report(results: Results) -> str:
 
     add("")
     add(
-        "RSS of each covey process during the transfers (MiB): peak minus just before "
-        "(just before -> peak)"
+        "each covey process during the transfers: RSS growth (peak minus just before, MiB), "
+        "and CPU seconds per GiB moved"
+    )
+    phead = (
+        f"  {'process':<34}{'RSS growth':>11}{'before -> peak':>18}{'CPU down':>10}{'CPU up':>10}"
     )
     for broker in brokers:
         t = outcomes[broker].transfers
-        add(f"  {COLUMN[broker]} ({t.rss_samples} samples, every {RSS_POLL} s)")
+        add(f"{COLUMN[broker]} ({t.rss_samples} samples, every {RSS_POLL} s)")
+        add(phead)
+        gib = {
+            kind: len(getattr(t, kind)) * results.size / (1024 * MIB)
+            for kind in ("download", "upload")
+        }
         for process in t.processes:
             before = "-" if process.before is None else f"{process.before / MIB:.1f}"
+            cpu = {
+                kind: fmt(process.cpu[kind] / gib[kind], 2)
+                if gib[kind] and kind in process.cpu
+                else "-"
+                for kind in gib
+            }
+            who, rss = f"{process.role} {process.pid}", f"{before} -> {process.peak / MIB:.1f}"
             add(
-                f"    {process.role:<30} pid {process.pid:<8} {signed(process.growth_mib):>8}"
-                f"   ({before} -> {process.peak / MIB:.1f})"
+                f"  {who:<34}{signed(process.growth_mib):>11}{rss:>18}"
+                f"{cpu['download']:>10}{cpu['upload']:>10}"
             )
 
     add("")

@@ -15,13 +15,15 @@ The agent owns what is inside and may have planted anything there, so nothing is
   none can hang the runner or have side effects.
 - A write goes to a new file beside its target and is renamed over it (``renameat``), which
   replaces a symbolic link at the destination instead of writing through it; what is written
-  belongs to the home's owner.
+  belongs to the home's owner. A write that may not replace, and every move, renames with
+  ``RENAME_NOREPLACE``: a name that appears after the check is never replaced.
 - Archives are streamed and skip what they cannot vouch for, and say so in a file of their own.
 
 Memory stays bounded: files and archives are read and written in chunks. No Django.
 """
 
 import contextlib
+import ctypes
 import errno
 import heapq
 import os
@@ -352,7 +354,10 @@ class Home:
                     file.flush()
                     os.fsync(fd)
                 self._own(fd)
-                os.rename(draft, name, src_dir_fd=parent, dst_dir_fd=parent)
+                if replace:
+                    os.rename(draft, name, src_dir_fd=parent, dst_dir_fd=parent)
+                else:
+                    _rename_new(parent, draft, parent, name, path)
             except BaseException:
                 os.unlink(draft, dir_fd=parent)
                 raise
@@ -388,7 +393,7 @@ class Home:
             _lstat(src, old[-1], source)  # 404 when it is not there
             if _lstat_or_none(dst, new[-1]) is not None:
                 raise HomeError(409, f"{shown(target)} exists")
-            os.rename(old[-1], new[-1], src_dir_fd=src, dst_dir_fd=dst)
+            _rename_new(src, old[-1], dst, new[-1], target)
             return _entry(new[-1], _lstat(dst, new[-1], target), dst)
 
     def delete(self, path: str) -> "Removed":
@@ -577,6 +582,37 @@ class _Bytes:
         end = len(self.data) if size < 0 else self.at + size
         chunk, self.at = self.data[self.at : end], min(end, len(self.data))
         return chunk
+
+
+RENAME_NOREPLACE = 1  # renameat2(2): fail with EEXIST rather than replace the target
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 on; musl 1.2.4 on
+if _renameat2 is not None:
+    _renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    _renameat2.restype = ctypes.c_int
+
+
+def _rename_new(src: int, old: str, dst: int, new: str, target: str) -> None:
+    """Rename ``old`` (in ``src``) to ``new`` (in ``dst``) only if nothing is there: atomic
+    with renameat2's RENAME_NOREPLACE, so a name that appears after it was checked is never
+    replaced (409); where the kernel or file system lacks it, checked just before instead."""
+    if _renameat2 is not None:
+        if _renameat2(src, os.fsencode(old), dst, os.fsencode(new), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise HomeError(409, f"{shown(target)} exists")
+        if code not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(code, os.strerror(code), target)
+    if _lstat_or_none(dst, new) is not None:
+        raise HomeError(409, f"{shown(target)} exists")
+    os.rename(old, new, src_dir_fd=src, dst_dir_fd=dst)
 
 
 def _owner_of(root: Path) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from runners.host import homes
 from runners.host.homes import SKIPPED_FILE, UPLOAD_PREFIX, Home, HomeError, changes, names
 
 SECRET = b"outside the home"
@@ -206,6 +207,35 @@ class TestArchives:
         archive.close()  # the client went
         time.sleep(0.5)
         assert threading.active_count() <= before
+
+
+def unseen(late: str):
+    """_lstat_or_none as it was before ``late`` appeared."""
+    real = homes._lstat_or_none
+    return lambda parent, name: None if name == late else real(parent, name)
+
+
+class TestNothingAppearingIsReplaced:
+    """A name that appears between a move's or a write's check and its rename (the agent, when
+    changes during runs are allowed) is never replaced."""
+
+    def test_a_move_onto_a_name_that_appeared_after_the_check(self, home, monkeypatch):
+        home.write("mine", [b"moved"])
+        home.write("theirs", [b"appeared"])
+        monkeypatch.setattr(homes, "_lstat_or_none", unseen("theirs"))  # checked too early
+        with pytest.raises(HomeError, match="theirs exists") as error:
+            home.move("mine", "theirs")
+        assert error.value.status == 409
+        assert (home.root / "theirs").read_bytes() == b"appeared"
+        assert (home.root / "mine").read_bytes() == b"moved"
+
+    def test_a_write_onto_a_name_that_appeared_after_the_check(self, home, monkeypatch):
+        home.write("theirs", [b"appeared"])
+        monkeypatch.setattr(homes, "_lstat_or_none", unseen("theirs"))
+        with pytest.raises(HomeError, match="theirs exists"):
+            home.write("theirs", [b"mine"])
+        assert (home.root / "theirs").read_bytes() == b"appeared"
+        assert not [n for n in os.listdir(home.root) if n.startswith(UPLOAD_PREFIX)]  # no draft
 
 
 class TestRoomAndRemoval:
