@@ -444,11 +444,7 @@ class Watch:
                 try:
                     root = psutil.Process(pid)
                     tree = [(role, root)] + [
-                        (
-                            f"{role} {'worker' if role == 'gunicorn' else 'child'} {child.name()}",
-                            child,
-                        )
-                        for child in root.children(recursive=True)
+                        (child_role(role, child), child) for child in root.children(recursive=True)
                     ]
                 except psutil.Error:
                     continue
