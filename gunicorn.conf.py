@@ -4,4 +4,4 @@ transfer holds its request for as long as it takes, and the runner streaming it 
 with one request per worker, two downloads would stop the whole API."""
 
 worker_class = "gthread"
-threads = 8
+threads = 32  # a home transfer holds two (COVEY_HOME_TRANSFERS caps them at 8)

@@ -3,18 +3,18 @@
 Run it from the project root; it sets everything up itself and stops by itself::
 
     .venv/bin/python bench/homes.py            # about 5 min: 1 GiB transfers, 30 samples
-    .venv/bin/python bench/homes.py --quick    # about 2 min: 256 MiB transfers, 10 samples
+    .venv/bin/python bench/homes.py --quick    # about 3 min: 256 MiB transfers, 10 samples
 
 Everything runs on this machine, on loopback, in a temporary directory (one filesystem: the
 homes, the control plane's spool and the client's files are on the same disk). The bench makes a
 SQLite database there (``manage.py migrate``), a superuser and its API token, and for each
 Celery broker an organisation with one remote runner (registration token, ``runner.json``) and
 three agents whose home is on that runner (``Agent.home_runner`` set in the database). For each
-broker it starts a control plane (gunicorn from the project root, so ``gunicorn.conf.py``'s
-threaded workers: 2 workers of 8 threads; ``COVEY_BUILTIN_RUNNER=false``,
+broker it starts a control plane (gunicorn, 2 workers, from the project root so that
+``gunicorn.conf.py``'s threaded workers are used; ``COVEY_BUILTIN_RUNNER=false``,
 ``COVEY_EGRESS_ENFORCE=false``; its own ``COVEY_HOME_SPOOL``) and a ``manage.py runner`` with no
-``DATABASE_URL`` (heartbeat every second; Docker must answer, as a runner host checks it, but no
-sandbox is started). The brokers: ``filesystem``, kombu's file-system transport covey uses when
+``DATABASE_URL`` (heartbeat every second; it watches the local Docker engine as every runner host
+does, but no sandbox is started). The brokers: ``filesystem``, kombu's file-system transport covey uses when
 ``CELERY_BROKER_URL`` is unset (polled every 50 ms), and ``redis``, a ``redis-server`` of the
 bench's own on loopback (what production uses). Every home operation is ordered over the broker
 to the runner, which takes it and answers through the runner API; bytes go through the spool.
@@ -65,6 +65,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import statistics
@@ -979,6 +980,44 @@ def signed(value: float | None, digits: int = 1) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def gunicorn_threads() -> str:
+    """What gunicorn.conf.py says of its workers (the file the control plane reads)."""
+    try:
+        text = (ROOT / "gunicorn.conf.py").read_text()
+    except OSError:
+        return "?"
+    kind = re.search(r"^worker_class\s*=\s*[\"'](\w+)[\"']", text, re.MULTILINE)
+    threads = re.search(r"^threads\s*=\s*(\d+)", text, re.MULTILINE)
+    return f"{kind.group(1) if kind else 'sync'}, {threads.group(1) if threads else 1} threads"
+
+
+def code_version() -> str:
+    """The commit measured, and how many tracked files differ from it."""
+    git = shutil.which("git")
+    if git is None:
+        return "?"
+    try:
+        head = subprocess.run(  # noqa: S603 - git with our own arguments
+            [git, "log", "-1", "--format=%h %cd", "--date=format:%Y-%m-%d %H:%M"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(  # noqa: S603 - git with our own arguments
+            [git, "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return f"{head}" + (f", {len(changed)} tracked file(s) changed since" if changed else "")
+
+
 def run(
     plan: Plan,
     results: Results,
@@ -1011,9 +1050,10 @@ def run(
     from importlib.metadata import version
 
     results.versions = {
+        "code": code_version(),
         "python": platform.python_version(),
-        "control plane": f"gunicorn {version('gunicorn')}, {GUNICORN_WORKERS} workers x 8 "
-        f"threads (gthread), Django {version('django')}, SQLite",
+        "control plane": f"gunicorn {version('gunicorn')}, {GUNICORN_WORKERS} workers, "
+        f"gunicorn.conf.py's threads ({gunicorn_threads()}), Django {version('django')}, SQLite",
         "runner": f"manage.py runner, Celery {version('celery')} (threads), "
         f"heartbeat {HEARTBEAT_SECONDS} s",
         "brokers": "filesystem (kombu's file-system transport, polled every 50 ms)"

@@ -225,6 +225,9 @@ COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
 # and the people asking pass through this folder on the control plane's disk.
 COVEY_HOME_WRITES_DURING_RUNS = env.bool("COVEY_HOME_WRITES_DURING_RUNS", default=False)
 COVEY_HOME_UPLOAD_MAX_MB = env.int("COVEY_HOME_UPLOAD_MAX_MB", default=4096)
+# Home transfers (downloads and uploads) at once on this control plane; more are refused with
+# 503 until one ends (each holds two of the web server's threads while it goes).
+COVEY_HOME_TRANSFERS = env.int("COVEY_HOME_TRANSFERS", default=8)
 COVEY_HOME_SPOOL = Path(env.str("COVEY_HOME_SPOOL", default=str(VAR_DIR / "spool")))
 # Under COVEY_EGRESS_ISOLATION=network (read on the runner host): the image of the runner's proxy
 # container (pinned to its ID when the runner starts), and the control plane's URL as that

@@ -112,7 +112,7 @@ class HomeAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         """The browser: a page of one directory, with what may be done there."""
         agent = self._agent(request, object_id)
-        path = request.GET.get("path", "").strip("/")
+        path = request.GET.get("path", "")
         offset = int(request.GET["offset"]) if request.GET.get("offset", "").isdigit() else 0
         listing, total, problem = None, 0, ""
         try:
@@ -160,12 +160,11 @@ class HomeAdmin(admin.ModelAdmin):
         agent = self._agent(request, pk)
         path = request.GET.get("path", "")
         try:
-            entry = services.ask(agent, HomeOp.STAT, path=path).entry
-            archive = not path or (entry is not None and entry.type == "directory")
-            got = services.download(agent, path, archive=archive)
+            got = services.download(agent, path)
         except HomeProblem as exc:
             messages.error(request, exc.detail)
             return self._back(agent, _parent(path))
+        archive = got.archive
         response = StreamingHttpResponse(
             got.chunks,
             content_type="application/x-tar" if archive else "application/octet-stream",
@@ -180,7 +179,7 @@ class HomeAdmin(admin.ModelAdmin):
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
         agent = self._changing(request, pk)
-        directory = request.POST.get("path", "").strip("/")
+        directory = request.POST.get("path", "")
         replace = bool(request.POST.get("replace"))
         done = []
         for file in request.FILES.getlist("files"):
@@ -200,8 +199,8 @@ class HomeAdmin(admin.ModelAdmin):
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
         agent = self._changing(request, pk)
-        directory = request.POST.get("path", "").strip("/")
-        name = request.POST.get("name", "").strip()
+        directory = request.POST.get("path", "")
+        name = request.POST.get("name", "")
         path = f"{directory}/{name}" if directory else name
         try:
             services.change(agent, request.user, HomeOp.MKDIR, path)
@@ -215,7 +214,7 @@ class HomeAdmin(admin.ModelAdmin):
         agent = self._changing(request, pk)
         path = request.GET.get("path", "")
         if request.method == "POST":
-            target = request.POST.get("target", "").strip().strip("/")
+            target = request.POST.get("target", "")
             try:
                 services.change(agent, request.user, HomeOp.MOVE, path, target=target)
             except HomeProblem as exc:
@@ -245,7 +244,7 @@ class HomeAdmin(admin.ModelAdmin):
     def space_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         """What takes the space (a walk, on request), each directory a link to drill into."""
         agent = self._agent(request, pk)
-        path = request.GET.get("path", "").strip("/")
+        path = request.GET.get("path", "")
         context: dict[str, Any] = {
             **self.admin_site.each_context(request),
             "title": f"What takes the space in the home of {agent}",
@@ -263,7 +262,8 @@ class HomeAdmin(admin.ModelAdmin):
                 space=found,
                 space_bytes=size_text(found.bytes),
                 directories=[
-                    {"path": d.path, "size": size_text(d.bytes)} for d in found.largest_directories
+                    {"path": d.path, "size": size_text(d.bytes), "usable": d.usable}
+                    for d in found.largest_directories
                 ],
                 files=[{"path": f.path, "size": size_text(f.bytes)} for f in found.largest_files],
             )

@@ -31,9 +31,15 @@ class HomeOperation(models.Model):
         max_length=16, choices=OperationState.choices, default=OperationState.ORDERED
     )
     answer = models.JSONField(null=True, blank=True, help_text="runners.protocol.HomeAnswer")
+    change = models.ForeignKey(
+        "HomeChange",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        help_text="The audit record of a change, settled by its answer whenever it comes.",
+    )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-    taken_at = models.DateTimeField(null=True, blank=True)
-    answered_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.kind} in the home of {self.agent_id} ({self.state})"
@@ -57,8 +63,13 @@ class HomeChange(models.Model):
     path = models.TextField()
     target = models.TextField(blank=True, help_text="Where a move went.")
     bytes = models.BigIntegerField(default=0, help_text="An upload's size; what a delete removed.")
-    status = models.PositiveSmallIntegerField(help_text="How it went, as HTTP says it.")
+    status = models.PositiveSmallIntegerField(
+        default=0, help_text="How it went, as HTTP says it (0: not known yet)."
+    )
     detail = models.CharField(max_length=500, blank=True)
+    settled = models.BooleanField(
+        default=False, help_text="Its outcome is known: made, refused, or failed on the runner."
+    )
     runner = models.ForeignKey(
         "runners.Runner", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )

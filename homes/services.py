@@ -4,16 +4,19 @@ API (runners/host/serving.py). The control plane never mounts a home.
 
 Bytes never travel in a broker message nor sit whole in memory: a download is streamed by the
 runner into a spool file here (``COVEY_HOME_SPOOL``) which the asker's response reads as it
-grows; an upload is spooled first, then fetched by the runner. The spool is on the control
-plane's own disk, shared by its web processes.
+grows, the runner held back while it is more than WINDOW ahead of the reader; an upload is
+spooled first, then fetched by the runner. The spool is on the control plane's own disk, shared
+by its web processes (one control-plane host). At most ``COVEY_HOME_TRANSFERS`` transfers go at
+once (503 beyond), which bounds the web threads and spool files they take.
 
-A change is recorded (:class:`HomeChange`) whether it was made or refused; while a run of the
-agent is active, changes are refused (409) unless ``COVEY_HOME_WRITES_DURING_RUNS``; an upload
-that would pass the home's quota is refused (413) before its bytes are spooled when its size
-says so, and by the runner as they are written otherwise.
+Every change from outside is recorded (:class:`HomeChange`) before it is ordered, and settled by
+the runner's answer whenever it comes (a late answer after its asker gave up still settles it,
+and moves the kept usage); a refusal before any order is recorded too. While a run of the agent
+is active, changes are refused (409) unless ``COVEY_HOME_WRITES_DURING_RUNS``; an upload that
+would pass the home's quota is refused (413) here when the kept figure says so, and by the
+runner, which holds each write to the quota exactly, otherwise.
 """
 
-import logging
 import os
 import time
 import uuid
@@ -35,6 +38,7 @@ from runners import dispatch
 from runners.models import Runner
 from runners.protocol import (
     CHANGING,
+    TRANSFERS,
     HomeAnswer,
     HomeOp,
     HomeOrder,
@@ -44,13 +48,15 @@ from runners.protocol import (
 from runs.models import ACTIVE, Run
 from runs.placement import place
 
-logger = logging.getLogger(__name__)
-
 CHUNK = 1024 * 1024
+WINDOW = 64 * CHUNK  # how far a runner's download may run ahead of its reader
 TAKE_SECONDS = 10.0  # a runner that has not taken an operation by then is not going to
-ANSWER_SECONDS = 300.0  # the most a look (a listing, a walk for usage) may take
+LOOK_SECONDS = 120.0  # the most a look (a listing, a walk for usage) may take once taken
+CHANGE_SECONDS = 300.0  # the most a change may take once taken, plus a second per MiB it carries
 IDLE_SECONDS = 60.0  # a transfer that stands still this long is broken off
 END = ".end"  # beside a download's spool file once the runner has sent it all (or broke off)
+READ = ".read"  # beside it: how far its reader has got (the runner is held back by it)
+OPEN = (OperationState.ORDERED, OperationState.TAKEN, OperationState.STREAMING)
 
 
 class HomeProblem(Exception):
@@ -65,11 +71,14 @@ class HomeProblem(Exception):
 # --- where the home is, and whether it may change now ------------------------------------------
 
 
-def holder(agent: Agent) -> Runner:
-    """The runner holding the agent's home (an agent that never ran has its home made on the
-    runner its first run would go to); HomeProblem 503 when it is offline or none can."""
+def holder(agent: Agent, *, make: bool) -> Runner:
+    """The runner holding the agent's home. An agent that never ran has its home made (when
+    ``make``: a change) on the runner its first run would go to; HomeProblem 404 for a look at
+    a home not made yet, 503 when its runner is offline or none can take it."""
     runner = agent.home_runner
     if runner is None:
+        if not make:
+            raise HomeProblem(404, "this agent has no home yet: its first run or upload makes it")
         placement = place(agent)
         if placement.runner is None:
             raise HomeProblem(
@@ -110,27 +119,23 @@ def check_changeable(agent: Agent) -> None:
         )
 
 
-def room(agent: Agent) -> int | None:
-    """Bytes the home may still take by the figure kept (None: no quota, or no figure yet, so
-    the runner measures)."""
-    quota = agent.home_quota_bytes
-    if not quota or agent.home_bytes is None:
-        return None
-    return quota - agent.home_bytes
+def upload_cap() -> int:
+    return int(settings.COVEY_HOME_UPLOAD_MAX_MB) * 1024 * 1024
 
 
 def check_upload(agent: Agent, path: str, size: int, replace: bool) -> None:
-    """HomeProblem 413 when an upload of ``size`` bytes is over the cap of one request or would
-    pass the home's quota (a file it replaces counts as room)."""
-    cap = settings.COVEY_HOME_UPLOAD_MAX_MB * 1024 * 1024
-    if size > cap:
+    """HomeProblem 413 when an upload of ``size`` bytes is over the cap of one request or
+    would pass the home's quota by the figure kept (a file it replaces counts as room); the
+    runner holds the write to the quota exactly whatever this says."""
+    if size > upload_cap():
         raise HomeProblem(
-            413, f"{size_text(size)} is more than one upload may carry ({size_text(cap)})"
+            413, f"{size_text(size)} is more than one upload may carry ({size_text(upload_cap())})"
         )
-    left = room(agent)
-    if left is None or size <= left:
+    quota = agent.home_quota_bytes
+    if not quota or agent.home_bytes is None or size <= quota - agent.home_bytes:
         return
-    if replace:
+    left = quota - agent.home_bytes
+    if replace and agent.home_runner is not None:
         try:
             entry = ask(agent, HomeOp.STAT, path=path).entry
         except HomeProblem as exc:
@@ -142,9 +147,9 @@ def check_upload(agent: Agent, path: str, size: int, replace: bool) -> None:
     if size > left:
         raise HomeProblem(
             413,
-            f"the home holds {size_text(agent.home_bytes or 0)} of its quota of"
-            f" {size_text(agent.home_quota_bytes)}: {size_text(size)} more would pass it;"
-            " delete something first, or raise the agent's home quota",
+            f"the home holds {size_text(agent.home_bytes)} of its quota of {size_text(quota)}:"
+            f" {size_text(size)} more would pass it; delete something first, or raise the"
+            " agent's home quota",
         )
 
 
@@ -152,15 +157,34 @@ def check_upload(agent: Agent, path: str, size: int, replace: bool) -> None:
 
 
 def order(
-    agent: Agent, kind: HomeOp, operation: uuid.UUID | None = None, **fields: Any
+    agent: Agent,
+    kind: HomeOp,
+    operation: uuid.UUID | None = None,
+    *,
+    change: HomeChange | None = None,
+    **fields: Any,
 ) -> HomeOperation:
     """Order an operation to the runner holding the home; the HomeOperation to wait on."""
-    runner = holder(agent)
+    runner = holder(agent, make=kind in CHANGING)
+    if kind in TRANSFERS:
+        going = HomeOperation.objects.filter(kind__in=TRANSFERS, state__in=OPEN).count()
+        if going >= settings.COVEY_HOME_TRANSFERS:
+            raise HomeProblem(
+                503,
+                f"{going} home transfers are going already (COVEY_HOME_TRANSFERS): try again"
+                " when one has ended",
+            )
     operation = operation or uuid.uuid4()
-    during = settings.COVEY_HOME_WRITES_DURING_RUNS
-    spec = HomeOrder(str(operation), agent.pk, kind, during_runs=during, **fields)
+    spec = HomeOrder(
+        str(operation),
+        agent.pk,
+        kind,
+        quota=agent.home_quota_bytes,
+        during_runs=settings.COVEY_HOME_WRITES_DURING_RUNS,
+        **fields,
+    )
     op = HomeOperation.objects.create(
-        id=operation, agent=agent, runner=runner, kind=kind, order=spec.to_json()
+        id=operation, agent=agent, runner=runner, kind=kind, order=spec.to_json(), change=change
     )
     transaction.on_commit(lambda: dispatch.send_home(runner, str(operation)))
     return op
@@ -169,46 +193,57 @@ def order(
 def wait(
     op: HomeOperation,
     until: frozenset[str] = frozenset({OperationState.ANSWERED}),
-    within: float = ANSWER_SECONDS,
+    within: float = LOOK_SECONDS,
 ) -> HomeOperation:
     """The operation once it reached a state of ``until`` (or was answered); HomeProblem 503
-    when its runner did not take it in time, 504 when it did not answer in ``within``."""
+    when its runner did not take it in time, 504 when it did not answer ``within`` seconds of
+    taking it (a change may still be made then: its record says so when the answer comes)."""
     started = time.monotonic()
+    taken: float | None = None
     delay = 0.002
     while True:
-        op.refresh_from_db(fields=["state", "answer"])
+        found = HomeOperation.objects.filter(pk=op.pk).values_list("state", "answer").first()
+        if found is None:
+            raise HomeProblem(504, "the operation was given up (pruned) before it was answered")
+        op.state, op.answer = found
         if op.state in until or op.state == OperationState.ANSWERED:
             return op
-        waited = time.monotonic() - started
-        if op.state == OperationState.ORDERED and waited > TAKE_SECONDS and _abandon(op):
-            raise HomeProblem(
-                503,
-                f"runner {op.runner.name} did not take the operation within {TAKE_SECONDS:.0f} s"
-                " (it may be stopping, or not serving homes)",
-            )
-        if waited > within and _abandon(op):
-            raise HomeProblem(
-                504, f"runner {op.runner.name} did not finish the operation within {within:.0f} s"
-            )
+        now = time.monotonic()
+        if op.state == OperationState.ORDERED:
+            if now - started > TAKE_SECONDS and _abandon(op, OperationState.ORDERED):
+                raise HomeProblem(
+                    503,
+                    f"runner {op.runner.name} did not take the operation within"
+                    f" {TAKE_SECONDS:.0f} s (it may be stopping, or not serving homes)",
+                )
+        elif op.state == OperationState.ABANDONED:
+            raise HomeProblem(504, "the operation was given up")
+        else:
+            taken = taken or now
+            if now - taken > within and _abandon(op, *OPEN):
+                raise HomeProblem(
+                    504,
+                    f"runner {op.runner.name} took the operation and did not finish it within"
+                    f" {within:.0f} s",
+                )
         time.sleep(delay)
         delay = min(delay * 1.5, 0.05)
 
 
-def _abandon(op: HomeOperation) -> bool:
-    """Give up on an operation not yet answered (False: it was answered meanwhile)."""
-    return bool(
-        HomeOperation.objects.filter(pk=op.pk)
-        .exclude(state=OperationState.ANSWERED)
-        .update(state=OperationState.ABANDONED)
-    )
+def _abandon(op: HomeOperation, *states: str) -> bool:
+    """Give up on an operation in one of ``states`` (False: it moved on meanwhile)."""
+    given_up = HomeOperation.objects.filter(pk=op.pk, state__in=states)
+    return bool(given_up.update(state=OperationState.ABANDONED))
 
 
 def answer_of(op: HomeOperation) -> HomeAnswer:
-    """The runner's answer; HomeProblem when it is a refusal."""
+    """The runner's answer; HomeProblem when it is a refusal (or makes no sense)."""
     try:
         answer = HomeAnswer.from_json(op.answer)
     except ProtocolError as exc:
         raise HomeProblem(502, f"the runner's answer made no sense: {exc}") from None
+    if not 200 <= answer.status <= 599:
+        raise HomeProblem(502, f"the runner answered with status {answer.status}")
     if answer.status >= 400:
         raise HomeProblem(answer.status, answer.detail or "refused")
     return answer
@@ -218,8 +253,10 @@ def ask(agent: Agent, kind: HomeOp, **fields: Any) -> HomeAnswer:
     """A look at the home (list, stat, usage): the runner's answer."""
     if kind in CHANGING:
         raise ValueError(f"{kind} is a change: see change()")
+    if agent.home_runner_id is None and kind == HomeOp.LIST and not fields.get("path"):
+        return HomeAnswer()  # no home yet: an empty one, placed nowhere until a change
     answer = answer_of(wait(order(agent, kind, **fields)))
-    if kind == HomeOp.USAGE and answer.usage is not None:
+    if answer.usage is not None:
         _measured(agent, answer.usage.bytes, answer.usage.files)
     return answer
 
@@ -243,42 +280,71 @@ def change(
     replace: bool = False,
     operation: uuid.UUID | None = None,
 ) -> HomeAnswer:
-    """Make a change from outside and record it (made or refused); the kept usage follows."""
+    """Make a change from outside, recorded before it is ordered and settled by its answer."""
     if kind not in CHANGING:
         raise ValueError(f"{kind} is not a change: see ask()")
     record = _record(agent, user, kind, path, target=target, size=size)
     try:
         check_changeable(agent)
+        record.save()
         op = order(
             agent,
             kind,
             operation,
+            change=record,
             path=path,
             target=target,
             size=size,
             replace=replace,
-            room=room(agent),
-            measure=agent.home_bytes is None,
         )
-        record.runner = op.runner
-        answer = answer_of(wait(op, within=ANSWER_SECONDS + size / (1024 * 1024)))
+        HomeChange.objects.filter(pk=record.pk).update(runner=op.runner)
+        within = CHANGE_SECONDS + size / CHUNK
+        answer = HomeAnswer.from_json(wait(op, within=within).answer)
     except HomeProblem as exc:
-        record.status, record.detail = exc.status, exc.detail[:500]
-        record.save()
+        _refused(record, exc.status, exc.detail)
         raise
+    except Exception as exc:
+        _refused(record, 500, f"it failed on the control plane: {type(exc).__name__}")
+        raise
+    settle(op.pk, answer)
+    agent.refresh_from_db(fields=["home_bytes", "home_files", "home_measured_at"])
+    return answer_of(op)
+
+
+def settle(operation: uuid.UUID | str, answer: HomeAnswer) -> None:
+    """A change's answer, whenever it comes: its record says how it went (once), and the kept
+    usage follows what the runner says it did (a part-way delete included)."""
+    op = HomeOperation.objects.filter(pk=operation).select_related("change").first()
+    if op is None or op.change is None:
+        return
+    record = op.change
+    detail = answer.detail[:500]
+    moved = -answer.bytes_delta if op.kind == HomeOp.DELETE else record.bytes
+    settled = HomeChange.objects.filter(pk=record.pk, settled=False).update(
+        status=answer.status, detail=detail, bytes=moved, settled=True
+    )
+    if not settled:
+        return
     if answer.usage is not None:
-        _measured(agent, answer.usage.bytes, answer.usage.files)
+        _measured(op.agent, answer.usage.bytes, answer.usage.files)
     elif answer.bytes_delta or answer.files_delta:
-        Agent.objects.filter(pk=agent.pk, home_bytes__isnull=False).update(
+        Agent.objects.filter(pk=op.agent_id, home_bytes__isnull=False).update(
             home_bytes=F("home_bytes") + answer.bytes_delta,
             home_files=F("home_files") + answer.files_delta,
         )
-    if kind == HomeOp.DELETE:
-        record.bytes = -answer.bytes_delta
-    record.status = answer.status
-    record.save()
-    agent.refresh_from_db(fields=["home_bytes", "home_files", "home_measured_at"])
-    return answer
+
+
+def _refused(record: HomeChange, status: int, detail: str) -> None:
+    """A change that was refused, or whose outcome is not known (504: a late answer may still
+    settle it)."""
+    record.status, record.detail = status, detail[:500]
+    record.settled = status != 504
+    if record.pk is None:
+        record.save()
+    else:
+        HomeChange.objects.filter(pk=record.pk, settled=False).update(
+            status=record.status, detail=record.detail, settled=record.settled
+        )
 
 
 def _record(
@@ -301,9 +367,7 @@ def _admit_upload(agent: Agent, user: Any, path: str, size: int, replace: bool) 
         check_changeable(agent)
         check_upload(agent, path, size, replace)
     except HomeProblem as exc:
-        record = _record(agent, user, HomeOp.WRITE, path, size=size)
-        record.status, record.detail = exc.status, exc.detail[:500]
-        record.save()
+        _refused(_record(agent, user, HomeOp.WRITE, path, size=size), exc.status, exc.detail)
         raise
 
 
@@ -362,12 +426,12 @@ def adopt_upload(
     operation = uuid.uuid4()
     spooled = upload_path(operation)
     try:
-        os.link(file, spooled)
-    except OSError:
-        with open(file, "rb") as source, open(spooled, "xb") as target:
-            while data := source.read(CHUNK):
-                target.write(data)
-    try:
+        try:
+            os.link(file, spooled)
+        except OSError:  # another file system: copied
+            with open(file, "rb") as source, open(spooled, "xb") as target:
+                while data := source.read(CHUNK):
+                    target.write(data)
         return change(
             agent, user, HomeOp.WRITE, path, size=size, replace=replace, operation=operation
         )
@@ -377,42 +441,103 @@ def adopt_upload(
 
 @dataclass
 class Download:
-    """A file or archive coming from the runner: what it is, and its bytes as they come."""
+    """A file, or a directory as a tar archive, coming from the runner: what it is, its length
+    when known (a file's), and its bytes as they come."""
 
     answer: HomeAnswer
-    size: int | None  # None: an archive, whose length is known only at its end
+    archive: bool
+    size: int | None
     chunks: Iterator[bytes]
 
 
-def download(agent: Agent, path: str, *, archive: bool) -> Download:
-    kind = HomeOp.ARCHIVE if archive else HomeOp.READ
-    op = wait(order(agent, kind, path=path), frozenset({OperationState.STREAMING}))
+def download(agent: Agent, path: str) -> Download:
+    op = wait(order(agent, HomeOp.READ, path=path), frozenset({OperationState.STREAMING}))
     if op.state == OperationState.ANSWERED and not download_path(op.pk).exists():
         answer_of(op)  # a refusal raises
         raise HomeProblem(502, "the runner answered without the bytes")
     answer = answer_of(op)
+    archive = answer.entry is None or answer.entry.type == "directory"
     size = None if archive or answer.entry is None else answer.entry.size
-    return Download(answer, size, _tail(op))
+    return Download(answer, archive, size, _tail(op))
 
 
-KEEP_OPERATIONS = timedelta(hours=1)  # operations are pruned this long after they were ordered
+def _tail(op: HomeOperation) -> Iterator[bytes]:
+    """A download's bytes from its spool file as the runner's stream fills it, telling the
+    runner how far it has read; broken off (an exception, so the client sees a cut response)
+    when the runner's stream broke or stood still."""
+    spooled = download_path(op.pk)
+    end = spooled.with_name(spooled.name + END)
+    position = spooled.with_name(spooled.name + READ)
+    whole = False
+    try:
+        with open(spooled, "rb", buffering=0) as file:
+            read = 0
+            idle_since = time.monotonic()
+            delay = 0.001
+            while True:
+                data = file.read(CHUNK)
+                if data:
+                    read += len(data)
+                    _tell(position, read)
+                    yield data
+                    idle_since, delay = time.monotonic(), 0.001
+                    continue
+                if end.exists():
+                    while data := file.read(CHUNK):
+                        yield data
+                    if end.read_text() != "whole":
+                        raise HomeProblem(502, f"the runner's stream broke off: {end.read_text()}")
+                    whole = True
+                    return
+                if time.monotonic() - idle_since > IDLE_SECONDS:
+                    raise HomeProblem(504, "the runner's stream stood still; broken off")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+    finally:
+        if not whole:
+            _abandon(op, *OPEN)  # a stream still coming (its asker left) stops
+        for item in (spooled, end, position):
+            item.unlink(missing_ok=True)
+
+
+def _tell(position: Path, read: int) -> None:
+    """How far the reader has got, for the runner's stream to keep within WINDOW of it."""
+    draft = position.with_name(position.name + ".new")
+    draft.write_text(str(read))
+    draft.replace(position)
+
+
+def read_so_far(spooled: Path) -> int:
+    """How far a download's reader has got (0 before it has read anything)."""
+    try:
+        return int(spooled.with_name(spooled.name + READ).read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+# --- housekeeping -------------------------------------------------------------------------
+
+KEEP_OPERATIONS = timedelta(hours=1)  # ended operations are pruned this long after they began
+KEEP_OPEN_OPERATIONS = timedelta(days=1)  # and any other, this long (nothing takes so long)
 
 
 def prune() -> int:
-    """Forget operations ordered over KEEP_OPERATIONS ago (the audit keeps the changes), and
-    remove spool files of operations no longer known (a web process killed mid-transfer);
-    how many operations went."""
-    before = timezone.now() - KEEP_OPERATIONS
-    stale = HomeOperation.objects.filter(created_at__lt=before)
-    stale.exclude(state=OperationState.ANSWERED).update(state=OperationState.ABANDONED)
-    count, _ = stale.delete()
+    """Forget operations that ended over KEEP_OPERATIONS ago and any over KEEP_OPEN_OPERATIONS
+    old (the audit keeps the changes), and remove spool files of operations no longer known
+    (a web process killed mid-transfer); how many operations went."""
+    now = timezone.now()
+    ended = HomeOperation.objects.filter(created_at__lt=now - KEEP_OPERATIONS).exclude(
+        state__in=OPEN
+    )
+    count, _ = ended.delete()
+    stuck, _ = HomeOperation.objects.filter(created_at__lt=now - KEEP_OPEN_OPERATIONS).delete()
     folder: Path = settings.COVEY_HOME_SPOOL
     if folder.is_dir():
         known = {str(pk) for pk in HomeOperation.objects.values_list("pk", flat=True)}
         for item in folder.iterdir():
             if item.name.split(".", 1)[0] not in known and _older(item, KEEP_OPERATIONS):
                 item.unlink(missing_ok=True)
-    return count
+    return count + stuck
 
 
 def _older(item: Path, age: timedelta) -> bool:
@@ -427,34 +552,3 @@ def attachment(name: str) -> str:
     plain = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
     plain = "".join(c if c.isprintable() else "_" for c in plain)
     return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(name, safe='')}"
-
-
-def _tail(op: HomeOperation) -> Iterator[bytes]:
-    """A download's bytes from its spool file as the runner's stream fills it; broken off
-    (an exception, so the client sees a cut response) when the runner's stream broke."""
-    spooled = download_path(op.pk)
-    end = spooled.with_name(spooled.name + END)
-    try:
-        with open(spooled, "rb", buffering=0) as file:
-            idle_since = time.monotonic()
-            delay = 0.001
-            while True:
-                data = file.read(CHUNK)
-                if data:
-                    yield data
-                    idle_since, delay = time.monotonic(), 0.001
-                    continue
-                if end.exists():
-                    while data := file.read(CHUNK):
-                        yield data
-                    if end.read_text() != "whole":
-                        raise HomeProblem(502, f"the runner's stream broke off: {end.read_text()}")
-                    return
-                if time.monotonic() - idle_since > IDLE_SECONDS:
-                    raise HomeProblem(504, "the runner's stream stood still; broken off")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
-    finally:
-        _abandon(op)  # a stream still coming (its asker left) stops
-        spooled.unlink(missing_ok=True)
-        end.unlink(missing_ok=True)

@@ -3,20 +3,20 @@ home and given as ``?path=``), its audit, and the endpoints the runner holding i
 runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from django.http import FileResponse, HttpRequest, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
-from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, permissions, serializers, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from agents.models import Agent
+from agents.models import Agent, size_text
 from covey.pagination import BoundedPagination
 from homes import services
 from homes.models import HomeChange, HomeOperation, OperationState
@@ -31,20 +31,27 @@ from runners.messages import (
     HomeSpaceSerializer,
     Refusal,
 )
-from runners.protocol import HOME_ANSWER_HEADER, HOME_LISTING_MAX, HomeAnswer, HomeOp, ProtocolError
+from runners.protocol import (
+    CHANGING,
+    HOME_ANSWER_HEADER,
+    HOME_LISTING_MAX,
+    HomeAnswer,
+    HomeOp,
+    ProtocolError,
+)
 
 CHUNK = services.CHUNK
 
 
-def body(request: HttpRequest) -> tuple[Iterator[bytes], int | None]:
+def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes], int | None]:
     """A request's body in chunks, never read whole; its length when it said one. A chunked
     body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
     raw = request.META.get("CONTENT_LENGTH")
     if raw:
-        if not raw.isdigit():
-            raise exceptions.ValidationError({"Content-Length": "a number of bytes"})
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+            raise exceptions.ParseError("Content-Length: give a number of bytes")
         size = int(raw)
-        return _read(request, size), size
+        return (_read(request, size) if consume else iter(())), size
     if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
         "wsgi.input_terminated"
     ):
@@ -73,7 +80,7 @@ def _drain(request: HttpRequest) -> None:
         raw = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
         return
-    if raw <= 0 or raw > DRAIN_MAX or getattr(request, "_read_started", False) is None:
+    if raw <= 0 or raw > DRAIN_MAX:
         return
     try:
         while request.read(CHUNK):
@@ -90,11 +97,17 @@ def _refusal(exc: HomeProblem) -> Response:
 
 
 class PathSerializer(serializers.Serializer):
-    path = serializers.CharField(help_text="Relative to the home: names separated by '/'.")
+    # Names are taken as given: a name may start or end with a space, and means that name.
+    path = serializers.CharField(
+        trim_whitespace=False, help_text="Relative to the home: names separated by '/'."
+    )
 
 
 class MoveSerializer(PathSerializer):
-    target = serializers.CharField(help_text="Where it goes (must not exist yet).")
+    target = serializers.CharField(
+        trim_whitespace=False,
+        help_text="Where it goes: it must not exist yet; the directory it goes into must.",
+    )
 
 
 class ListingSerializer(serializers.Serializer):
@@ -231,13 +244,11 @@ class HomeViewSet(viewsets.ViewSet):
         and lists it in covey-skipped.txt."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
-        entry = services.ask(agent, HomeOp.STAT, path=path).entry
-        archive = not path or (entry is not None and entry.type == "directory")
-        got = services.download(agent, path, archive=archive)
-        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
+        got = services.download(agent, path)
+        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if got.archive else "")
         response = StreamingHttpResponse(
             got.chunks,
-            content_type="application/x-tar" if archive else "application/octet-stream",
+            content_type="application/x-tar" if got.archive else "application/octet-stream",
         )
         if got.size is not None:
             response["Content-Length"] = str(got.size)
@@ -273,21 +284,43 @@ class HomeViewSet(viewsets.ViewSet):
         responses={201: HomeEntrySerializer(many=True), **PROBLEMS},
     )
     def upload(self, request: Request, agent_id: int) -> Response:
-        """Upload files (multipart, field ``files``, one or more) into a directory."""
+        """Upload files (multipart, field ``files``, one or more) into a directory: 201 with
+        each one made; when one is refused, its status, with what was made and what was not
+        (each refusal is in the audit too)."""
         agent = self.agent(request, agent_id, change=True)
-        services.check_changeable(agent)
-        size = int(request.META.get("CONTENT_LENGTH") or 0)
-        services.check_upload(agent, "", min(size, 1), False)  # the cap of one request
-        directory = request.query_params.get("path", "").strip("/")
+        _, size = body(request._request, consume=False)
+        if size is None:
+            raise exceptions.ParseError("give the form's length (Content-Length)")
+        if size > services.upload_cap():
+            raise HomeProblem(
+                413,
+                f"the form is {size_text(size)}, more than one upload may carry"
+                f" ({size_text(services.upload_cap())})",
+            )
+        directory = request.query_params.get("path", "")
         files = request.FILES.getlist("files")
         if not files:
             raise exceptions.ValidationError({"files": "send one or more files"})
-        made = []
+        made, refused = [], []
+        replace = _flag(request, "replace")
         for file in files:
-            path = f"{directory}/{file.name}" if directory else file.name
-            answer = upload_file(agent, request.user, path, file, replace=_flag(request, "replace"))
-            made.append(answer.entry)
-        return Response(HomeEntrySerializer(made, many=True).data, status=201)
+            name = file.name or "upload"
+            path = f"{directory}/{name}" if directory else name
+            try:
+                answer = upload_file(agent, request.user, path, file, replace=replace)
+            except HomeProblem as exc:
+                refused.append((path, exc))
+            else:
+                made.append(answer.entry)
+        entries = HomeEntrySerializer(made, many=True).data
+        if refused:
+            path, first = refused[0]
+            said = [{"path": p, "status": e.status, "detail": e.detail} for p, e in refused]
+            return Response(
+                {"detail": f"{path}: {first.detail}", "made": entries, "refused": said},
+                status=first.status,
+            )
+        return Response(entries, status=201)
 
     @extend_schema(request=PathSerializer, responses={201: HomeEntrySerializer, **PROBLEMS})
     def mkdir(self, request: Request, agent_id: int) -> Response:
@@ -380,7 +413,7 @@ class RunnerHomeTakeView(RunnerHomeView):
     def post(self, request: Request, operation_id: uuid.UUID) -> Response:
         op = self.operation(request, operation_id)
         taken = HomeOperation.objects.filter(pk=op.pk, state=OperationState.ORDERED).update(
-            state=OperationState.TAKEN, taken_at=timezone.now()
+            state=OperationState.TAKEN
         )
         if not taken:
             return Response(
@@ -391,7 +424,8 @@ class RunnerHomeTakeView(RunnerHomeView):
 
 
 class RunnerHomeAnswerView(RunnerHomeView):
-    """What came of an operation this runner took."""
+    """What came of an operation this runner took. A change's answer settles its record even
+    when its asker has given up waiting (the change was made all the same)."""
 
     @extend_schema(request=HomeAnswerSerializer, responses={204: None, 410: Refusal})
     def post(self, request: Request, operation_id: uuid.UUID) -> Response:
@@ -402,7 +436,10 @@ class RunnerHomeAnswerView(RunnerHomeView):
             raise exceptions.ValidationError(str(exc)) from None
         answered = HomeOperation.objects.filter(
             pk=op.pk, state__in=[OperationState.TAKEN, OperationState.STREAMING]
-        ).update(state=OperationState.ANSWERED, answer=answer.to_json(), answered_at=timezone.now())
+        ).update(state=OperationState.ANSWERED, answer=answer.to_json())
+        if op.kind in CHANGING and (answered or op.state == OperationState.ABANDONED):
+            services.settle(op.pk, answer)
+            return Response(status=status.HTTP_204_NO_CONTENT)
         if not answered:
             return Response(
                 {"detail": f"the operation is {op.state}: no answer is wanted"},
@@ -434,6 +471,9 @@ class RunnerHomeBodyView(RunnerHomeView):
         responses={204: None, 410: Refusal},
     )
     def put(self, request: Request, operation_id: uuid.UUID) -> Response:
+        """A download's bytes, spooled as they come and read by its asker meanwhile: the runner
+        is held back while it is more than a window ahead of the reader, and stopped (410) once
+        the reader has left."""
         op = self.operation(request, operation_id)
         try:
             answer = HomeAnswer.from_json(json.loads(request.headers.get(HOME_ANSWER_HEADER, "")))
@@ -442,29 +482,28 @@ class RunnerHomeBodyView(RunnerHomeView):
         chunks, size = body(request._request)
         spooled = services.download_path(op.pk)
         end = spooled.with_name(spooled.name + services.END)
-        with open(spooled, "xb", buffering=0) as file:
+        try:
+            file = open(spooled, "xb", buffering=0)  # noqa: SIM115 (closed below)
+        except FileExistsError:
+            return _gone(f"the operation's bytes are coming already ({op.state})")
+        with file:
             streaming = HomeOperation.objects.filter(pk=op.pk, state=OperationState.TAKEN)
             if not streaming.update(state=OperationState.STREAMING, answer=answer.to_json()):
                 spooled.unlink()
-                return Response(
-                    {"detail": f"the operation is {op.state}: its bytes are not wanted"},
-                    status=status.HTTP_410_GONE,
-                )
+                return _gone(f"the operation is {op.state}: its bytes are not wanted")
             written, checked = 0, 0
             outcome = "broken off"
             try:
                 for data in chunks:
                     file.write(data)
                     written += len(data)
-                    if written - checked >= 64 * CHUNK:
+                    if written - checked >= services.WINDOW or (
+                        written - services.read_so_far(spooled) > services.WINDOW
+                    ):
                         checked = written
-                        op.refresh_from_db(fields=["state"])
-                        if op.state == OperationState.ABANDONED:
+                        if not _keep_up(op, spooled, written):
                             outcome = "its asker left"
-                            return Response(
-                                {"detail": "the operation is no longer wanted (its asker left)"},
-                                status=status.HTTP_410_GONE,
-                            )
+                            return _gone("the operation is no longer wanted (its asker left)")
                 if size is not None and written != size:
                     outcome = f"{written} bytes came of {size}"
                 else:
@@ -472,6 +511,24 @@ class RunnerHomeBodyView(RunnerHomeView):
             finally:
                 end.write_text(outcome)
         HomeOperation.objects.filter(pk=op.pk, state=OperationState.STREAMING).update(
-            state=OperationState.ANSWERED, answered_at=timezone.now()
+            state=OperationState.ANSWERED
         )
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def _keep_up(op: HomeOperation, spooled: Any, written: int) -> bool:
+    """Wait while the reader is more than a window behind; False once it has left."""
+    deadline = time.monotonic() + services.IDLE_SECONDS
+    while True:
+        op.refresh_from_db(fields=["state"])
+        if op.state == OperationState.ABANDONED:
+            return False
+        if written - services.read_so_far(spooled) <= services.WINDOW:
+            return True
+        if time.monotonic() > deadline:
+            return False  # the reader stood still: it is broken off on its side too
+        time.sleep(0.05)
+
+
+def _gone(detail: str) -> Response:
+    return Response({"detail": detail}, status=status.HTTP_410_GONE)

@@ -207,8 +207,7 @@ class HomeOp(StrEnum):
 
     LIST = "list"
     STAT = "stat"
-    READ = "read"  # a file's bytes, streamed
-    ARCHIVE = "archive"  # a directory as a tar archive, streamed
+    READ = "read"  # a file's bytes, or a directory as a tar archive, streamed
     USAGE = "usage"  # where the space goes (a walk of the home or of one directory)
     WRITE = "write"  # an upload: the runner fetches its bytes
     MKDIR = "mkdir"
@@ -217,7 +216,7 @@ class HomeOp(StrEnum):
 
 
 CHANGING = frozenset({HomeOp.WRITE, HomeOp.MKDIR, HomeOp.MOVE, HomeOp.DELETE})
-STREAMED = frozenset({HomeOp.READ, HomeOp.ARCHIVE})
+TRANSFERS = frozenset({HomeOp.READ, HomeOp.WRITE})  # their bytes pass through the spool
 # A streamed answer's HomeAnswer travels in this header, its bytes in the body.
 HOME_ANSWER_HEADER = "X-Covey-Home-Answer"
 HOME_LISTING_MAX = 5000  # entries in one page of a listing
@@ -236,9 +235,8 @@ class HomeOrder(Message):
     offset: int = 0  # a listing's page
     limit: int = 1000
     replace: bool = False  # a write may replace a file
-    room: int | None = None  # bytes the home may still take (None: no quota)
+    quota: int = 0  # bytes the home may hold (0: no quota); the runner holds a write to it
     size: int = 0  # an upload's bytes
-    measure: bool = False  # measure the whole home after a change (no figure is kept yet)
     during_runs: bool = False  # a change may be made while a sandbox of the agent runs
 
 
@@ -256,8 +254,9 @@ class HomeEntry(Message):
 
 @dataclasses.dataclass(frozen=True)
 class Sized(Message):
-    path: str
+    path: str  # as shown (escaped where it is not printable)
     bytes: int
+    usable: bool = True  # False: the path cannot be given back (see runners.host.homes.names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +285,8 @@ class HomeSpace(Message):
 class HomeAnswer(Message):
     """What came of a home operation: ``status`` as HTTP says it (200, 201, or the refusal's,
     with ``detail``), what it found or made, and how the home's usage moved (a change's
-    ``bytes_delta`` and ``files_delta``; ``usage`` when the whole home was measured)."""
+    ``bytes_delta`` and ``files_delta``, also of a delete that stopped part-way; ``usage``: what
+    the whole home holds now, when the runner knows)."""
 
     status: int = 200
     detail: str = ""

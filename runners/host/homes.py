@@ -55,6 +55,7 @@ class HomeError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+        self.removed: Removed | None = None  # a delete that stopped part-way: what went
 
 
 def _refused(message: str) -> HomeError:
@@ -133,6 +134,8 @@ class Usage:
     seconds: float  # how long measuring took
     problems: list[tuple[str, str]] = field(default_factory=list)  # the first not measured
     unmeasured: int = 0  # how many places could not be measured (0: the figures are whole)
+    # Ranked paths (as shown) that cannot be given back as paths (see ``names``).
+    unusable: frozenset[str] = frozenset()
 
     @property
     def whole(self) -> bool:
@@ -150,10 +153,12 @@ class Changes:
 
 @dataclass(frozen=True)
 class Written:
-    """A file written: what it is now, and the size of the file it replaced (None: new)."""
+    """A file written: what it is now, and the size of what it replaced (None: nothing), which
+    was a regular file or not (a link)."""
 
     entry: Entry
     replaced: int | None
+    replaced_file: bool = False
 
 
 @dataclass
@@ -279,6 +284,7 @@ class Home:
                 key = "/".join(steps[:depth])
                 within[key] = within.get(key, 0) + size
         ranked = sorted(within.items(), key=lambda d: (-d[1], d[0]))[:LARGEST]
+        raw = [p for _, p in largest] + [p for p, _ in ranked]
         return Usage(
             bytes=total,
             files=count,
@@ -289,6 +295,7 @@ class Home:
             seconds=time.monotonic() - started,
             problems=[(shown(p), why) for p, why in problems[:LARGEST]],
             unmeasured=len(problems),
+            unusable=frozenset(shown(p) for p in raw if not _usable_path(p)),
         )
 
     def manifest(self) -> Manifest:
@@ -332,6 +339,7 @@ class Home:
             if existing is not None and not replace:
                 raise HomeError(409, f"{shown(path)} exists: say replace to write over it")
             replaced = existing.st_size if existing is not None else None
+            replaced_file = existing is not None and stat.S_ISREG(existing.st_mode)
             if room is not None:
                 most = max(0, room + (replaced or 0))
                 if limit is None or most < limit:
@@ -363,7 +371,8 @@ class Home:
                 raise
             finally:
                 os.close(fd)
-            return Written(_entry(name, _lstat(parent, name, path), parent), replaced)
+            entry = _entry(name, _lstat(parent, name, path), parent)
+            return Written(entry, replaced, replaced_file)
 
     def mkdir(self, path: str) -> Entry:
         """Make a directory (and those above it that are missing)."""
@@ -383,13 +392,14 @@ class Home:
             return _entry(parts[-1], _lstat(parent, parts[-1], path), parent)
 
     def move(self, source: str, target: str) -> Entry:
-        """Move or rename; the target must not exist (409), nor lie inside the source."""
+        """Move or rename; the target must not exist (409), nor lie inside the source, and its
+        directory must (404): a move that fails changes nothing."""
         old, new = names(source), names(target)
         if not old or not new:
             raise HomeError(400, "the home itself cannot be moved, nor be a target")
         if new[: len(old)] == old:
             raise HomeError(400, f"{shown(target)} is inside {shown(source)}")
-        with self._directory(old[:-1]) as src, self._directory(new[:-1], make=True) as dst:
+        with self._directory(old[:-1]) as src, self._directory(new[:-1]) as dst:
             _lstat(src, old[-1], source)  # 404 when it is not there
             if _lstat_or_none(dst, new[-1]) is not None:
                 raise HomeError(409, f"{shown(target)} exists")
@@ -406,7 +416,13 @@ class Home:
         with self._directory(parts[:-1]) as parent:
             st = _lstat(parent, parts[-1], path)
             if stat.S_ISDIR(st.st_mode):
-                _remove_tree(parent, parts[-1], "/".join(parts), removed)
+                try:
+                    _remove_tree(parent, parts[-1], "/".join(parts), removed)
+                except (HomeError, OSError) as exc:
+                    if isinstance(exc, OSError):
+                        exc = HomeError(500, f"{shown(path)}: {exc.strerror or exc}")
+                    exc.removed = removed  # what went before it stopped
+                    raise exc from None
             else:
                 os.unlink(parts[-1], dir_fd=parent)
                 removed.count(st)

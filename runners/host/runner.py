@@ -33,7 +33,13 @@ from egress.policy import hash_token
 from runners.host.client import ControlPlaneError
 from runners.host.config import HostSettings
 from runners.host.containers import isolation
-from runners.host.containers.engine import Engine, EngineError, Sandbox, SandboxSpec
+from runners.host.containers.engine import (
+    Engine,
+    EngineError,
+    Sandbox,
+    SandboxSpec,
+    sandbox_owner,
+)
 from runners.host.containers.isolation import IsolationError, Shape
 from runners.host.homes import Changes, Home, HomeError, Manifest, changes, shown
 from runners.host.identity import Identity, runner_name
@@ -104,6 +110,7 @@ class RunnerHost:
             lambda runner_id, agent_id: self.settings.homes / str(runner_id) / str(agent_id),
             self._home_busy,
             self._home_locks,
+            owner=sandbox_owner(),  # what people upload is the agent's to change
         )
         self.shapes = Shapes(self.settings)
         self.trust = Trust(
@@ -450,6 +457,7 @@ class RunnerHost:
         OverQuota when it holds more than ``quota`` (0: none), or when a quota cannot be
         vouched for because the home cannot be walked whole (fail closed)."""
         started = self.clock()
+        self.serving.ledger.set(home, None)  # the sandbox changes it: known again at its end
         try:
             manifest = Home(home).manifest()
         except (OSError, HomeError) as exc:
@@ -533,9 +541,12 @@ class RunnerHost:
         except (OSError, HomeError) as exc:
             logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
             return None, None
+        usage = _usage(after)
+        with self._home_locks.of(home):  # what it holds, for changes from outside from now on
+            self.serving.ledger.set(home, usage if after.whole else None)
         if watched is None:
-            return None, _usage(after)
-        watched.ended = (_changes(changes(watched.manifest, after)), _usage(after))
+            return None, usage
+        watched.ended = (_changes(changes(watched.manifest, after)), usage)
         return watched.ended
 
     def _forget(self, run_id: str) -> None:

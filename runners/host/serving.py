@@ -7,11 +7,19 @@ side ever holds a whole file. This works while no sandbox runs, and on a paused 
 Orders are served on a pool of their own, so a long transfer never holds up a launch. A change
 is refused (409) while a sandbox of the agent runs or is being launched here, unless the order
 says changes are allowed then; a change and a launch of the same home take its lock in turn, so
-none lands between a run's manifest-before and its sandbox. No Django.
+none lands between a run's manifest-before and its sandbox.
+
+The host keeps what each home holds (:class:`Ledger`): walked once when first needed, then
+counted with every change it makes, and forgotten while a sandbox uses the home (its runner
+walks it at the start and end of every run and tells the ledger). Changes to one home are made
+one at a time under its lock, so a write is held to the quota exactly, however many uploads
+come at once; a home that cannot be measured whole takes no write under a quota (fail closed).
+No Django.
 """
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -50,7 +58,7 @@ POOL_SIZE = 8  # home operations at once on one host
 
 class HomeLocks:
     """One lock per home: a change from outside and a launch's look at the home take it in
-    turn."""
+    turn (one small lock per home this host holds, kept for the life of the process)."""
 
     def __init__(self) -> None:
         self._locks: dict[Path, threading.Lock] = {}
@@ -59,6 +67,40 @@ class HomeLocks:
     def of(self, home: Path) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault(home, threading.Lock())
+
+
+LEDGER_SECONDS = 600.0  # what a walk found is trusted this long, then the home is walked again
+
+
+class Ledger:
+    """What each home holds as far as this host knows (None: unknown, walk it): from a walk at
+    most LEDGER_SECONDS ago and the changes this host made since. Read and changed under the
+    home's lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._known: dict[Path, tuple[HomeUsage, float]] = {}
+        self._clock = clock
+
+    def get(self, home: Path) -> HomeUsage | None:
+        known = self._known.get(home)
+        if known is None or self._clock() - known[1] > LEDGER_SECONDS:
+            return None
+        return known[0]
+
+    def set(self, home: Path, usage: HomeUsage | None) -> None:
+        """What a walk found (None: forget it)."""
+        if usage is None:
+            self._known.pop(home, None)
+        else:
+            self._known[home] = (usage, self._clock())
+
+    def add(self, home: Path, bytes_delta: int, files_delta: int) -> HomeUsage | None:
+        known = self._known.get(home)
+        if known is None:
+            return None
+        usage = HomeUsage(known[0].bytes + bytes_delta, known[0].files + files_delta)
+        self._known[home] = (usage, known[1])
+        return usage
 
 
 class HomeServer:
@@ -73,11 +115,14 @@ class HomeServer:
         busy: Callable[[int, int], str],
         locks: HomeLocks,
         *,
+        owner: tuple[int, int] | None = None,
         pool_size: int = POOL_SIZE,
     ) -> None:
         self._home_of = home_of
         self._busy = busy
         self.locks = locks
+        self.ledger = Ledger()
+        self._owner = owner  # (uid, gid) of what is written: the sandbox's user
         self._pool = ThreadPoolExecutor(pool_size, thread_name_prefix="covey-home")
 
     def submit(self, runner_id: int, client: ControlPlaneClient, operation: str) -> None:
@@ -98,30 +143,31 @@ class HomeServer:
             logger.warning("covey runner: home operation %s: %s", operation, exc)
         except Exception:
             logger.exception("covey runner: home operation %s failed", operation)
-            try:
-                client.answer_home(operation, HomeAnswer(500, "the runner failed; see its log"))
-            except ControlPlaneError as exc:
-                logger.warning("covey runner: home operation %s: %s", operation, exc)
+            _answer_failure(client, operation, "the runner failed; see its log")
 
     def _serve(self, runner_id: int, client: ControlPlaneClient, order: HomeOrder) -> None:
         root = self._home_of(runner_id, order.agent)
-        home = Home(root)
+        home = Home(root, owner=self._owner)
         if order.kind in CHANGING:
             with self.locks.of(root):
-                busy = "" if order.during_runs else self._busy(runner_id, order.agent)
-                if busy:
+                busy = self._busy(runner_id, order.agent)
+                if busy and not order.during_runs:
                     answer = HomeAnswer(409, f"{busy}: the home is not changed while it runs")
                 else:
-                    answer = _attempt(lambda: self._change(client, home, order))
+                    answer = _attempt(lambda: self._change(client, home, order, trusted=not busy))
             client.answer_home(order.operation, answer)
             return
         if order.kind == HomeOp.READ:
             self._send(client, order, lambda: _read(home, order))
             return
-        if order.kind == HomeOp.ARCHIVE:
-            self._send(client, order, lambda: _archive(home, order))
-            return
-        client.answer_home(order.operation, _attempt(lambda: _look(home, order)))
+        if order.kind == HomeOp.USAGE and not order.path:
+            with self.locks.of(root):  # the whole home's walk: what the ledger knows from now
+                answer = _attempt(lambda: _look(home, order))
+                if not self._busy(runner_id, order.agent):
+                    self.ledger.set(root, answer.usage)
+        else:
+            answer = _attempt(lambda: _look(home, order))
+        client.answer_home(order.operation, answer)
 
     def _send(
         self,
@@ -136,46 +182,78 @@ class HomeServer:
             return
         try:
             client.send_home(order.operation, answer, chunks, size)
+        except ControlPlaneError as exc:
+            if exc.status in (404, 409, 410):
+                return  # no longer wanted (its asker left): nothing to say
+            logger.warning("covey runner: home operation %s: %s", order.operation, exc)
+            _answer_failure(client, order.operation, f"the runner could not send it: {exc}")
         finally:
             chunks.close()
 
-    def _change(self, client: ControlPlaneClient, home: Home, order: HomeOrder) -> HomeAnswer:
+    def _change(
+        self, client: ControlPlaneClient, home: Home, order: HomeOrder, *, trusted: bool
+    ) -> HomeAnswer:
+        """Make the change (the home's lock is held). ``trusted``: no sandbox uses the home,
+        so what the ledger knows of it holds."""
+        known = self.ledger.get(home.root) if trusted else None
+        if known is None and (order.quota or trusted):
+            usage = home.usage()
+            if usage.whole:
+                known = HomeUsage(usage.bytes, usage.files)
+            elif order.quota:
+                where, why = usage.problems[0]
+                raise HomeError(
+                    507,
+                    f"the home cannot be measured whole ({usage.unmeasured} places, the first"
+                    f" {where}: {why}), so its quota cannot be vouched for",
+                )
+            if trusted:
+                self.ledger.set(home.root, known)
+        answer = self._make(client, home, order, known)
+        if trusted:
+            known = self.ledger.add(home.root, answer.bytes_delta, answer.files_delta)
+        elif known is not None:
+            known = HomeUsage(known.bytes + answer.bytes_delta, known.files + answer.files_delta)
+        return replace(answer, usage=known)
+
+    def _make(
+        self, client: ControlPlaneClient, home: Home, order: HomeOrder, known: HomeUsage | None
+    ) -> HomeAnswer:
         if order.kind == HomeOp.WRITE:
+            room = order.quota - known.bytes if order.quota and known is not None else None
             with client.home_upload(order.operation) as chunks:
-                written = home.write(order.path, chunks, replace=order.replace, room=order.room)
+                written = home.write(order.path, chunks, replace=order.replace, room=room)
             replaced = written.replaced
-            answer = HomeAnswer(
+            return HomeAnswer(
                 200 if replaced is not None else 201,
                 entry=_entry(written.entry),
                 bytes_delta=written.entry.size - (replaced or 0),
-                files_delta=0 if replaced is not None else 1,
+                files_delta=0 if written.replaced_file else 1,
             )
-        elif order.kind == HomeOp.MKDIR:
-            answer = HomeAnswer(201, entry=_entry(home.mkdir(order.path)))
-        elif order.kind == HomeOp.MOVE:
-            answer = HomeAnswer(200, entry=_entry(home.move(order.path, order.target)))
-        else:
+        if order.kind == HomeOp.MKDIR:
+            return HomeAnswer(201, entry=_entry(home.mkdir(order.path)))
+        if order.kind == HomeOp.MOVE:
+            return HomeAnswer(200, entry=_entry(home.move(order.path, order.target)))
+        try:
             removed = home.delete(order.path)
-            answer = HomeAnswer(200, bytes_delta=-removed.bytes, files_delta=-removed.files)
-        if order.measure:
-            usage = home.usage()
-            if usage.whole:
-                answer = _with_usage(answer, HomeUsage(usage.bytes, usage.files))
-        return answer
+        except HomeError as exc:
+            if exc.removed is None or not (exc.removed.bytes or exc.removed.files):
+                raise
+            went = exc.removed
+            return HomeAnswer(
+                exc.status,
+                f"{exc} ({went.files} files, {went.bytes} bytes, were deleted before it stopped)",
+                bytes_delta=-went.bytes,
+                files_delta=-went.files,
+            )
+        return HomeAnswer(200, bytes_delta=-removed.bytes, files_delta=-removed.files)
 
 
-def _with_usage(answer: HomeAnswer, usage: HomeUsage) -> HomeAnswer:
-    return HomeAnswer(
-        answer.status,
-        answer.detail,
-        answer.entry,
-        answer.entries,
-        answer.total,
-        answer.space,
-        answer.bytes_delta,
-        answer.files_delta,
-        usage,
-    )
+def _answer_failure(client: ControlPlaneClient, operation: str, detail: str) -> None:
+    try:
+        client.answer_home(operation, HomeAnswer(502, detail))
+    except ControlPlaneError as exc:
+        logger.warning("covey runner: home operation %s: %s", operation, exc)
 
 
 def _attempt(doing: Callable[[], HomeAnswer]) -> HomeAnswer:
@@ -205,14 +283,13 @@ def _look(home: Home, order: HomeOrder) -> HomeAnswer:
 
 
 def _read(home: Home, order: HomeOrder) -> tuple[HomeAnswer, Chunks, int | None]:
+    """A file's bytes (with their length), or a directory (the home, for no path) as a tar
+    archive (whose length is known at its end); the answer's entry says which."""
     entry = home.stat(order.path)
+    if entry.type == "directory":
+        return HomeAnswer(entry=_entry(entry)), home.archive(order.path), None
     stream = home.read(order.path)
     return HomeAnswer(entry=_entry(replace(entry, size=stream.size))), stream, stream.size
-
-
-def _archive(home: Home, order: HomeOrder) -> tuple[HomeAnswer, Chunks, int | None]:
-    entry = home.stat(order.path)
-    return HomeAnswer(entry=_entry(entry)), home.archive(order.path), None
 
 
 def _entry(entry: Entry) -> HomeEntry:
@@ -225,8 +302,10 @@ def _space(path: str, usage: Usage) -> HomeSpace:
         bytes=usage.bytes,
         files=usage.files,
         directories=usage.directories,
-        largest_files=tuple(Sized(p, n) for p, n in usage.largest_files),
-        largest_directories=tuple(Sized(p, n) for p, n in usage.largest_directories),
+        largest_files=tuple(Sized(p, n, p not in usage.unusable) for p, n in usage.largest_files),
+        largest_directories=tuple(
+            Sized(p, n, p not in usage.unusable) for p, n in usage.largest_directories
+        ),
         measured_at=datetime.fromtimestamp(usage.measured_at, UTC),
         seconds=usage.seconds,
         unmeasured=usage.unmeasured,

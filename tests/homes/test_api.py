@@ -94,7 +94,9 @@ def test_every_operation_on_a_home_with_no_sandbox_running(stack, acme, alice, k
         assert moved.status_code == 200 and moved.json()["name"] == "final.bin"
         usage = api.get(f"{base}/usage/").json()
         assert usage["bytes"] == len(data) + len("/etc/passwd")
-        assert usage["largest_files"][0] == {"path": "notes/final.bin", "bytes": len(data)}
+        assert usage["largest_files"][0] == {
+            "path": "notes/final.bin", "bytes": len(data), "usable": True,
+        }  # fmt: skip
         deleted = api.post(f"{base}/delete/", json={"path": "notes"})
         assert deleted.status_code == 204, deleted.text
         assert api.get(f"{base}/entries/").json()["total"] == 0

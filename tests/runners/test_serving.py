@@ -42,21 +42,67 @@ def test_an_upload_is_written_whole_with_what_it_did_to_the_usage(host):
     assert (home(host) / "a" / "b.bin").read_bytes() == b"y" * 100
 
 
-def test_an_upload_past_the_room_left_or_broken_off_leaves_nothing(host):
-    host.control.uploads["op-1"] = b"x" * 2500
-    answer = serve(host, HomeOp.WRITE, path="big", size=2500, room=1000)
-    assert answer.status == 413 and "room for 1,000 bytes" in answer.detail
+def test_uploads_are_held_to_the_quota_exactly_however_many_come(host):
+    home(host).mkdir(parents=True)
+    (home(host) / "old").write_bytes(b"o" * 500)  # walked once: the ledger knows 500 bytes
+    host.control.uploads["op-1"] = b"x" * 400
+    assert serve(host, HomeOp.WRITE, path="a", size=400, quota=1000).usage.bytes == 900
+    host.control.uploads["op-2"] = b"x" * 101
+    refused = serve(host, HomeOp.WRITE, "op-2", path="b", size=101, quota=1000)
+    assert refused.status == 413 and "room for 100 bytes" in refused.detail
+    host.control.uploads["op-3"] = b"x" * 500  # replacing a: its 400 bytes count as room
+    replaced = serve(host, HomeOp.WRITE, "op-3", path="a", size=500, replace=True, quota=1000)
+    assert (replaced.status, replaced.usage.bytes, replaced.usage.files) == (200, 1000, 2)
+    assert not (home(host) / "b").exists()
+
+
+def test_a_home_that_cannot_be_measured_whole_takes_no_write_under_a_quota(host, monkeypatch):
+    from runners.host import homes
+
+    home(host).mkdir(parents=True)
+    monkeypatch.setattr(homes, "MAX_DEPTH", 1)
+    (home(host) / "a" / "b").mkdir(parents=True)
+    host.control.uploads["op-1"] = b"x"
+    refused = serve(host, HomeOp.WRITE, path="x", size=1, quota=1000)
+    assert refused.status == 507 and "cannot be vouched for" in refused.detail
+    host.control.uploads["op-2"] = b"x"
+    assert serve(host, HomeOp.WRITE, "op-2", path="x", size=1).status == 201  # no quota
+
+
+def test_the_ledger_is_forgotten_while_a_run_uses_the_home_and_known_at_its_end(host):
+    home(host).mkdir(parents=True)
+    assert serve(host, HomeOp.MKDIR, path="d").usage.bytes == 0
+    assert host.host.serving.ledger.get(home(host)) is not None
+    host.order(spec())
+    assert host.host.serving.ledger.get(home(host)) is None
+    (home(host) / "made-by-the-run").write_bytes(b"r" * 70)
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    assert host.host.serving.ledger.get(home(host)).bytes == 70
+
+
+def test_an_upload_broken_off_leaves_nothing(host):
     host.control.uploads["op-broken"] = b"x" * 2500
     broken = serve(host, HomeOp.WRITE, "op-broken", path="cut", size=2500)
     assert broken.status == 502 and "did not come whole" in broken.detail
     assert os.listdir(home(host)) == []  # no draft left either
 
 
-def test_the_first_change_to_a_home_with_no_figure_measures_it(host):
+def test_the_first_change_to_a_home_measures_it_and_a_link_replaced_counts_as_a_file(host):
     (home(host)).mkdir(parents=True)
     (home(host) / "old").write_bytes(b"z" * 40)
-    answer = serve(host, HomeOp.MKDIR, path="new", measure=True)
-    assert answer.status == 201 and (answer.usage.bytes, answer.usage.files) == (40, 1)
+    os.symlink("/nowhere", home(host) / "link")
+    answer = serve(host, HomeOp.MKDIR, path="new")
+    assert answer.status == 201 and (answer.usage.bytes, answer.usage.files) == (48, 1)
+    host.control.uploads["op-2"] = b"f" * 10
+    over = serve(host, HomeOp.WRITE, "op-2", path="link", size=10, replace=True)
+    assert (over.files_delta, over.bytes_delta, over.usage.files) == (1, 2, 2)
+
+
+def test_files_put_in_from_outside_belong_to_the_sandbox_user(host):
+    serve(host, HomeOp.MKDIR, path="made/here")
+    for made in (home(host), home(host) / "made", home(host) / "made" / "here"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (1000, 1000)
 
 
 def test_changes_are_refused_while_a_sandbox_of_the_agent_runs_and_reads_are_not(host):
@@ -84,7 +130,7 @@ def test_downloads_stream_a_file_or_a_tar_and_refusals_say_why(host):
     serve(host, HomeOp.READ, path="data.bin")
     assert host.control.sent["op-1"] == b"d" * 3000
     assert host.control.answers["op-1"].entry.size == 3000
-    serve(host, HomeOp.ARCHIVE, "op-2")
+    assert serve(host, HomeOp.READ, "op-2").entry.type == "directory"  # the home, as a tar
     with tarfile.open(fileobj=io.BytesIO(host.control.sent["op-2"])) as tar:
         assert tar.extractfile("home/data.bin").read() == b"d" * 3000
         assert "link" in tar.extractfile("home/covey-skipped.txt").read().decode()

@@ -457,6 +457,12 @@ def _check_home(home: Path) -> Path:
     return resolved
 
 
+def sandbox_owner() -> tuple[int, int]:
+    """(uid, gid) a sandbox runs as, unless its spec says otherwise: what is put in a home
+    from outside belongs to it."""
+    return _ids(SandboxSpec.user)
+
+
 def _ids(user: str) -> tuple[int, int]:
     uid, gid = user.split(":")
     return int(uid), int(gid)
