@@ -13,13 +13,14 @@ three agents whose home is on that runner (``Agent.home_runner`` set in the data
 broker it starts a control plane (gunicorn, 2 workers, from the project root so that
 ``gunicorn.conf.py``'s threaded workers are used; ``COVEY_BUILTIN_RUNNER=false``,
 ``COVEY_EGRESS_ENFORCE=false``; its own ``COVEY_HOME_SPOOL``) and a ``manage.py runner`` with no
-``DATABASE_URL`` (heartbeat every second; it watches the local Docker engine as every runner host
-does, but no sandbox is started). The brokers: ``filesystem``, kombu's file-system transport covey uses when
-``CELERY_BROKER_URL`` is unset (polled every 50 ms), and ``redis``, a ``redis-server`` of the
-bench's own on loopback (what production uses). Every home operation is ordered over the broker
-to the runner, which takes it and answers through the runner API; bytes go through the spool.
-Files are made directly on disk in the home directories (``$COVEY_RUNNER_HOMES/<runner>/<agent>``)
-as the runner host would find them. For each broker it measures, with ``httpx`` on one keep-alive
+``DATABASE_URL`` (heartbeat every second; it watches the local Docker engine as every runner
+host does, but no sandbox is started). The brokers: ``filesystem``, kombu's file-system
+transport covey uses when ``CELERY_BROKER_URL`` is unset (polled every 50 ms), and ``redis``, a
+``redis-server`` of the bench's own on loopback (what production uses). Every home operation is
+ordered over the broker to the runner, which takes it and answers through the runner API; bytes
+go through the spool. Files are made directly on disk in the home directories
+(``$COVEY_RUNNER_HOMES/<runner>/<agent>``), as the runner host would find them, and the disk is
+synced before each measurement. For each broker it measures, with ``httpx`` on one keep-alive
 connection, each time from just before the request until the response is read (and parsed):
 
 1. listing: 10,000 small files in ``big/``; ``GET /api/v1/agents/{id}/home/entries/?path=big
@@ -902,7 +903,7 @@ def report(results: Results) -> str:
     add("targets")
 
     def target(name: str, figures: str, ok: bool | None) -> None:
-        add(f"  {name:<52}{figures:<36}{verdict(ok)}")
+        add(f"  {name:<56}{figures:<36}{verdict(ok)}")
 
     for broker in brokers:
         o = outcomes[broker]
