@@ -20,7 +20,7 @@ runner, which holds each write to the quota exactly, otherwise.
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -227,7 +227,7 @@ def wait(
                     f" {within:.0f} s",
                 )
         time.sleep(delay)
-        delay = min(delay * 1.5, 0.05)
+        delay = min(delay * 1.5, 0.02)
 
 
 def _abandon(op: HomeOperation, *states: str) -> bool:
@@ -279,8 +279,11 @@ def change(
     size: int = 0,
     replace: bool = False,
     operation: uuid.UUID | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> HomeAnswer:
-    """Make a change from outside, recorded before it is ordered and settled by its answer."""
+    """Make a change from outside, recorded before it is ordered and settled by its answer;
+    ``meanwhile`` runs once it is ordered (an upload's bytes are spooled while the runner
+    already writes them)."""
     if kind not in CHANGING:
         raise ValueError(f"{kind} is not a change: see ask()")
     record = _record(agent, user, kind, path, target=target, size=size)
@@ -298,8 +301,13 @@ def change(
             replace=replace,
         )
         HomeChange.objects.filter(pk=record.pk).update(runner=op.runner)
+        if meanwhile is not None:
+            meanwhile()
         within = CHANGE_SECONDS + size / CHUNK
         answer = HomeAnswer.from_json(wait(op, within=within).answer)
+    except ProtocolError as exc:
+        _refused(record, 502, f"the runner's answer made no sense: {exc}")
+        raise HomeProblem(502, f"the runner's answer made no sense: {exc}") from None
     except HomeProblem as exc:
         _refused(record, exc.status, exc.detail)
         raise
@@ -397,25 +405,46 @@ def download_path(operation: uuid.UUID | str) -> Path:
 def upload(
     agent: Agent, user: Any, path: str, chunks: Iterable[bytes], size: int, *, replace: bool
 ) -> HomeAnswer:
-    """Spool an upload of ``size`` bytes, then have the runner fetch and write it."""
+    """An upload of ``size`` bytes: ordered at once, its bytes spooled as they come while the
+    runner fetches and writes them (it follows the spool file, see :func:`follow`)."""
     _admit_upload(agent, user, path, size, replace)
     operation = uuid.uuid4()
     spooled = upload_path(operation)
+    end = spooled.with_name(spooled.name + END)
+
+    def spool_it() -> None:
+        outcome = "broken off"
+        try:
+            written = 0
+            with open(spooled, "ab", buffering=0) as file:
+                for data in chunks:
+                    written += len(data)
+                    if written > size:
+                        outcome = f"more bytes came than the {size} said"
+                        raise HomeProblem(400, outcome)
+                    file.write(data)
+            if written != size:
+                outcome = f"{written} bytes came of the {size} said"
+                raise HomeProblem(400, outcome)
+            outcome = "whole"
+        finally:
+            end.write_text(outcome)
+
+    spooled.touch(mode=0o600, exist_ok=False)
     try:
-        written = 0
-        with open(spooled, "xb") as file:
-            for data in chunks:
-                written += len(data)
-                if written > size:
-                    raise HomeProblem(400, f"more bytes came than the {size} said")
-                file.write(data)
-        if written != size:
-            raise HomeProblem(400, f"{written} bytes came of the {size} said")
         return change(
-            agent, user, HomeOp.WRITE, path, size=size, replace=replace, operation=operation
+            agent,
+            user,
+            HomeOp.WRITE,
+            path,
+            size=size,
+            replace=replace,
+            operation=operation,
+            meanwhile=spool_it,
         )
     finally:
         spooled.unlink(missing_ok=True)
+        end.unlink(missing_ok=True)
 
 
 def adopt_upload(
@@ -425,6 +454,7 @@ def adopt_upload(
     _admit_upload(agent, user, path, size, replace)
     operation = uuid.uuid4()
     spooled = upload_path(operation)
+    end = spooled.with_name(spooled.name + END)
     try:
         try:
             os.link(file, spooled)
@@ -432,11 +462,43 @@ def adopt_upload(
             with open(file, "rb") as source, open(spooled, "xb") as target:
                 while data := source.read(CHUNK):
                     target.write(data)
+        end.write_text("whole")
         return change(
             agent, user, HomeOp.WRITE, path, size=size, replace=replace, operation=operation
         )
     finally:
         spooled.unlink(missing_ok=True)
+        end.unlink(missing_ok=True)
+
+
+def follow(spooled: Path, *, position: Path | None = None) -> Iterator[bytes]:
+    """A spool file's bytes as its writer fills it, until its end marker says it is whole;
+    broken off (HomeProblem, so the reader sees a cut response) when the writer broke off or
+    stood still. ``position``: where to tell how far it has been read."""
+    end = spooled.with_name(spooled.name + END)
+    with open(spooled, "rb", buffering=0) as file:
+        read = 0
+        idle_since = time.monotonic()
+        delay = 0.001
+        while True:
+            data = file.read(CHUNK)
+            if data:
+                read += len(data)
+                if position is not None:
+                    _tell(position, read)
+                yield data
+                idle_since, delay = time.monotonic(), 0.001
+                continue
+            if end.exists():
+                while data := file.read(CHUNK):
+                    yield data
+                if end.read_text() != "whole":
+                    raise HomeProblem(502, f"the stream broke off: {end.read_text()}")
+                return
+            if time.monotonic() - idle_since > IDLE_SECONDS:
+                raise HomeProblem(504, "the stream stood still; broken off")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
 
 @dataclass
@@ -462,40 +524,18 @@ def download(agent: Agent, path: str) -> Download:
 
 
 def _tail(op: HomeOperation) -> Iterator[bytes]:
-    """A download's bytes from its spool file as the runner's stream fills it, telling the
-    runner how far it has read; broken off (an exception, so the client sees a cut response)
-    when the runner's stream broke or stood still."""
+    """A download's bytes as the runner's stream fills its spool file, telling the runner how
+    far they have been read; a stream still coming when its asker leaves is stopped."""
     spooled = download_path(op.pk)
     end = spooled.with_name(spooled.name + END)
     position = spooled.with_name(spooled.name + READ)
     whole = False
     try:
-        with open(spooled, "rb", buffering=0) as file:
-            read = 0
-            idle_since = time.monotonic()
-            delay = 0.001
-            while True:
-                data = file.read(CHUNK)
-                if data:
-                    read += len(data)
-                    _tell(position, read)
-                    yield data
-                    idle_since, delay = time.monotonic(), 0.001
-                    continue
-                if end.exists():
-                    while data := file.read(CHUNK):
-                        yield data
-                    if end.read_text() != "whole":
-                        raise HomeProblem(502, f"the runner's stream broke off: {end.read_text()}")
-                    whole = True
-                    return
-                if time.monotonic() - idle_since > IDLE_SECONDS:
-                    raise HomeProblem(504, "the runner's stream stood still; broken off")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+        yield from follow(spooled, position=position)
+        whole = True
     finally:
         if not whole:
-            _abandon(op, *OPEN)  # a stream still coming (its asker left) stops
+            _abandon(op, *OPEN)
         for item in (spooled, end, position):
             item.unlink(missing_ok=True)
 

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from django.http import FileResponse, HttpRequest, StreamingHttpResponse
+from django.http import HttpRequest, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -37,6 +37,7 @@ from runners.protocol import (
     HOME_LISTING_MAX,
     HomeAnswer,
     HomeOp,
+    HomeOrder,
     ProtocolError,
 )
 
@@ -46,6 +47,7 @@ CHUNK = services.CHUNK
 def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes], int | None]:
     """A request's body in chunks, never read whole; its length when it said one. A chunked
     body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
+    _large_reads(request)
     raw = request.META.get("CONTENT_LENGTH")
     if raw:
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
@@ -58,6 +60,15 @@ def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes]
         stream = request.META["wsgi.input"]
         return iter(lambda: stream.read(CHUNK), b""), None
     raise exceptions.ParseError("give the body's length (Content-Length)")
+
+
+def _large_reads(request: HttpRequest) -> None:
+    """gunicorn reads a body from its socket 8 KiB at a time, which halves how fast a large
+    one comes in (measured: 460 against 940 MiB/s for 1 GiB here); it is told to read up to a
+    chunk at a time. Only gunicorn's reader has the knob; anything else is left as it is."""
+    unreader = getattr(getattr(request.META.get("wsgi.input"), "reader", None), "unreader", None)
+    if isinstance(getattr(unreader, "mxchunk", None), int):
+        unreader.mxchunk = CHUNK  # type: ignore[union-attr]
 
 
 def _read(request: HttpRequest, size: int) -> Iterator[bytes]:
@@ -460,11 +471,15 @@ class RunnerHomeBodyView(RunnerHomeView):
                 {"detail": f"no upload to fetch for this {op.kind} ({op.state})"},
                 status=status.HTTP_410_GONE,
             )
-        try:
-            file = open(services.upload_path(op.pk), "rb")  # noqa: SIM115 (the response closes it)
-        except FileNotFoundError:
+        spooled = services.upload_path(op.pk)
+        if not spooled.exists():
             return Response({"detail": "the upload is gone"}, status=status.HTTP_410_GONE)
-        return FileResponse(file, content_type="application/octet-stream")
+        size = HomeOrder.from_json(op.order).size
+        response = StreamingHttpResponse(
+            services.follow(spooled), content_type="application/octet-stream"
+        )
+        response["Content-Length"] = str(size)  # a broken upload is a cut response
+        return response
 
     @extend_schema(
         request={"application/octet-stream": OpenApiTypes.BINARY},

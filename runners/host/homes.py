@@ -198,17 +198,19 @@ class Home:
     # --- reading ---------------------------------------------------------------------------
 
     def listing(self, path: str = "", *, offset: int = 0, limit: int = 1000) -> Listing:
-        """A page of a directory, by name."""
+        """A page of a directory, by name (only the page's entries are looked at: a large
+        directory costs its names, not a stat of each)."""
         parts = names(path)
         if not parts and not self.root.exists():
             return Listing("", [], 0)  # no run or upload has made it yet
         with self._directory(parts) as fd:
-            found = []
-            with os.scandir(fd) as scan:
-                for item in scan:
-                    found.append(_entry(item.name, item.stat(follow_symlinks=False), fd))
-        found.sort(key=lambda e: e.name)
-        return Listing("/".join(parts), found[offset : offset + limit], len(found))
+            listed = sorted(os.listdir(fd))
+            page = []
+            for name in listed[offset : offset + limit]:
+                st = _lstat_or_none(fd, name)
+                if st is not None:  # gone since it was listed
+                    page.append(_entry(name, st, fd))
+        return Listing("/".join(parts), page, len(listed))
 
     def stat(self, path: str) -> Entry:
         parts = names(path)
