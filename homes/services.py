@@ -428,7 +428,7 @@ def upload(
                 raise HomeProblem(400, outcome)
             outcome = "whole"
         finally:
-            end.write_text(outcome)
+            mark_end(end, outcome)
 
     spooled.touch(mode=0o600, exist_ok=False)
     try:
@@ -462,7 +462,7 @@ def adopt_upload(
             with open(file, "rb") as source, open(spooled, "xb") as target:
                 while data := source.read(CHUNK):
                     target.write(data)
-        end.write_text("whole")
+        mark_end(end, "whole")
         return change(
             agent, user, HomeOp.WRITE, path, size=size, replace=replace, operation=operation
         )
@@ -471,21 +471,30 @@ def adopt_upload(
         end.unlink(missing_ok=True)
 
 
-def follow(spooled: Path, *, position: Path | None = None) -> Iterator[bytes]:
+def mark_end(end: Path, outcome: str) -> None:
+    """Say a spool file is whole (or why not), at once: a reader never sees the marker
+    without what it says."""
+    draft = end.with_name(end.name + ".new")
+    draft.write_text(outcome)
+    draft.replace(end)
+
+
+def follow(spooled: Path, *, position: "Position | None" = None) -> Iterator[bytes]:
     """A spool file's bytes as its writer fills it, until its end marker says it is whole;
     broken off (HomeProblem, so the reader sees a cut response) when the writer broke off or
     stood still. ``position``: where to tell how far it has been read."""
     end = spooled.with_name(spooled.name + END)
     with open(spooled, "rb", buffering=0) as file:
-        read = 0
+        read = told = 0
         idle_since = time.monotonic()
         delay = 0.001
         while True:
             data = file.read(CHUNK)
             if data:
                 read += len(data)
-                if position is not None:
-                    _tell(position, read)
+                if position is not None and read - told >= TELL_EVERY:
+                    position.tell(read)
+                    told = read
                 yield data
                 idle_since, delay = time.monotonic(), 0.001
                 continue
@@ -528,7 +537,7 @@ def _tail(op: HomeOperation) -> Iterator[bytes]:
     far they have been read; a stream still coming when its asker leaves is stopped."""
     spooled = download_path(op.pk)
     end = spooled.with_name(spooled.name + END)
-    position = spooled.with_name(spooled.name + READ)
+    position = Position(spooled, writer=True)
     whole = False
     try:
         yield from follow(spooled, position=position)
@@ -536,23 +545,49 @@ def _tail(op: HomeOperation) -> Iterator[bytes]:
     finally:
         if not whole:
             _abandon(op, *OPEN)
-        for item in (spooled, end, position):
+        position.close()
+        for item in (spooled, end, position.path):
             item.unlink(missing_ok=True)
 
 
-def _tell(position: Path, read: int) -> None:
-    """How far the reader has got, for the runner's stream to keep within WINDOW of it."""
-    draft = position.with_name(position.name + ".new")
-    draft.write_text(str(read))
-    draft.replace(position)
+class Position:
+    """How far a download's reader has got, in a small file beside its spool file: the reader
+    says it every TELL_EVERY bytes, the runner's stream reads it to keep within WINDOW."""
+
+    WIDTH = 20  # digits, written whole in one pwrite
+
+    def __init__(self, spooled: Path, *, writer: bool = False) -> None:
+        self.path = spooled.with_name(spooled.name + READ)
+        self._writer = writer
+        self._fd: int | None = None
+        self._open()
+
+    def _open(self) -> None:
+        flags = (os.O_RDWR | os.O_CREAT if self._writer else os.O_RDONLY) | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            self._fd = None  # the reader has not begun
+
+    def tell(self, read: int) -> None:
+        if self._fd is not None:
+            os.pwrite(self._fd, str(read).zfill(self.WIDTH).encode(), 0)
+
+    def get(self) -> int:
+        if self._fd is None:
+            self._open()
+        if self._fd is None:
+            return 0
+        said = os.pread(self._fd, self.WIDTH, 0)
+        return int(said) if said.isdigit() else 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def read_so_far(spooled: Path) -> int:
-    """How far a download's reader has got (0 before it has read anything)."""
-    try:
-        return int(spooled.with_name(spooled.name + READ).read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
+TELL_EVERY = 8 * CHUNK
 
 
 # --- housekeeping -------------------------------------------------------------------------
