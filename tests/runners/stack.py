@@ -144,6 +144,12 @@ class Stack:
             handle = RunnerProcess(runner, Path(), Path(settings.VAR_DIR), log, process)
             self.runners.append(handle)
             wait_for(lambda: "taking orders" in handle.output(), 30, "the runner starting", log)
+
+            def heard_from() -> bool:  # its first heartbeat (it may serve others before it)
+                runner.refresh_from_db()
+                return runner.online
+
+            wait_for(heard_from, 30, f"{runner.name} of {organisation} heard from", log)
             yield handle
 
     def agent(self, organisation, name: str, command: list[str], **fields):
