@@ -72,6 +72,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     Processes,
     accepts,
     alive,
+    django_here,
     free_port,
     percentile,
     process_tree,
@@ -442,15 +443,7 @@ class Setup:
 
 def prepare_database(var_dir: Path, allowlist: list[str]) -> Setup:
     """Migrate the SQLite database; make the organisation, agent, tokens and a superuser."""
-    for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
-        del os.environ[key]  # this process's Django must read the same settings
-    os.environ.update(django_env(var_dir))
-    from covey import var
-
-    var.prepare(var_dir)  # its secret key and broker folders, before any process reads them
-    import django
-
-    django.setup()
+    django_here(django_env(var_dir), var_dir)
     import secrets
 
     from django.contrib.auth import get_user_model

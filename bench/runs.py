@@ -84,6 +84,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     Processes,
     accepts,
     alive,
+    django_here,
     free_port,
     percentile,
     ratio,
@@ -218,15 +219,7 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     """Migrate the SQLite database; a superuser and its API token (returned), and for each
     stack an organisation, a registered runner and its agents (a clock, and a sleeper per run
     of a burst)."""
-    for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
-        del os.environ[key]  # this process's Django must read the same settings
-    os.environ.update(django_env(var_dir))
-    from covey import var
-
-    var.prepare(var_dir)  # its secret key and broker folders, before any process reads them
-    import django
-
-    django.setup()
+    django_here(django_env(var_dir), var_dir)
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
     from django.db import connections

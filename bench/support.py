@@ -195,3 +195,17 @@ def run_bench(
         print("benchmark failed; figures below are what was measured", file=sys.stderr)
         return True
     return False
+
+
+def django_here(env: dict[str, str], var_dir: Path) -> None:
+    """Set up Django in this process with the settings of the bench's covey processes
+    (``env``), after their secret key and broker folders are made in ``var_dir``."""
+    for key in [k for k in os.environ if k.startswith(OTHER_SETTINGS)]:
+        del os.environ[key]  # this process's Django must read the same settings
+    os.environ.update(env)
+    from covey import var
+
+    var.prepare(var_dir)  # its secret key and broker folders, before any process reads them
+    import django
+
+    django.setup()

@@ -288,7 +288,9 @@ class HomeAdmin(admin.ModelAdmin):
 class HomeChangeAdmin(admin.ModelAdmin):
     """The audit of changes made to homes from outside: a record, never edited."""
 
-    list_display = ["at", "agent", "by_name", "operation", "path", "target", "bytes", "status"]
+    list_display = [
+        "at", "agent", "by_name", "operation", "path", "target", "bytes", "status", "settled",
+    ]  # fmt: skip
     list_filter = ["operation", "status", "agent__organisation"]
     search_fields = ["path", "by_name", "agent__name"]
     list_select_related = ["agent"]

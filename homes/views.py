@@ -133,6 +133,7 @@ class HomeChangeSerializer(serializers.ModelSerializer):
             "bytes",
             "status",
             "detail",
+            "settled",
             "runner",
             "at",
         ]

@@ -7,7 +7,6 @@ import pytest
 from homes.models import HomeChange
 from tests.agents.test_admin_browser import PASSWORD, browser  # noqa: F401 (a fixture)
 from tests.factories import UserFactory
-from tests.runners.stack import Stack
 
 pytestmark = [
     pytest.mark.postgres,
@@ -15,13 +14,6 @@ pytestmark = [
     pytest.mark.docker,
     pytest.mark.django_db(transaction=True),
 ]
-
-
-@pytest.fixture
-def stack(tmp_path, base_image):
-    built = Stack(tmp_path, base_image)
-    yield built
-    built.close()
 
 
 def test_a_person_uploads_renames_downloads_and_deletes_a_file_in_a_home(

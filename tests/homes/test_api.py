@@ -15,7 +15,6 @@ from runners.models import Runner
 from runs import services as run_services
 from runs.models import FINISHED, RunStatus
 from tests.processes import wait_for
-from tests.runners.stack import Stack
 
 pytestmark = [
     pytest.mark.postgres,
@@ -23,13 +22,6 @@ pytestmark = [
     pytest.mark.docker,
     pytest.mark.django_db(transaction=True),
 ]
-
-
-@pytest.fixture
-def stack(tmp_path, base_image):
-    built = Stack(tmp_path, base_image)
-    yield built
-    built.close()
 
 
 @contextmanager
