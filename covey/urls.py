@@ -61,7 +61,7 @@ home_urls = [
     _home("", {"get": "summary"}, "summary"),
     _home("entries/", {"get": "entries"}, "entries"),
     _home("stat/", {"get": "stat"}, "stat"),
-    _home("download/", {"get": "download"}, "download"),
+    _home("download/", {"get": "download", "head": "download_head"}, "download"),
     _home("file/", {"put": "put"}, "file"),
     _home("upload/", {"post": "upload"}, "upload"),
     _home("mkdir/", {"post": "mkdir"}, "mkdir"),

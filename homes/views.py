@@ -240,6 +240,23 @@ class HomeViewSet(viewsets.ViewSet):
             **PROBLEMS,
         },
     )
+    @extend_schema(exclude=True)
+    def download_head(self, request: Request, agent_id: int) -> Response:
+        """What a download would be (its type, name and a file's length), without its bytes:
+        a look, not a transfer."""
+        agent = self.agent(request, agent_id)
+        path = request.query_params.get("path", "")
+        entry = services.ask(agent, HomeOp.STAT, path=path).entry
+        archive = entry is None or entry.type == "directory"
+        response = Response(
+            content_type="application/x-tar" if archive else "application/octet-stream"
+        )
+        if not archive and entry is not None:
+            response["Content-Length"] = str(entry.size)
+        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
+        response["Content-Disposition"] = services.attachment(name)
+        return response
+
     def download(self, request: Request, agent_id: int) -> StreamingHttpResponse:
         """A file's bytes, or a directory (or the whole home) as a tar archive, streamed. An
         archive leaves out what it cannot vouch for (links, FIFOs, devices, hard-linked files)

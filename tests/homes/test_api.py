@@ -63,6 +63,9 @@ def test_every_operation_on_a_home_with_no_sandbox_running(stack, acme, alice, k
         listed = api.get(f"{base}/entries/", params={"path": "notes/drafts"}).json()
         assert listed["total"] == 1 and listed["entries"][0]["name"] == "a.bin"
         assert api.get(f"{base}/stat/", params={"path": "notes"}).json()["type"] == "directory"
+        head = api.head(f"{base}/download/", params={"path": "notes/drafts/a.bin"})
+        assert head.status_code == 200 and head.headers["content-length"] == str(len(data))
+        assert 'filename="a.bin"' in head.headers["content-disposition"] and not head.content
         got = api.get(f"{base}/download/", params={"path": "notes/drafts/a.bin"})
         assert got.status_code == 200 and got.headers["content-length"] == str(len(data))
         assert hashlib.sha256(got.content).digest() == hashlib.sha256(data).digest()
