@@ -105,8 +105,7 @@ class Agent(models.Model):
 
     @property
     def home_quota_bytes(self) -> int:
-        quota = self.home_quota_mb or settings.COVEY_HOME_QUOTA_MB
-        return int(quota) * 1024 * 1024
+        return home_quota_bytes(self.home_quota_mb)
 
     def home_usage_text(self) -> str:
         """'1.2 GiB of 10.0 GiB (3,402 files)', or that it was never measured."""
@@ -115,6 +114,11 @@ class Agent(models.Model):
             return f"not measured yet ({of})"
         files = self.home_files or 0
         return f"{size_text(self.home_bytes)} {of} ({files:,} file{'' if files == 1 else 's'})"
+
+
+def home_quota_bytes(quota_mb: int | None) -> int:
+    """A home quota in bytes (0: none): an agent's ``home_quota_mb``, else the setting's."""
+    return int(quota_mb or settings.COVEY_HOME_QUOTA_MB) * 1024 * 1024
 
 
 def size_text(count: int) -> str:

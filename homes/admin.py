@@ -26,7 +26,6 @@ from agents.models import Agent, size_text
 from homes import services
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
-from homes.views import upload_file
 from organisations.models import Role
 from organisations.roles import role_of
 from runners.protocol import HomeOp
@@ -164,16 +163,9 @@ class HomeAdmin(admin.ModelAdmin):
         except HomeProblem as exc:
             messages.error(request, exc.detail)
             return self._back(agent, _parent(path))
-        archive = got.archive
-        response = StreamingHttpResponse(
-            got.chunks,
-            content_type="application/x-tar" if archive else "application/octet-stream",
+        return services.download_headers(
+            StreamingHttpResponse(got.chunks), path, archive=got.archive, size=got.size
         )
-        if got.size is not None:
-            response["Content-Length"] = str(got.size)
-        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
-        response["Content-Disposition"] = services.attachment(name)
-        return response
 
     def upload_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         if request.method != "POST":
@@ -186,7 +178,7 @@ class HomeAdmin(admin.ModelAdmin):
             name = file.name or "upload"
             path = f"{directory}/{name}" if directory else name
             try:
-                upload_file(agent, request.user, path, file, replace=replace)
+                services.upload_file(agent, request.user, path, file, replace=replace)
             except HomeProblem as exc:
                 messages.error(request, f"{name}: {exc.detail}")
             else:

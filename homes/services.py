@@ -30,6 +30,7 @@ from urllib.parse import quote
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
+from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from agents.models import Agent, size_text
@@ -394,6 +395,24 @@ def spool() -> Path:
     return folder
 
 
+def upload_file(agent: Agent, user: Any, path: str, file: Any, *, replace: bool) -> HomeAnswer:
+    """One file of a form (the API's or the admin's: Django's UploadedFile)."""
+    return upload(agent, user, path, file.chunks(CHUNK), file.size, replace=replace)
+
+
+def download_headers(
+    response: HttpResponseBase, path: str, *, archive: bool, size: int | None
+) -> HttpResponseBase:
+    """What a download of ``path`` says of itself: a tar (a directory) or bytes, its name,
+    and a file's length."""
+    response["Content-Type"] = "application/x-tar" if archive else "application/octet-stream"
+    if size is not None:
+        response["Content-Length"] = str(size)
+    name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
+    response["Content-Disposition"] = attachment(name)
+    return response
+
+
 def upload_path(operation: uuid.UUID | str) -> Path:
     return spool() / f"{operation}.up"
 
@@ -410,7 +429,7 @@ def upload(
     _admit_upload(agent, user, path, size, replace)
     operation = uuid.uuid4()
     spooled = upload_path(operation)
-    end = spooled.with_name(spooled.name + END)
+    end = end_of(spooled)
 
     def spool_it() -> None:
         outcome = "broken off"
@@ -447,28 +466,9 @@ def upload(
         end.unlink(missing_ok=True)
 
 
-def adopt_upload(
-    agent: Agent, user: Any, path: str, file: Path, size: int, *, replace: bool
-) -> HomeAnswer:
-    """An upload already on this disk (a form's temporary file): linked into the spool."""
-    _admit_upload(agent, user, path, size, replace)
-    operation = uuid.uuid4()
-    spooled = upload_path(operation)
-    end = spooled.with_name(spooled.name + END)
-    try:
-        try:
-            os.link(file, spooled)
-        except OSError:  # another file system: copied
-            with open(file, "rb") as source, open(spooled, "xb") as target:
-                while data := source.read(CHUNK):
-                    target.write(data)
-        mark_end(end, "whole")
-        return change(
-            agent, user, HomeOp.WRITE, path, size=size, replace=replace, operation=operation
-        )
-    finally:
-        spooled.unlink(missing_ok=True)
-        end.unlink(missing_ok=True)
+def end_of(spooled: Path) -> Path:
+    """The marker beside a spool file that says it is whole (or why not)."""
+    return spooled.with_name(spooled.name + END)
 
 
 def mark_end(end: Path, outcome: str) -> None:
@@ -483,7 +483,7 @@ def follow(spooled: Path, *, position: "Position | None" = None) -> Iterator[byt
     """A spool file's bytes as its writer fills it, until its end marker says it is whole;
     broken off (HomeProblem, so the reader sees a cut response) when the writer broke off or
     stood still. ``position``: where to tell how far it has been read."""
-    end = spooled.with_name(spooled.name + END)
+    end = end_of(spooled)
     with open(spooled, "rb", buffering=0) as file:
         read = told = 0
         idle_since = time.monotonic()
@@ -536,7 +536,7 @@ def _tail(op: HomeOperation) -> Iterator[bytes]:
     """A download's bytes as the runner's stream fills its spool file, telling the runner how
     far they have been read; a stream still coming when its asker leaves is stopped."""
     spooled = download_path(op.pk)
-    end = spooled.with_name(spooled.name + END)
+    end = end_of(spooled)
     position = Position(spooled, writer=True)
     whole = False
     try:

@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from django.http import HttpRequest, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -241,38 +242,26 @@ class HomeViewSet(viewsets.ViewSet):
         },
     )
     @extend_schema(exclude=True)
-    def download_head(self, request: Request, agent_id: int) -> Response:
+    def download_head(self, request: Request, agent_id: int) -> HttpResponseBase:
         """What a download would be (its type, name and a file's length), without its bytes:
         a look, not a transfer."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
         entry = services.ask(agent, HomeOp.STAT, path=path).entry
         archive = entry is None or entry.type == "directory"
-        response = Response(
-            content_type="application/x-tar" if archive else "application/octet-stream"
-        )
-        if not archive and entry is not None:
-            response["Content-Length"] = str(entry.size)
-        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if archive else "")
-        response["Content-Disposition"] = services.attachment(name)
-        return response
+        size = None if archive or entry is None else entry.size
+        return services.download_headers(HttpResponse(), path, archive=archive, size=size)
 
-    def download(self, request: Request, agent_id: int) -> StreamingHttpResponse:
+    def download(self, request: Request, agent_id: int) -> HttpResponseBase:
         """A file's bytes, or a directory (or the whole home) as a tar archive, streamed. An
         archive leaves out what it cannot vouch for (links, FIFOs, devices, hard-linked files)
         and lists it in covey-skipped.txt."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
         got = services.download(agent, path)
-        name = (path.rsplit("/", 1)[-1] or "home") + (".tar" if got.archive else "")
-        response = StreamingHttpResponse(
-            got.chunks,
-            content_type="application/x-tar" if got.archive else "application/octet-stream",
+        return services.download_headers(
+            StreamingHttpResponse(got.chunks), path, archive=got.archive, size=got.size
         )
-        if got.size is not None:
-            response["Content-Length"] = str(got.size)
-        response["Content-Disposition"] = services.attachment(name)
-        return response
 
     @extend_schema(
         parameters=[
@@ -326,7 +315,7 @@ class HomeViewSet(viewsets.ViewSet):
             name = file.name or "upload"
             path = f"{directory}/{name}" if directory else name
             try:
-                answer = upload_file(agent, request.user, path, file, replace=replace)
+                answer = services.upload_file(agent, request.user, path, file, replace=replace)
             except HomeProblem as exc:
                 refused.append((path, exc))
             else:
@@ -383,15 +372,6 @@ class HomeViewSet(viewsets.ViewSet):
         paginator = BoundedPagination()
         page = paginator.paginate_queryset(rows, request, view=self)
         return paginator.get_paginated_response(HomeChangeSerializer(page, many=True).data)
-
-
-def upload_file(agent: Agent, user: Any, path: str, file: Any, *, replace: bool) -> HomeAnswer:
-    """One file of a form (the API's or the admin's): on disk already when it was large."""
-    if hasattr(file, "temporary_file_path"):
-        return services.adopt_upload(
-            agent, user, path, file.temporary_file_path(), file.size, replace=replace
-        )
-    return services.upload(agent, user, path, file.chunks(), file.size, replace=replace)
 
 
 def _valid(kind: type[serializers.Serializer], request: Request) -> dict[str, Any]:
@@ -504,7 +484,7 @@ class RunnerHomeBodyView(RunnerHomeView):
             raise exceptions.ValidationError({HOME_ANSWER_HEADER: str(exc)}) from None
         chunks, size = body(request._request)
         spooled = services.download_path(op.pk)
-        end = spooled.with_name(spooled.name + services.END)
+        end = services.end_of(spooled)
         try:
             file = open(spooled, "xb", buffering=0)  # noqa: SIM115 (closed below)
         except FileExistsError:

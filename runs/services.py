@@ -12,7 +12,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from agents.models import Agent
+from agents.models import Agent, home_quota_bytes
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -213,13 +213,9 @@ def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
         pids=int(sandbox.get("pids", 512)),
         timeout=run.timeout,
         egress=EgressGrant(enforce=settings.COVEY_EGRESS_ENFORCE, credentials=credentials),
-        home_quota_bytes=_quota_bytes(sandbox.get("home_quota_mb")),
+        # The quota of the version the run was queued at (its default: the setting now).
+        home_quota_bytes=home_quota_bytes(sandbox.get("home_quota_mb")),
     )
-
-
-def _quota_bytes(quota_mb: int | None) -> int:
-    """The home quota of the version the run was queued at (its default: the setting now)."""
-    return int(quota_mb or settings.COVEY_HOME_QUOTA_MB) * 1024 * 1024
 
 
 @transaction.atomic

@@ -142,6 +142,7 @@ class FakeControlPlane:
     uploads: dict[str, bytes] = field(default_factory=dict)
     answers: dict[str, HomeAnswer] = field(default_factory=dict)
     sent: dict[str, bytes] = field(default_factory=dict)
+    broken_uploads: set[str] = field(default_factory=set)  # their bytes stop short, an error
 
     def _check(self) -> None:
         if self.unreachable:
@@ -210,7 +211,7 @@ class FakeControlPlane:
         def chunks() -> Iterator[bytes]:
             for start in range(0, len(data), 1000):
                 yield data[start : start + 1000]
-            if operation.endswith("broken"):
+            if operation in self.broken_uploads:
                 raise ControlPlaneError("the upload broke off")
 
         yield chunks()

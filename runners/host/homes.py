@@ -403,9 +403,7 @@ class Home:
             raise HomeError(400, f"{shown(target)} is inside {shown(source)}")
         with self._directory(old[:-1]) as src, self._directory(new[:-1]) as dst:
             _lstat(src, old[-1], source)  # 404 when it is not there
-            if _lstat_or_none(dst, new[-1]) is not None:
-                raise HomeError(409, f"{shown(target)} exists")
-            _rename_new(src, old[-1], dst, new[-1], target)
+            _rename_new(src, old[-1], dst, new[-1], target)  # 409 when the target is
             return _entry(new[-1], _lstat(dst, new[-1], target), dst)
 
     def delete(self, path: str) -> "Removed":

@@ -107,7 +107,7 @@ class RunnerHost:
 
     def __post_init__(self) -> None:
         self.serving = HomeServer(
-            lambda runner_id, agent_id: self.settings.homes / str(runner_id) / str(agent_id),
+            self._home_of,
             self._home_busy,
             self._home_locks,
             owner=sandbox_owner(),  # what people upload is the agent's to change
@@ -227,7 +227,7 @@ class RunnerHost:
     def _home_busy(self, runner_id: int, agent_id: int) -> str:
         """Why the agent's home here may not be changed from outside now ('' when it may): a
         sandbox of the agent is being launched or runs."""
-        home = self.settings.homes / str(runner_id) / str(agent_id)
+        home = self._home_of(runner_id, agent_id)
         with self._launching_lock:
             for run_id, watched in self._homes.items():
                 if watched.home == home and watched.ended is None:
@@ -275,7 +275,7 @@ class RunnerHost:
             command=list(spec.command),
             task=spec.task,
             environment=environment,
-            home=self.settings.homes / str(identity.id) / str(spec.agent),
+            home=self._home_of(identity.id, spec.agent),
             cpus=spec.cpus,
             memory_mb=spec.memory_mb,
             pids=spec.pids,
@@ -421,7 +421,7 @@ class RunnerHost:
         run_id = sandbox.run_id
         # The whole log replaces what went live; the count says whether Docker kept all of it.
         total = self.outputs.stop(run_id, wait=5.0)
-        changed, usage = self._home_after(run_id, self._home_of(identity, sandbox.agent_id))
+        changed, usage = self._home_after(run_id, self._home_of(identity.id, sandbox.agent_id))
         with self._launching_lock:
             watched = self._homes.get(run_id)
         over = watched.stopped_for if watched else ""
@@ -448,8 +448,9 @@ class RunnerHost:
 
     # --- what a run changed in its home ----------------------------------------------------
 
-    def _home_of(self, identity: Identity, agent_id: int) -> Path:
-        return self.settings.homes / str(identity.id) / str(agent_id)
+    def _home_of(self, runner_id: int, agent_id: int) -> Path:
+        """Where an agent's home is on this host (each runner's homes in a folder of their own)."""
+        return self.settings.homes / str(runner_id) / str(agent_id)
 
     def _note_home(self, runner_id: int, run_id: str, home: Path, quota: int) -> HomeUsage:
         """The home's manifest before the run (kept in memory: a runner restarted meanwhile
@@ -497,7 +498,10 @@ class RunnerHost:
             due = [
                 (run_id, watched)
                 for run_id, watched in self._homes.items()
-                if watched.quota and watched.next_check <= self.clock() and not watched.stopped_for
+                if watched.quota
+                and watched.ended is None  # its report may be sent again: its home is not its
+                and not watched.stopped_for
+                and watched.next_check <= self.clock()
             ]
         for run_id, watched in due:
             try:

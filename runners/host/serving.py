@@ -182,9 +182,7 @@ class HomeServer:
             return
         try:
             client.send_home(order.operation, answer, chunks, size)
-        except ControlPlaneError as exc:
-            if exc.status in (404, 409, 410):
-                return  # no longer wanted (its asker left): nothing to say
+        except ControlPlaneError as exc:  # (one no longer wanted is no error: see send_home)
             logger.warning("covey runner: home operation %s: %s", order.operation, exc)
             _answer_failure(client, order.operation, f"the runner could not send it: {exc}")
         finally:
