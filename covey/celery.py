@@ -6,7 +6,10 @@ from typing import Any
 
 from celery import Celery
 
+from covey import broker
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "covey.settings")
+broker.install()  # filesystem:// whose messages appear whole (covey/broker.py)
 
 app = Celery("covey")
 app.config_from_object("django.conf:settings", namespace="CELERY")
