@@ -50,6 +50,7 @@ router.register("runs", RunViewSet)
 
 
 def _home(suffix: str, actions: dict[str, Any], name: str) -> Any:
+    # An action must not be named like an HTTP method: the view would answer it on every route.
     return path(
         f"api/v1/agents/<int:agent_id>/home/{suffix}",
         HomeViewSet.as_view(actions),
@@ -62,11 +63,11 @@ home_urls = [
     _home("entries/", {"get": "entries"}, "entries"),
     _home("stat/", {"get": "stat"}, "stat"),
     _home("download/", {"get": "download", "head": "download_head"}, "download"),
-    _home("file/", {"put": "put"}, "file"),
+    _home("file/", {"put": "write"}, "file"),
     _home("upload/", {"post": "upload"}, "upload"),
     _home("mkdir/", {"post": "mkdir"}, "mkdir"),
     _home("move/", {"post": "move"}, "move"),
-    _home("delete/", {"post": "delete"}, "delete"),
+    _home("delete/", {"post": "remove"}, "delete"),
     _home("usage/", {"get": "usage"}, "usage"),
     _home("changes/", {"get": "changes"}, "changes"),
 ]

@@ -180,7 +180,7 @@ class HomeAdmin(admin.ModelAdmin):
             try:
                 services.upload_file(agent, request.user, path, file, replace=replace)
             except HomeProblem as exc:
-                messages.error(request, f"{name}: {exc.detail}")
+                messages.error(request, f"Not uploaded, {name}: {exc.detail}")  # not capitalised
             else:
                 done.append(name)
         if done:

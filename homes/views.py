@@ -271,7 +271,7 @@ class HomeViewSet(viewsets.ViewSet):
         request={"application/octet-stream": OpenApiTypes.BINARY},
         responses={200: HomeEntrySerializer, 201: HomeEntrySerializer, **PROBLEMS},
     )
-    def put(self, request: Request, agent_id: int) -> Response:
+    def write(self, request: Request, agent_id: int) -> Response:
         """Upload one file, the request's body, to ``path`` (streamed; it appears whole or not
         at all, so a broken upload is simply sent again). 413 when it would pass the quota."""
         agent = self.agent(request, agent_id, change=True)
@@ -349,7 +349,7 @@ class HomeViewSet(viewsets.ViewSet):
         return Response(HomeEntrySerializer(answer.entry).data)
 
     @extend_schema(request=PathSerializer, responses={204: None, **PROBLEMS})
-    def delete(self, request: Request, agent_id: int) -> Response:
+    def remove(self, request: Request, agent_id: int) -> Response:
         """Delete a file, a link (never what it points to) or a whole directory."""
         agent = self.agent(request, agent_id, change=True)
         given = _valid(PathSerializer, request)

@@ -201,4 +201,9 @@ def test_another_organisations_member_sees_no_home_and_a_viewer_changes_none(age
     for action in ("mkdir", "move", "delete", "upload"):
         refused = viewer.post(f"/api/v1/agents/{agent.pk}/home/{action}/", {"path": "x"})
         assert refused.status_code == 403, action
+    for route in ("", "stat/?path=x", "changes/", "download/?path=x"):  # only their own methods
+        assert (
+            viewer.put(f"/api/v1/agents/{agent.pk}/home/{route}", {"path": "x"}).status_code == 405
+        )
+        assert viewer.delete(f"/api/v1/agents/{agent.pk}/home/{route}").status_code == 405
     assert not HomeChange.objects.exists() and not HomeOperation.objects.exists()
