@@ -1,6 +1,5 @@
 """Admin for agents and their versions, written for operators."""
 
-import json
 from typing import Any
 
 from django import forms
@@ -19,69 +18,11 @@ from django.utils.http import urlencode
 from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
+from covey.versions import VersionAdmin, VersionInline
 
 
-class AgentVersionInline(admin.TabularInline):
-    """The agent's history: who changed what, when. Versions are never edited."""
-
+class AgentVersionInline(VersionInline):
     model = AgentVersion
-    extra = 0
-    can_delete = False
-    ordering = ["-number"]
-    fields = ("number", "created_at", "created_by", "changes_shown")
-    readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    @admin.display(description="Changes")
-    def changes_shown(self, obj: AgentVersion) -> str:
-        return changes_table(obj)
-
-
-def _shown(value: Any) -> str:
-    """A configuration value as people read it: lists as comma-separated items."""
-    if value is None or value == [] or value == "":
-        return "—"
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return ", ".join(value)
-    if isinstance(value, str | int | float | bool):
-        return str(value)
-    return json.dumps(value, sort_keys=True)
-
-
-def _differences(field: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
-    """A change as rows: a group of settings (the sandbox's) one row per setting that differs."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [
-            (f"{field} {key.replace('_', ' ')}", old.get(key), new.get(key))
-            for key in sorted(old.keys() | new.keys())
-            if old.get(key) != new.get(key)
-        ]
-    return [(field, old, new)]
-
-
-def changes_table(version: AgentVersion) -> str:
-    """What a version changed, one row per field: before, after."""
-    if not version.changes:
-        return "created" if version.number == 1 else "no change"
-    rows = format_html_join(
-        "",
-        "<tr><th>{}</th><td>{}</td><td>{}</td></tr>",
-        (
-            (field, _shown(old), _shown(new))
-            for name, (old, new) in sorted(version.changes.items())
-            for field, old, new in _differences(name.replace("_", " "), old, new)
-        ),
-    )
-    return format_html(
-        '<table class="covey-changes"><thead><tr><th>field</th><th>before</th>'
-        "<th>after</th></tr></thead><tbody>{}</tbody></table>",
-        rows,
-    )
 
 
 class LabelsField(forms.CharField):
@@ -245,39 +186,9 @@ class AgentAdmin(admin.ModelAdmin):
 
 
 @admin.register(AgentVersion)
-class AgentVersionAdmin(admin.ModelAdmin):
-    """Read-only: versions are a record."""
-
+class AgentVersionAdmin(VersionAdmin):
+    parent = "agent"
     list_display = ["agent", "number", "created_by", "created_at", "changes_shown"]
     list_filter = ["agent__organisation", "agent"]
     list_select_related = ["agent__organisation", "created_by"]
     search_fields = ["agent__name", "agent__slug"]
-    readonly_fields = [
-        "agent", "number", "created_by", "created_at", "changes_shown", "config_shown"
-    ]  # fmt: skip
-    fields = tuple(readonly_fields)
-
-    @admin.display(description="Changes")
-    def changes_shown(self, obj: AgentVersion) -> str:
-        return changes_table(obj)
-
-    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
-        """Filtered to one agent (its History button): the title names it."""
-        agent_id = request.GET.get("agent__id__exact", "")
-        agent = Agent.objects.filter(pk=agent_id).first() if agent_id.isdigit() else None
-        if agent is not None:
-            extra_context = {**(extra_context or {}), "title": f"Versions of {agent}"}
-        return super().changelist_view(request, extra_context)
-
-    @admin.display(description="Configuration")
-    def config_shown(self, obj: AgentVersion) -> str:
-        return format_html("<pre>{}</pre>", json.dumps(obj.config, indent=2, sort_keys=True))
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

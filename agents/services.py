@@ -14,6 +14,7 @@ from agents import models
 from agents.labels import normalise_labels
 from agents.models import COMMAND_RULE, Agent, AgentVersion, is_command
 from allowlists.entries import Entry, parse_entry
+from covey.versions import diff_configs
 from organisations.models import Organisation
 from organisations.services import find_one, slug_for
 from templates.models import AllowlistTemplate
@@ -45,7 +46,9 @@ def agent_config(agent: Agent) -> dict[str, Any]:
         "templates": sorted(t.slug for t in agent.templates.all()),
         "allowlist": list(agent.allowlist),
         "required_labels": list(agent.required_labels),
-        "workplace": None if workplace is None else {"id": workplace.pk, "image": workplace.image},
+        # Which workplace, not what it holds: that is versioned with the workplace, and a run
+        # records the workplace version it was queued at.
+        "workplace": None if workplace is None else {"id": workplace.pk, "name": workplace.name},
         "sandbox": {
             "command": list(agent.runtime_command),
             "cpus": float(agent.cpus),
@@ -54,15 +57,6 @@ def agent_config(agent: Agent) -> dict[str, Any]:
             "timeout": agent.run_timeout,
             "home_quota_mb": agent.home_quota_mb,
         },
-    }
-
-
-def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
-    """Field → [old value, new value] for every field that differs."""
-    return {
-        key: [old.get(key), new.get(key)]
-        for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
     }
 
 

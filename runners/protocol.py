@@ -80,8 +80,44 @@ class EgressGrant(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class Packages(Message):
+    """Packages of one ecosystem (apt) to install in the sandbox's image, as its installer
+    takes them (``name`` or ``name=version``; workplaces/config.py checks them)."""
+
+    ecosystem: str
+    specs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Readiness(Message):
+    """How a service says it is ready: ``command`` run in it succeeds (exit 0). Tried after
+    ``start_period`` seconds, every ``interval``, until ``timeout`` seconds after it started."""
+
+    command: tuple[str, ...]
+    start_period: float = 0.0
+    interval: float = 1.0
+    timeout: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec(Message):
+    """A companion service of the run's workplace: a container beside the sandbox, reachable
+    from it (and from nothing else) by ``name``."""
+
+    name: str
+    image: str
+    environment: tuple[str, ...] = ()  # NAME=value
+    command: tuple[str, ...] = ()  # empty: the image's own
+    ready: Readiness | None = None  # None: ready once started
+    cpus: float = 1.0
+    memory_mb: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchSpec(Message):
-    """What a runner builds for a run: the answer to its start request."""
+    """What a runner builds for a run: the answer to its start request. With ``packages``,
+    the sandbox runs an image built from ``image`` with them installed (once, by the runner
+    host, tagged by its content); ``services`` run beside it."""
 
     run: str
     agent: int
@@ -94,6 +130,9 @@ class LaunchSpec(Message):
     timeout: int
     egress: EgressGrant
     home_quota_bytes: int = 0  # the most its home may hold (0: no limit)
+    packages: tuple[Packages, ...] = ()
+    services: tuple[ServiceSpec, ...] = ()
+    workplace: str = ""  # which workplace version, as people name it ("dev v3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +177,25 @@ class HomeUsage(Message):
     files: int
 
 
+MAX_SERVICE_LOG_CHARS = 64 * 1024  # the end of a service's log kept with the run
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceRecord(Message):
+    """A service of the run as it ran: its image ID, how long it took to become ready, and
+    (once the run has ended, or it failed to become ready) the end of its log."""
+
+    name: str
+    image_id: str = ""
+    ready_seconds: float | None = None
+    log: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunReport(Message):
     """What a runner reports of a run's sandbox (``changes``: with an exit, when the runner
-    saw the home before the run; ``usage``: what the home held, when it was measured)."""
+    saw the home before the run; ``usage``: what the home held, when it was measured;
+    ``image_id``: the image the sandbox ran; ``services``: its services, as they ran)."""
 
     state: ReportState
     exit_code: int | None = None
@@ -151,6 +205,8 @@ class RunReport(Message):
     finished_at: datetime | None = None
     changes: HomeChanges | None = None
     usage: HomeUsage | None = None
+    image_id: str = ""
+    services: tuple[ServiceRecord, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

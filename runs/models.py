@@ -40,6 +40,14 @@ class Run(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="runs")
     agent_version = models.ForeignKey(AgentVersion, on_delete=models.PROTECT, related_name="runs")
+    workplace_version = models.ForeignKey(
+        "workplaces.WorkplaceVersion",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="runs",
+        help_text="The workplace version it was queued at: image, packages and services.",
+    )
     task = models.TextField()
     status = models.CharField(
         max_length=16, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
@@ -56,6 +64,15 @@ class Run(models.Model):
         blank=True,
         help_text="What the run changed in its agent's home: paths added, changed and removed"
         " (at most 1000 of each listed; the totals count them all). Empty: not recorded.",
+    )
+    image_id = models.CharField(
+        max_length=100, blank=True, help_text="The ID of the image its sandbox ran."
+    )
+    services = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Its workplace's services as they ran: name, image ID, seconds until ready,"
+        " and the end of each one's log.",
     )
     log = models.FileField(upload_to="runs/%Y/%m/", blank=True, help_text="The whole output.")
     output_size = models.BigIntegerField(

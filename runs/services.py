@@ -23,11 +23,15 @@ from runners.protocol import (
     ActiveRuns,
     EgressGrant,
     LaunchSpec,
+    Packages,
+    Readiness,
     ReportState,
     RunReport,
+    ServiceSpec,
 )
 from runs.models import ACTIVE, FINISHED, Run, RunEvent, RunStatus
 from runs.placement import Placement, place
+from workplaces.services import current_version
 
 MAX_TASK_BYTES = 100 * 1024  # it travels in an environment variable too
 LOG_TAIL_CHARS = 16_000
@@ -56,9 +60,11 @@ def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
         raise ValidationError({"task": ["the task is empty"]})
     if len(task.encode()) > MAX_TASK_BYTES or "\0" in task:
         raise ValidationError({"task": [f"a task is text of at most {MAX_TASK_BYTES} bytes"]})
+    workplace = agent.workplace
     run = Run.objects.create(
         agent=agent,
         agent_version=agent.versions.get(number=agent.version),
+        workplace_version=None if workplace is None else current_version(workplace),
         task=task,
         timeout=agent.run_timeout,
         created_by=by if by is not None and by.is_authenticated else None,
@@ -187,26 +193,41 @@ def start(run_id: str, runner: Runner) -> LaunchSpec | None:
     return sandbox_spec(run, credentials)
 
 
+def _workplace(run: Run) -> dict[str, Any]:
+    """The configuration of the workplace version the run was queued at ({}: none). Runs
+    from before workplaces were versioned have the image in the agent's version."""
+    if run.workplace_version is not None:
+        return dict(run.workplace_version.config)
+    return dict(run.agent_version.config.get("workplace") or {})
+
+
 def sandbox_image(run: Run) -> str:
-    """The image a run's sandbox is built from: its workplace's, else COVEY_DEFAULT_IMAGE."""
-    workplace = run.agent_version.config.get("workplace") or {}
-    return str(workplace.get("image") or settings.COVEY_DEFAULT_IMAGE)
+    """The image a run's sandbox is built from: its workplace's base (with the workplace's
+    packages installed, when it has any), else COVEY_DEFAULT_IMAGE."""
+    return str(_workplace(run).get("image") or settings.COVEY_DEFAULT_IMAGE)
+
+
+def _command(run: Run) -> list[str]:
+    """The agent's own command, else its workplace's (empty: the Claude runtime)."""
+    own = (run.agent_version.config.get("sandbox") or {}).get("command")
+    return list(own or _workplace(run).get("runtime_command") or [])
 
 
 def _default_runtime(run: Run) -> bool:
-    """The run has no command of its own: it runs the Claude runtime."""
-    return not (run.agent_version.config.get("sandbox") or {}).get("command")
+    """The run has no command of its own or of its workplace: it runs the Claude runtime."""
+    return not _command(run)
 
 
 def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
     """What the runner builds, from the agent's configuration version the run was queued at."""
     config = run.agent_version.config
     sandbox = config.get("sandbox") or {}
+    workplace = _workplace(run)
     return LaunchSpec(
         run=str(run.pk),
         agent=run.agent_id,
         image=sandbox_image(run),
-        command=tuple(sandbox.get("command") or DEFAULT_RUNTIME),
+        command=tuple(_command(run) or DEFAULT_RUNTIME),
         task=run.task,
         cpus=float(sandbox.get("cpus", 1)),
         memory_mb=int(sandbox.get("memory_mb", 2048)),
@@ -215,6 +236,34 @@ def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
         egress=EgressGrant(enforce=settings.COVEY_EGRESS_ENFORCE, credentials=credentials),
         # The quota of the version the run was queued at (its default: the setting now).
         home_quota_bytes=home_quota_bytes(sandbox.get("home_quota_mb")),
+        packages=tuple(
+            Packages(ecosystem, tuple(specs))
+            for ecosystem, specs in (workplace.get("packages") or {}).items()
+        ),
+        services=tuple(_service(service) for service in workplace.get("services") or []),
+        workplace=""
+        if run.workplace_version is None
+        else f"{workplace.get('name')} v{run.workplace_version.number}",
+    )
+
+
+def _service(service: dict[str, Any]) -> ServiceSpec:
+    ready = service.get("ready")
+    return ServiceSpec(
+        name=service["name"],
+        image=service["image"],
+        environment=tuple(f"{k}={v}" for k, v in (service.get("environment") or {}).items()),
+        command=tuple(service.get("command") or ()),
+        ready=None
+        if not ready
+        else Readiness(
+            command=tuple(ready["command"]),
+            start_period=float(ready["start_period"]),
+            interval=float(ready["interval"]),
+            timeout=float(ready["timeout"]),
+        ),
+        cpus=float(service.get("cpus", 1)),
+        memory_mb=int(service.get("memory_mb", 512)),
     )
 
 
@@ -231,6 +280,7 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
     if run.status in FINISHED:
         return run  # a late or repeated report changes nothing
     now = timezone.now()
+    _record_images(run, seen)
     if seen.usage is not None:
         Agent.objects.filter(pk=run.agent_id).update(
             home_bytes=seen.usage.bytes, home_files=seen.usage.files, home_measured_at=now
@@ -291,6 +341,26 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
     return run
 
 
+def _record_images(run: Run, seen: RunReport) -> None:
+    """What the sandbox and its services ran (image IDs), and the services' logs, as reported;
+    a later report adds to what an earlier one said."""
+    fields = []
+    if seen.image_id and seen.image_id != run.image_id:
+        run.image_id = seen.image_id
+        fields.append("image_id")
+    if seen.services:
+        known = {service["name"]: dict(service) for service in run.services or []}
+        for record in seen.services:
+            kept = known.setdefault(record.name, {"name": record.name})
+            for key, value in record.to_json().items():
+                if value not in ("", None):
+                    kept[key] = value
+        run.services = list(known.values())
+        fields.append("services")
+    if fields:
+        run.save(update_fields=fields)
+
+
 def runners_active_runs(runner: Runner) -> ActiveRuns:
     """The runs a runner should have a sandbox for (what it reconciles against), with how much
     of their output the control plane has."""
@@ -317,7 +387,7 @@ def runners_run(run_id: str, runner: Runner) -> Run | None:
     """The run, locked, when it is this runner's; else None."""
     return (
         Run.objects.select_for_update(of=("self",))
-        .select_related("agent", "agent_version", "egress_token")
+        .select_related("agent", "agent_version", "workplace_version", "egress_token")
         .filter(pk=run_id, runner=runner)
         .first()
     )

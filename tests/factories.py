@@ -11,6 +11,7 @@ from organisations.models import Organisation
 from runners.models import Runner
 from runners.services import create_registration_token, register_runner
 from workplaces.models import Workplace
+from workplaces.services import create_workplace
 
 
 class UserFactory(factory.django.DjangoModelFactory):
@@ -45,13 +46,17 @@ class AgentFactory(factory.Factory):
         return services.create_agent(organisation, name, **kwargs)
 
 
-class WorkplaceFactory(factory.django.DjangoModelFactory):
+class WorkplaceFactory(factory.Factory):
     class Meta:
         model = Workplace
 
     organisation = factory.SubFactory(OrganisationFactory)
     name = factory.Sequence(lambda n: f"workplace {n}")
     image = "covey/base:bookworm"
+
+    @classmethod
+    def _create(cls, model_class, organisation, name, image, **kwargs):
+        return create_workplace(organisation, name, image, **kwargs)
 
 
 def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:

@@ -4,23 +4,32 @@ Docker seam (runners/host/containers/engine.py) and the runner's control-plane c
 happened; the real seams have their own tests against the real Docker and control plane."""
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from runners.host.client import ControlPlaneError, OutputBehind
-from runners.host.containers.engine import EngineError, LogStream, Sandbox, SandboxSpec
+from runners.host.containers.builds import BuildFailed
+from runners.host.containers.engine import (
+    EngineError,
+    LogStream,
+    Sandbox,
+    SandboxSpec,
+    ServiceNotReady,
+)
 from runners.protocol import (
     ActiveRun,
     HomeAnswer,
     HomeOrder,
     LaunchSpec,
+    Packages,
     ReportState,
     RunnerInfo,
     RunReport,
     RunStatusAnswer,
+    ServiceRecord,
 )
 
 
@@ -40,6 +49,8 @@ class FakeEngine:
         self.launches = 0  # calls, idempotent or not
         self.hold: threading.Event | None = None  # set: launches wait for it (a slow engine)
         self.runs: Callable[[SandboxSpec], tuple[int, bytes] | None] = lambda spec: None
+        self.parts: dict[str, list[ServiceRecord]] = {}  # runs' services, as started
+        self.not_ready = ""  # a service of this name never becomes ready
 
     # --- what a test does --------------------------------------------------------------------
 
@@ -71,9 +82,17 @@ class FakeEngine:
         if spec.run_id in self.sandboxes_by_run:
             return self.sandboxes_by_run[spec.run_id]
         self.specs[spec.run_id] = spec
+        if spec.services:
+            names = [service.name for service in spec.services]
+            if self.not_ready in names:
+                record = ServiceRecord(self.not_ready, f"sha256:{self.not_ready}", log="no!\n")
+                raise ServiceNotReady(f"service {self.not_ready} did not become ready", record)
+            self.parts[spec.run_id] = [
+                ServiceRecord(s.name, f"sha256:{s.image}", ready_seconds=0.5) for s in spec.services
+            ]
         sandbox = Sandbox(
             spec.run_id, spec.agent_id, f"c-{spec.run_id}", "running", None, _now(), None,
-            timeout=spec.timeout,
+            timeout=spec.timeout, image_id=f"sha256:{spec.image}",
         )  # fmt: skip
         self.sandboxes_by_run[spec.run_id] = sandbox
         if (ended := self.runs(spec)) is not None:
@@ -108,8 +127,34 @@ class FakeEngine:
             self.exit(run_id, 137)
 
     def remove(self, run_id: str) -> None:
+        self.parts.pop(run_id, None)
         if self.sandboxes_by_run.pop(run_id, None) is not None:
             self.removed.append(run_id)
+
+    def services(self, run_id: str, logs: bool = False) -> list[ServiceRecord]:
+        return [
+            replace(record, log=f"log of {record.name}\n" if logs else "")
+            for record in self.parts.get(run_id, [])
+        ]
+
+    def runs_with_parts(self) -> set[str]:
+        return set(self.parts)
+
+
+class FakeBuilder:
+    """Workplace images in a dict: the tag a base with packages gets, and how often each was
+    built; ``fail`` makes builds fail with that last line."""
+
+    def __init__(self, settings: object = None) -> None:
+        self.built: dict[str, int] = {}
+        self.fail = ""
+
+    def image(self, base: str, packages: Sequence[Packages], what: str = "") -> str:
+        if self.fail:
+            raise BuildFailed(f"the image of {what} could not be built: {self.fail}", self.fail)
+        tag = f"covey-workplace:{base}+" + ",".join(s for p in packages for s in p.specs)
+        self.built[tag] = self.built.get(tag, 0) + 1
+        return tag
 
 
 class _Chunks:

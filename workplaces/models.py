@@ -1,8 +1,8 @@
 """Workplaces: what an agent's sandbox is made from."""
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
-from simple_history.models import HistoricalRecords
 
 from organisations.models import TenantQuerySet
 from workplaces.images import validate_image_reference
@@ -16,17 +16,42 @@ def _validate_image(value: str) -> None:
 
 
 class Workplace(models.Model):
-    """An image an organisation's agents run in (companion services come later)."""
+    """What an organisation's agents run in: a base image, packages installed in an image made
+    from it, companion services beside the sandbox, and a default command. Its configuration
+    is versioned (:class:`WorkplaceVersion`): change it only through
+    ``workplaces.services.update_workplace``."""
 
     organisation = models.ForeignKey(
         "organisations.Organisation", on_delete=models.PROTECT, related_name="workplaces"
     )
     name = models.CharField(max_length=100)
-    image = models.CharField(max_length=255, validators=[_validate_image])
+    image = models.CharField(
+        "base image",
+        max_length=255,
+        validators=[_validate_image],
+        help_text="The image sandboxes are made from, on the runner host (never pulled).",
+    )
     description = models.TextField(blank=True)
+    packages = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Packages installed on the base image, per ecosystem: an image is built once"
+        " per version and reused.",
+    )
+    services = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Companion services started beside each sandbox, reachable by name.",
+    )
+    runtime_command = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="The command sandboxes run (argv) unless the agent has its own; empty: the"
+        " Claude runtime with the task.",
+    )
+    version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
-    history = HistoricalRecords()
 
     objects = TenantQuerySet.as_manager()
 
@@ -40,3 +65,33 @@ class Workplace(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.image})"
+
+
+# What people set on a workplace, in the order forms show it; changes go through its services.
+WORKPLACE_FIELDS = ("name", "description", "image", "packages", "services", "runtime_command")
+
+
+class WorkplaceVersion(models.Model):
+    """One numbered configuration of a workplace; rows are never changed once written."""
+
+    workplace = models.ForeignKey(Workplace, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    config = models.JSONField(help_text="The workplace's whole configuration at this version.")
+    changes = models.JSONField(
+        default=dict, help_text="What changed from the previous version: field → [old, new]."
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["workplace_id", "-number"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workplace", "number"], name="workplaceversion_unique_number"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workplace.name} v{self.number}"

@@ -27,6 +27,10 @@ class HostSettings:
     probe_retry: float = 300.0
     # The image the proxy check runs in (it needs python3): the default sandbox image.
     check_image: str = "covey-base:trixie"
+    # Workplace images (containers/builds.py): apt's sources for the build ("": the base
+    # image's), and the build's network ("": Docker's default bridge).
+    apt_sources: Path | None = None
+    build_network: str | None = None
 
     @property
     def isolation_mode(self) -> str:

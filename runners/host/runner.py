@@ -33,11 +33,13 @@ from egress.policy import hash_token
 from runners.host.client import ControlPlaneError
 from runners.host.config import HostSettings
 from runners.host.containers import isolation
+from runners.host.containers.builds import BuildFailed, ImageBuilder
 from runners.host.containers.engine import (
     Engine,
     EngineError,
     Sandbox,
     SandboxSpec,
+    ServiceNotReady,
     sandbox_owner,
 )
 from runners.host.containers.isolation import IsolationError, Shape
@@ -57,6 +59,7 @@ from runners.protocol import (
     LaunchSpec,
     ReportState,
     RunReport,
+    ServiceRecord,
 )
 
 __all__ = ["HostSettings", "RunnerHost", "UntrustedError", "current", "set_current"]
@@ -76,6 +79,11 @@ def docker_engine(name: str, installation: str, legacy: str) -> Engine:
     return Engine(name, installation=installation, legacy_runner=legacy)
 
 
+def docker_builder(settings: HostSettings) -> ImageBuilder:
+    """What builds workplace images on this host's Docker."""
+    return ImageBuilder(apt_sources=settings.apt_sources, network=settings.build_network)
+
+
 @dataclass
 class RunnerHost:
     """The runners this process serves: it takes their orders and watches their sandboxes;
@@ -89,6 +97,7 @@ class RunnerHost:
     # The Docker seam: (name on the engine, installation key, name before keys) → engine. The
     # fast tests give an in-memory one (tests/fakes.py).
     make_engine: Callable[[str, str, str], Engine] = docker_engine
+    make_builder: Callable[[HostSettings], ImageBuilder] = docker_builder
     clock: Callable[[], float] = time.monotonic  # what probes and proxy checks are timed by
     shapes: Shapes = field(init=False)
     trust: Trust = field(init=False)
@@ -104,6 +113,7 @@ class RunnerHost:
     # Runs launched here: their home's manifest just before (what they changed, at the end).
     _homes: dict[str, "Watched"] = field(default_factory=dict)
     _home_locks: HomeLocks = field(default_factory=HomeLocks)
+    _builder: ImageBuilder | None = None
 
     def __post_init__(self) -> None:
         self.serving = HomeServer(
@@ -188,10 +198,14 @@ class RunnerHost:
             logger.info("covey runner: run %s is no longer ours to start", run_id)
             return
         usage: HomeUsage | None = None
+        services: tuple[ServiceRecord, ...] = ()
         try:
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
-            sandbox_spec = self._sandbox_spec(identity, spec, shape)
+            image = spec.image
+            if any(group.specs for group in spec.packages):
+                image = self.builder.image(image, spec.packages, spec.workplace or image)
+            sandbox_spec = self._sandbox_spec(identity, spec, shape, image)
             # Not while a change from outside is being made; from here on they are refused.
             with self._home_locks.of(sandbox_spec.home):
                 usage = self._note_home(
@@ -201,12 +215,24 @@ class RunnerHost:
         except (EngineError, IsolationError, UntrustedError, OverQuota, ValueError) as exc:
             if isinstance(exc, OverQuota):
                 usage = exc.usage
+            if isinstance(exc, ServiceNotReady):
+                services = (exc.record,)
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
             self._forget(run_id)
-            refused = RunReport(ReportState.BUILT, detail=str(exc)[:400], usage=usage)
+            if isinstance(exc, BuildFailed) and exc.log:
+                client.put_log(run_id, f"covey: the workplace image could not be built\n{exc.log}")
+            refused = RunReport(
+                ReportState.BUILT, detail=str(exc)[:400], usage=usage, services=services
+            )
             client.report(run_id, refused)
             return
-        running = RunReport(ReportState.RUNNING, started_at=sandbox.started_at, usage=usage)
+        running = RunReport(
+            ReportState.RUNNING,
+            started_at=sandbox.started_at,
+            usage=usage,
+            image_id=sandbox.image_id,
+            services=tuple(self.engine(identity).services(run_id)),
+        )
         client.report(run_id, running)
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
@@ -248,8 +274,15 @@ class RunnerHost:
         identity.replace_token(unseal(hash_token(identity.token), sealed))
         logger.info("covey runner: runner %s has a renewed token", identity.name)
 
+    @property
+    def builder(self) -> ImageBuilder:
+        """What builds workplace images (made when first needed)."""
+        if self._builder is None:
+            self._builder = self.make_builder(self.settings)
+        return self._builder
+
     def _sandbox_spec(
-        self, identity: Identity, spec: LaunchSpec, shape: Shape | None = None
+        self, identity: Identity, spec: LaunchSpec, shape: Shape | None = None, image: str = ""
     ) -> SandboxSpec:
         egress = spec.egress
         environment: dict[str, str] = {"COVEY_RUN": spec.run}
@@ -271,7 +304,7 @@ class RunnerHost:
         return SandboxSpec(
             run_id=spec.run,
             agent_id=spec.agent,
-            image=spec.image,
+            image=image or spec.image,
             command=list(spec.command),
             task=spec.task,
             environment=environment,
@@ -280,6 +313,7 @@ class RunnerHost:
             memory_mb=spec.memory_mb,
             pids=spec.pids,
             timeout=spec.timeout,
+            services=spec.services,
             **network,
         )
 
@@ -401,6 +435,9 @@ class RunnerHost:
             if run is not None and sandbox.status == "running" and not run.cancel:
                 # After a restart of this runner: go on from what the control plane has.
                 self.outputs.follow(identity, engine, run_id, run.output_size)
+        for run_id in engine.runs_with_parts() - set(held) - self._launching - set(active):
+            logger.info("covey runner: removing the services of run %s (no sandbox)", run_id)
+            engine.remove(run_id)
         for run_id, run in active.items():
             if run_id in held or run_id in self._launching:
                 continue
@@ -427,6 +464,7 @@ class RunnerHost:
         over = watched.stopped_for if watched else ""
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
+            services = tuple(engine.services(run_id, logs=True))
             ended = RunReport(
                 ReportState.EXITED,
                 exit_code=sandbox.exit_code,
@@ -435,6 +473,8 @@ class RunnerHost:
                 finished_at=sandbox.finished_at,
                 changes=changed,
                 usage=usage,
+                image_id=sandbox.image_id,
+                services=services,
             )
             client.report(run_id, ended)
         except ControlPlaneError as exc:

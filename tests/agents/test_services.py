@@ -34,7 +34,7 @@ def test_an_agent_starts_at_version_one_with_its_whole_configuration(acme):
         "templates": ["go", "npm"],
         "allowlist": ["a.example:80", "b.example"],
         "required_labels": ["eu"],
-        "workplace": {"id": workplace.pk, "image": "covey/base:1"},
+        "workplace": {"id": workplace.pk, "name": workplace.name},
         "sandbox": {
             "command": [],
             "cpus": 1.0,

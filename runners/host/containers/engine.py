@@ -35,6 +35,9 @@ import psutil
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Mount
 
+from runners.host.containers import companions
+from runners.protocol import ServiceRecord, ServiceSpec
+
 LABEL_RUN = "covey.run"  # run id
 LABEL_AGENT = "covey.agent"  # agent id
 LABEL_RUNNER = "covey.runner"  # runner name: other runners' containers are never touched
@@ -50,6 +53,7 @@ EVENTS = frozenset({"start", "die", "oom", "destroy"})
 # Docker's container-name grammar; the run id is also a host directory name, so no '/'.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _USER = re.compile(r"^(\d+):(\d+)$")
+_SERVICE_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 _RESERVED_ENV = frozenset({"HOME", "COVEY_TASK", "COVEY_TASK_FILE"})
 # The kernel refuses to exec with one environment string longer than MAX_ARG_STRLEN.
 _MAX_ENV_STRING = 128 * 1024
@@ -63,6 +67,15 @@ class EngineError(Exception):
 
 class SandboxNotFound(EngineError):
     """No container of this runner carries the run id."""
+
+
+class ServiceNotReady(EngineError):
+    """A companion service could not be started or was not ready in time; ``record`` has
+    the end of its log."""
+
+    def __init__(self, message: str, record: ServiceRecord) -> None:
+        super().__init__(message)
+        self.record = record
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,8 @@ class SandboxSpec:
     dns: Sequence[str] = ()
     dns_opt: Sequence[str] = ()
     sysctls: Mapping[str, str] | None = None
+    # Companion services, started beside it and ready before it starts (companions.py).
+    services: Sequence[ServiceSpec] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class Sandbox:
     # Made by a covey from before installation keys (only the runner's old name on it): it may
     # be another installation's, so it is taken care of only for a run the control plane knows.
     legacy: bool = False
+    image_id: str = ""
 
 
 class LogStream:
@@ -147,6 +163,7 @@ class Engine:
         # The runner's name before installation keys: its sandboxes, if any are left, are seen
         # (as legacy) when they carry no installation key at all.
         self._legacy_label = f"{LABEL_RUNNER}={legacy_runner}" if legacy_runner else ""
+        self._ready: dict[str, dict[str, ServiceRecord]] = {}  # launched here: services' records
         try:
             self._client = client if client is not None else docker.from_env()
         except DockerException as exc:
@@ -158,12 +175,17 @@ class Engine:
         if (container := self._container(spec.run_id)) is not None:
             return self._started(container)
         self._check_image(spec.image)
+        for service in spec.services:
+            self._check_image(service.image)
         uid, gid = _ids(spec.user)
         _prepare_home(home, uid, gid)
         run_dir = _write_task(home, spec.run_id, spec.task)
+        network = self._network_options(spec)
+        if spec.services:
+            network = self._start_services(spec, network, run_dir)
         try:
             container = self._client.containers.create(
-                spec.image, list(spec.command), **self._options(spec, home, run_dir)
+                spec.image, list(spec.command), **self._options(spec, home, run_dir), **network
             )
         except APIError as exc:
             if exc.status_code == 409:  # name taken: a concurrent launch of the same run won
@@ -173,10 +195,96 @@ class Engine:
                     f"a container named covey-run-{spec.run_id} exists but is not this runner's"
                 ) from exc
             shutil.rmtree(run_dir, ignore_errors=True)
+            self._remove_parts(spec.run_id)
             raise EngineError(
                 f"cannot create the sandbox of run {spec.run_id}: {_explain(exc)}"
             ) from exc
         return self._started(container)
+
+    def _start_services(
+        self, spec: SandboxSpec, network: dict[str, Any], run_dir: Path
+    ) -> dict[str, Any]:
+        """Start the run's network holder and services, wait until every service is ready,
+        and return the sandbox's network options: the holder's namespace."""
+        self._remove_parts(spec.run_id)  # what a launch that died left
+        labels = {
+            companions.LABEL_PART_OF: spec.run_id,
+            companions.LABEL_PART_RUNNER: self.runner,
+            **({LABEL_INSTALLATION: self.installation} if self.installation else {}),
+        }
+        try:
+            try:
+                if spec.network is None:  # the default bridge, which every sandbox shares
+                    network = {
+                        **network,
+                        "network": companions.own_network(self._client, spec.run_id, labels),
+                    }
+                holder = companions.start_holder(
+                    self._client, spec.run_id, spec.image, labels, network, spec.services
+                )
+            except (APIError, DockerException) as exc:
+                raise EngineError(
+                    f"cannot make the network of run {spec.run_id}'s services: {_explain(exc)}"
+                ) from exc
+            try:
+                records = companions.start_services(
+                    self._client, spec.run_id, holder, labels, spec.services
+                )
+            except companions.ServiceFailed as exc:
+                raise ServiceNotReady(str(exc), exc.record) from exc
+        except BaseException:
+            self._remove_parts(spec.run_id)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        self._ready[spec.run_id] = {record.name: record for record in records}
+        return {"network_mode": f"container:{holder.id}"}
+
+    def services(self, run_id: str, logs: bool = False) -> list[ServiceRecord]:
+        """The run's services as they run (image ID, seconds until ready as this process saw
+        it), with the end of each one's log when ``logs``."""
+        found = []
+        ready = self._ready.get(run_id, {})
+        for container in companions.parts(self._client, self._labels_of_parts(), run_id):
+            name = container.labels.get(companions.LABEL_SERVICE)
+            if not name:
+                continue
+            known = ready.get(name)
+            found.append(
+                ServiceRecord(
+                    name=name,
+                    image_id=str(container.attrs.get("Image") or ""),
+                    ready_seconds=known.ready_seconds if known else None,
+                    log=companions.service_log(container) if logs else "",
+                )
+            )
+        return sorted(found, key=lambda record: record.name)
+
+    def runs_with_parts(self) -> set[str]:
+        """Runs that have a network holder or services of this runner (with or without a
+        sandbox: a launch that died leaves them)."""
+        labels = self._labels_of_parts()
+        found = [
+            *companions.parts(self._client, labels),
+            *companions.networks(self._client, labels),
+        ]
+        return {companions.run_of(part) for part in found}
+
+    def _labels_of_parts(self) -> list[str]:
+        labels = [f"{companions.LABEL_PART_RUNNER}={self.runner}"]
+        if self.installation:
+            labels.append(f"{LABEL_INSTALLATION}={self.installation}")
+        return labels
+
+    def _remove_parts(self, run_id: str) -> None:
+        self._ready.pop(run_id, None)
+        labels = self._labels_of_parts()
+        try:
+            companions.remove(
+                companions.parts(self._client, labels, run_id),
+                companions.networks(self._client, labels, run_id),
+            )
+        except (APIError, DockerException) as exc:
+            raise EngineError(f"cannot remove the services of run {run_id}: {exc}") from exc
 
     def get(self, run_id: str) -> Sandbox | None:
         """The sandbox of a run, or None when this runner has no container for it."""
@@ -243,9 +351,11 @@ class Engine:
             container.stop(timeout=max(0, math.ceil(timeout)))
 
     def remove(self, run_id: str) -> None:
-        """Force-remove the run's container and task directory; a run that is gone is fine."""
+        """Force-remove the run's container, its services and task directory; a run that is
+        gone is fine."""
         if (container := self._container(run_id)) is not None:
             self._discard(container)
+        self._remove_parts(run_id)
 
     def wait(self, run_id: str, timeout: float) -> Sandbox:
         """Block until the run's process has exited; TimeoutError after ``timeout`` seconds."""
@@ -318,10 +428,6 @@ class Engine:
             "mem_limit": memory,
             "memswap_limit": memory,  # equal to the memory limit: no swap
             "init": True,  # reaps zombies and forwards SIGTERM, so stop() is not a SIGKILL
-            "network": spec.network,
-            **({"dns": list(spec.dns)} if spec.dns else {}),
-            **({"dns_opt": list(spec.dns_opt)} if spec.dns_opt else {}),
-            **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
             "auto_remove": False,  # the runner reads the exit code and logs, then removes
             "stdin_open": False,
             "tty": False,
@@ -329,6 +435,15 @@ class Engine:
             "log_config": LogConfig(
                 type=LogConfig.types.JSON, config={"max-size": "10m", "max-file": "2"}
             ),
+        }
+
+    def _network_options(self, spec: SandboxSpec) -> dict[str, Any]:
+        """Where the sandbox's network is (or its services' network holder's)."""
+        return {
+            "network": spec.network,
+            **({"dns": list(spec.dns)} if spec.dns else {}),
+            **({"dns_opt": list(spec.dns_opt)} if spec.dns_opt else {}),
+            **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
         }
 
     def _check_image(self, image: str) -> None:
@@ -439,6 +554,10 @@ def check_spec(spec: SandboxSpec) -> Path:
         raise ValueError(f"timeout must be at least 1 second, not {spec.timeout}")
     if spec.network is not None and not spec.network:
         raise ValueError("the network must be a name or None")
+    names = [service.name for service in spec.services]
+    for name in names:
+        if not _SERVICE_NAME.match(name) or names.count(name) > 1:
+            raise ValueError(f"service name {name!r} is not one distinct DNS label")
     return _check_home(spec.home)
 
 
@@ -524,6 +643,7 @@ def _sandbox(container: Any, *, legacy: bool = False) -> Sandbox:
         finished_at=finished_at,
         timeout=int(labels[LABEL_TIMEOUT]) if labels.get(LABEL_TIMEOUT, "").isdigit() else None,
         legacy=legacy,
+        image_id=str(container.attrs.get("Image") or ""),
     )
 
 

@@ -60,7 +60,15 @@ class Command(BaseCommand):
             probe_targets=targets,
             probe_retry=settings.COVEY_RUNNER_PROBE_RETRY_SECONDS,
             check_image=settings.COVEY_DEFAULT_IMAGE,
+            apt_sources=Path(settings.COVEY_WORKPLACE_APT_SOURCES)
+            if settings.COVEY_WORKPLACE_APT_SOURCES
+            else None,
+            build_network=settings.COVEY_WORKPLACE_BUILD_NETWORK or None,
         )
+        if host_settings.apt_sources is not None and not host_settings.apt_sources.is_file():
+            raise CommandError(
+                f"COVEY_WORKPLACE_APT_SOURCES={host_settings.apt_sources} is not a file"
+            )
         if options["builtin"]:
             host = runner_host.RunnerHost.builtin(
                 builtin_dir(), settings.COVEY_CONTROL_PLANE_URL, host_settings

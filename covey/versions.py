@@ -1,0 +1,181 @@
+"""What versioned configuration shares (agents, workplaces): differences between two versions,
+shown in the admin as a table and in the API as field → [old, new], and the API's
+``versions/`` and ``compare/`` actions.
+
+A versioned model has a ``versions`` relation to rows with ``number``, ``config`` (the whole
+configuration at that version), ``changes`` (field → [old, new] from the one before),
+``created_by`` and ``created_at``; its app's services write them, never the views.
+"""
+
+import json
+from typing import Any
+
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
+from django.utils.html import format_html, format_html_join
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import exceptions, serializers
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+
+def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Field → [old value, new value] for every field that differs."""
+    return {
+        key: [old.get(key), new.get(key)]
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    }
+
+
+def shown(value: Any) -> str:
+    """A configuration value as people read it: lists of text as comma-separated items."""
+    if value is None or value == [] or value == "" or value == {}:
+        return "—"
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return ", ".join(value)
+    if isinstance(value, str | int | float | bool):
+        return str(value)
+    return json.dumps(value, sort_keys=True)
+
+
+def _differences(field: str, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """A change as rows: a group of settings (a dict) one row per setting that differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            (f"{field} {key.replace('_', ' ')}", old.get(key), new.get(key))
+            for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)
+        ]
+    return [(field, old, new)]
+
+
+def changes_table(version: Any) -> str:
+    """What a version changed, one row per field: before, after (HTML, escaped)."""
+    if not version.changes:
+        return "created" if version.number == 1 else "no change"
+    rows = format_html_join(
+        "",
+        "<tr><th>{}</th><td>{}</td><td>{}</td></tr>",
+        (
+            (field, shown(old), shown(new))
+            for name, (old, new) in sorted(version.changes.items())
+            for field, old, new in _differences(name.replace("_", " "), old, new)
+        ),
+    )
+    return format_html(
+        '<table class="covey-changes"><thead><tr><th>field</th><th>before</th>'
+        "<th>after</th></tr></thead><tbody>{}</tbody></table>",
+        rows,
+    )
+
+
+def versions_actions(version_serializer: type[serializers.Serializer], name: str) -> type:
+    """A viewset mixin with ``versions/`` (every version, newest first, paginated) and
+    ``compare/?from=&to=`` (what differs between two), for a model whose versions
+    ``version_serializer`` shows; ``name`` prefixes the schema's component names."""
+
+    class Versioned:
+        @extend_schema(responses=version_serializer(many=True))
+        @action(detail=True, methods=["get"])
+        def versions(self: Any, request: Request, pk: str | None = None) -> Response:
+            """Every version of its configuration, newest first."""
+            versions = self.get_object().versions.select_related("created_by").order_by("-number")
+            page = self.paginate_queryset(versions)
+            return self.get_paginated_response(version_serializer(page, many=True).data)
+
+        @extend_schema(
+            parameters=[
+                OpenApiParameter("from", int, required=True, description="Older version number."),
+                OpenApiParameter("to", int, required=True, description="Newer version number."),
+            ],
+            responses=inline_serializer(
+                f"{name}VersionComparison",
+                {
+                    "from": serializers.IntegerField(),
+                    "to": serializers.IntegerField(),
+                    "changes": serializers.DictField(),
+                },
+            ),
+        )
+        @action(detail=True, methods=["get"])
+        def compare(self: Any, request: Request, pk: str | None = None) -> Response:
+            """What differs between two versions: field → [value in ``from``, value in ``to``]."""
+            versions = self.get_object().versions.all()
+            numbers = {}
+            for param in ("from", "to"):
+                raw = request.query_params.get(param, "")
+                if not raw.isdigit():
+                    raise exceptions.ValidationError({param: "give a version number"})
+                numbers[param] = int(raw)
+            old, new = (get_object_or_404(versions, number=numbers[p]) for p in ("from", "to"))
+            return Response(
+                {
+                    "from": old.number,
+                    "to": new.number,
+                    "changes": diff_configs(old.config, new.config),
+                }
+            )
+
+    return Versioned
+
+
+class VersionInline(admin.TabularInline):
+    """A versioned object's history on its page: who changed what, when. Never edited."""
+
+    extra = 0
+    can_delete = False
+    ordering = ["-number"]
+    fields = ("number", "created_at", "created_by", "changes_shown")
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="Changes")
+    def changes_shown(self, obj: Any) -> str:
+        return changes_table(obj)
+
+
+class VersionAdmin(admin.ModelAdmin):
+    """Read-only: versions are a record. ``parent`` names the versioned object's field."""
+
+    parent = ""
+    readonly_fields = ["number", "created_by", "created_at", "changes_shown", "config_shown"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return [self.parent, *self.readonly_fields]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [self.parent, *self.readonly_fields]
+
+    @admin.display(description="Changes")
+    def changes_shown(self, obj: Any) -> str:
+        return changes_table(obj)
+
+    @admin.display(description="Configuration")
+    def config_shown(self, obj: Any) -> str:
+        return format_html("<pre>{}</pre>", json.dumps(obj.config, indent=2, sort_keys=True))
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """Filtered to one object (its History button): the title names it."""
+        parent_id = request.GET.get(f"{self.parent}__id__exact", "")
+        model = self.model._meta.get_field(self.parent).related_model
+        found = model._default_manager.filter(pk=parent_id).first() if parent_id.isdigit() else None
+        if found is not None:
+            extra_context = {**(extra_context or {}), "title": f"Versions of {found}"}
+        return super().changelist_view(request, extra_context)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
