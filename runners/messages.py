@@ -20,12 +20,29 @@ class ActiveRunsSerializer(DataclassSerializer):
         dataclass = protocol.ActiveRuns
 
 
+class ServiceRecordSerializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.ServiceRecord
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "name": {"max_length": 63},
+            "image_id": {"max_length": 100, "allow_blank": True},
+            "log": {
+                "allow_blank": True,
+                "trim_whitespace": False,
+                "max_length": protocol.MAX_SERVICE_LOG_CHARS,
+            },
+        }
+
+
 class RunReportSerializer(DataclassSerializer):
+    services = ServiceRecordSerializer(many=True, required=False)
+
     class Meta:
         dataclass = protocol.RunReport
         extra_kwargs: dict[str, dict[str, Any]] = {
             "detail": {"max_length": 400, "allow_blank": True, "trim_whitespace": False},
             "log_tail": {"allow_blank": True, "trim_whitespace": False},
+            "image_id": {"max_length": 100, "allow_blank": True},
         }
 
 

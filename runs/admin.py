@@ -38,6 +38,9 @@ class RunAdmin(admin.ModelAdmin):
         "id",
         "agent",
         "agent_version",
+        "workplace_shown",
+        "image_id",
+        "services_shown",
         "task",
         "status",
         "status_detail",
@@ -104,6 +107,36 @@ class RunAdmin(admin.ModelAdmin):
         )
         listed = format_html_join("", "{}", ((p,) for p in parts)) if parts else "nothing"
         return format_html("{}{}", listed, browse)
+
+    @admin.display(description="Workplace")
+    def workplace_shown(self, obj: Run) -> str:
+        version = obj.workplace_version
+        if version is None:
+            return "-"
+        url = reverse("admin:workplaces_workplaceversion_change", args=[version.pk])
+        return format_html(
+            '<a href="{}">{} v{}</a>', url, version.config.get("name"), version.number
+        )
+
+    @admin.display(description="Services")
+    def services_shown(self, obj: Run) -> str:
+        if not obj.services:
+            return "-"
+        return format_html_join(
+            "",
+            "<p><strong>{}</strong> image {}, ready after {}</p><pre>{}</pre>",
+            (
+                (
+                    service.get("name"),
+                    (service.get("image_id") or "?")[:19],
+                    "-"
+                    if service.get("ready_seconds") is None
+                    else f"{service['ready_seconds']:.1f} s",
+                    service.get("log") or "(no log yet)",
+                )
+                for service in obj.services
+            ),
+        )
 
     @admin.display(description="Output")
     def log_link(self, obj: Run) -> str:

@@ -30,6 +30,9 @@ class RunSerializer(serializers.ModelSerializer):
     created_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
         slug_field="username", read_only=True
     )
+    workplace = serializers.SerializerMethodField(
+        help_text="The workplace version it was queued at: {id, name, version}; null: none."
+    )
     events = RunEventSerializer(many=True, read_only=True)
 
     class Meta:
@@ -41,6 +44,9 @@ class RunSerializer(serializers.ModelSerializer):
             "status",
             "status_detail",
             "agent_version",
+            "workplace",
+            "image_id",
+            "services",
             "runner",
             "exit_code",
             "log_tail",
@@ -55,6 +61,16 @@ class RunSerializer(serializers.ModelSerializer):
             "events",
         ]
         read_only_fields = [f for f in fields if f not in ("agent", "task")]
+
+    def get_workplace(self, run: Run) -> dict[str, Any] | None:
+        version = run.workplace_version
+        if version is None:
+            return None
+        return {
+            "id": version.workplace_id,
+            "name": version.config.get("name"),
+            "version": version.number,
+        }
 
     def validate_agent(self, agent: Agent) -> Agent:
         # 403, not 400: the agent is visible to this member, who may not start its runs. An

@@ -48,7 +48,7 @@ class RunViewSet(
     """Runs of your organisations' agents: queue one, follow it, cancel it, read its output."""
 
     queryset = Run.objects.select_related(
-        "agent__organisation", "agent_version", "runner", "created_by"
+        "agent__organisation", "agent_version", "workplace_version", "runner", "created_by"
     ).prefetch_related("events")
     serializer_class = RunSerializer
     filterset_fields = ["agent", "status", "runner"]

@@ -101,9 +101,12 @@ def _clean(workplace: Workplace) -> None:
     )
     if others.filter(name=workplace.name).exists():
         errors["name"] = [f"a workplace named {workplace.name!r} exists already"]
+    try:
+        workplace.full_clean(validate_unique=False, exclude=list(errors))
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
     if errors:
         raise ValidationError(errors)
-    workplace.full_clean(validate_unique=False)
 
 
 def _user(by: Any) -> Any:

@@ -1,9 +1,14 @@
-"""Fixtures of the runner tests: hard isolation needs root, iptables and the proxy image."""
+"""Fixtures of the runner tests: hard isolation needs root, iptables and the proxy image;
+workplace builds install a Debian package from a repository served here."""
 
+import hashlib
+import http.server
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +43,51 @@ def egress_image(firewall: None) -> Iterator[str]:
     derived = docker("images", "--quiet", "--filter", f"label={TEST_LABEL}").stdout.split()
     if derived:
         docker("image", "rm", "--force", *set(derived), check=False)
+
+
+@pytest.fixture(scope="session")
+def apt_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # Debian's hello, fetched once by scripts/test-services (make services): no test reaches
+    # a mirror.
+    """A flat apt repository with Debian's hello, served on loopback; yields a sources.list
+    naming it (trusted: the test made it)."""
+    debs_dir = Path(os.environ.get("COVEY_TEST_DEBS", Path.home() / ".cache/covey/test-debs"))
+    debs = sorted(debs_dir.glob("hello_*.deb"))
+    if not debs:
+        pytest.fail(f"no hello_*.deb in {debs_dir}: run scripts/test-services (make services)")
+    root = tmp_path_factory.mktemp("apt")
+    deb = root / debs[-1].name
+    shutil.copy(debs[-1], deb)
+    control = subprocess.run(
+        ["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    data = deb.read_bytes()
+    stanza = (
+        f"{control}\nFilename: ./{deb.name}\nSize: {len(data)}\n"
+        f"SHA256: {hashlib.sha256(data).hexdigest()}\n"
+    )
+    (root / "Packages").write_text(stanza)
+    packages = (root / "Packages").read_bytes()
+    (root / "Release").write_text(
+        "Origin: covey-test\nLabel: covey-test\nSuite: test\nCodename: test\n"
+        "Architectures: amd64 all\nDate: Wed, 02 Dec 2026 00:00:00 UTC\nSHA256:\n"
+        f" {hashlib.sha256(packages).hexdigest()} {len(packages)} Packages\n"
+    )
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    sources = root.parent / f"{root.name}.list"
+    sources.write_text(f"deb [trusted=yes] http://127.0.0.1:{server.server_address[1]}/ ./\n")
+    try:
+        yield sources
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -22,7 +22,7 @@ from uuid import uuid4
 
 import pytest
 
-from runners.host.containers import isolation
+from runners.host.containers import companions, isolation
 from runners.host.containers.engine import Engine, SandboxSpec
 from runners.host.containers.isolation import (
     IsolationError,
@@ -37,6 +37,8 @@ from runners.host.containers.isolation import (
     sandbox_network_options,
     teardown,
 )
+from runners.protocol import Readiness, ServiceSpec
+from tests.processes import wait_for
 from tests.runners.isolation_support import (
     NOWHERE,
     PROXY_ENV,
@@ -452,6 +454,55 @@ def test_a_sandbox_on_another_network_as_well_is_refused(shape):
         assert any("network mode is" in p for p in problems), problems
     finally:
         docker("rm", "--force", default, check=False)
+
+
+@pytest.mark.docker
+def test_services_share_the_isolated_namespace_and_no_other_sandbox_reaches_them(
+    shape, engine, tmp_path
+):
+    """Issue 12: a run's services sit in its network holder's namespace, on the internal
+    network like any sandbox: reached by name from their sandbox, by no other sandbox, and
+    with no way out but the proxy themselves."""
+    ready = "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/')"
+    web = ServiceSpec(
+        name="web",
+        image="covey-base:trixie",
+        command=("python3", "-m", "http.server", "8080"),
+        ready=Readiness(command=("python3", "-c", ready), interval=0.2, timeout=30),
+        memory_mb=64,
+    )
+    fetch = ["curl", "--silent", "--max-time", "3", "-o", "/dev/null", "-w", "%{http_code}"]
+    command = ["sh", "-c", f"{' '.join(fetch)} http://web:8080/; echo; sleep 30"]
+    a = sandbox_spec(shape, tmp_path / "a", command, services=(web,))
+    launched = [a.run_id]
+    try:
+        engine.launch(a)
+        holder = inspect(companions.holder_name(a.run_id))
+        assert check_sandbox_networks(holder, shape) == []
+        sandbox = inspect(f"covey-run-{a.run_id}")
+        assert sandbox["HostConfig"]["NetworkMode"] == f"container:{holder['Id']}"
+        address = holder["NetworkSettings"]["Networks"][shape.internal_network]["IPAddress"]
+        # (a line: Docker keeps a partial one back until the container ends)
+        wait_for(lambda: engine.logs(a.run_id) == "200\n", WAIT, "the sandbox fetching from web")
+        b = sandbox_spec(shape, tmp_path / "b", [*fetch, f"http://{address}:8080/"])
+        launched.append(b.run_id)
+        engine.launch(b)
+        engine.wait(b.run_id, timeout=WAIT)
+        assert engine.logs(b.run_id) == "000"  # ICC off and the firewall: not from another
+        # The service itself: the host is closed to it, the proxy is its only way out.
+        service = companions.service_name(a.run_id, "web")
+        probe = (
+            "import socket,sys\n"
+            "for host, port in (sys.argv[1], 9), (sys.argv[2], 3128):\n"
+            "    try: socket.create_connection((host, port), 2).close(); print('open')\n"
+            "    except OSError: print('closed')\n"
+        )
+        said = docker("exec", service, "python3", "-c", probe, shape.gateway, shape.proxy_ip)
+        assert said.stdout.split() == ["closed", "open"]
+    finally:
+        for run_id in launched:
+            engine.remove(run_id)
+    assert engine.runs_with_parts() == set()
 
 
 # --- repair ---------------------------------------------------------------------------------

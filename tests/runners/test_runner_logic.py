@@ -18,9 +18,12 @@ from runners.protocol import (
     HomeChanges,
     HomeUsage,
     LaunchSpec,
+    Packages,
+    Readiness,
     ReportState,
+    ServiceSpec,
 )
-from tests.fakes import FakeControlPlane, FakeEngine, FakeIdentity
+from tests.fakes import FakeBuilder, FakeControlPlane, FakeEngine, FakeIdentity
 
 RUN = "0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a11"
 
@@ -52,10 +55,12 @@ class Host:
             engine.runs = proxy_answers or proxy_check()
             return engine
 
+        self.builder = FakeBuilder()
         self.host = RunnerHost(
             {1: self.identity},  # type: ignore[dict-item]
             HostSettings(homes=tmp_path / "homes", **settings),
             make_engine=make_engine,  # type: ignore[arg-type]
+            make_builder=lambda settings: self.builder,  # type: ignore[arg-type,return-value]
             clock=clock,
         )
         self.engine: FakeEngine = self.host.engine(self.identity)  # type: ignore[assignment,arg-type]
@@ -397,3 +402,63 @@ def test_an_exit_report_sent_again_says_what_the_run_did_not_what_came_after(hos
     host.host.sweep(host.identity)
     (exited,) = [seen for _, seen in host.control.reports if seen.state == ReportState.EXITED]
     assert exited.changes is not None and exited.changes.added == ("made.txt",)
+
+
+# --- workplaces ----------------------------------------------------------------------------------
+
+DB = ServiceSpec("db", "postgres:16", ("POSTGRES_PASSWORD=x",), ready=Readiness(("pg_isready",)))
+
+
+def test_a_workplace_with_packages_runs_in_the_image_built_for_them(host):
+    packages = (Packages("apt", ("jq",)),)
+    host.order(replace(spec(), packages=packages, workplace="dev v2"))
+    assert host.engine.specs[RUN].image == "covey-workplace:covey-base:trixie+jq"
+    running = host.control.reports[-1][1]
+    assert running.image_id == "sha256:covey-workplace:covey-base:trixie+jq"
+    host.order(replace(spec(run=RUN.replace("a11", "a12")), packages=packages))
+    assert host.builder.built == {"covey-workplace:covey-base:trixie+jq": 2}  # asked; it reuses
+
+
+def test_a_workplace_without_packages_builds_nothing(host):
+    host.order(replace(spec(), packages=(Packages("apt", ()),)))
+    assert host.engine.specs[RUN].image == "covey-base:trixie"
+    assert host.builder.built == {}
+
+
+def test_a_build_that_fails_fails_the_run_with_its_last_lines_in_status_and_log(host):
+    host.builder.fail = "E: Unable to locate package nope"
+    host.order(replace(spec(), packages=(Packages("apt", ("nope",)),), workplace="dev v3"))
+    assert host.control.states(RUN) == ["built"]
+    detail = host.control.reports[-1][1].detail
+    assert detail == "the image of dev v3 could not be built: E: Unable to locate package nope"
+    assert "Unable to locate package nope" in host.control.logs[RUN][0]
+    assert host.engine.sandboxes() == []
+
+
+def test_services_go_with_the_spec_and_are_reported_with_the_run(host):
+    host.order(replace(spec(), services=(DB,)))
+    assert host.engine.specs[RUN].services == (DB,)
+    running = host.control.reports[-1][1]
+    assert [(s.name, s.image_id, s.ready_seconds) for s in running.services] == [
+        ("db", "sha256:postgres:16", 0.5)
+    ]
+    host.engine.exit(RUN, 0)
+    host.host.sweep(host.identity)
+    ended = host.control.reports[-1][1]
+    assert [(s.name, s.log) for s in ended.services] == [("db", "log of db\n")]
+    assert host.engine.parts == {}  # removed with the sandbox
+
+
+def test_a_service_that_is_not_ready_fails_the_run_naming_it(host):
+    host.engine.not_ready = "db"
+    host.order(replace(spec(), services=(DB,)))
+    assert host.control.states(RUN) == ["built"]
+    refused = host.control.reports[-1][1]
+    assert refused.detail == "service db did not become ready"
+    assert [(s.name, s.log) for s in refused.services] == [("db", "no!\n")]
+
+
+def test_services_left_by_a_launch_that_died_are_removed_at_the_reconcile(host):
+    host.engine.parts["gone-run"] = []
+    host.host.reconcile(host.identity)
+    assert host.engine.parts == {}

@@ -27,6 +27,7 @@ from runs import services as run_services
 from runs.models import FINISHED, Run, RunStatus
 from tests.processes import free_port, wait_for
 from tests.runners.stack import Stack, containers_of, docker
+from workplaces.services import create_workplace
 
 pytestmark = [
     pytest.mark.postgres,
@@ -395,3 +396,49 @@ def test_a_home_keeps_what_a_run_changed_its_usage_and_its_quota(stack, acme):
         stopped = stack.wait(run_services.queue_run(grower, "fill"), *FINISHED, timeout=45)
         assert stopped.status == RunStatus.FAILED
         assert stopped.status_detail.startswith("stopped: its home passed its quota (1.9 MiB")
+
+
+def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt_repository):
+    """A workplace end to end (issue 12): its package installed in an image built for it, its
+    service ready beside the sandbox and reached by name, both on the run's record; a service
+    that is never ready fails the run naming it."""
+    runner, config = stack.register(acme, "edge-1")
+    ready = "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/')"
+    web = {
+        "name": "web",
+        "image": stack.base_image,
+        "command": ["python3", "-m", "http.server", "8080"],
+        "ready": {"command": ["python3", "-c", ready], "interval": 0.2, "timeout": 30},
+        "memory_mb": 64,
+    }
+    workplace = create_workplace(
+        acme, "dev", stack.base_image, packages={"apt": ["hello"]}, services=[web]
+    )
+    fetch = "curl --silent --show-error --max-time 5 http://web:8080/ >/dev/null && echo fetched"
+    agent = stack.agent(acme, "Builder", ["sh", "-c", f"hello; {fetch}"], workplace=workplace)
+    broken = create_workplace(
+        acme,
+        "broken",
+        stack.base_image,
+        services=[{**web, "name": "db", "ready": {"command": ["false"], "timeout": 1}}],
+    )
+    waiting = stack.agent(acme, "Waiting", ["true"], workplace=broken)
+    build = {"COVEY_WORKPLACE_APT_SOURCES": str(apt_repository)}
+    with stack.runner(runner, config, COVEY_WORKPLACE_BUILD_NETWORK="host", **build):
+        run = stack.wait(run_services.queue_run(agent, "use them"), *FINISHED, timeout=240)
+        assert run.status == RunStatus.SUCCEEDED, run.status_detail
+        assert "Hello, world!\nfetched" in run.log_tail
+        assert run.image_id.startswith("sha256:")
+        (service,) = run.services
+        assert service["name"] == "web" and service["image_id"].startswith("sha256:")
+        assert '"GET / HTTP/1.1" 200' in service["log"]
+        assert run.workplace_version.number == 1
+        failed = stack.wait(run_services.queue_run(waiting, "wait"), *FINISHED, timeout=60)
+        assert failed.status == RunStatus.FAILED
+        assert failed.status_detail.startswith(
+            "the sandbox could not be built: service db did not become ready within 1 s"
+        )
+        assert failed.services[0]["name"] == "db"
+        wait_for(lambda: not containers_of(runner), 10, "the sandboxes removed")
+    # The image built for the workplace (the test's own: its content is the test repository's).
+    subprocess.run(["docker", "rmi", "--force", run.image_id], capture_output=True, check=False)

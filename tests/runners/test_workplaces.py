@@ -6,13 +6,8 @@ scripts/test-services) and is installed by apt from a repository this test serve
 no mirror is reached.
 """
 
-import hashlib
-import http.server
 import json
-import os
-import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +23,6 @@ from runners.protocol import Packages, Readiness, ServiceSpec
 pytestmark = pytest.mark.docker
 
 BASE = "covey-base:trixie"
-DEBS = Path(os.environ.get("COVEY_TEST_DEBS", Path.home() / ".cache/covey/test-debs"))
 WAIT = 60
 
 
@@ -39,51 +33,6 @@ def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 # --- images ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def apt_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A flat apt repository with Debian's hello, served on loopback; yields a sources.list
-    naming it (trusted: the test made it)."""
-    debs = sorted(DEBS.glob("hello_*.deb"))
-    if not debs:
-        pytest.fail(f"no hello_*.deb in {DEBS}: run scripts/test-services (make services)")
-    root = tmp_path_factory.mktemp("apt")
-    deb = root / debs[-1].name
-    shutil.copy(debs[-1], deb)
-    control = subprocess.run(
-        ["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    data = deb.read_bytes()
-    stanza = (
-        f"{control}\nFilename: ./{deb.name}\nSize: {len(data)}\n"
-        f"SHA256: {hashlib.sha256(data).hexdigest()}\n"
-    )
-    (root / "Packages").write_text(stanza)
-    packages = (root / "Packages").read_bytes()
-    (root / "Release").write_text(
-        "Origin: covey-test\nLabel: covey-test\nSuite: test\nCodename: test\n"
-        "Architectures: amd64 all\nDate: Wed, 02 Dec 2026 00:00:00 UTC\nSHA256:\n"
-        f" {hashlib.sha256(packages).hexdigest()} {len(packages)} Packages\n"
-    )
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(root), **kwargs)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    sources = root.parent / f"{root.name}.list"
-    sources.write_text(f"deb [trusted=yes] http://127.0.0.1:{server.server_address[1]}/ ./\n")
-    try:
-        yield sources
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

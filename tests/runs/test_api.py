@@ -20,7 +20,7 @@ from runners.services import (
 from runs import output
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory, online_runner, runner_api
+from tests.factories import AgentFactory, WorkplaceFactory, online_runner, runner_api
 
 pytestmark = pytest.mark.django_db
 
@@ -245,6 +245,46 @@ class TestRunnerEndpoints:
         run.refresh_from_db()
         assert run.egress_token.revoked_at is not None
         assert run.log.read() == b"all of it\n"
+
+    def test_the_images_and_services_a_run_ran_are_kept_on_it(self, api, alice, acme, orders):
+        _, token = online_runner(acme)
+        workplace = WorkplaceFactory(
+            organisation=acme,
+            services=[{"name": "db", "image": "postgres:16"}, {"name": "web", "image": "nginx"}],
+        )
+        agent = AgentFactory(organisation=acme, workplace=workplace)
+        run = runs.queue_run(agent, "x")
+        client = runner_api(APIClient(), token)
+        spec = client.post(f"/api/v1/runner/runs/{run.pk}/start/").json()
+        assert [s["name"] for s in spec["services"]] == ["db", "web"]
+        running = {
+            "state": "running",
+            "image_id": "sha256:aaa",
+            "services": [
+                {"name": "db", "image_id": "sha256:db", "ready_seconds": 1.5},
+                {"name": "web", "image_id": "sha256:web", "ready_seconds": 0.1},
+            ],
+        }
+        client.post(f"/api/v1/runner/runs/{run.pk}/report/", running, format="json")
+        ended = {
+            "state": "exited",
+            "exit_code": 0,
+            "image_id": "sha256:aaa",
+            "services": [{"name": "db", "log": "ready to accept connections\n"}],
+        }
+        client.post(f"/api/v1/runner/runs/{run.pk}/report/", ended, format="json")
+        body = api(alice).get(f"/api/v1/runs/{run.pk}/").json()
+        assert body["image_id"] == "sha256:aaa"
+        assert body["workplace"] == {"id": workplace.pk, "name": workplace.name, "version": 1}
+        assert body["services"] == [
+            {
+                "name": "db",
+                "image_id": "sha256:db",
+                "ready_seconds": 1.5,
+                "log": "ready to accept connections\n",
+            },
+            {"name": "web", "image_id": "sha256:web", "ready_seconds": 0.1},
+        ]
 
     def test_a_runner_cannot_touch_another_runners_run(self, acme, orders):
         mine, _ = online_runner(acme, "mine")
