@@ -52,7 +52,18 @@ class JSONListField(forms.JSONField):
         return super().prepare_value(value)
 
 
+def packages_field(ecosystem: str) -> PackagesField:
+    return PackagesField(
+        label=config.ECOSYSTEM_NAMES[ecosystem],
+        required=False,
+        help_text="One per line: name, or name=version. Installed in an image built once for"
+        " each version of the workplace.",
+    )
+
+
 class WorkplaceForm(forms.ModelForm):
+    # One field per ecosystem covey installs (config.ECOSYSTEMS; checked below).
+    packages_apt = packages_field("apt")
     services = JSONListField(
         config.SERVICES_EXAMPLE,
         required=False,
@@ -75,13 +86,7 @@ class WorkplaceForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         packages = self.instance.packages or {}
         for ecosystem in config.ECOSYSTEMS:
-            self.fields[f"packages_{ecosystem}"] = PackagesField(
-                label=config.ECOSYSTEM_NAMES[ecosystem],
-                required=False,
-                initial=packages.get(ecosystem, []),
-                help_text="One per line: name, or name=version. Installed in an image built"
-                " once for each version of the workplace.",
-            )
+            self.fields[f"packages_{ecosystem}"].initial = packages.get(ecosystem, [])
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -108,6 +113,10 @@ class WorkplaceForm(forms.ModelForm):
         return data
 
 
+if not {f"packages_{e}" for e in config.ECOSYSTEMS} <= set(WorkplaceForm.base_fields):
+    raise ImportError("WorkplaceForm lacks a packages field of an ecosystem in config.ECOSYSTEMS")
+
+
 class WorkplaceVersionInline(VersionInline):
     model = WorkplaceVersion
 
@@ -119,7 +128,6 @@ class WorkplaceAdmin(admin.ModelAdmin):
     list_filter = ["organisation"]
     list_select_related = ["organisation"]
     search_fields = ["name", "image", "organisation__name"]
-    autocomplete_fields = ["organisation"]
     readonly_fields = ["version", "created_at", "updated_at"]
     inlines = [WorkplaceVersionInline]
 

@@ -102,3 +102,50 @@ def test_an_install_from_before_the_move_keeps_its_data_and_permissions():
         assert not {"agents_organisation", "agents_run"} & set(tables)
     finally:
         migrate(latest())
+
+
+def test_a_workplaces_recorded_history_becomes_its_versions():
+    """Workplaces were recorded by django-simple-history; the upgrade makes one version of
+    each recorded state that differs from the one before, with who made it and when."""
+    from datetime import UTC, datetime
+
+    try:
+        old = migrate(
+            [
+                ("workplaces", "0002_organisations_move"),
+                ("runs", "0003_run_home_changes"),
+                ("organisations", "0002_tables"),
+            ]
+        )
+        organisation = old.get_model("organisations", "Organisation").objects.create(
+            name="Acme", slug="acme", base_allowlist=[]
+        )
+        user = old.get_model("auth", "User").objects.create(username="platform")
+        workplace = old.get_model("workplaces", "Workplace").objects.create(
+            organisation=organisation, name="dev", image="covey-base:trixie"
+        )
+        history = old.get_model("workplaces", "HistoricalWorkplace")
+        for n, (image, description) in enumerate(
+            [("covey-base:bookworm", ""), ("covey-base:bookworm", ""), ("covey-base:trixie", "")]
+        ):
+            history.objects.create(
+                id=workplace.pk, organisation=organisation, name="dev", image=image,
+                description=description, created_at=workplace.created_at,
+                updated_at=workplace.updated_at, history_type="+" if n == 0 else "~",
+                history_date=datetime(2026, 1, 1 + n, tzinfo=UTC), history_user=user,
+            )  # fmt: skip
+
+        migrate(latest())
+
+        from workplaces.models import Workplace
+
+        kept = Workplace.objects.get(pk=workplace.pk)
+        versions = list(kept.versions.order_by("number"))
+        assert kept.version == 2
+        assert [v.config["image"] for v in versions] == ["covey-base:bookworm", "covey-base:trixie"]
+        assert versions[1].changes == {"image": ["covey-base:bookworm", "covey-base:trixie"]}
+        assert [v.created_by.username for v in versions] == ["platform", "platform"]
+        assert versions[1].created_at == datetime(2026, 1, 3, tzinfo=UTC)
+        assert versions[0].config["packages"] == {} and versions[0].config["services"] == []
+    finally:
+        migrate(latest())
