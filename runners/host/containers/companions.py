@@ -108,8 +108,10 @@ def start_services(
 ) -> list[ServiceRecord]:
     """Start every service in the holder's namespace and wait until each is ready (all at
     once, each against its own timeout). ServiceFailed for the first that is not."""
-    started = {}
-    for service in services:
+    records: dict[str, ServiceRecord] = {}
+    started: dict[str, Any] = {}
+
+    def start_and_wait(service: ServiceSpec) -> ServiceRecord:
         try:
             started[service.name] = _create(client, run_id, holder, labels, service)
         except (APIError, DockerException) as exc:
@@ -117,15 +119,19 @@ def start_services(
                 f"service {service.name} could not be started: {_explain(exc)}",
                 ServiceRecord(name=service.name),
             ) from exc
-    records: dict[str, ServiceRecord] = {}
-    with concurrent.futures.ThreadPoolExecutor(
+        return _wait_ready(client, started[service.name], service, clock)
+
+    # Not a with block: leaving one waits for every thread, and a hung check would hold the
+    # launch (removing its container ends it).
+    pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=len(services), thread_name_prefix=f"covey-ready-{run_id[:8]}"
-    ) as pool:
-        futures = {pool.submit(_wait_ready, client, started[s.name], s, clock): s for s in services}
+    )
+    try:
+        futures = {pool.submit(start_and_wait, s): s for s in services}
         # A check that hangs past its service's timeout is given up on here.
         longest = max((s.ready.start_period + s.ready.timeout if s.ready else 0) for s in services)
         done, pending = concurrent.futures.wait(
-            futures, timeout=longest + 10, return_when=concurrent.futures.FIRST_EXCEPTION
+            futures, timeout=longest + 30, return_when=concurrent.futures.FIRST_EXCEPTION
         )
         for future in done:
             error = future.exception()
@@ -135,10 +141,13 @@ def start_services(
             records[record.name] = record
         if pending:
             service = futures[next(iter(pending))]
+            container = started.get(service.name)
             raise ServiceFailed(
-                f"service {service.name} did not become ready: its readiness check hung",
-                ServiceRecord(name=service.name, log=service_log(started[service.name])),
+                f"service {service.name} did not become ready: its start or readiness check hung",
+                ServiceRecord(name=service.name, log=service_log(container) if container else ""),
             )
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return [records[s.name] for s in services]
 
 
