@@ -23,6 +23,7 @@ network it made is removed (by the labels of a runner name of its own).
 """
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,12 +34,13 @@ from uuid import uuid4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.support import percentile, ratio, step, verdict  # noqa: E402
-from runners.host.containers import companions  # noqa: E402
-from runners.host.containers.engine import Engine, SandboxSpec  # noqa: E402
-from runners.protocol import Readiness, ServiceSpec  # noqa: E402
+from bench.support import percentile, ratio, step, verdict
+from runners.host.containers import companions
+from runners.host.containers.engine import Engine, SandboxSpec
+from runners.protocol import Readiness, ServiceSpec
 
 IMAGE = "covey-base:trixie"
+DOCKER = shutil.which("docker") or "docker"
 TARGET_SECONDS = 1.0
 SERVICES = tuple(
     ServiceSpec(
@@ -78,8 +80,8 @@ def launch(engine: Engine, home: Path, services: Sequence[ServiceSpec]) -> float
 def leftovers(runner: str) -> list[str]:
     found = []
     for label in (f"covey.runner={runner}", f"{companions.LABEL_PART_RUNNER}={runner}"):
-        found += subprocess.run(
-            ["docker", "ps", "--all", "--quiet", "--filter", f"label={label}"],
+        found += subprocess.run(  # noqa: S603 - docker with our own arguments
+            [DOCKER, "ps", "--all", "--quiet", "--filter", f"label={label}"],
             capture_output=True, text=True, check=False,
         ).stdout.split()  # fmt: skip
     return found
@@ -107,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             left = leftovers(runner)
             if left:
-                subprocess.run(["docker", "rm", "--force", *left], capture_output=True, check=False)
+                remove = [DOCKER, "rm", "--force", *left]
+                subprocess.run(remove, capture_output=True, check=False)  # noqa: S603
     p50_without, p50_with = percentile(without, 50), percentile(with_services, 50)
     print()
     print(f"{'sandbox start after launch':<36}{'p50':>10}{'p95':>10}")
