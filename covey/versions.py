@@ -107,7 +107,7 @@ def versions_actions(version_serializer: type[serializers.Serializer], name: str
             numbers = {}
             for param in ("from", "to"):
                 raw = request.query_params.get(param, "")
-                if not raw.isdigit():
+                if not (raw.isascii() and raw.isdigit()):
                     raise exceptions.ValidationError({param: "give a version number"})
                 numbers[param] = int(raw)
             old, new = (get_object_or_404(versions, number=numbers[p]) for p in ("from", "to"))
@@ -166,7 +166,8 @@ class VersionAdmin(admin.ModelAdmin):
         """Filtered to one object (its History button): the title names it."""
         parent_id = request.GET.get(f"{self.parent}__id__exact", "")
         model = self.model._meta.get_field(self.parent).related_model
-        found = model._default_manager.filter(pk=parent_id).first() if parent_id.isdigit() else None
+        number = parent_id.isascii() and parent_id.isdigit()
+        found = model._default_manager.filter(pk=parent_id).first() if number else None
         if found is not None:
             extra_context = {**(extra_context or {}), "title": f"Versions of {found}"}
         return super().changelist_view(request, extra_context)

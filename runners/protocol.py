@@ -79,6 +79,12 @@ class EgressGrant(Message):
     credentials: str = dataclasses.field(repr=False)
 
 
+# What a runner host can build, sent with every start request: a run that needs more is failed
+# with a status saying so, never run without it (an older runner would ignore the fields).
+FEATURE_WORKPLACES = "workplaces"  # packages (a built image) and companion services
+FEATURES = (FEATURE_WORKPLACES,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Packages(Message):
     """Packages of one ecosystem (apt) to install in the sandbox's image, as its installer
@@ -106,7 +112,8 @@ class ServiceSpec(Message):
 
     name: str
     image: str
-    environment: tuple[str, ...] = ()  # NAME=value
+    # NAME=value; not for secrets (a workplace's versions show it), kept out of reprs all the same
+    environment: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     command: tuple[str, ...] = ()  # empty: the image's own
     ready: Readiness | None = None  # None: ready once started
     cpus: float = 1.0

@@ -62,6 +62,15 @@ class RunSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = [f for f in fields if f not in ("agent", "task")]
 
+    def to_representation(self, instance: Run) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(instance)
+        view = self.context.get("view")
+        if getattr(view, "action", None) == "list":  # a page of runs: not every service's log
+            data["services"] = [
+                {k: v for k, v in service.items() if k != "log"} for service in data["services"]
+            ]
+        return data
+
     def get_workplace(self, run: Run) -> dict[str, Any] | None:
         version = run.workplace_version
         if version is None:

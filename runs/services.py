@@ -18,6 +18,8 @@ from egress.services import issue_token, revoke_tokens
 from runners import dispatch
 from runners.models import Runner
 from runners.protocol import (
+    FEATURE_WORKPLACES,
+    FEATURES,
     OVER_QUOTA,
     ActiveRun,
     ActiveRuns,
@@ -167,11 +169,27 @@ def cancel(run: Run, *, by: Any = None) -> Run:
 
 
 @transaction.atomic
-def start(run_id: str, runner: Runner) -> LaunchSpec | None:
+def start(
+    run_id: str, runner: Runner, features: frozenset[str] = frozenset(FEATURES)
+) -> LaunchSpec | None:
     """A runner is about to build the sandbox: mark it starting and return what it needs
-    (None when the run is no longer this runner's to start)."""
+    (None when the run is no longer this runner's to start). ``features``: what the runner
+    says it can build; a run that needs more fails, saying so."""
     run = runners_run(run_id, runner)
     if run is None or run.status not in (RunStatus.PLACED, RunStatus.STARTING):
+        return None
+    workplace = _workplace(run)
+    needs = workplace.get("services") or any((workplace.get("packages") or {}).values())
+    if needs and FEATURE_WORKPLACES not in features:
+        run.finished_at = timezone.now()
+        _move(
+            run,
+            RunStatus.FAILED,
+            f"runner {runner.name} cannot start a workplace's services or install its packages"
+            " (it is older than them): upgrade it, or place the agent on another runner",
+            ["finished_at"],
+        )
+        _ended(run)
         return None
     if run.cancel_requested_at is not None:
         run.finished_at = timezone.now()

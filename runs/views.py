@@ -4,7 +4,12 @@ report to about the runs they were given."""
 import uuid
 
 from django.http import Http404, HttpResponseBase
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -112,9 +117,17 @@ class RunnerRunsView(RunnerEndpoint):
 class RunStartView(RunnerEndpoint):
     """The runner is building the sandbox: the spec, with a fresh egress credential."""
 
-    @extend_schema(request=None, responses={200: LaunchSpecSerializer, 409: Refusal})
+    @extend_schema(
+        request=inline_serializer(
+            "RunStart", {"features": serializers.ListField(child=serializers.CharField())}
+        ),
+        responses={200: LaunchSpecSerializer, 409: Refusal},
+    )
     def post(self, request: Request, run_id: uuid.UUID) -> Response:
-        spec = services.start(str(run_id), self.runner(request))
+        features = request.data.get("features") if isinstance(request.data, dict) else None
+        if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+            features = []  # a runner from before features says none
+        spec = services.start(str(run_id), self.runner(request), frozenset(features))
         if spec is None:
             return Response(
                 {"detail": "this run is not this runner's to start (cancelled or moved)"},

@@ -140,6 +140,9 @@ class FakeEngine:
     def runs_with_parts(self) -> set[str]:
         return set(self.parts)
 
+    def remove_services(self, run_id: str) -> None:
+        self.parts.pop(run_id, None)
+
 
 class FakeBuilder:
     """Workplace images in a dict: the tag a base with packages gets, and how often each was

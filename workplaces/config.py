@@ -18,12 +18,13 @@ MAX_PACKAGES = 200  # per ecosystem
 MAX_SERVICES = 8
 
 # Debian policy §5.6.1 (package names) and §5.6.12 (versions, with an optional epoch).
-_APT_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]{1,62}$")
-_APT_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]{0,99}$")
+# Not ending in '-': `apt-get install name-` removes the package.
+_APT_NAME = re.compile(r"[a-z0-9][a-z0-9+.-]{0,61}[a-z0-9+.]")
+_APT_VERSION = re.compile(r"(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]{0,99}")
 # A service's name is its host name in the sandbox: one DNS label, lower case.
-_SERVICE_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+_SERVICE_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _RESERVED_NAMES = frozenset({"localhost", "sandbox", "proxy", "covey"})
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 SERVICE_KEYS = ("name", "image", "environment", "command", "ready", "cpus", "memory_mb")
 READY_KEYS = ("command", "start_period", "interval", "timeout")
 READY_DEFAULTS = {"start_period": 0.0, "interval": 1.0, "timeout": 60.0}
@@ -68,12 +69,12 @@ def check_packages(value: Any) -> dict[str, list[str]]:
 def check_apt_package(spec: str) -> str:
     """``name`` or ``name=version``, as apt-get install takes them."""
     name, has_version, version = spec.partition("=")
-    if not _APT_NAME.match(name):
+    if not _APT_NAME.fullmatch(name):
         raise ValueError(
             f"apt: {spec!r} is not a Debian package name (lower case letters, digits and"
-            " + . -, starting with a letter or digit, at least two characters)"
+            " + . -, starting with a letter or digit, not ending in -, at least two characters)"
         )
-    if has_version and not _APT_VERSION.match(version):
+    if has_version and not _APT_VERSION.fullmatch(version):
         raise ValueError(f"apt: {version!r} in {spec!r} is not a Debian version")
     return spec
 
@@ -102,7 +103,7 @@ def check_service(value: Any, index: int = 0) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{where}: unknown keys {', '.join(unknown)} (known: {SERVICE_KEYS})")
     name = value.get("name")
-    if not isinstance(name, str) or not _SERVICE_NAME.match(name):
+    if not isinstance(name, str) or not _SERVICE_NAME.fullmatch(name):
         raise ValueError(
             f"{where}: its name is its host name in the sandbox: one DNS label of lower-case"
             f" letters, digits and hyphens, starting with a letter (got {name!r})"
@@ -134,7 +135,7 @@ def _environment(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, dict):
         raise ValueError(f'{where}: give its environment as an object, {{"NAME": "value"}}')
     for key, text in value.items():
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise ValueError(f"{where}: {key!r} is not an environment variable name")
         if not isinstance(text, str) or "\0" in text:
             raise ValueError(f"{where}: {key} must be text (without NUL)")

@@ -12,7 +12,7 @@ _HOST = (
     rf"|{_DOMAIN_LABEL}:[0-9]+)/)"
 )
 _REFERENCE = re.compile(
-    rf"^{_HOST}?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?$"
+    rf"{_HOST}?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?"
 )
 
 
@@ -22,7 +22,7 @@ def validate_image_reference(value: str) -> str:
         raise ValueError("an image reference must not be empty")
     if len(value) > 255:
         raise ValueError("an image reference must be at most 255 characters")
-    if not _REFERENCE.match(value):
+    if not _REFERENCE.fullmatch(value):
         raise ValueError(
             f"{value!r} is not an image reference (expected name[:tag][@sha256:digest],"
             " lower-case name, e.g. covey/base:bookworm)"

@@ -9,7 +9,7 @@ image, packages and services.
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from covey.versions import diff_configs
 from organisations.models import Organisation
@@ -40,7 +40,11 @@ def create_workplace(
         raise TypeError(f"unknown workplace fields: {', '.join(sorted(unknown))}")
     workplace = Workplace(organisation=organisation, name=name, image=image, **fields)
     _clean(workplace)
-    workplace.save()
+    try:
+        with transaction.atomic():
+            workplace.save()
+    except IntegrityError:  # made by someone else meanwhile
+        raise ValidationError({"name": [f"a workplace named {name!r} exists already"]}) from None
     WorkplaceVersion.objects.create(
         workplace=workplace,
         number=1,
@@ -66,7 +70,13 @@ def update_workplace(workplace: Workplace, *, by: Any = None, **changes: Any) ->
     after = workplace_config(locked)
     if after != before:
         locked.version += 1
-        locked.save()
+        try:
+            with transaction.atomic():
+                locked.save()
+        except IntegrityError:
+            raise ValidationError(
+                {"name": [f"a workplace named {locked.name!r} exists already"]}
+            ) from None
         WorkplaceVersion.objects.create(
             workplace=locked,
             number=locked.version,

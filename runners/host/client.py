@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from runners.protocol import (
+    FEATURES,
     HOME_ANSWER_HEADER,
     OUTPUT_TOTAL_HEADER,
     ActiveRun,
@@ -109,7 +110,12 @@ class ControlPlaneClient:
 
     def start_run(self, run_id: str) -> LaunchSpec | None:
         """The sandbox spec of a run this runner is to start; None when it no longer is."""
-        response = self._request("POST", f"/api/v1/runner/runs/{run_id}/start/", allow=(409,))
+        response = self._request(
+            "POST",
+            f"/api/v1/runner/runs/{run_id}/start/",
+            json={"features": list(FEATURES)},
+            allow=(409,),
+        )
         if response.status_code == 409:
             return None
         return _answer(LaunchSpec, response)

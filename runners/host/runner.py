@@ -300,6 +300,13 @@ class RunnerHost:
                     "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
                 )
             host, port = split_host_port(self.settings.proxy)
+            if any(service.name == host.lower() for service in spec.services):
+                # The holder's /etc/hosts names every service: the proxy's name would lead
+                # to the service, which would get the run's egress credential.
+                raise ValueError(
+                    f"a service of this workplace is named {host}, as this runner's proxy"
+                    " (COVEY_RUNNER_PROXY) is: rename the service"
+                )
             environment.update(proxy_environment(host, port, egress.credentials))
         return SandboxSpec(
             run_id=spec.run,
@@ -413,6 +420,9 @@ class RunnerHost:
         engine = self.engine(identity)
         client = identity.client
         sandboxes = engine.sandboxes() if sandboxes is None else sandboxes
+        # Before the active runs, like the sandboxes: a run placed since has its parts made
+        # after this list, so it is never taken for a leftover.
+        with_parts = engine.runs_with_parts()
         active = {run.run: run for run in client.active_runs()}
         held = {sandbox.run_id: sandbox for sandbox in sandboxes}
         for run_id, sandbox in held.items():
@@ -435,9 +445,12 @@ class RunnerHost:
             if run is not None and sandbox.status == "running" and not run.cancel:
                 # After a restart of this runner: go on from what the control plane has.
                 self.outputs.follow(identity, engine, run_id, run.output_size)
-        for run_id in engine.runs_with_parts() - set(held) - self._launching - set(active):
-            logger.info("covey runner: removing the services of run %s (no sandbox)", run_id)
-            engine.remove(run_id)
+        with self._launching_lock:
+            launching = set(self._launching)
+        for run_id in with_parts - set(held) - launching - set(active):
+            if engine.get(run_id) is None:  # a sandbox made since is a live run's
+                logger.info("covey runner: removing the services of run %s (no sandbox)", run_id)
+                engine.remove_services(run_id)
         for run_id, run in active.items():
             if run_id in held or run_id in self._launching:
                 continue
@@ -449,7 +462,17 @@ class RunnerHost:
                     self._forget(run_id)
             elif run.waited >= RELAUNCH_AFTER_SECONDS and not run.cancel:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
-                self.launch(identity.id, run_id)
+                # On a thread of its own: a launch may build an image or wait for services,
+                # and the watcher must go on finishing and stopping the other runs meanwhile.
+                threading.Thread(
+                    target=self._relaunch, args=(identity.id, run_id), daemon=True
+                ).start()
+
+    def _relaunch(self, runner_id: int, run_id: str) -> None:
+        try:
+            self.launch(runner_id, run_id)
+        except Exception:  # the next reconcile tries again
+            logger.exception("covey runner: run %s could not be launched again", run_id)
 
     def _finish(self, identity: Identity, sandbox: Sandbox) -> None:
         """Report an exited sandbox with its output, then remove it."""

@@ -221,10 +221,17 @@ class TestReconcile:
         assert host.control.states(RUN) == ["vanished"]
         assert "no sandbox on edge-1" in host.control.reports[0][1].detail
 
-    def test_a_run_whose_order_was_lost_is_launched(self, host):
+    def test_a_run_whose_order_was_lost_is_launched_without_holding_up_the_watcher(self, host):
         host.control.specs[RUN] = spec()
         host.control.active[RUN] = ActiveRun(RUN, "placed", False, RELAUNCH_AFTER_SECONDS, 0)
+        host.engine.hold = threading.Event()  # a slow launch (an image to build, services)
+        started = time.monotonic()
         host.host.reconcile(host.identity)
+        assert time.monotonic() - started < 1  # the launch goes on a thread of its own
+        host.engine.hold.set()
+        deadline = time.monotonic() + 5
+        while host.control.states(RUN) != ["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert host.engine.get(RUN) is not None
         assert host.control.states(RUN) == ["running"]
 
@@ -462,3 +469,18 @@ def test_services_left_by_a_launch_that_died_are_removed_at_the_reconcile(host):
     host.engine.parts["gone-run"] = []
     host.host.reconcile(host.identity)
     assert host.engine.parts == {}
+
+
+def test_the_services_of_a_run_launched_during_the_reconcile_are_left_alone(host):
+    """A run placed after the control plane listed the active runs, launched before the
+    leftovers are looked at: its sandbox is there, so its services are a live run's."""
+    listed = host.control.active_runs
+
+    def launch_meanwhile():
+        found = listed()
+        host.order(replace(spec(), services=(DB,)))
+        return found
+
+    host.control.active_runs = launch_meanwhile
+    host.host.reconcile(host.identity)
+    assert RUN in host.engine.parts and host.engine.get(RUN) is not None

@@ -255,8 +255,10 @@ class TestRunnerEndpoints:
         agent = AgentFactory(organisation=acme, workplace=workplace)
         run = runs.queue_run(agent, "x")
         client = runner_api(APIClient(), token)
-        spec = client.post(f"/api/v1/runner/runs/{run.pk}/start/").json()
-        assert [s["name"] for s in spec["services"]] == ["db", "web"]
+        started = client.post(
+            f"/api/v1/runner/runs/{run.pk}/start/", {"features": ["workplaces"]}, format="json"
+        )
+        assert [s["name"] for s in started.json()["services"]] == ["db", "web"]
         running = {
             "state": "running",
             "image_id": "sha256:aaa",
@@ -285,6 +287,19 @@ class TestRunnerEndpoints:
             },
             {"name": "web", "image_id": "sha256:web", "ready_seconds": 0.1},
         ]
+
+    def test_a_runner_older_than_workplaces_fails_their_runs_saying_so(self, acme, orders):
+        runner, token = online_runner(acme)
+        workplace = WorkplaceFactory(organisation=acme, packages={"apt": ["jq"]})
+        run = runs.queue_run(AgentFactory(organisation=acme, workplace=workplace), "x")
+        client = runner_api(APIClient(), token)
+        # It sends no features: it would ignore the packages and run the bare image.
+        assert client.post(f"/api/v1/runner/runs/{run.pk}/start/").status_code == 409
+        run.refresh_from_db()
+        assert run.status == RunStatus.FAILED
+        assert run.status_detail.startswith(
+            f"runner {runner.name} cannot start a workplace's services or install its packages"
+        )
 
     def test_a_runner_cannot_touch_another_runners_run(self, acme, orders):
         mine, _ = online_runner(acme, "mine")

@@ -36,6 +36,8 @@ def test_packages_are_normalised_sorted_and_deduplicated():
         ({"apt": ["-o=Dpkg::Options"]}, "is not a Debian package name"),
         ({"apt": ["jq; rm -rf /"]}, "is not a Debian package name"),
         ({"apt": ["Jq"]}, "is not a Debian package name"),
+        ({"apt": ["sudo-"]}, "is not a Debian package name"),  # apt would remove it
+        ({"apt": ["jq\nrm"]}, "is not a Debian package name"),
         ({"apt": ["jq=1.6 evil"]}, "is not a Debian version"),
         ({"apt": ["jq=1.6", "jq=1.7"]}, "jq given with two versions"),
         (["jq"], "Give packages as"),
@@ -66,6 +68,8 @@ def test_a_service_gets_every_key_with_defaults():
         ({"name": "db"}, "give services as a JSON list"),
         ([{**DB, "name": "DB"}], "one DNS label"),
         ([{**DB, "name": "db.internal"}], "one DNS label"),
+        ([{**DB, "name": "db\n"}], "one DNS label"),
+        ([{**DB, "image": "postgres:16\n"}], "is not an image reference"),
         ([{**DB, "name": "localhost"}], "the name localhost is reserved"),
         ([DB, DB], "two services are named db"),
         ([{**DB, "image": "http://evil/x"}], "service db: 'http://evil/x' is not an image"),

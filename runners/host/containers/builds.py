@@ -151,7 +151,10 @@ class ImageBuilder:
             )
 
     def _base_user(self, base_id: str) -> str:
-        image = self._client.images.get(base_id)
+        try:
+            image = self._client.images.get(base_id)
+        except (APIError, DockerException) as exc:
+            raise EngineError(f"cannot inspect image {base_id}: {exc}") from exc
         return str(((image.attrs or {}).get("Config") or {}).get("User") or "")
 
     def _context(self, text: str) -> io.BytesIO:

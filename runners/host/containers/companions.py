@@ -26,6 +26,7 @@ The docker SDK; no Django (runner hosts have no database).
 
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ LABEL_PART = "covey.part"  # network or service
 LABEL_SERVICE = "covey.service"  # the service's name
 HOLDER_USER = "65534:65534"  # nobody: the holder runs nothing but sleep
 LOG_LINES = 20  # lines of a failed service's log in the run's status
+SERVICE_CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETGID", "SETUID", "NET_BIND_SERVICE"]
 
 
 class ServiceFailed(Exception):
@@ -52,7 +54,8 @@ class ServiceFailed(Exception):
 
 
 def holder_name(run_id: str) -> str:
-    return f"covey-run-{run_id}-net"
+    """The holder's (and the run's own network's) name: a service's name has no '_'."""
+    return f"covey-run-{run_id}_net"
 
 
 def service_name(run_id: str, name: str) -> str:
@@ -110,6 +113,7 @@ def start_services(
     once, each against its own timeout). ServiceFailed for the first that is not."""
     records: dict[str, ServiceRecord] = {}
     started: dict[str, Any] = {}
+    given_up = threading.Event()  # one failed: the others stop waiting
 
     def start_and_wait(service: ServiceSpec) -> ServiceRecord:
         try:
@@ -119,7 +123,13 @@ def start_services(
                 f"service {service.name} could not be started: {_explain(exc)}",
                 ServiceRecord(name=service.name),
             ) from exc
-        return _wait_ready(client, started[service.name], service, clock)
+        try:
+            return _wait_ready(client, started[service.name], service, clock, given_up)
+        except (APIError, DockerException) as exc:
+            raise ServiceFailed(
+                f"service {service.name} could not be watched: {_explain(exc)}",
+                ServiceRecord(name=service.name),
+            ) from exc
 
     # Not a with block: leaving one waits for every thread, and a hung check would hold the
     # launch (removing its container ends it).
@@ -133,10 +143,14 @@ def start_services(
         done, pending = concurrent.futures.wait(
             futures, timeout=longest + 30, return_when=concurrent.futures.FIRST_EXCEPTION
         )
+        failed = [f.exception() for f in done if f.exception() is not None]
+        if failed:
+            # Let the others see it and stop, so that every container is made before the
+            # caller removes them (none is left behind, half-made).
+            given_up.set()
+            concurrent.futures.wait(pending, timeout=30)
+            raise failed[0]  # type: ignore[misc]
         for future in done:
-            error = future.exception()
-            if error is not None:
-                raise error
             record = future.result()
             records[record.name] = record
         if pending:
@@ -163,7 +177,10 @@ def _create(
         environment=list(service.environment),
         network_mode=f"container:{holder.id}",
         privileged=False,
-        cap_drop=["NET_RAW", "NET_ADMIN", "SYS_ADMIN", "MKNOD", "AUDIT_WRITE"],
+        # What a database or web server's entrypoint needs to take its files and drop to its
+        # own user (and bind a low port), and nothing else.
+        cap_drop=["ALL"],
+        cap_add=SERVICE_CAPABILITIES,
         security_opt=["no-new-privileges"],
         pids_limit=1024,
         nano_cpus=int(service.cpus * 1e9),
@@ -176,15 +193,21 @@ def _create(
 
 
 def _wait_ready(
-    client: Any, container: Any, service: ServiceSpec, clock: Callable[[], float]
+    client: Any,
+    container: Any,
+    service: ServiceSpec,
+    clock: Callable[[], float],
+    given_up: threading.Event,
 ) -> ServiceRecord:
-    """Until the service's readiness check succeeds (or it fails, or its time is up)."""
+    """Until the service's readiness check succeeds (or it fails, or its time is up, or
+    another service failed: ``given_up``)."""
     began = clock()
     image_id = str(container.attrs.get("Image") or "")
     ready = service.ready
     if ready is not None:
         deadline = began + ready.start_period + ready.timeout
-        time.sleep(ready.start_period)
+        if given_up.wait(ready.start_period):
+            raise ServiceFailed(f"service {service.name}: given up", ServiceRecord(service.name))
         said = ""
         while True:
             _still_running(container, service)
@@ -199,7 +222,10 @@ def _wait_ready(
                     f"{': ' + said if said else ''}){_tail(container)}",
                     ServiceRecord(name=service.name, image_id=image_id, log=service_log(container)),
                 )
-            time.sleep(ready.interval)
+            if given_up.wait(ready.interval):
+                raise ServiceFailed(
+                    f"service {service.name}: given up", ServiceRecord(service.name)
+                )
     else:
         _still_running(container, service)
     return ServiceRecord(name=service.name, image_id=image_id, ready_seconds=clock() - began)

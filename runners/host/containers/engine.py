@@ -53,7 +53,7 @@ EVENTS = frozenset({"start", "die", "oom", "destroy"})
 # Docker's container-name grammar; the run id is also a host directory name, so no '/'.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _USER = re.compile(r"^(\d+):(\d+)$")
-_SERVICE_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+_SERVICE_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _RESERVED_ENV = frozenset({"HOME", "COVEY_TASK", "COVEY_TASK_FILE"})
 # The kernel refuses to exec with one environment string longer than MAX_ARG_STRLEN.
 _MAX_ENV_STRING = 128 * 1024
@@ -176,7 +176,7 @@ class Engine:
             return self._started(container)
         self._check_image(spec.image)
         for service in spec.services:
-            self._check_image(service.image)
+            self._check_image(service.image, f"service {service.name}'s ")
         uid, gid = _ids(spec.user)
         _prepare_home(home, uid, gid)
         run_dir = _write_task(home, spec.run_id, spec.task)
@@ -274,6 +274,11 @@ class Engine:
         if self.installation:
             labels.append(f"{LABEL_INSTALLATION}={self.installation}")
         return labels
+
+    def remove_services(self, run_id: str) -> None:
+        """Remove the run's services, their network holder and the run's own network (what a
+        launch that died left); the sandbox, if there is one, is left alone."""
+        self._remove_parts(run_id)
 
     def _remove_parts(self, run_id: str) -> None:
         self._ready.pop(run_id, None)
@@ -446,10 +451,15 @@ class Engine:
             **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
         }
 
-    def _check_image(self, image: str) -> None:
+    def _check_image(self, image: str, whose: str = "") -> None:
         try:
             self._client.images.get(image)
         except ImageNotFound as exc:
+            if whose:
+                raise EngineError(
+                    f"{whose}image {image} is not on this host (images are never pulled):"
+                    " load it on the runner host (docker load, or docker pull there)"
+                ) from exc
             raise EngineError(
                 f"image {image} is not on this host; build it (make base-image) or load it"
             ) from exc
@@ -556,7 +566,7 @@ def check_spec(spec: SandboxSpec) -> Path:
         raise ValueError("the network must be a name or None")
     names = [service.name for service in spec.services]
     for name in names:
-        if not _SERVICE_NAME.match(name) or names.count(name) > 1:
+        if not _SERVICE_NAME.fullmatch(name) or names.count(name) > 1:
             raise ValueError(f"service name {name!r} is not one distinct DNS label")
     return _check_home(spec.home)
 
