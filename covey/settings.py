@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "runners",
     "runs",
     "homes",
+    "approvals",
     "budgets",
 ]
 
@@ -272,11 +273,17 @@ COVEY_RUNNER_PROBE_RETRY_SECONDS = env.float("COVEY_RUNNER_PROBE_RETRY_SECONDS",
 MEDIA_ROOT = VAR_DIR / "media"
 COVEY_RUN_LOG_RETENTION_DAYS = env.int("COVEY_RUN_LOG_RETENTION_DAYS", default=30)
 
+# Approvers hear of new requests by email, through Django's mail backends: the console backend
+# (the web process's output) unless one is configured (EMAIL_URL, e.g. smtp://host:587).
+vars().update({k: v for k, v in env.email_url("EMAIL_URL", default="consolemail://").items() if v})
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="covey@localhost")
+
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
     "place-waiting-runs": {"task": "runs.place_waiting_runs", "schedule": 10.0},
     "prune-run-logs": {"task": "runs.prune_run_logs", "schedule": 3600.0},
     "expire-probes": {"task": "runners.expire_probes", "schedule": 60.0},
     "prune-home-operations": {"task": "homes.prune_operations", "schedule": 600.0},
+    "expire-requests-and-grants": {"task": "approvals.expire", "schedule": 30.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

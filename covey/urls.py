@@ -9,6 +9,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from agents.views import AgentViewSet
+from approvals.views import RequestViewSet
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -47,6 +48,8 @@ router.register("egress-tokens", EgressTokenViewSet)
 router.register("egress-decisions", DecisionViewSet)
 router.register("runners", RunnerViewSet)
 router.register("runs", RunViewSet)
+router.register("requests", RequestViewSet)
+router.register("package-requests", RequestViewSet, basename="package-request")  # DESIGN.md's name
 
 
 def _home(suffix: str, actions: dict[str, Any], name: str) -> Any:

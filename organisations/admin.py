@@ -37,11 +37,16 @@ class OrganisationAdmin(SimpleHistoryAdmin):
     def save_model(self, request: HttpRequest, obj: Organisation, form: Any, change: bool) -> None:
         data = form.cleaned_data
         if change:
-            changes = {f: data[f] for f in ("name", "base_allowlist") if f in form.changed_data}
+            fields = ("name", "base_allowlist", "request_expiry_minutes")
+            changes = {f: data[f] for f in fields if f in form.changed_data}
             services.update_organisation(obj, by=request.user, **changes)
             return
         created = services.create_organisation(
-            data["name"], by=request.user, slug=data["slug"], base_allowlist=data["base_allowlist"]
+            data["name"],
+            by=request.user,
+            slug=data["slug"],
+            base_allowlist=data["base_allowlist"],
+            request_expiry_minutes=data.get("request_expiry_minutes"),
         )
         obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
         obj._state.adding = False

@@ -54,6 +54,12 @@ class Organisation(models.Model):
         default=default_base_allowlist,
         help_text="Hosts every agent of this organisation may reach. One entry per line.",
     )
+    request_expiry_minutes = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="A pending request nobody decides is rejected (as expired) after this many"
+        " minutes; empty: requests wait until someone decides.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     history = HistoricalRecords()

@@ -16,7 +16,7 @@ class OrganisationSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Organisation
-        fields = ["id", "name", "slug", "base_allowlist", "created_at"]
+        fields = ["id", "name", "slug", "base_allowlist", "request_expiry_minutes", "created_at"]
         read_only_fields = ["slug", "created_at"]
         # The service says which name is taken, in its own words.
         extra_kwargs: dict[str, dict[str, Any]] = {"name": {"validators": []}}

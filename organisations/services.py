@@ -54,10 +54,13 @@ def create_organisation(
     by: Any = None,
     slug: str | None = None,
     base_allowlist: Iterable[str] | None = None,
+    request_expiry_minutes: int | None = None,
 ) -> Organisation:
     """Create an organisation; the user who creates it becomes its admin, and every hook in
     :data:`when_created` runs in the same transaction."""
-    organisation = Organisation(name=name, slug=slug or slug_for(name))
+    organisation = Organisation(
+        name=name, slug=slug or slug_for(name), request_expiry_minutes=request_expiry_minutes
+    )
     if Organisation.objects.filter(name=name).exists():
         raise ValidationError({"name": [f"an organisation named {name!r} exists already"]})
     if Organisation.objects.filter(slug=organisation.slug).exists():
@@ -78,8 +81,9 @@ def create_organisation(
 
 @transaction.atomic
 def update_organisation(organisation: Organisation, *, by: Any = None, **changes: Any) -> None:
-    """Change an organisation's name or base allowlist (recorded in its history)."""
-    unknown = set(changes) - {"name", "base_allowlist"}
+    """Change an organisation's name, base allowlist or request expiry (recorded in its
+    history)."""
+    unknown = set(changes) - {"name", "base_allowlist", "request_expiry_minutes"}
     if unknown:
         raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
     for field, value in changes.items():

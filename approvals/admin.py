@@ -1,0 +1,173 @@
+"""Admin for requests: the pending list, a page per request with its history, and the decision
+(approve or reject, with a note; for egress, the scope and an expiry). A request is a record:
+nothing on it is edited or deleted."""
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from approvals import services
+from approvals.models import Grant, Kind, Request, Requester, Scope, Status
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class RequesterInline(ReadOnlyInline):
+    model = Requester
+    verbose_name = "requester"
+    fields = ("at", "agent", "run", "reason", "refusal_shown", "filed_by")
+    readonly_fields = fields
+
+    @admin.display(description="The refusal that prompted it")
+    def refusal_shown(self, obj: Requester) -> str:
+        refusal = obj.refusal
+        if refusal is None:
+            return "-"
+        return f"{refusal.host}:{refusal.port} refused ({refusal.reason}) at {refusal.decided_at}"
+
+
+class GrantInline(ReadOnlyInline):
+    model = Grant
+    fields = ("entry", "agent", "expires_at", "added_version", "removed_at", "removed_version")
+    readonly_fields = fields
+
+
+class DecisionForm(forms.Form):
+    decision = forms.ChoiceField(
+        choices=[("approve", "Approve"), ("reject", "Reject")], widget=forms.RadioSelect
+    )
+    note = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 70}),
+        help_text="Why: kept on the record, and told to the agent.",
+    )
+    scope = forms.ChoiceField(
+        choices=Scope.choices,
+        initial=Scope.AGENT,
+        required=False,
+        help_text="Where an approved route goes.",
+    )
+    expires_at = forms.DateTimeField(
+        required=False,
+        help_text="Optional: when an approved route is removed again (YYYY-MM-DD HH:MM).",
+    )
+
+
+@admin.register(Request)
+class RequestAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "status", "kind", "what", "agent", "reason", "decide_link"]
+    list_filter = ["status", "kind", "organisation", "expired"]
+    list_select_related = ["agent__organisation", "organisation"]
+    search_fields = ["target", "package", "agent__name", "requesters__reason"]
+    inlines = [RequesterInline, GrantInline]
+    readonly_fields = [
+        "organisation", "agent", "workplace", "kind", "ecosystem", "package", "target", "status",
+        "decide_link", "decided_by", "decided_at", "note", "scope", "grant_expires_at",
+        "produced", "expired", "created_at",
+    ]  # fmt: skip
+    fields = tuple(readonly_fields)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Request]:
+        found = super().get_queryset(request).prefetch_related("requesters")
+        return found.for_user(request.user)  # type: ignore[attr-defined]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        if not request.GET and request.method == "GET":  # the pending ones first
+            return HttpResponseRedirect(f"{request.path}?status__exact={Status.PENDING}")
+        return super().changelist_view(request, extra_context)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.method in ("GET", "HEAD") and self.has_view_permission(request, obj))
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    @admin.display(description="What")
+    def what(self, obj: Request) -> str:
+        return obj.thing
+
+    @admin.display(description="Reason")
+    def reason(self, obj: Request) -> str:
+        first = next(iter(obj.requesters.all()), None)
+        more = obj.requesters.count() - 1
+        text = first.reason if first else ""
+        return f"{text[:120]}{' (+' + str(more) + ' more)' if more > 0 else ''}"
+
+    @admin.display(description="Decision")
+    def decide_link(self, obj: Request) -> str:
+        if obj.pk is None:
+            return "-"
+        if obj.status != Status.PENDING:
+            return f"{obj.status}" + (f" by {obj.decided_by}" if obj.decided_by else "")
+        url = reverse("admin:approvals_request_decide", args=[obj.pk])
+        return format_html('<a class="button" href="{}">decide</a>', url)
+
+    def get_urls(self) -> list[Any]:
+        decide = self.admin_site.admin_view(self.decide_view)
+        return [
+            path("<int:object_id>/decide/", decide, name="approvals_request_decide"),
+            *super().get_urls(),
+        ]
+
+    def decide_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
+        found = get_object_or_404(self.get_queryset(request), pk=object_id)
+        why_not = services.can_decide(request.user, found)
+        form = DecisionForm(request.POST or None)
+        if request.method == "POST" and not why_not and form.is_valid():
+            data = form.cleaned_data
+            try:
+                if data["decision"] == "approve":
+                    services.approve(
+                        found,
+                        by=request.user,
+                        note=data["note"],
+                        scope=data["scope"] or Scope.AGENT,
+                        expires_at=data["expires_at"],
+                    )
+                else:
+                    services.reject(found, by=request.user, note=data["note"])
+            except (ValidationError, PermissionDenied) as exc:
+                form.add_error(None, "; ".join(getattr(exc, "messages", [str(exc)])))
+            else:
+                word = "Approved" if data["decision"] == "approve" else "Rejected"
+                self.message_user(
+                    request, f"{word}: {found.thing} for {found.agent}.", messages.SUCCESS
+                )
+                return HttpResponseRedirect(reverse("admin:approvals_request_changelist"))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Decide: {found.thing} for {found.agent}",
+            "opts": self.model._meta,
+            "original": found,
+            "request_shown": found,
+            "requesters": found.requesters.select_related("run", "refusal", "filed_by"),
+            "form": form,
+            "why_not": why_not,
+            "egress": found.kind == Kind.EGRESS,
+        }
+        return TemplateResponse(request, "admin/approvals/decide.html", context)

@@ -1,0 +1,380 @@
+"""Filing and deciding requests; the API, the admin and tasks all call these.
+
+- **Filing** (:func:`file_egress`, :func:`file_package`): what is asked for is checked as the
+  allowlist or the workplace would check it; something already allowed is answered at once
+  (approved, with a note saying where it is allowed, and no version made); a pending request for
+  the same thing (the same agent and route; the same workplace and package) takes the new
+  requester instead of a second request. Approvers are told of a new one.
+- **Deciding** (:func:`approve`, :func:`reject`): approvers and admins of the organisation, with
+  a note; nobody decides a request they filed on an agent's behalf; a decision is final. An
+  egress approval adds the entry where the approver says (the agent, every agent of its
+  workplace, or the base list), optionally until a time, after which :func:`expire_grants`
+  removes it again; a package approval adds it to the workplace. Each change is a new version
+  of what it changed, and the request records which.
+- **Unattended requests** are rejected as expired after the organisation's
+  ``request_expiry_minutes`` (:func:`expire_unattended`).
+"""
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.mail import send_mail
+from django.db import transaction
+from django.urls import reverse
+from django.utils import timezone
+
+from agents.models import Agent
+from agents.services import effective_allowlist, update_agent
+from allowlists.entries import parse_entry
+from approvals.models import Grant, Kind, Request, Requester, Scope, Status
+from egress.models import Decision
+from organisations.models import Membership, Organisation, Role
+from organisations.roles import role_of
+from organisations.services import update_organisation
+from runs.models import Run
+from workplaces import config
+from workplaces.models import Workplace
+from workplaces.services import update_workplace
+
+MAX_REASON = 2000  # characters of a requester's reason
+DECIDERS = frozenset({Role.ADMIN, Role.APPROVER})
+
+
+def file_egress(
+    agent: Agent,
+    target: str,
+    *,
+    reason: str,
+    run: Run | None = None,
+    refusal: Decision | None = None,
+    by: Any = None,
+) -> Request:
+    """An agent asks to reach ``target`` (host or host:port)."""
+    try:
+        entry = parse_entry(target)
+    except ValueError as exc:
+        raise ValidationError({"target": [str(exc)]}) from None
+    with transaction.atomic():
+        locked = Agent.objects.select_for_update().select_related("organisation").get(pk=agent.pk)
+        sources = effective_allowlist(locked).get(entry)
+        pending = Request.objects.filter(
+            agent=locked, kind=Kind.EGRESS, target=entry.host_port, status=Status.PENDING
+        ).first()
+        request, merged = _request(
+            pending,
+            organisation=locked.organisation,
+            agent=locked,
+            workplace=locked.workplace,
+            kind=Kind.EGRESS,
+            target=entry.host_port,
+        )
+        _requester(request, locked, reason, run, refusal, by)
+        if sources and not merged:
+            _answer(request, f"already allowed ({', '.join(sources)})")
+        elif not merged:
+            _notify_later(request)
+    return request
+
+
+def file_package(
+    agent: Agent,
+    ecosystem: str,
+    package: str,
+    *,
+    reason: str,
+    run: Run | None = None,
+    by: Any = None,
+) -> Request:
+    """An agent asks for a package (``name`` or ``name=version``) in its workplace."""
+    if agent.workplace_id is None:
+        raise ValidationError(
+            {"agent": ["the agent has no workplace: a package can only be added to one"]}
+        )
+    try:
+        (spec,) = config.check_packages({ecosystem: [package]}).get(ecosystem) or [""]
+    except ValueError as exc:
+        raise ValidationError({"package": [str(exc)]}) from None
+    if not spec:
+        raise ValidationError({"package": ["give a package name"]})
+    name = spec.split("=")[0]
+    with transaction.atomic():
+        workplace = Workplace.objects.select_for_update().get(pk=agent.workplace_id)
+        pending = [
+            r
+            for r in Request.objects.filter(
+                workplace=workplace, kind=Kind.PACKAGE, ecosystem=ecosystem, status=Status.PENDING
+            )
+            if r.package.split("=")[0] == name
+        ]
+        request, merged = _request(
+            pending[0] if pending else None,
+            organisation=workplace.organisation,
+            agent=agent,
+            workplace=workplace,
+            kind=Kind.PACKAGE,
+            ecosystem=ecosystem,
+            package=spec,
+        )
+        _requester(request, agent, reason, run, None, by)
+        present = (workplace.packages or {}).get(ecosystem, [])
+        if not merged and (spec in present or (name in present and spec == name)):
+            _answer(request, f"already in {workplace.name} v{workplace.version}")
+        elif not merged:
+            _notify_later(request)
+    return request
+
+
+def approve(
+    request: Request,
+    *,
+    by: Any,
+    note: str,
+    scope: str = Scope.AGENT,
+    expires_at: datetime | None = None,
+) -> Request:
+    """Grant what the request asks for; the versions it makes are recorded on it."""
+    with transaction.atomic():
+        locked = _decidable(request, by, note)
+        if locked.kind == Kind.PACKAGE:
+            if expires_at is not None or scope not in ("", Scope.AGENT, Scope.WORKPLACE):
+                raise ValidationError(
+                    {"scope": ["a package goes into the agent's workplace: no scope or expiry"]}
+                )
+            produced = _add_package(locked, by)
+            scope = Scope.WORKPLACE
+        else:
+            if scope not in Scope.values:
+                raise ValidationError({"scope": [f"one of {', '.join(Scope.values)}"]})
+            if expires_at is not None and expires_at <= timezone.now():
+                raise ValidationError({"expires_at": ["the expiry must be in the future"]})
+            produced = _grant(locked, Scope(scope), expires_at, by)
+        locked.status = Status.APPROVED
+        locked.scope = scope
+        locked.grant_expires_at = expires_at
+        locked.produced = produced
+        _decided(locked, by, note)
+    request.refresh_from_db()
+    return request
+
+
+def reject(request: Request, *, by: Any, note: str) -> Request:
+    with transaction.atomic():
+        locked = _decidable(request, by, note)
+        locked.status = Status.REJECTED
+        _decided(locked, by, note)
+    request.refresh_from_db()
+    return request
+
+
+def expire_grants(now: datetime | None = None) -> int:
+    """Remove entries whose grant has expired (a new version of each list); how many."""
+    now = now or timezone.now()
+    removed = 0
+    for grant_id in Grant.objects.filter(expires_at__lte=now, removed_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        with transaction.atomic():
+            grant = Grant.objects.select_for_update().get(pk=grant_id)
+            if grant.removed_at is not None:
+                continue
+            others = Grant.objects.filter(
+                entry=grant.entry, agent=grant.agent, organisation=grant.organisation,
+                removed_at__isnull=True,
+            ).exclude(pk=grant.pk).exclude(expires_at__lte=now)  # fmt: skip
+            if not others.exists():  # another grant still holds the entry there
+                grant.removed_version = _remove_entry(grant)
+            grant.removed_at = now
+            grant.save(update_fields=["removed_at", "removed_version"])
+            removed += 1
+    return removed
+
+
+def expire_unattended(now: datetime | None = None) -> int:
+    """Reject pending requests older than their organisation's request_expiry_minutes."""
+    now = now or timezone.now()
+    expired = 0
+    for organisation in Organisation.objects.filter(request_expiry_minutes__isnull=False):
+        minutes = organisation.request_expiry_minutes or 0
+        cutoff = now - timedelta(minutes=minutes)
+        for request in Request.objects.filter(
+            organisation=organisation, status=Status.PENDING, created_at__lte=cutoff
+        ):
+            with transaction.atomic():
+                locked = Request.objects.select_for_update().get(pk=request.pk)
+                if locked.status != Status.PENDING:
+                    continue
+                locked.status = Status.REJECTED
+                locked.expired = True
+                locked.note = f"expired: nobody decided it within {minutes} minutes"
+                locked.decided_at = now
+                locked.save(update_fields=["status", "expired", "note", "decided_at"])
+                expired += 1
+    return expired
+
+
+def can_decide(user: Any, request: Request) -> str:
+    """Why ``user`` may not decide ``request`` ('' when they may)."""
+    if role_of(user, request.organisation) not in DECIDERS:
+        return "only approvers and admins of the organisation decide requests"
+    if request.requesters.filter(filed_by=user).exists() and user.is_authenticated:
+        return "you filed this request on the agent's behalf: somebody else decides it"
+    if request.status != Status.PENDING:
+        return f"it was {request.status} already"
+    return ""
+
+
+# --- the parts ---------------------------------------------------------------------------------
+
+
+def _request(pending: Request | None, **fields: Any) -> tuple[Request, bool]:
+    if pending is not None:
+        return pending, True
+    return Request.objects.create(**fields), False
+
+
+def _requester(
+    request: Request,
+    agent: Agent,
+    reason: str,
+    run: Run | None,
+    refusal: Decision | None,
+    by: Any,
+) -> None:
+    reason = (reason or "").strip()
+    if not reason:
+        raise ValidationError({"reason": ["say why the agent needs it"]})
+    if len(reason) > MAX_REASON or "\0" in reason:
+        raise ValidationError({"reason": [f"a reason is text of at most {MAX_REASON} characters"]})
+    if run is not None and run.agent_id != agent.pk:
+        raise ValidationError({"run": ["the run is another agent's"]})
+    Requester.objects.create(
+        request=request,
+        agent=agent,
+        run=run,
+        reason=reason,
+        refusal=refusal,
+        filed_by=by if by is not None and by.is_authenticated else None,
+    )
+
+
+def _answer(request: Request, note: str) -> None:
+    """Something already allowed: approved at once, by nobody, changing nothing."""
+    request.status = Status.APPROVED
+    request.note = note
+    request.decided_at = timezone.now()
+    request.save(update_fields=["status", "note", "decided_at"])
+
+
+def _decidable(request: Request, by: Any, note: str) -> Request:
+    locked = Request.objects.select_for_update().select_related("organisation").get(pk=request.pk)
+    why = can_decide(by, locked)
+    if why:
+        raise PermissionDenied(why) if "already" not in why else ValidationError(why)
+    if not (note or "").strip():
+        raise ValidationError({"note": ["a decision needs a note saying why"]})
+    return locked
+
+
+def _decided(request: Request, by: Any, note: str) -> None:
+    request.decided_by = by
+    request.decided_at = timezone.now()
+    request.note = note.strip()
+    request.save()
+
+
+def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any) -> dict[str, Any]:
+    entry = request.target
+    organisation = request.organisation
+    if scope == Scope.ORGANISATION:
+        locked = Organisation.objects.select_for_update().get(pk=organisation.pk)
+        if entry not in locked.base_allowlist:
+            update_organisation(locked, by=by, base_allowlist=[*locked.base_allowlist, entry])
+        Grant.objects.create(
+            request=request, entry=entry, organisation=organisation, expires_at=expires_at
+        )
+        return {"base_allowlist": True}
+    if scope == Scope.WORKPLACE:
+        if request.agent.workplace_id is None:
+            raise ValidationError({"scope": ["the agent has no workplace"]})
+        agents = list(Agent.objects.filter(workplace_id=request.agent.workplace_id))
+    else:
+        agents = [request.agent]
+    versions = {}
+    for agent in agents:
+        locked_agent = Agent.objects.select_for_update().get(pk=agent.pk)
+        if entry not in locked_agent.allowlist:
+            locked_agent = update_agent(
+                locked_agent, by=by, allowlist=[*locked_agent.allowlist, entry]
+            )
+        versions[str(agent.pk)] = locked_agent.version
+        Grant.objects.create(
+            request=request,
+            entry=entry,
+            agent=agent,
+            organisation=organisation,
+            expires_at=expires_at,
+            added_version=locked_agent.version,
+        )
+    return {"agent_versions": versions}
+
+
+def _add_package(request: Request, by: Any) -> dict[str, Any]:
+    if request.workplace_id is None:
+        raise ValidationError("the request names no workplace to add the package to")
+    workplace = Workplace.objects.select_for_update().get(pk=request.workplace_id)
+    packages = {k: list(v) for k, v in (workplace.packages or {}).items()}
+    name = request.package.split("=")[0]
+    kept = [p for p in packages.get(request.ecosystem, []) if p.split("=")[0] != name]
+    packages[request.ecosystem] = [*kept, request.package]
+    workplace = update_workplace(workplace, by=by, packages=packages)
+    return {"workplace_version": workplace.version}
+
+
+def _remove_entry(grant: Grant) -> int | None:
+    if grant.agent_id is None:
+        organisation = Organisation.objects.select_for_update().get(pk=grant.organisation_id)
+        if grant.entry in organisation.base_allowlist:
+            kept = [e for e in organisation.base_allowlist if e != grant.entry]
+            update_organisation(organisation, base_allowlist=kept)
+        return None
+    agent = Agent.objects.select_for_update().get(pk=grant.agent_id)
+    if grant.entry not in agent.allowlist:
+        return None
+    agent = update_agent(agent, allowlist=[e for e in agent.allowlist if e != grant.entry])
+    return agent.version
+
+
+def _notify_later(request: Request) -> None:
+    pk = request.pk
+    transaction.on_commit(lambda: notify(pk))
+
+
+def notify(request_id: int) -> int:
+    """Tell the organisation's approvers and admins (those with an email address) of a new
+    request, through Django's mail backend; how many were told."""
+    request = Request.objects.select_related("organisation", "agent").get(pk=request_id)
+    emails = sorted(
+        set(
+            Membership.objects.filter(
+                organisation=request.organisation, role__in=[Role.ADMIN, Role.APPROVER]
+            )
+            .exclude(user__email="")
+            .values_list("user__email", flat=True)
+        )
+    )
+    if not emails:
+        return 0
+    reason = request.requesters.order_by("at").values_list("reason", flat=True).first() or ""
+    link = settings.COVEY_CONTROL_PLANE_URL.rstrip("/") + reverse(
+        "admin:approvals_request_decide", args=[request.pk]
+    )
+    send_mail(
+        f"covey: {request.agent} asks for {request.thing}",
+        f"{request.agent} ({request.organisation}) asks for {request.kind} {request.thing}.\n\n"
+        f"Its reason: {reason}\n\nDecide: {link}\n",
+        None,
+        emails,
+    )
+    return len(emails)

@@ -1,0 +1,28 @@
+"""The admin index's count of pending requests."""
+
+from typing import Any
+
+from django import template
+from django.urls import reverse
+from django.utils.html import format_html
+
+from approvals.models import Request, Status
+
+register = template.Library()
+
+
+@register.simple_tag(takes_context=True)
+def pending_requests(context: dict[str, Any]) -> str:
+    """'3 pending requests', linked to them, for the user's organisations ('' when none)."""
+    user = context["request"].user
+    count = Request.objects.for_user(user).filter(status=Status.PENDING).count()
+    if not count:
+        return ""
+    url = reverse("admin:approvals_request_changelist") + f"?status__exact={Status.PENDING}"
+    word = "request" if count == 1 else "requests"
+    return format_html(
+        '<p id="pending-requests" class="errornote"><a href="{}">{} pending {}</a> to decide</p>',
+        url,
+        count,
+        word,
+    )

@@ -1,0 +1,160 @@
+"""API resource: requests (alias ``package-requests``), filed on an agent's behalf by a person
+here, decided by approvers and admins."""
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.request import Request as HttpRequest
+from rest_framework.response import Response
+
+from agents.models import Agent
+from approvals import services
+from approvals.models import Grant, Kind, Request, Requester, Scope
+from organisations.api import OrganisationScoped, ScopedRelatedField
+from organisations.models import Role
+from organisations.roles import role_of
+
+
+class RequesterSerializer(serializers.ModelSerializer):
+    filed_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+
+    class Meta:
+        model = Requester
+        fields = ["agent", "run", "reason", "refusal", "filed_by", "at"]
+        read_only_fields = fields
+
+
+class GrantSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Grant
+        fields = ["entry", "agent", "expires_at", "added_version", "removed_at", "removed_version"]
+        read_only_fields = fields
+
+
+class RequestSerializer(serializers.ModelSerializer):
+    """A request: what is asked for, who asked (every requester merged into it), and what was
+    decided, by whom, and what it changed."""
+
+    requesters = RequesterSerializer(many=True, read_only=True)
+    grants = GrantSerializer(many=True, read_only=True)
+    decided_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+
+    class Meta:
+        model = Request
+        fields = [
+            "id", "organisation", "agent", "workplace", "kind", "ecosystem", "package", "target",
+            "status", "decided_by", "decided_at", "note", "scope", "grant_expires_at", "produced",
+            "expired", "created_at", "requesters", "grants",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class FileSerializer(serializers.Serializer):
+    """Filing on an agent's behalf: ``egress`` with ``target``, or ``package`` with
+    ``ecosystem`` and ``package``; always a ``reason``."""
+
+    agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))
+    kind = serializers.ChoiceField(choices=Kind.choices)
+    target = serializers.CharField(required=False, allow_blank=True, max_length=300)
+    ecosystem = serializers.CharField(required=False, allow_blank=True, max_length=16)
+    package = serializers.CharField(required=False, allow_blank=True, max_length=255)
+    reason = serializers.CharField(max_length=services.MAX_REASON)
+
+
+class DecisionSerializer(serializers.Serializer):
+    note = serializers.CharField(help_text="Why: kept on the record.")
+    scope = serializers.ChoiceField(
+        choices=Scope.choices,
+        required=False,
+        help_text="Egress only: where the entry goes (default: this agent).",
+    )
+    expires_at = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="Egress only: when the entry goes again."
+    )
+
+
+class RejectionSerializer(serializers.Serializer):
+    note = serializers.CharField(help_text="Why: kept on the record, and told to the agent.")
+
+
+class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, OrganisationScoped):
+    """Requests of your organisations' agents: members read; admins file on an agent's
+    behalf; approvers and admins decide (never one they filed)."""
+
+    queryset = Request.objects.select_related("organisation", "decided_by").prefetch_related(
+        "requesters__filed_by", "grants"
+    )
+    serializer_class = RequestSerializer
+    write_roles = services.DECIDERS  # deciding; filing checks for an admin itself
+    filterset_fields = ["organisation", "agent", "workplace", "kind", "status"]
+    ordering_fields = ["created_at", "decided_at"]
+
+    @extend_schema(request=FileSerializer, responses={201: RequestSerializer})
+    def create(self, request: HttpRequest) -> Response:
+        """File a request for an agent (it merges into a pending one for the same thing, and
+        something already allowed is answered at once)."""
+        filing = FileSerializer(data=request.data, context={"request": request})
+        filing.is_valid(raise_exception=True)
+        data = filing.validated_data
+        agent = data["agent"]
+        if role_of(request.user, agent.organisation) != Role.ADMIN:
+            raise exceptions.PermissionDenied(
+                f"Your role in {agent.organisation.name!r} does not allow filing requests."
+            )
+        if data["kind"] == Kind.EGRESS:
+            filed = services.file_egress(
+                agent, data.get("target", ""), reason=data["reason"], by=request.user
+            )
+        else:
+            filed = services.file_package(
+                agent,
+                data.get("ecosystem", ""),
+                data.get("package", ""),
+                reason=data["reason"],
+                by=request.user,
+            )
+        return Response(self._shown(filed), status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=DecisionSerializer, responses=RequestSerializer)
+    @action(detail=True, methods=["post"])
+    def approve(self, request: HttpRequest, pk: str | None = None) -> Response:
+        """Approve, with a note; for egress, where the entry goes and until when."""
+        decision = DecisionSerializer(data=request.data)
+        decision.is_valid(raise_exception=True)
+        data = decision.validated_data
+        found = self.get_object()
+        try:
+            decided = services.approve(
+                found,
+                by=request.user,
+                note=data["note"],
+                scope=data.get("scope") or (Scope.AGENT if found.kind == Kind.EGRESS else ""),
+                expires_at=data.get("expires_at"),
+            )
+        except DjangoPermissionDenied as exc:
+            raise exceptions.PermissionDenied(str(exc)) from None
+        return Response(self._shown(decided))
+
+    @extend_schema(request=RejectionSerializer, responses=RequestSerializer)
+    @action(detail=True, methods=["post"])
+    def reject(self, request: HttpRequest, pk: str | None = None) -> Response:
+        """Reject, with a note."""
+        rejection = RejectionSerializer(data=request.data)
+        rejection.is_valid(raise_exception=True)
+        try:
+            decided = services.reject(
+                self.get_object(), by=request.user, note=rejection.validated_data["note"]
+            )
+        except DjangoPermissionDenied as exc:
+            raise exceptions.PermissionDenied(str(exc)) from None
+        return Response(self._shown(decided))
+
+    def _shown(self, found: Request) -> dict[str, Any]:
+        return dict(RequestSerializer(self.get_queryset().get(pk=found.pk)).data)
