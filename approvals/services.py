@@ -216,13 +216,19 @@ def expire_unattended(now: datetime | None = None) -> int:
 
 def can_decide(user: Any, request: Request) -> str:
     """Why ``user`` may not decide ``request`` ('' when they may)."""
+    return _not_allowed(user, request) or _not_pending(request)
+
+
+def _not_allowed(user: Any, request: Request) -> str:
     if role_of(user, request.organisation) not in DECIDERS:
         return "only approvers and admins of the organisation decide requests"
-    if request.requesters.filter(filed_by=user).exists() and user.is_authenticated:
+    if user.is_authenticated and request.requesters.filter(filed_by=user).exists():
         return "you filed this request on the agent's behalf: somebody else decides it"
-    if request.status != Status.PENDING:
-        return f"it was {request.status} already"
     return ""
+
+
+def _not_pending(request: Request) -> str:
+    return "" if request.status == Status.PENDING else f"it was {request.status} already"
 
 
 # --- the parts ---------------------------------------------------------------------------------
@@ -269,9 +275,10 @@ def _answer(request: Request, note: str) -> None:
 
 def _decidable(request: Request, by: Any, note: str) -> Request:
     locked = Request.objects.select_for_update().select_related("organisation").get(pk=request.pk)
-    why = can_decide(by, locked)
-    if why:
-        raise PermissionDenied(why) if "already" not in why else ValidationError(why)
+    if why := _not_allowed(by, locked):
+        raise PermissionDenied(why)
+    if why := _not_pending(locked):
+        raise ValidationError(why)
     if not (note or "").strip():
         raise ValidationError({"note": ["a decision needs a note saying why"]})
     return locked
@@ -284,12 +291,23 @@ def _decided(request: Request, by: Any, note: str) -> None:
     request.save()
 
 
+def _has(entries: list[str], entry: str) -> bool:
+    """Whether a list holds the entry, however it is written there (host, host:443…)."""
+    wanted = parse_entry(entry)
+    return any(parse_entry(text) == wanted for text in entries)
+
+
+def _without(entries: list[str], entry: str) -> list[str]:
+    wanted = parse_entry(entry)
+    return [text for text in entries if parse_entry(text) != wanted]
+
+
 def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any) -> dict[str, Any]:
-    entry = request.target
+    entry = str(parse_entry(request.target))  # as lists write it
     organisation = request.organisation
     if scope == Scope.ORGANISATION:
         locked = Organisation.objects.select_for_update().get(pk=organisation.pk)
-        if entry not in locked.base_allowlist:
+        if not _has(locked.base_allowlist, entry):
             update_organisation(locked, by=by, base_allowlist=[*locked.base_allowlist, entry])
         Grant.objects.create(
             request=request, entry=entry, organisation=organisation, expires_at=expires_at
@@ -304,7 +322,7 @@ def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any)
     versions = {}
     for agent in agents:
         locked_agent = Agent.objects.select_for_update().get(pk=agent.pk)
-        if entry not in locked_agent.allowlist:
+        if not _has(locked_agent.allowlist, entry):
             locked_agent = update_agent(
                 locked_agent, by=by, allowlist=[*locked_agent.allowlist, entry]
             )
@@ -335,14 +353,14 @@ def _add_package(request: Request, by: Any) -> dict[str, Any]:
 def _remove_entry(grant: Grant) -> int | None:
     if grant.agent_id is None:
         organisation = Organisation.objects.select_for_update().get(pk=grant.organisation_id)
-        if grant.entry in organisation.base_allowlist:
-            kept = [e for e in organisation.base_allowlist if e != grant.entry]
+        if _has(organisation.base_allowlist, grant.entry):
+            kept = _without(organisation.base_allowlist, grant.entry)
             update_organisation(organisation, base_allowlist=kept)
         return None
     agent = Agent.objects.select_for_update().get(pk=grant.agent_id)
-    if grant.entry not in agent.allowlist:
+    if not _has(agent.allowlist, grant.entry):
         return None
-    agent = update_agent(agent, allowlist=[e for e in agent.allowlist if e != grant.entry])
+    agent = update_agent(agent, allowlist=_without(agent.allowlist, grant.entry))
     return agent.version
 
 

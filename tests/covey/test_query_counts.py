@@ -6,6 +6,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from agents import services
+from approvals.services import approve, file_egress, file_package
 from covey.pagination import BoundedPagination
 from covey.urls import router
 from egress.models import Decision
@@ -14,7 +15,13 @@ from organisations.models import Membership, Role
 from runners.models import Runner
 from runs import services as runs
 from templates.models import AllowlistTemplate
-from tests.factories import AgentFactory, OrganisationFactory, WorkplaceFactory, online_runner
+from tests.factories import (
+    AgentFactory,
+    OrganisationFactory,
+    UserFactory,
+    WorkplaceFactory,
+    online_runner,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -45,10 +52,14 @@ def make_rows(acme, alice, count):
         run = runs.queue_run(agent, "work", by=alice)
         runs.start(str(run.pk), run.runner)
         issue_token(agent, by=alice)
-        Decision.objects.create(
+        refusal = Decision.objects.create(
             agent=agent, kind="connect", host="a.example", port=443, allowed=True,
             reason="allowed", proxy=runner.name, decided_at=timezone.now(),
         )  # fmt: skip
+        asked = file_egress(agent, "b.example", reason="b", run=run, refusal=refusal)
+        file_egress(agent, "b.example", reason="again", by=alice)
+        file_package(agent, "apt", "jq", reason="jq")
+        approve(asked, by=UserFactory(username="decider", is_superuser=True), note="fine")
 
 
 # Every list endpoint of the router, from the router itself: a new resource is measured too

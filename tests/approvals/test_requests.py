@@ -1,0 +1,252 @@
+"""Requests and their approval: filing, merging, answering at once, deciding (scope, expiry,
+permissions), what a decision produces, expiry of grants and of unattended requests, the
+notification, and the API."""
+
+from datetime import timedelta
+
+import pytest
+from django.core import mail
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.utils import timezone
+
+from agents.models import Agent
+from agents.services import effective_allowlist
+from allowlists.entries import parse_entry
+from approvals import services
+from approvals.models import Grant, Request, Scope, Status
+from organisations.models import Organisation
+from runs.services import queue_run
+from tests.factories import AgentFactory, UserFactory, WorkplaceFactory
+
+pytestmark = pytest.mark.django_db
+
+TARGET = "registry.example.org"
+
+
+@pytest.fixture
+def workplace(acme):
+    return WorkplaceFactory(organisation=acme, packages={"apt": ["git"]})
+
+
+@pytest.fixture
+def agent(acme, workplace):
+    return AgentFactory(organisation=acme, workplace=workplace)
+
+
+def allowed(agent: Agent, target: str = TARGET) -> bool:
+    agent = Agent.objects.get(pk=agent.pk)
+    return parse_entry(target) in effective_allowlist(agent)
+
+
+# --- filing --------------------------------------------------------------------------------------
+
+
+def test_an_egress_request_records_who_asked_why_and_from_which_run(agent, alice):
+    run = queue_run(agent, "fetch the SDK")
+    request = services.file_egress(agent, "Registry.Example.org.", reason="the SDK", run=run)
+    assert (request.kind, request.target, request.status) == ("egress", f"{TARGET}:443", "pending")
+    (asked,) = request.requesters.all()
+    assert (asked.agent, asked.run, asked.reason, asked.filed_by) == (agent, run, "the SDK", None)
+    assert request.workplace == agent.workplace
+
+
+def test_duplicates_are_merged_with_every_requester_kept(acme, agent, workplace):
+    first = services.file_egress(agent, TARGET, reason="one")
+    again = services.file_egress(agent, f"{TARGET}:443", reason="two")
+    assert again.pk == first.pk
+    other = AgentFactory(organisation=acme, workplace=workplace)
+    package = services.file_package(agent, "apt", "jq", reason="parse JSON")
+    same = services.file_package(other, "apt", "jq=1.7.1-3", reason="me too")
+    assert same.pk == package.pk  # one workplace, one package: one request
+    assert [r.reason for r in package.requesters.all()] == ["parse JSON", "me too"]
+    assert Request.objects.count() == 2
+    assert len(mail.outbox) == 0  # no approver has an email address here
+
+
+def test_something_already_allowed_is_answered_at_once(acme, agent):
+    request = services.file_egress(agent, "api.anthropic.com", reason="the model")
+    assert request.status == Status.APPROVED
+    assert request.note == "already allowed (base)"
+    assert request.decided_by is None and request.produced == {}
+    present = services.file_package(agent, "apt", "git", reason="clone")
+    assert present.status == Status.APPROVED and present.note.startswith("already in")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda a: services.file_egress(a, "*.example.org", reason="x"), "wildcard"),
+        (lambda a: services.file_egress(a, "10.0.0.1", reason="x"), "IP"),
+        (lambda a: services.file_egress(a, TARGET, reason="  "), "say why"),
+        (lambda a: services.file_package(a, "cargo", "serde", reason="x"), "not an ecosystem"),
+        (lambda a: services.file_package(a, "apt", "jq; rm -rf /", reason="x"), "Debian package"),
+    ],
+)
+def test_bad_requests_are_refused_saying_what_is_wrong_and_nothing_is_kept(agent, call, message):
+    with pytest.raises(ValidationError, match=message):
+        call(agent)
+    assert Request.objects.count() == 0
+
+
+def test_a_package_needs_a_workplace(acme):
+    lone = AgentFactory(organisation=acme)
+    with pytest.raises(ValidationError, match="the agent has no workplace"):
+        services.file_package(lone, "apt", "jq", reason="x")
+
+
+# --- deciding ------------------------------------------------------------------------------------
+
+
+def test_an_approved_route_is_a_new_agent_version_and_allowed_at_once(agent, april):
+    request = services.file_egress(agent, TARGET, reason="SDK")
+    before = agent.version
+    decided = services.approve(request, by=april, note="vendor SDK, fine")
+    agent.refresh_from_db()
+    assert (decided.status, decided.decided_by, decided.note) == (
+        "approved",
+        april,
+        "vendor SDK, fine",
+    )
+    assert decided.produced == {"agent_versions": {str(agent.pk): before + 1}}
+    assert allowed(agent)
+    assert agent.versions.get(number=agent.version).created_by == april
+
+
+def test_a_route_for_the_workplace_goes_to_each_of_its_agents(acme, agent, workplace, april):
+    sibling = AgentFactory(organisation=acme, workplace=workplace)
+    outsider = AgentFactory(organisation=acme)
+    request = services.file_egress(agent, TARGET, reason="SDK")
+    decided = services.approve(request, by=april, note="all of them", scope=Scope.WORKPLACE)
+    assert set(decided.produced["agent_versions"]) == {str(agent.pk), str(sibling.pk)}
+    assert allowed(agent) and allowed(sibling) and not allowed(outsider)
+
+
+def test_a_route_for_the_organisation_goes_to_its_base_list(acme, agent, april):
+    request = services.file_egress(agent, TARGET, reason="SDK")
+    services.approve(request, by=april, note="everyone", scope=Scope.ORGANISATION)
+    assert TARGET in Organisation.objects.get(pk=acme.pk).base_allowlist
+    assert allowed(AgentFactory(organisation=acme))
+
+
+def test_a_granted_route_goes_again_when_it_expires(agent, april):
+    request = services.file_egress(agent, TARGET, reason="once")
+    soon = timezone.now() + timedelta(minutes=5)
+    services.approve(request, by=april, note="for today", expires_at=soon)
+    version = Agent.objects.get(pk=agent.pk).version
+    assert services.expire_grants(timezone.now()) == 0 and allowed(agent)
+    assert services.expire_grants(soon + timedelta(seconds=1)) == 1
+    assert not allowed(agent)
+    grant = Grant.objects.get()
+    assert grant.removed_at is not None and grant.removed_version == version + 1
+    assert services.expire_grants(soon + timedelta(hours=1)) == 0  # once
+
+
+def test_an_approved_package_is_a_new_workplace_version(agent, workplace, april):
+    request = services.file_package(agent, "apt", "jq", reason="parse JSON")
+    decided = services.approve(request, by=april, note="ok")
+    workplace.refresh_from_db()
+    assert workplace.packages == {"apt": ["git", "jq"]}
+    assert decided.produced == {"workplace_version": workplace.version} and workplace.version == 2
+    assert queue_run(agent, "next").workplace_version.number == 2  # the next run has it
+
+
+def test_a_rejection_needs_a_note_and_changes_nothing(agent, april):
+    request = services.file_egress(agent, TARGET, reason="x")
+    with pytest.raises(ValidationError, match="a decision needs a note"):
+        services.reject(request, by=april, note=" ")
+    decided = services.reject(request, by=april, note="use the mirror")
+    assert (decided.status, decided.note) == ("rejected", "use the mirror")
+    assert not allowed(agent)
+    with pytest.raises(ValidationError, match="it was rejected already"):
+        services.approve(request, by=april, note="changed my mind")
+
+
+def test_viewers_and_whoever_filed_it_cannot_decide(agent, alice, vera, gary):
+    request = services.file_egress(agent, TARGET, reason="x", by=alice)
+    for who, why in (
+        (vera, "only approvers and admins"),
+        (gary, "only approvers and admins"),  # another organisation's admin
+        (alice, "you filed this request on the agent's behalf"),
+    ):
+        with pytest.raises(PermissionDenied, match=why):
+            services.approve(request, by=who, note="mine")
+    assert Request.objects.get(pk=request.pk).status == Status.PENDING
+
+
+def test_unattended_requests_expire_as_rejected_after_the_organisations_time(acme, agent):
+    request = services.file_egress(agent, TARGET, reason="x")
+    assert services.expire_unattended(timezone.now() + timedelta(days=30)) == 0  # no time set
+    Organisation.objects.filter(pk=acme.pk).update(request_expiry_minutes=30)
+    assert services.expire_unattended(timezone.now() + timedelta(minutes=29)) == 0
+    assert services.expire_unattended(timezone.now() + timedelta(minutes=31)) == 1
+    request.refresh_from_db()
+    assert (request.status, request.expired) == ("rejected", True)
+    assert request.note == "expired: nobody decided it within 30 minutes"
+
+
+def test_approvers_are_emailed_of_a_new_request(acme, agent, django_capture_on_commit_callbacks):
+    from organisations.models import Membership, Role
+
+    approver = UserFactory(username="ann", email="ann@example.test")
+    Membership.objects.create(organisation=acme, user=approver, role=Role.APPROVER)
+    viewer = UserFactory(username="val", email="val@example.test")
+    Membership.objects.create(organisation=acme, user=viewer, role=Role.VIEWER)
+    with django_capture_on_commit_callbacks(execute=True):
+        request = services.file_egress(agent, TARGET, reason="the SDK")
+        services.file_egress(agent, TARGET, reason="again")  # merged: no second mail
+    (sent,) = mail.outbox
+    assert sent.to == ["ann@example.test"]
+    assert sent.subject == f"covey: {agent} asks for {TARGET}:443"
+    assert "the SDK" in sent.body and f"/admin/approvals/request/{request.pk}/decide/" in sent.body
+
+
+# --- the API -------------------------------------------------------------------------------------
+
+
+def test_the_api_files_lists_and_decides(api, alice, april, vera, agent):
+    filed = api(alice).post(
+        "/api/v1/requests/",
+        {"agent": agent.pk, "kind": "egress", "target": TARGET, "reason": "the SDK"},
+        format="json",
+    )
+    assert filed.status_code == 201, filed.content
+    body = filed.json()
+    assert (body["status"], body["requesters"][0]["filed_by"]) == ("pending", "alice")
+    url = f"/api/v1/requests/{body['id']}/"
+    assert api(vera).get(url).status_code == 200
+    assert api(vera).post(f"{url}approve/", {"note": "x"}, format="json").status_code == 403
+    refused = api(alice).post(f"{url}approve/", {"note": "mine"}, format="json")
+    assert refused.status_code == 403 and "somebody else decides" in refused.json()["detail"]
+    assert api(april).post(f"{url}approve/", {}, format="json").status_code == 400  # no note
+    approved = (
+        api(april).post(f"{url}approve/", {"note": "fine", "scope": "agent"}, format="json").json()
+    )
+    assert (approved["status"], approved["decided_by"]) == ("approved", "april")
+    assert approved["grants"][0]["entry"] == TARGET
+    pending = api(vera).get("/api/v1/package-requests/?status=pending").json()
+    assert pending["count"] == 0
+    again = api(april).post(f"{url}reject/", {"note": "no"}, format="json")
+    assert again.status_code == 400 and "approved already" in str(again.json())
+
+
+def test_only_admins_file_and_other_organisations_see_nothing(api, april, gary, agent):
+    filing = {"agent": agent.pk, "kind": "package", "ecosystem": "apt", "package": "jq",
+              "reason": "x"}  # fmt: skip
+    assert api(april).post("/api/v1/requests/", filing, format="json").status_code == 403
+    request = services.file_package(agent, "apt", "jq", reason="x")
+    assert api(gary).get(f"/api/v1/requests/{request.pk}/").status_code == 404
+    assert api(gary).post(f"/api/v1/requests/{request.pk}/reject/", {"note": "no"},
+                          format="json").status_code == 404  # fmt: skip
+    assert api(gary).post("/api/v1/requests/", filing, format="json").status_code == 400
+
+
+def test_the_admins_decision_page_refuses_a_decision_without_a_note(client, root, agent):
+    request = services.file_egress(agent, TARGET, reason="x")
+    client.force_login(root)
+    url = f"/admin/approvals/request/{request.pk}/decide/"
+    answer = client.post(url, {"decision": "approve", "note": ""})
+    assert answer.status_code == 200 and "This field is required" in answer.content.decode()
+    assert Request.objects.get(pk=request.pk).status == Status.PENDING
+    assert client.post(url, {"decision": "approve", "note": "ok"}).status_code == 302
+    again = client.get(url).content.decode()
+    assert "You cannot decide this request: it was approved already." in again
