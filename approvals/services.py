@@ -15,6 +15,7 @@
   ``request_expiry_minutes`` (:func:`expire_unattended`).
 """
 
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -396,3 +397,101 @@ def notify(request_id: int) -> int:
         emails,
     )
     return len(emails)
+
+
+# --- from inside a sandbox: the proxy files for the agent its credential proves ------------------
+
+
+def agent_of_token(
+    token_sha256: str, organisation: Organisation | None
+) -> tuple[Agent, Run | None]:
+    """The agent (and its run) whose live egress credential has this SHA-256, in the
+    organisation (None: any, for the control-plane host's own proxy); PermissionDenied when
+    there is none (revoked, expired, another organisation's)."""
+    from egress.models import EgressToken
+
+    tokens = EgressToken.objects.select_related("agent__organisation", "agent__workplace")
+    if organisation is not None:
+        tokens = tokens.filter(agent__organisation=organisation)
+    token = tokens.filter(sha256=token_sha256).first()
+    if token is None or not token.is_live:
+        raise PermissionDenied("no live egress credential of this organisation's agents")
+    return token.agent, Run.objects.filter(egress_token=token).first()
+
+
+def file_from_sandbox(
+    organisation: Organisation | None, token_sha256: str, data: Mapping[str, Any]
+) -> Request:
+    """A request the proxy forwards from a sandbox: the agent is the one its credential
+    proves, the run the one that credential was issued for; the refusal that prompted an
+    egress request is the agent's latest refusal of that route, when there is one."""
+    agent, run = agent_of_token(token_sha256, organisation)
+    reason = str(data.get("reason") or "")
+    if data.get("kind") == Kind.EGRESS:
+        target = str(data.get("target") or "")
+        try:
+            entry = parse_entry(target)
+        except ValueError as exc:
+            raise ValidationError({"target": [str(exc)]}) from None
+        refusal = (
+            Decision.objects.filter(agent=agent, host=entry.host, port=entry.port, allowed=False)
+            .order_by("-decided_at")
+            .first()
+        )
+        return file_egress(agent, target, reason=reason, run=run, refusal=refusal)
+    if data.get("kind") == Kind.PACKAGE:
+        return file_package(
+            agent,
+            str(data.get("ecosystem") or ""),
+            str(data.get("package") or ""),
+            reason=reason,
+            run=run,
+        )
+    raise ValidationError({"kind": ["egress or package"]})
+
+
+def answer(request: Request) -> dict[str, Any]:
+    """What the agent is told of its request: machine-readable, and what to do next."""
+    shown: dict[str, Any] = {
+        "id": request.pk,
+        "kind": request.kind,
+        "what": request.thing,
+        "status": request.status,
+    }
+    if request.status != Status.PENDING:
+        shown.update(
+            decision=request.status,
+            note=request.note,
+            changed=request.produced,
+            expired=request.expired,
+        )
+        if request.grant_expires_at:
+            shown["until"] = request.grant_expires_at.isoformat()
+    return shown
+
+
+def desk_file(
+    token_sha256: str, filing: Mapping[str, Any], organisation: Organisation | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The desk's filing (egress/proxy/desk.py) as an HTTP status and JSON answer."""
+    try:
+        filed = file_from_sandbox(organisation, token_sha256, filing)
+    except PermissionDenied as exc:
+        return 403, {"detail": str(exc)}
+    except ValidationError as exc:
+        return 400, {"detail": "; ".join(exc.messages)}
+    return 201, answer(filed)
+
+
+def desk_status(
+    token_sha256: str, request_id: int, organisation: Organisation | None = None
+) -> tuple[int, dict[str, Any]]:
+    """How a request the agent made (or was merged into) stands."""
+    try:
+        agent, _ = agent_of_token(token_sha256, organisation)
+    except PermissionDenied as exc:
+        return 403, {"detail": str(exc)}
+    found = Request.objects.filter(pk=request_id, requesters__agent=agent).distinct().first()
+    if found is None:
+        return 404, {"detail": f"agent {agent} made no request {request_id}"}
+    return 200, answer(found)

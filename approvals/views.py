@@ -16,6 +16,7 @@ from approvals.models import Grant, Kind, Request, Requester, Scope
 from organisations.api import OrganisationScoped, ScopedRelatedField
 from organisations.models import Role
 from organisations.roles import role_of
+from runners.auth import RunnerEndpoint
 
 
 class RequesterSerializer(serializers.ModelSerializer):
@@ -158,3 +159,30 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
 
     def _shown(self, found: Request) -> dict[str, Any]:
         return dict(RequestSerializer(self.get_queryset().get(pk=found.pk)).data)
+
+
+# --- what the egress proxy forwards from sandboxes, with its runner's token ---------------------
+
+
+class RunnerRequestsView(RunnerEndpoint):
+    """File a request for the agent whose egress credential the proxy saw (its runner's
+    organisation only): ``token_sha256`` and the filing (egress/proxy/desk.py); answers what
+    the agent is told."""
+
+    @extend_schema(request=dict, responses={201: dict})
+    def post(self, request: HttpRequest) -> Response:
+        data = request.data if isinstance(request.data, dict) else {}
+        token = str(data.get("token_sha256") or "")
+        filing = {k: v for k, v in data.items() if k != "token_sha256"}
+        code, body = services.desk_file(token, filing, self.runner(request).organisation)
+        return Response(body, status=code)
+
+
+class RunnerRequestView(RunnerEndpoint):
+    """A request's state, for the agent that asked (or one merged into it)."""
+
+    @extend_schema(responses={200: dict})
+    def get(self, request: HttpRequest, request_id: int) -> Response:
+        token = request.query_params.get("token_sha256", "")
+        code, body = services.desk_status(token, request_id, self.runner(request).organisation)
+        return Response(body, status=code)

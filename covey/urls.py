@@ -9,7 +9,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from agents.views import AgentViewSet
-from approvals.views import RequestViewSet
+from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -92,6 +92,12 @@ urlpatterns = [
     path("api/v1/runner/runs/<uuid:run_id>/log/", RunLogView.as_view(), name="runner-log"),
     path("api/v1/runner/runs/<uuid:run_id>/output/", RunOutputView.as_view(), name="runner-output"),
     path("api/v1/runner/probes/", RunnerProbesView.as_view(), name="runner-probes"),
+    path("api/v1/runner/requests/", RunnerRequestsView.as_view(), name="runner-requests"),
+    path(
+        "api/v1/runner/requests/<int:request_id>/",
+        RunnerRequestView.as_view(),
+        name="runner-request",
+    ),
     path(
         "api/v1/runner/probes/<uuid:probe_id>/report/",
         RunnerProbeReportView.as_view(),

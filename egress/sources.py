@@ -4,7 +4,7 @@ A proxy on the control-plane host reads the database directly; a proxy on a runn
 no database credentials and asks the control plane over HTTP with its runner token.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,3 +56,29 @@ class DatabaseSink:
 
         with _brief_transaction():
             record_decisions(events, proxy=self.proxy)
+
+
+# The request desk on the control-plane host (egress/proxy/desk.py) files through the database:
+# the approvals app, which builds on egress, puts its two functions here when it is ready
+# (``file``: token SHA-256, filing → status, answer; ``status``: token SHA-256, id → the same).
+desk_functions: dict[str, Callable[..., tuple[int, Mapping[str, Any]]]] = {}
+
+
+class DatabaseDesk:
+    """The desk's filings and questions, answered from the database."""
+
+    def file(self, token_sha256: str, filing: Mapping[str, Any]) -> tuple[int, Mapping[str, Any]]:
+        return self._call("file", token_sha256, filing)
+
+    def status(self, token_sha256: str, request_id: int) -> tuple[int, Mapping[str, Any]]:
+        return self._call("status", token_sha256, request_id)
+
+    def _call(self, name: str, *args: Any) -> tuple[int, Mapping[str, Any]]:
+        if name not in desk_functions:
+            return 503, {"detail": "requests are not taken here (no approvals app)"}
+        connection.close_if_unusable_or_obsolete()
+        try:
+            return desk_functions[name](*args)
+        except Exception:
+            connection.close()
+            raise

@@ -13,6 +13,7 @@ import sys
 
 from egress.proxy.config import ProxyConfig
 from egress.proxy.control_plane import remote_source
+from egress.proxy.desk import Desk
 from egress.proxy.server import ProxyError, parse_listen, serve
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             where=source.url,
             say=lambda line: print(line, flush=True),
             verbose=args.verbose,
+            desk=Desk(source.file_request, source.request_status),
         )
     except (ProxyError, ValueError, OSError) as exc:
         print(f"covey egress proxy: {exc}", file=sys.stderr)

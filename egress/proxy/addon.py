@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
@@ -27,15 +27,19 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from egress.policy import (
     Attempt,
+    Code,
     Decision,
     IPNetwork,
     Policy,
     check_addresses,
     check_client_hello,
     check_request,
+    hash_token,
     parse_networks,
 )
+from egress.proxy import desk
 from egress.proxy.answers import plain_http_problem, read_client_hello, refusal
+from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.proxy.layers import ConnectRequest, choose_layer, peer
 from egress.proxy.lookups import TokenLookups
@@ -67,8 +71,10 @@ class CoveyEgress:
         log: DecisionLog,
         *,
         clock: Callable[[], float] = time.time,
+        desk: Desk | None = None,
     ) -> None:
         self.feed = feed
+        self.desk = desk
         self.lookups = TokenLookups()
         self.log = log
         self.clock = clock
@@ -164,7 +170,58 @@ class CoveyEgress:
             return
         if flow.request.method == "CONNECT":
             return  # decided in http_connect
+        if flow.request.host.lower().rstrip(".") == desk.HOST:
+            flow.metadata["covey_desk"] = True  # answered here, in request, once it is whole
+            return
         await self._decide_flow(flow, plain_http=True)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        """The request desk (egress/proxy/desk.py): answered by the proxy, never forwarded."""
+        if not flow.metadata.get("covey_desk") or flow.response is not None:
+            return
+        request = flow.request
+        attempt = Attempt(
+            request.headers.get("Proxy-Authorization"), desk.HOST, 80, plain_http=True
+        )
+        refused, token = await self._identify(attempt, peer(flow.client_conn))
+        if refused is not None:
+            flow.response = refusal(refused)
+            return
+        if self.desk is None:
+            flow.response = http.Response.make(
+                503, b'{"detail": "this proxy takes no requests"}\n',
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            return
+        body = request.raw_content or b""
+        flow.response = await asyncio.to_thread(
+            self.desk.answer, request.method, request.path, body, token
+        )
+
+    async def _identify(self, attempt: Attempt, client: str) -> tuple[Decision | None, str]:
+        """(None, the token's SHA-256) for a credential of an enabled agent; else the
+        refusal (407 for no credential or an unknown one, as for any connection)."""
+        policy = self.feed.current()
+        start = Decision(Code.ALLOWED, attempt.host, attempt.port, attempt.username)
+        if policy is None:
+            return start.refuse(Code.POLICY_UNAVAILABLE), ""
+        agent, unknown = policy.identify(attempt.credentials, self.clock())
+        credentials = attempt.credentials
+        if (
+            agent is None
+            and unknown
+            and credentials is not None
+            and self.lookups.begin(credentials[1], unknown, client)
+        ):
+            await self._look_up(LookUp(unknown, client))
+            policy = self.feed.current()
+            if policy is not None:
+                agent, _ = policy.identify(credentials, self.clock())
+        if agent is None or credentials is None:
+            return start.refuse(Code.PROXY_AUTH), ""
+        if not agent.enabled:
+            return replace(start, agent=agent).refuse(Code.AGENT_DISABLED), ""
+        return None, hash_token(credentials[1])
 
     async def covey_decide(self, request: ConnectRequest) -> None:
         """The :class:`~egress.proxy.layers.Connect` layer's question (a hook, so that

@@ -6,6 +6,7 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egress.policy import EXPLANATIONS, Code, Decision, status_of
+from egress.proxy.desk import command_for
 
 MAX_CLIENT_HELLO = 64 * 1024
 _NOT_TLS = "the tunnel did not start with a TLS ClientHello"
@@ -21,8 +22,9 @@ def refusal(decision: Decision) -> http.Response:
     if code in (Code.NOT_ON_ALLOWLIST, Code.PORT_NOT_ALLOWED, Code.NON_PUBLIC_ADDRESS):
         who = f"agent {decision.username}" if decision.username else "your agent"
         lines.append(
-            f"If {who} needs {target}, ask for it: a person on your platform team can add it"
-            " to the agent's allowlist in covey. Do not try another route."
+            f"If {who} needs {target}, ask for it, and a person on your platform team will"
+            f" decide: {command_for(decision.host, decision.port)}"
+            " (then: covey-request status ID --wait). Do not try another route."
         )
     headers = {"X-Covey-Deny-Reason": str(code), "Content-Type": "text/plain; charset=utf-8"}
     if code is Code.PROXY_AUTH:

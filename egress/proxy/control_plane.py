@@ -77,6 +77,31 @@ class ControlPlaneSource:
         )
         response.raise_for_status()
 
+    def file_request(
+        self, token_sha256: str, filing: Mapping[str, Any]
+    ) -> tuple[int, Mapping[str, Any]]:
+        """Pass a sandbox's request on (the desk, egress/proxy/desk.py): status and answer."""
+        body = {**filing, "token_sha256": token_sha256}
+        return self._desk("POST", "/api/v1/runner/requests/", json=body)
+
+    def request_status(self, token_sha256: str, request_id: int) -> tuple[int, Mapping[str, Any]]:
+        return self._desk(
+            "GET",
+            f"/api/v1/runner/requests/{request_id}/",
+            params={"token_sha256": token_sha256},
+        )
+
+    def _desk(self, method: str, path: str, **kwargs: Any) -> tuple[int, Mapping[str, Any]]:
+        try:
+            response = self._client.request(method, path, headers=self._headers(), **kwargs)
+        except httpx.HTTPError as exc:
+            raise OSError(str(exc)) from exc
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"detail": response.text[:500]}
+        return response.status_code, data if isinstance(data, dict) else {"detail": str(data)}
+
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Runner {self._token()}"}
 

@@ -11,6 +11,7 @@ from mitmproxy.addons import core, errorcheck, proxyserver
 from allowlists.entries import split_host_port
 from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
+from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
 
 
@@ -39,6 +40,7 @@ def serve(
     where: str,
     say: Callable[[str], None],
     verbose: bool = False,
+    desk: Desk | None = None,
 ) -> None:
     """Run the proxy on ``listen`` (HOST:PORT) with policy from ``source`` and decisions to
     ``sink`` until SIGTERM or SIGINT. ``say`` gets the line that announces it listens (what
@@ -51,7 +53,7 @@ def serve(
             logging.getLogger(noisy).setLevel(logging.WARNING)
     feed = PolicyFeed(source, poll=config.poll, grace=config.grace)
     log = DecisionLog(sink)
-    addon = CoveyEgress(feed, log)
+    addon = CoveyEgress(feed, log, desk=desk)
     feed.start()
     log.start()
     try:

@@ -9,9 +9,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from egress.proxy.config import ProxyConfig
 from egress.proxy.control_plane import remote_source
+from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionSink, PolicySource
 from egress.proxy.server import ProxyError, parse_listen, serve
-from egress.sources import DatabaseSink, DatabaseSource
+from egress.sources import DatabaseDesk, DatabaseSink, DatabaseSource
 
 
 class Command(BaseCommand):
@@ -60,6 +61,7 @@ class Command(BaseCommand):
                     options["runner_config"],
                 )
                 source, sink, where = remote, remote.post_decisions, remote.url
+                desk = Desk(remote.file_request, remote.request_status)
             elif options["control_plane"]:
                 raise ProxyError("--control-plane needs a runner token (--runner-token)")
             else:
@@ -67,6 +69,8 @@ class Command(BaseCommand):
                 # opening one for every poll and every batch of decisions.
                 settings.DATABASES["default"].update(CONN_MAX_AGE=None, CONN_HEALTH_CHECKS=True)
                 source, sink, where = DatabaseSource(), DatabaseSink(name), "the database"
+                database = DatabaseDesk()
+                desk = Desk(database.file, database.status)
             serve(
                 config,
                 options["listen"],
@@ -76,6 +80,7 @@ class Command(BaseCommand):
                 where=where,
                 say=self._say,
                 verbose=options["verbosity"] >= 2,
+                desk=desk,
             )
         except (ProxyError, ValueError) as exc:
             raise CommandError(str(exc)) from None
