@@ -66,8 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     package = kinds.add_parser("package", help="a package in the agent's workplace")
     package.add_argument("ecosystem", help="e.g. apt")
     package.add_argument("package", help="name or name=version")
-    for filing in (egress, package):
-        filing.add_argument("--reason", required=True, help="why the agent needs it")
+    for asking in (egress, package):
+        asking.add_argument("--reason", required=True, help="why the agent needs it")
     status = kinds.add_parser("status", help="how a request stands")
     status.add_argument("id", type=int)
     for each in (egress, package, status):

@@ -71,7 +71,8 @@ def test_the_desk_knows_only_credentials_of_live_agents(proxy, net, world, monke
             f"Host: requests.covey.invalid\r\nContent-Length: 2\r\n{auth}\r\n{{}}"
         )
         answered = send(proxy, raw.encode())
-        assert (answered.status, answered.headers.get("x-covey-deny-reason")) == (407, "proxy-auth-required")
+        reason = answered.headers.get("x-covey-deny-reason")
+        assert (answered.status, reason) == (407, "proxy-auth-required")
     assert Request.objects.count() == 0
     code, answer = ask(monkeypatch, capsys, proxy, credentials,
                        "package", "apt", "jq", "--reason", "x")  # fmt: skip
