@@ -16,6 +16,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
 
+from approvals import services as approvals
+from approvals.models import Request, Status
 from egress.models import EgressToken
 from runners.host.containers import isolation
 from runners.host.identity import docker_name
@@ -281,3 +283,37 @@ def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
     assert json.loads(docker("inspect", proxy))[0]["Id"] != before
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
     assert run.log_tail == world.body
+
+
+def test_a_sandbox_asks_for_a_route_through_its_proxy_and_gets_it_live(world, acme, root):
+    """Issue 12: under hard isolation the proxy is the only host a sandbox reaches, and it
+    takes the sandbox's request (covey-request, through its desk, on to the control plane with
+    the runner's token); once a person approves, the same route works from the same sandbox."""
+    runner, config = world.register(acme, "isolated-1")
+    script = f"""
+curl -sS --max-time 10 -o /dev/null -w 'before: %{{http_code}}\\n' http://{UPSTREAM_NAME}/
+covey-request egress {UPSTREAM_NAME}:80 --reason "the upstream serves the data" --wait 60
+echo "asked: exit $?"
+for i in $(seq 30); do
+  body=$(curl -sS --max-time 5 http://{UPSTREAM_NAME}/ 2>/dev/null) && break; sleep 0.1
+done
+echo "after: $body (try $i)"
+"""
+    agent = world.stack.agent(acme, "Asking", ["sh", "-c", script])
+    with world.stack.runner(runner, config, **world.runner_env()):
+        run = run_services.queue_run(agent, "fetch")
+        pending = Request.objects.filter(agent=agent, status=Status.PENDING)
+        wait_for(pending.exists, 90, "the sandbox's request")
+        request = pending.get()
+        (asked,) = request.requesters.all()
+        assert (asked.run_id, asked.reason) == (run.pk, "the upstream serves the data")
+        assert request.target == f"{UPSTREAM_NAME}:80"
+        approvals.approve(request, by=root, note="the test's upstream")
+        run = world.stack.wait(run, *FINISHED, timeout=60)
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+    log = run.log_tail
+    assert "before: 403" in log
+    assert '"decision": "approved"' in log and "asked: exit 0" in log
+    after = re.search(r"after: (.*) \(try (\d+)\)", log)
+    assert after is not None and after.group(1) == world.body, log
+    assert int(after.group(2)) <= 10, log  # within a second of the answer
