@@ -27,6 +27,7 @@ from runs import services as run_services
 from runs.models import FINISHED, Run, RunStatus
 from tests.processes import free_port, wait_for
 from tests.runners.stack import Stack, containers_of, docker
+from approvals import services as approvals
 from workplaces.services import create_workplace
 
 pytestmark = [
@@ -398,10 +399,11 @@ def test_a_home_keeps_what_a_run_changed_its_usage_and_its_quota(stack, acme):
         assert stopped.status_detail.startswith("stopped: its home passed its quota (1.9 MiB")
 
 
-def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt_repository):
-    """A workplace end to end (issue 12): its package installed in an image built for it, its
-    service ready beside the sandbox and reached by name, both on the run's record; a service
-    that is never ready fails the run naming it."""
+def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt_repository, root):
+    """A workplace end to end (issue 12): a package approved for it (a Debian package, from the
+    test's own repository) installed in an image built for its new version, its service ready
+    beside the sandbox and reached by name, both on the run's record; a service that is never
+    ready fails the run naming it."""
     runner, config = stack.register(acme, "edge-1")
     ready = "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/')"
     web = {
@@ -411,11 +413,12 @@ def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt
         "ready": {"command": ["python3", "-c", ready], "interval": 0.2, "timeout": 30},
         "memory_mb": 64,
     }
-    workplace = create_workplace(
-        acme, "dev", stack.base_image, packages={"apt": ["hello"]}, services=[web]
-    )
+    workplace = create_workplace(acme, "dev", stack.base_image, services=[web])
     fetch = "curl --silent --show-error --max-time 5 http://web:8080/ >/dev/null && echo fetched"
     agent = stack.agent(acme, "Builder", ["sh", "-c", f"hello; {fetch}"], workplace=workplace)
+    asked = approvals.file_package(agent, "apt", "hello", reason="it greets")
+    approved = approvals.approve(asked, by=root, note="harmless")
+    assert approved.produced == {"workplace_version": 2}
     broken = create_workplace(
         acme,
         "broken",
@@ -432,7 +435,7 @@ def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt
         (service,) = run.services
         assert service["name"] == "web" and service["image_id"].startswith("sha256:")
         assert '"GET / HTTP/1.1" 200' in service["log"]
-        assert run.workplace_version.number == 1
+        assert run.workplace_version.number == 2  # the version the approval made
         failed = stack.wait(run_services.queue_run(waiting, "wait"), *FINISHED, timeout=60)
         assert failed.status == RunStatus.FAILED
         assert failed.status_detail.startswith(
