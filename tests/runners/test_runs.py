@@ -17,6 +17,7 @@ from uuid import uuid4
 import httpx
 import pytest
 
+from approvals import services as approvals
 from runners.host.containers.engine import Engine, SandboxSpec
 from runners.host.identity import docker_name
 from runners.services import (
@@ -27,7 +28,6 @@ from runs import services as run_services
 from runs.models import FINISHED, Run, RunStatus
 from tests.processes import free_port, wait_for
 from tests.runners.stack import Stack, containers_of, docker
-from approvals import services as approvals
 from workplaces.services import create_workplace
 
 pytestmark = [
