@@ -65,7 +65,7 @@ class DecisionForm(forms.Form):
     )
     expires_at = forms.DateTimeField(
         required=False,
-        help_text="Optional: when an approved route is removed again (YYYY-MM-DD HH:MM).",
+        help_text="Optional: when an approved route is removed again (YYYY-MM-DD HH:MM, UTC).",
     )
 
 

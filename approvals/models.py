@@ -135,6 +135,11 @@ class Grant(models.Model):
         "organisations.Organisation", on_delete=models.PROTECT, related_name="grants"
     )
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    added = models.BooleanField(
+        default=True,
+        help_text="The approval put the entry there (False: it was there already, and its"
+        " expiry removes nothing).",
+    )
     added_version = models.PositiveIntegerField(
         null=True, blank=True, help_text="The agent version that added it (none: the base list)."
     )

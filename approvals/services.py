@@ -15,6 +15,7 @@
   ``request_expiry_minutes`` (:func:`expire_unattended`).
 """
 
+import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,6 +31,7 @@ from agents.models import Agent
 from agents.services import effective_allowlist, update_agent
 from allowlists.entries import parse_entry
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
+from egress.environment import DESK_HOST
 from egress.models import Decision
 from organisations.models import Membership, Organisation, Role
 from organisations.roles import role_of
@@ -39,7 +41,11 @@ from workplaces import config
 from workplaces.models import Workplace
 from workplaces.services import update_workplace
 
+logger = logging.getLogger(__name__)
+
 MAX_REASON = 2000  # characters of a requester's reason
+MAX_PENDING_PER_AGENT = 50  # a looping agent cannot flood its approvers
+REFUSAL_WINDOW = timedelta(minutes=15)  # a refusal older than this did not prompt a request
 DECIDERS = frozenset({Role.ADMIN, Role.APPROVER})
 
 
@@ -57,12 +63,16 @@ def file_egress(
         entry = parse_entry(target)
     except ValueError as exc:
         raise ValidationError({"target": [str(exc)]}) from None
+    if entry.host == DESK_HOST:
+        raise ValidationError({"target": [f"{DESK_HOST} is the proxy's own: it needs no route"]})
     with transaction.atomic():
         locked = Agent.objects.select_for_update().select_related("organisation").get(pk=agent.pk)
         sources = effective_allowlist(locked).get(entry)
         pending = Request.objects.filter(
             agent=locked, kind=Kind.EGRESS, target=entry.host_port, status=Status.PENDING
         ).first()
+        if pending is None:
+            _room(locked)
         request, merged = _request(
             pending,
             organisation=locked.organisation,
@@ -98,19 +108,22 @@ def file_package(
     except ValueError as exc:
         raise ValidationError({"package": [str(exc)]}) from None
     if not spec:
-        raise ValidationError({"package": ["give a package name"]})
+        raise ValidationError({"package": [f"give a package name ({config.PACKAGES_RULE})"]})
     name = spec.split("=")[0]
     with transaction.atomic():
         workplace = Workplace.objects.select_for_update().get(pk=agent.workplace_id)
-        pending = [
-            r
-            for r in Request.objects.filter(
-                workplace=workplace, kind=Kind.PACKAGE, ecosystem=ecosystem, status=Status.PENDING
-            )
-            if r.package.split("=")[0] == name
-        ]
+        # The same package in the same version (or the same unversioned name) merges.
+        pending = Request.objects.filter(
+            workplace=workplace,
+            kind=Kind.PACKAGE,
+            ecosystem=ecosystem,
+            package=spec,
+            status=Status.PENDING,
+        ).first()
+        if pending is None:
+            _room(agent)
         request, merged = _request(
-            pending[0] if pending else None,
+            pending,
             organisation=workplace.organisation,
             agent=agent,
             workplace=workplace,
@@ -120,8 +133,11 @@ def file_package(
         )
         _requester(request, agent, reason, run, None, by)
         present = (workplace.packages or {}).get(ecosystem, [])
-        if not merged and (spec in present or (name in present and spec == name)):
-            _answer(request, f"already in {workplace.name} v{workplace.version}")
+        names = {p.split("=")[0]: p for p in present}
+        # Exactly that, or (no version asked for) the package in whatever version it has.
+        if not merged and (spec in present or (spec == name and name in names)):
+            shown = names.get(name, spec)
+            _answer(request, f"already in {workplace.name} v{workplace.version} ({shown})")
         elif not merged:
             _notify_later(request)
     return request
@@ -137,6 +153,7 @@ def approve(
 ) -> Request:
     """Grant what the request asks for; the versions it makes are recorded on it."""
     with transaction.atomic():
+        _lock_what_it_changes(request, scope)  # in the order filing takes them: no deadlock
         locked = _decidable(request, by, note)
         if locked.kind == Kind.PACKAGE:
             if expires_at is not None or scope not in ("", Scope.AGENT, Scope.WORKPLACE):
@@ -162,6 +179,7 @@ def approve(
 
 def reject(request: Request, *, by: Any, note: str) -> Request:
     with transaction.atomic():
+        _lock_what_it_changes(request, "")
         locked = _decidable(request, by, note)
         locked.status = Status.REJECTED
         _decided(locked, by, note)
@@ -184,7 +202,8 @@ def expire_grants(now: datetime | None = None) -> int:
                 entry=grant.entry, agent=grant.agent, organisation=grant.organisation,
                 removed_at__isnull=True,
             ).exclude(pk=grant.pk).exclude(expires_at__lte=now)  # fmt: skip
-            if not others.exists():  # another grant still holds the entry there
+            # Only what it put there, and not while another grant still holds it.
+            if grant.added and not others.exists():
                 grant.removed_version = _remove_entry(grant)
             grant.removed_at = now
             grant.save(update_fields=["removed_at", "removed_version"])
@@ -233,6 +252,32 @@ def _not_pending(request: Request) -> str:
 
 
 # --- the parts ---------------------------------------------------------------------------------
+
+
+def _lock_what_it_changes(request: Request, scope: str) -> None:
+    """The rows a decision changes, locked before the request (filing locks the agent or the
+    workplace, then writes a requester, which takes a lock on the request)."""
+    if request.kind == Kind.PACKAGE:
+        if request.workplace_id is not None:
+            Workplace.objects.select_for_update().filter(pk=request.workplace_id).first()
+        return
+    agents = Agent.objects.select_for_update().order_by("pk")
+    if scope == Scope.WORKPLACE and request.workplace_id is not None:
+        list(agents.filter(workplace_id=request.workplace_id))
+    else:
+        list(agents.filter(pk=request.agent_id))
+
+
+def _room(agent: Agent) -> None:
+    """A new pending request of the agent fits (at most MAX_PENDING_PER_AGENT wait at once)."""
+    waiting = (
+        Request.objects.filter(requesters__agent=agent, status=Status.PENDING).distinct().count()
+    )
+    if waiting >= MAX_PENDING_PER_AGENT:
+        raise ValidationError(
+            f"agent {agent} has {waiting} requests waiting for a decision already: wait for"
+            " them to be decided"
+        )
 
 
 def _request(pending: Request | None, **fields: Any) -> tuple[Request, bool]:
@@ -308,33 +353,41 @@ def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any)
     organisation = request.organisation
     if scope == Scope.ORGANISATION:
         locked = Organisation.objects.select_for_update().get(pk=organisation.pk)
-        if not _has(locked.base_allowlist, entry):
+        added = not _has(locked.base_allowlist, entry)
+        if added:
             update_organisation(locked, by=by, base_allowlist=[*locked.base_allowlist, entry])
         Grant.objects.create(
-            request=request, entry=entry, organisation=organisation, expires_at=expires_at
+            request=request,
+            entry=entry,
+            organisation=organisation,
+            expires_at=expires_at,
+            added=added,
         )
         return {"base_allowlist": True}
     if scope == Scope.WORKPLACE:
-        if request.agent.workplace_id is None:
-            raise ValidationError({"scope": ["the agent has no workplace"]})
-        agents = list(Agent.objects.filter(workplace_id=request.agent.workplace_id))
+        # The workplace the agent had when it asked, as the decision page shows it.
+        if request.workplace_id is None:
+            raise ValidationError({"scope": ["the agent had no workplace when it asked"]})
+        agents = list(Agent.objects.filter(workplace_id=request.workplace_id).order_by("pk"))
     else:
         agents = [request.agent]
     versions = {}
     for agent in agents:
         locked_agent = Agent.objects.select_for_update().get(pk=agent.pk)
-        if not _has(locked_agent.allowlist, entry):
+        added = not _has(locked_agent.allowlist, entry)
+        if added:
             locked_agent = update_agent(
                 locked_agent, by=by, allowlist=[*locked_agent.allowlist, entry]
             )
-        versions[str(agent.pk)] = locked_agent.version
+            versions[str(agent.pk)] = locked_agent.version
         Grant.objects.create(
             request=request,
             entry=entry,
             agent=agent,
             organisation=organisation,
             expires_at=expires_at,
-            added_version=locked_agent.version,
+            added=added,
+            added_version=locked_agent.version if added else None,
         )
     return {"agent_versions": versions}
 
@@ -345,10 +398,15 @@ def _add_package(request: Request, by: Any) -> dict[str, Any]:
     workplace = Workplace.objects.select_for_update().get(pk=request.workplace_id)
     packages = {k: list(v) for k, v in (workplace.packages or {}).items()}
     name = request.package.split("=")[0]
-    kept = [p for p in packages.get(request.ecosystem, []) if p.split("=")[0] != name]
+    present = packages.get(request.ecosystem, [])
+    replaced = [p for p in present if p.split("=")[0] == name and p != request.package]
+    kept = [p for p in present if p.split("=")[0] != name]
     packages[request.ecosystem] = [*kept, request.package]
     workplace = update_workplace(workplace, by=by, packages=packages)
-    return {"workplace_version": workplace.version}
+    produced: dict[str, Any] = {"workplace_version": workplace.version}
+    if replaced:
+        produced["replaced"] = replaced
+    return produced
 
 
 def _remove_entry(grant: Grant) -> int | None:
@@ -367,7 +425,15 @@ def _remove_entry(grant: Grant) -> int | None:
 
 def _notify_later(request: Request) -> None:
     pk = request.pk
-    transaction.on_commit(lambda: notify(pk))
+    transaction.on_commit(lambda: _notify_quietly(pk))
+
+
+def _notify_quietly(request_id: int) -> None:
+    """:func:`notify`, whose failure (a mail server down) is logged: the request is filed."""
+    try:
+        notify(request_id)
+    except Exception:
+        logger.exception("covey: approvers could not be told of request %s", request_id)
 
 
 def notify(request_id: int) -> int:
@@ -403,7 +469,7 @@ def notify(request_id: int) -> int:
 
 
 def agent_of_token(
-    token_sha256: str, organisation: Organisation | None
+    token_sha256: str, organisation: Organisation | None, runner: Any = None
 ) -> tuple[Agent, Run | None]:
     """The agent (and its run) whose live egress credential has this SHA-256, in the
     organisation (None: any, for the control-plane host's own proxy); PermissionDenied when
@@ -416,16 +482,24 @@ def agent_of_token(
     token = tokens.filter(sha256=token_sha256).first()
     if token is None or not token.is_live:
         raise PermissionDenied("no live egress credential of this organisation's agents")
-    return token.agent, Run.objects.filter(egress_token=token).first()
+    if not token.agent.enabled:
+        raise PermissionDenied(f"agent {token.agent} is disabled")
+    run = Run.objects.filter(egress_token=token).first()
+    if runner is not None and run is not None and run.runner_id != runner.pk:
+        raise PermissionDenied("that credential is of a run on another runner")
+    return token.agent, run
 
 
 def file_from_sandbox(
-    organisation: Organisation | None, token_sha256: str, data: Mapping[str, Any]
+    organisation: Organisation | None,
+    token_sha256: str,
+    data: Mapping[str, Any],
+    runner: Any = None,
 ) -> Request:
     """A request the proxy forwards from a sandbox: the agent is the one its credential
     proves, the run the one that credential was issued for; the refusal that prompted an
     egress request is the agent's latest refusal of that route, when there is one."""
-    agent, run = agent_of_token(token_sha256, organisation)
+    agent, run = agent_of_token(token_sha256, organisation, runner)
     reason = str(data.get("reason") or "")
     if data.get("kind") == Kind.EGRESS:
         target = str(data.get("target") or "")
@@ -471,11 +545,14 @@ def answer(request: Request) -> dict[str, Any]:
 
 
 def desk_file(
-    token_sha256: str, filing: Mapping[str, Any], organisation: Organisation | None = None
+    token_sha256: str,
+    filing: Mapping[str, Any],
+    organisation: Organisation | None = None,
+    runner: Any = None,
 ) -> tuple[int, dict[str, Any]]:
     """The desk's filing (egress/proxy/desk.py) as an HTTP status and JSON answer."""
     try:
-        filed = file_from_sandbox(organisation, token_sha256, filing)
+        filed = file_from_sandbox(organisation, token_sha256, filing, runner)
     except PermissionDenied as exc:
         return 403, {"detail": str(exc)}
     except ValidationError as exc:
@@ -484,11 +561,14 @@ def desk_file(
 
 
 def desk_status(
-    token_sha256: str, request_id: int, organisation: Organisation | None = None
+    token_sha256: str,
+    request_id: int,
+    organisation: Organisation | None = None,
+    runner: Any = None,
 ) -> tuple[int, dict[str, Any]]:
     """How a request the agent made (or was merged into) stands."""
     try:
-        agent, _ = agent_of_token(token_sha256, organisation)
+        agent, _ = agent_of_token(token_sha256, organisation, runner)
     except PermissionDenied as exc:
         return 403, {"detail": str(exc)}
     found = Request.objects.filter(pk=request_id, requesters__agent=agent).distinct().first()

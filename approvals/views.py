@@ -4,7 +4,7 @@ here, decided by approvers and admins."""
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import exceptions, mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request as HttpRequest
@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from agents.models import Agent
 from approvals import services
 from approvals.models import Grant, Kind, Request, Requester, Scope
+from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from organisations.api import OrganisationScoped, ScopedRelatedField
 from organisations.models import Role
 from organisations.roles import role_of
@@ -164,25 +165,52 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
 # --- what the egress proxy forwards from sandboxes, with its runner's token ---------------------
 
 
+DeskFiling = inline_serializer(
+    "DeskFiling",
+    {
+        "kind": serializers.ChoiceField(choices=Kind.choices),
+        "target": serializers.CharField(required=False, help_text="egress: host[:port]"),
+        "ecosystem": serializers.CharField(required=False, help_text="package: e.g. apt"),
+        "package": serializers.CharField(required=False, help_text="package: name[=version]"),
+        "reason": serializers.CharField(),
+    },
+)
+DeskAnswer = inline_serializer(
+    "DeskAnswer",
+    {
+        "id": serializers.IntegerField(),
+        "kind": serializers.CharField(),
+        "what": serializers.CharField(),
+        "status": serializers.CharField(),
+        "decision": serializers.CharField(required=False),
+        "note": serializers.CharField(required=False),
+        "changed": serializers.DictField(required=False),
+        "expired": serializers.BooleanField(required=False),
+        "until": serializers.DateTimeField(required=False),
+    },
+)
+
+
 class RunnerRequestsView(RunnerEndpoint):
     """File a request for the agent whose egress credential the proxy saw (its runner's
-    organisation only): ``token_sha256`` and the filing (egress/proxy/desk.py); answers what
-    the agent is told."""
+    organisation and runs only; the credential's SHA-256 in ``X-Covey-Token-SHA256``, the
+    filing as the body: egress/proxy/desk.py); answers what the agent is told."""
 
-    @extend_schema(request=dict, responses={201: dict})
+    @extend_schema(request=DeskFiling, responses={201: DeskAnswer})
     def post(self, request: HttpRequest) -> Response:
-        data = request.data if isinstance(request.data, dict) else {}
-        token = str(data.get("token_sha256") or "")
-        filing = {k: v for k, v in data.items() if k != "token_sha256"}
-        code, body = services.desk_file(token, filing, self.runner(request).organisation)
+        filing = request.data if isinstance(request.data, dict) else {}
+        token = request.headers.get(TOKEN_HEADER, "")
+        runner = self.runner(request)
+        code, body = services.desk_file(token, filing, runner.organisation, runner)
         return Response(body, status=code)
 
 
 class RunnerRequestView(RunnerEndpoint):
     """A request's state, for the agent that asked (or one merged into it)."""
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: DeskAnswer})
     def get(self, request: HttpRequest, request_id: int) -> Response:
-        token = request.query_params.get("token_sha256", "")
-        code, body = services.desk_status(token, request_id, self.runner(request).organisation)
+        token = request.headers.get(TOKEN_HEADER, "")
+        runner = self.runner(request)
+        code, body = services.desk_status(token, request_id, runner.organisation, runner)
         return Response(body, status=code)

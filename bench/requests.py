@@ -12,7 +12,7 @@ covey proxy (``manage.py egress_proxy``, policy and requests from the database, 
 control-plane host) and a control plane (gunicorn). For each of N names the agent may not
 reach (each is first refused: a CONNECT answered 403), it times:
 
-1. ``covey-request egress NAME:PORT --reason …`` (the real client, egress/proxy/covey_request.py,
+1. ``covey-request egress NAME:PORT --reason …`` (the real client, egress/sandbox/covey_request.py,
    in this process, with ``HTTP_PROXY`` naming the proxy and the credential): from the call
    until it has the request's id, filed through the proxy's desk;
 2. then ``POST /api/v1/requests/{id}/approve/`` as a superuser (the person's decision, made at
@@ -91,7 +91,7 @@ def approve(port: int, token: str, request_id: int) -> None:
 
 def ask(route: Route, host: str, port: int) -> int:
     """covey-request egress host:port, as a sandbox runs it; the request's id."""
-    from egress.proxy import covey_request
+    from egress.sandbox import covey_request
 
     assert route.proxy is not None  # noqa: S101 - the covey route has one
     os.environ["HTTP_PROXY"] = f"http://{route.credentials}@{route.proxy[0]}:{route.proxy[1]}"

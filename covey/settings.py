@@ -277,6 +277,7 @@ COVEY_RUN_LOG_RETENTION_DAYS = env.int("COVEY_RUN_LOG_RETENTION_DAYS", default=3
 # (the web process's output) unless one is configured (EMAIL_URL, e.g. smtp://host:587).
 vars().update({k: v for k, v in env.email_url("EMAIL_URL", default="consolemail://").items() if v})
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="covey@localhost")
+EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)  # seconds: a stuck mail server holds nothing
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},

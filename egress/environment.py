@@ -9,6 +9,11 @@ from urllib.parse import quote
 
 # The sandbox's own loopback is the sandbox itself; everything else goes through the proxy.
 NO_PROXY = "localhost,127.0.0.1,::1"
+# The proxy's request desk (egress/proxy/desk.py), which sandboxes reach through it (.invalid
+# is reserved: no real host has the name), and the header that carries the SHA-256 of the
+# agent's credential from the proxy to the control plane.
+DESK_HOST = "requests.covey.invalid"
+DESK_TOKEN_HEADER = "X-Covey-Token-SHA256"  # noqa: S105 - a header's name
 
 
 def proxy_environment(proxy_host: str, proxy_port: int, credentials: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ what a user may see: tenancy in one place. Imports no other covey app."""
 from typing import Any
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models
 from simple_history.models import HistoricalRecords
 
@@ -57,6 +58,7 @@ class Organisation(models.Model):
     request_expiry_minutes = models.PositiveIntegerField(
         null=True,
         blank=True,
+        validators=[MinValueValidator(1)],
         help_text="A pending request nobody decides is rejected (as expired) after this many"
         " minutes; empty: requests wait until someone decides.",
     )

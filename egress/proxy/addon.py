@@ -171,7 +171,16 @@ class CoveyEgress:
         if flow.request.method == "CONNECT":
             return  # decided in http_connect
         if flow.request.host.lower().rstrip(".") == desk.HOST:
-            flow.metadata["covey_desk"] = True  # answered here, in request, once it is whole
+            # Answered here, in request, once it is whole; never streamed (mitmproxy would
+            # open an upstream connection for a streamed body).
+            flow.metadata["covey_desk"] = True
+            length = flow.request.headers.get("Content-Length", "")
+            if (
+                flow.request.stream
+                or "Transfer-Encoding" in flow.request.headers
+                or (length and (not length.isdigit() or int(length) > desk.MAX_BODY))
+            ):
+                flow.response = desk.too_large()
             return
         await self._decide_flow(flow, plain_http=True)
 
@@ -194,9 +203,13 @@ class CoveyEgress:
             )  # fmt: skip
             return
         body = request.raw_content or b""
-        flow.response = await asyncio.to_thread(
-            self.desk.answer, request.method, request.path, body, token
-        )
+        try:
+            flow.response = await asyncio.to_thread(
+                self.desk.answer, request.method, request.path, body, token
+            )
+        except Exception:  # answered all the same: a desk request never goes upstream
+            logger.exception("covey: the request desk failed")
+            flow.response = desk.failed()
 
     async def _identify(self, attempt: Attempt, client: str) -> tuple[Decision | None, str]:
         """(None, the token's SHA-256) for a credential of an enabled agent; else the

@@ -19,12 +19,18 @@ def refusal(decision: Decision) -> http.Response:
     lines = [f"covey refused {target}: {EXPLANATIONS.get(code, str(code))} ({code})."]
     if decision.detail:
         lines.append(decision.detail)
-    if code in (Code.NOT_ON_ALLOWLIST, Code.PORT_NOT_ALLOWED, Code.NON_PUBLIC_ADDRESS):
-        who = f"agent {decision.username}" if decision.username else "your agent"
+    who = f"agent {decision.username}" if decision.username else "your agent"
+    if code in (Code.NOT_ON_ALLOWLIST, Code.PORT_NOT_ALLOWED):
         lines.append(
             f"If {who} needs {target}, ask for it, and a person on your platform team will"
             f" decide: {command_for(decision.host, decision.port)}"
             " (then: covey-request status ID --wait). Do not try another route."
+        )
+    elif code is Code.NON_PUBLIC_ADDRESS:
+        lines.append(
+            f"{target} resolves to a private address, which no allowlist entry opens: if {who}"
+            " needs it, a person on your platform team must allow that network. Do not try"
+            " another route."
         )
     headers = {"X-Covey-Deny-Reason": str(code), "Content-Type": "text/plain; charset=utf-8"}
     if code is Code.PROXY_AUTH:

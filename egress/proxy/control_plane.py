@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from egress.proxy.config import ProxyConfig
 
 
@@ -81,20 +82,18 @@ class ControlPlaneSource:
         self, token_sha256: str, filing: Mapping[str, Any]
     ) -> tuple[int, Mapping[str, Any]]:
         """Pass a sandbox's request on (the desk, egress/proxy/desk.py): status and answer."""
-        body = {**filing, "token_sha256": token_sha256}
-        return self._desk("POST", "/api/v1/runner/requests/", json=body)
+        return self._desk("POST", "/api/v1/runner/requests/", token_sha256, json=dict(filing))
 
     def request_status(self, token_sha256: str, request_id: int) -> tuple[int, Mapping[str, Any]]:
-        return self._desk(
-            "GET",
-            f"/api/v1/runner/requests/{request_id}/",
-            params={"token_sha256": token_sha256},
-        )
+        return self._desk("GET", f"/api/v1/runner/requests/{request_id}/", token_sha256)
 
-    def _desk(self, method: str, path: str, **kwargs: Any) -> tuple[int, Mapping[str, Any]]:
+    def _desk(
+        self, method: str, path: str, token_sha256: str, **kwargs: Any
+    ) -> tuple[int, Mapping[str, Any]]:
         try:
-            response = self._client.request(method, path, headers=self._headers(), **kwargs)
-        except httpx.HTTPError as exc:
+            headers = {**self._headers(), TOKEN_HEADER: token_sha256}
+            response = self._client.request(method, path, headers=headers, **kwargs)
+        except (httpx.HTTPError, ValueError) as exc:  # ValueError: the runner's file
             raise OSError(str(exc)) from exc
         try:
             data = response.json()

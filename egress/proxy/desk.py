@@ -28,7 +28,9 @@ from typing import Any
 
 from mitmproxy import http
 
-HOST = "requests.covey.invalid"
+from egress.environment import DESK_HOST
+
+HOST = DESK_HOST
 MAX_BODY = 16 * 1024
 _ONE = re.compile(r"/v1/requests/(\d{1,12})/?")
 
@@ -64,6 +66,14 @@ class Desk:
         except OSError as exc:  # the control plane did not answer
             return _json(503, {"detail": f"the control plane did not answer ({exc}); try again"})
         return _json(404, {"detail": "POST /v1/requests, or GET /v1/requests/<id>"})
+
+
+def too_large() -> http.Response:
+    return _json(413, {"detail": f"a request is at most {MAX_BODY} bytes, with a Content-Length"})
+
+
+def failed() -> http.Response:
+    return _json(500, {"detail": "the proxy could not take the request; try again"})
 
 
 def command_for(host: str, port: int) -> str:

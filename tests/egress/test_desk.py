@@ -1,5 +1,5 @@
 """The proxy's request desk (egress/proxy/desk.py) with the real proxy command, and
-covey-request (egress/proxy/covey_request.py) as the client a sandbox runs: a refused route is
+covey-request (egress/sandbox/covey_request.py) as the client a sandbox runs: a refused route is
 asked for, decided, and then reached through the same live proxy."""
 
 import json
@@ -11,7 +11,7 @@ from django.db import connection
 from approvals import services as approvals
 from approvals.models import Request
 from egress.models import Decision
-from egress.proxy import covey_request
+from egress.sandbox import covey_request
 from tests.egress.conftest import basic, connect, send
 from tests.processes import wait_for
 

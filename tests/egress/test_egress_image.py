@@ -42,11 +42,11 @@ LOCKED_DOWN = [
 APP = {"allowlists", "egress"}
 SOURCES = {
     "allowlists/__init__.py", "allowlists/entries.py", "egress/__init__.py", "egress/policy.py",
-    "egress/proxy/__init__.py", "egress/proxy/__main__.py", "egress/proxy/addon.py",
-    "egress/proxy/answers.py", "egress/proxy/config.py", "egress/proxy/control_plane.py",
-    "egress/proxy/feed.py", "egress/proxy/layers.py", "egress/proxy/lookups.py",
-    "egress/proxy/relay.py", "egress/proxy/resolver.py", "egress/proxy/server.py",
-    "egress/proxy/tunnels.py",
+    "egress/environment.py", "egress/proxy/__init__.py", "egress/proxy/__main__.py",
+    "egress/proxy/addon.py", "egress/proxy/answers.py", "egress/proxy/config.py",
+    "egress/proxy/control_plane.py", "egress/proxy/desk.py", "egress/proxy/feed.py",
+    "egress/proxy/layers.py", "egress/proxy/lookups.py", "egress/proxy/relay.py",
+    "egress/proxy/resolver.py", "egress/proxy/server.py", "egress/proxy/tunnels.py",
 }  # fmt: skip
 
 # The dev group's own tools: none may be in an image.

@@ -47,13 +47,19 @@ def _call(method: str, path: str, body: dict[str, Any] | None = None) -> tuple[i
     )
     try:
         with _opener().open(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"{}")
+            answer = json.loads(response.read() or b"{}")
+            if not isinstance(answer, dict):
+                return 0, {"detail": f"the desk answered {answer!r}"}
+            return response.status, answer
     except urllib.error.HTTPError as error:
         text = error.read()
         try:
-            return error.code, json.loads(text)
+            answer = json.loads(text)
         except ValueError:
-            return error.code, {"detail": text.decode(errors="replace").strip()}
+            answer = None
+        if not isinstance(answer, dict):
+            answer = {"detail": text.decode(errors="replace").strip()}
+        return error.code, answer
     except (OSError, ValueError) as exc:
         return 0, {"detail": f"the proxy did not answer: {exc}"}
 
