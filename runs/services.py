@@ -62,11 +62,14 @@ def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
         raise ValidationError({"task": ["the task is empty"]})
     if len(task.encode()) > MAX_TASK_BYTES or "\0" in task:
         raise ValidationError({"task": [f"a task is text of at most {MAX_TASK_BYTES} bytes"]})
-    workplace = agent.workplace
+    # The newest versions, whatever ``agent`` says: an approval may have made one since it was
+    # read. The workplace is the one that agent version names.
+    version = agent.versions.latest("number")
+    workplace_id = (version.config.get("workplace") or {}).get("id")
     run = Run.objects.create(
         agent=agent,
-        agent_version=agent.versions.get(number=agent.version),
-        workplace_version=None if workplace is None else current_version(workplace),
+        agent_version=version,
+        workplace_version=None if workplace_id is None else current_version(workplace_id),
         task=task,
         timeout=agent.run_timeout,
         created_by=by if by is not None and by.is_authenticated else None,

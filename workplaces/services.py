@@ -88,8 +88,11 @@ def update_workplace(workplace: Workplace, *, by: Any = None, **changes: Any) ->
     return locked
 
 
-def current_version(workplace: Workplace) -> WorkplaceVersion:
-    return workplace.versions.get(number=workplace.version)
+def current_version(workplace: Workplace | int) -> WorkplaceVersion:
+    """Its newest version, from the database (not from ``workplace``, which may be stale: a
+    version made since, by an approval, is the current one)."""
+    pk = workplace if isinstance(workplace, int) else workplace.pk
+    return WorkplaceVersion.objects.filter(workplace_id=pk).latest("number")
 
 
 def _clean(workplace: Workplace) -> None:

@@ -218,3 +218,14 @@ def test_the_agents_own_command_wins_over_its_workplaces(acme):
     workplace = create_workplace(acme, "dev", "covey-base:trixie", runtime_command=["make"])
     agent = AgentFactory(organisation=acme, workplace=workplace, runtime_command=["true"])
     assert sandbox_spec(queue_run(agent, "x"), "u:t").command == ("true",)
+
+
+@pytest.mark.django_db
+def test_a_run_takes_the_newest_versions_even_from_an_agent_read_before_them(acme):
+    workplace = create_workplace(acme, "dev", "covey-base:trixie")
+    agent = AgentFactory(organisation=acme, workplace=workplace)
+    assert agent.workplace.version == 1  # read now, cached on the instance
+    update_workplace(Workplace.objects.get(pk=workplace.pk), packages={"apt": ["jq"]})
+    run = queue_run(agent, "x")
+    assert run.workplace_version.number == 2
+    assert sandbox_spec(run, "u:t").packages[0].specs == ("jq",)
