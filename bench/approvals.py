@@ -3,8 +3,8 @@ proxy, not counting the person's wait (the approval is made through the API at o
 
 Run it from the project root; it sets everything up itself and stops by itself::
 
-    .venv/bin/python bench/requests.py            # about 40 s: 5 requests, 5 baseline changes
-    .venv/bin/python bench/requests.py --quick    # about 30 s: 3 of each
+    .venv/bin/python bench/approvals.py            # about 40 s: 5 requests, 5 baseline changes
+    .venv/bin/python bench/approvals.py --quick    # about 30 s: 3 of each
 
 Everything runs on this machine, as in ``bench/egress.py`` (whose parts it uses): a DNS server
 and a TLS upstream on loopback, a SQLite database with one agent and its egress credential, the
