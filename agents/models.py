@@ -7,6 +7,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from allowlists.fields import AllowlistField
+from covey.versions import Version
 from organisations.models import Organisation, TenantQuerySet
 
 COMMAND_RULE = (
@@ -148,19 +149,10 @@ AGENT_FIELDS = (
 )
 
 
-class AgentVersion(models.Model):
+class AgentVersion(Version):
     """One numbered configuration of an agent; rows are never changed once written."""
 
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="versions")
-    number = models.PositiveIntegerField()
-    config = models.JSONField(help_text="The agent's whole configuration at this version.")
-    changes = models.JSONField(
-        default=dict, help_text="What changed from the previous version: field → [old, new]."
-    )
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["agent_id", "-number"]

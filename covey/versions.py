@@ -10,7 +10,9 @@ configuration at that version), ``changes`` (field → [old, new] from the one b
 import json
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin
+from django.db import models
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
 from django.utils.html import format_html, format_html_join
@@ -19,6 +21,24 @@ from rest_framework import exceptions, serializers
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+
+
+class Version(models.Model):
+    """One numbered configuration of something versioned (its model adds the foreign key and
+    the constraint that numbers are unique per object); rows are never changed once written."""
+
+    number = models.PositiveIntegerField()
+    config = models.JSONField(help_text="The whole configuration at this version.")
+    changes = models.JSONField(
+        default=dict, help_text="What changed from the previous version: field → [old, new]."
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        abstract = True
 
 
 def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:

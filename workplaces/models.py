@@ -1,9 +1,9 @@
 """Workplaces: what an agent's sandbox is made from."""
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from covey.versions import Version
 from organisations.models import TenantQuerySet
 from workplaces.images import validate_image_reference
 
@@ -71,19 +71,10 @@ class Workplace(models.Model):
 WORKPLACE_FIELDS = ("name", "description", "image", "packages", "services", "runtime_command")
 
 
-class WorkplaceVersion(models.Model):
+class WorkplaceVersion(Version):
     """One numbered configuration of a workplace; rows are never changed once written."""
 
     workplace = models.ForeignKey(Workplace, on_delete=models.CASCADE, related_name="versions")
-    number = models.PositiveIntegerField()
-    config = models.JSONField(help_text="The workplace's whole configuration at this version.")
-    changes = models.JSONField(
-        default=dict, help_text="What changed from the previous version: field → [old, new]."
-    )
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["workplace_id", "-number"]

@@ -81,7 +81,7 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('number', models.PositiveIntegerField()),
-                ('config', models.JSONField(help_text="The workplace's whole configuration at this version.")),
+                ('config', models.JSONField(help_text='The whole configuration at this version.')),
                 ('changes', models.JSONField(default=dict, help_text='What changed from the previous version: field → [old, new].')),
                 ('created_at', models.DateTimeField(auto_now_add=True)),
                 ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
