@@ -79,9 +79,32 @@ class RequestAdmin(admin.ModelAdmin):
     readonly_fields = [
         "organisation", "agent", "workplace", "kind", "ecosystem", "package", "target", "status",
         "decide_link", "decided_by", "decided_at", "note", "scope", "grant_expires_at",
-        "produced", "expired", "created_at",
+        "produced_shown", "expired", "created_at",
     ]  # fmt: skip
     fields = tuple(readonly_fields)
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        record = {"show_save": False, "show_save_and_continue": False, "title": "Request"}
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), **record}
+        )
+
+    @admin.display(description="What it changed")
+    def produced_shown(self, obj: Request) -> str:
+        produced = obj.produced or {}
+        parts = [
+            f"agent {agent} v{version}"
+            for agent, version in (produced.get("agent_versions") or {}).items()
+        ]
+        if "workplace_version" in produced:
+            parts.append(f"workplace v{produced['workplace_version']}")
+        if produced.get("base_allowlist"):
+            parts.append("the organisation's base list")
+        if produced.get("replaced"):
+            parts.append(f"replacing {', '.join(produced['replaced'])}")
+        return "; ".join(parts) or "nothing"
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Request]:
         found = super().get_queryset(request).prefetch_related("requesters")

@@ -12,12 +12,17 @@ from rest_framework.response import Response
 
 from agents.models import Agent
 from approvals import services
-from approvals.models import Grant, Kind, Request, Requester, Scope
+from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from organisations.api import OrganisationScoped, ScopedRelatedField
 from organisations.models import Role
 from organisations.roles import role_of
 from runners.auth import RunnerEndpoint
+
+
+class Conflict(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "conflict"
 
 
 class RequesterSerializer(serializers.ModelSerializer):
@@ -132,6 +137,7 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
         decision.is_valid(raise_exception=True)
         data = decision.validated_data
         found = self.get_object()
+        self._pending(found)
         try:
             decided = services.approve(
                 found,
@@ -150,13 +156,17 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
         """Reject, with a note."""
         rejection = RejectionSerializer(data=request.data)
         rejection.is_valid(raise_exception=True)
+        found = self.get_object()
+        self._pending(found)
         try:
-            decided = services.reject(
-                self.get_object(), by=request.user, note=rejection.validated_data["note"]
-            )
+            decided = services.reject(found, by=request.user, note=rejection.validated_data["note"])
         except DjangoPermissionDenied as exc:
             raise exceptions.PermissionDenied(str(exc)) from None
         return Response(self._shown(decided))
+
+    def _pending(self, found: Request) -> None:
+        if found.status != Status.PENDING:
+            raise Conflict(f"it was {found.status} already")
 
     def _shown(self, found: Request) -> dict[str, Any]:
         return dict(RequestSerializer(self.get_queryset().get(pk=found.pk)).data)

@@ -45,7 +45,7 @@ class JSONListField(forms.JSONField):
         return found
 
     def prepare_value(self, value: Any) -> Any:
-        if isinstance(value, list) and not value:
+        if value is None or (isinstance(value, list) and not value):
             return ""
         if isinstance(value, list):
             return json.dumps(value, indent=2)

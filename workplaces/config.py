@@ -101,7 +101,8 @@ def check_service(value: Any, index: int = 0) -> dict[str, Any]:
         raise ValueError(f"{where}: give an object, e.g. {SERVICES_EXAMPLE}")
     unknown = sorted(set(value) - set(SERVICE_KEYS))
     if unknown:
-        raise ValueError(f"{where}: unknown keys {', '.join(unknown)} (known: {SERVICE_KEYS})")
+        known = ", ".join(SERVICE_KEYS)
+        raise ValueError(f"{where}: unknown keys {', '.join(unknown)} (known: {known})")
     name = value.get("name")
     if not isinstance(name, str) or not _SERVICE_NAME.fullmatch(name):
         raise ValueError(

@@ -308,6 +308,10 @@ class RunnerHost:
                     " (COVEY_RUNNER_PROXY) is: rename the service"
                 )
             environment.update(proxy_environment(host, port, egress.credentials))
+        if spec.services and "NO_PROXY" in environment:
+            # The services are the sandbox's own loopback: never through the proxy.
+            direct = ",".join([environment["NO_PROXY"], *(s.name for s in spec.services)])
+            environment["NO_PROXY"] = environment["no_proxy"] = direct
         return SandboxSpec(
             run_id=spec.run,
             agent_id=spec.agent,

@@ -226,7 +226,7 @@ def test_the_api_files_lists_and_decides(api, alice, april, vera, agent):
     pending = api(vera).get("/api/v1/package-requests/?status=pending").json()
     assert pending["count"] == 0
     again = api(april).post(f"{url}reject/", {"note": "no"}, format="json")
-    assert again.status_code == 400 and "approved already" in str(again.json())
+    assert again.status_code == 409 and again.json() == {"detail": "it was approved already"}
 
 
 def test_only_admins_file_and_other_organisations_see_nothing(api, april, gary, agent):

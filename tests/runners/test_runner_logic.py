@@ -484,3 +484,10 @@ def test_the_services_of_a_run_launched_during_the_reconcile_are_left_alone(host
     host.control.active_runs = launch_meanwhile
     host.host.reconcile(host.identity)
     assert RUN in host.engine.parts and host.engine.get(RUN) is not None
+
+
+def test_services_are_reached_directly_not_through_the_proxy(tmp_path):
+    enforced = Host(tmp_path, proxy="172.17.0.1:3128")
+    enforced.order(replace(spec(enforce=True), services=(DB,)))
+    environment = enforced.engine.specs[RUN].environment
+    assert environment["NO_PROXY"] == environment["no_proxy"] == "localhost,127.0.0.1,::1,db"

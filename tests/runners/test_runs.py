@@ -445,3 +445,41 @@ def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt
         wait_for(lambda: not containers_of(runner), 10, "the sandboxes removed")
     # The image built for the workplace (the test's own: its content is the test repository's).
     subprocess.run(["docker", "rmi", "--force", run.image_id], capture_output=True, check=False)
+
+
+def test_a_sandbox_asks_for_a_route_through_its_cooperative_proxy(acme, tmp_path, base_image, root):
+    """Issue 12 at the cooperative level: the sandbox is told of the proxy (the real
+    ``manage.py egress_proxy`` on the host, policy and requests from the database, as `make run`
+    runs it) and covey-request goes through it to its desk; the answer reaches the sandbox."""
+    from approvals.models import Request, Status
+    from tests.processes import running
+    from tests.runners.stack import subprocess_database_url
+
+    stack = Stack(tmp_path, base_image, COVEY_EGRESS_ENFORCE="true")
+    address = Engine("address").bridge_address()
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": subprocess_database_url(), "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "manage.py", "egress_proxy", "--listen", f"{address}:{port}"]
+    log = tmp_path / "proxy.log"
+    try:
+        with running(args, env, log):
+            wait_for(lambda: "listening" in log.read_text(), 30, "the proxy listening", log)
+            runner, config = stack.register(acme, "edge-1")
+            script = (
+                "covey-request egress registry.example.org --reason 'the SDK' --wait 60;"
+                ' echo "asked: exit $?"'
+            )
+            agent = stack.agent(acme, "Asking", ["sh", "-c", script])
+            with stack.runner(runner, config, COVEY_RUNNER_PROXY=f"{address}:{port}"):
+                run = run_services.queue_run(agent, "ask")
+                pending = Request.objects.filter(agent=agent, status=Status.PENDING)
+                wait_for(pending.exists, 60, "the sandbox's request", log)
+                request = pending.get()
+                assert request.requesters.get().run_id == run.pk
+                approvals.reject(request, by=root, note="use the internal mirror")
+                run = stack.wait(run, *FINISHED, timeout=60)
+        assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+        assert '"note": "use the internal mirror"' in run.log_tail
+        assert "asked: exit 1" in run.log_tail  # rejected
+    finally:
+        stack.close()
