@@ -67,6 +67,7 @@ __all__ = ["HostSettings", "RunnerHost", "UntrustedError", "current", "set_curre
 logger = logging.getLogger(__name__)
 
 RECONCILE_SECONDS = 30.0
+ENDED = frozenset({"exited", "dead", "removing"})  # Docker's states of a sandbox that has ended
 # A run placed this long ago with no sandbox lost its order (a worker died holding it): the
 # runner launches it itself. Sooner, the order may still be on its way.
 RELAUNCH_AFTER_SECONDS = 60.0
@@ -264,7 +265,8 @@ class RunnerHost:
         except EngineError as exc:
             return f"whether a run of this agent is active cannot be told ({exc})"
         for sandbox in sandboxes:
-            if sandbox.agent_id == agent_id and sandbox.status not in ("exited", "dead"):
+            # A sandbox being removed has ended (Docker says "removing" meanwhile).
+            if sandbox.agent_id == agent_id and sandbox.status not in ENDED:
                 return f"run {sandbox.run_id} of this agent is active"
         return ""
 

@@ -176,8 +176,13 @@ class TestDenyCodes:
         assert answer.status == {"unresolvable": 502}.get(code, 403)
         body = answer.body.decode()
         assert "covey refused" in body
-        if code in ("not-on-allowlist", "port-not-allowed", "non-public-address"):
+        if code in ("not-on-allowlist", "port-not-allowed"):
             assert "ask for it" in body
+            host, port = target.split(":")
+            asked = host if port == "443" else target  # the entry as an allowlist writes it
+            assert f'covey-request egress {asked} --reason "why the agent needs it"' in body
+        if code == "non-public-address":  # no entry opens it: asking would be answered "allowed"
+            assert "must allow that network" in body and "covey-request" not in body
         assert net.tls.connections == 0
         assert net.victim.connections == 0
 

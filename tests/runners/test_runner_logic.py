@@ -491,3 +491,10 @@ def test_services_are_reached_directly_not_through_the_proxy(tmp_path):
     enforced.order(replace(spec(enforce=True), services=(DB,)))
     environment = enforced.engine.specs[RUN].environment
     assert environment["NO_PROXY"] == environment["no_proxy"] == "localhost,127.0.0.1,::1,db"
+
+
+def test_a_sandbox_being_removed_does_not_hold_its_home(host):
+    host.engine.add("r-old", status="removing", agent_id=7)
+    assert host.host._home_busy(1, 7) == ""
+    host.engine.add("r-new", status="running", agent_id=7)
+    assert host.host._home_busy(1, 7) == "run r-new of this agent is active"
