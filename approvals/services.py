@@ -32,7 +32,7 @@ from agents.services import effective_allowlist, update_agent
 from allowlists.entries import parse_entry
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from egress.environment import DESK_HOST
-from egress.models import Decision
+from egress.models import Decision, EgressToken
 from organisations.models import Membership, Organisation, Role
 from organisations.roles import role_of
 from organisations.services import update_organisation
@@ -474,8 +474,6 @@ def agent_of_token(
     """The agent (and its run) whose live egress credential has this SHA-256, in the
     organisation (None: any, for the control-plane host's own proxy); PermissionDenied when
     there is none (revoked, expired, another organisation's)."""
-    from egress.models import EgressToken
-
     tokens = EgressToken.objects.select_related("agent__organisation", "agent__workplace")
     if organisation is not None:
         tokens = tokens.filter(agent__organisation=organisation)

@@ -5,6 +5,7 @@ setting) honour these variables, and a process that ignores them can go around t
 Only COVEY_EGRESS_ISOLATION=network makes the proxy the sandbox's only way out.
 """
 
+from collections.abc import Sequence
 from urllib.parse import quote
 
 # The sandbox's own loopback is the sandbox itself; everything else goes through the proxy.
@@ -16,12 +17,16 @@ DESK_HOST = "requests.covey.invalid"
 DESK_TOKEN_HEADER = "X-Covey-Token-SHA256"  # noqa: S105 - a header's name
 
 
-def proxy_environment(proxy_host: str, proxy_port: int, credentials: str) -> dict[str, str]:
-    """HTTP(S)_PROXY in both spellings, carrying the agent's ``username:token``."""
+def proxy_environment(
+    proxy_host: str, proxy_port: int, credentials: str, direct: Sequence[str] = ()
+) -> dict[str, str]:
+    """HTTP(S)_PROXY in both spellings, carrying the agent's ``username:token``; ``direct``:
+    more names the sandbox reaches without the proxy (its workplace's services, which are its
+    own loopback)."""
     username, _, token = credentials.partition(":")
     url = f"http://{quote(username, safe='')}:{quote(token, safe='')}@{proxy_host}:{proxy_port}"
     env = {}
     for name in ("http_proxy", "https_proxy"):
         env[name] = env[name.upper()] = url
-    env["no_proxy"] = env["NO_PROXY"] = NO_PROXY
+    env["no_proxy"] = env["NO_PROXY"] = ",".join([NO_PROXY, *direct])
     return env

@@ -232,7 +232,7 @@ class RunnerHost:
             started_at=sandbox.started_at,
             usage=usage,
             image_id=sandbox.image_id,
-            services=tuple(self.engine(identity).services(run_id)),
+            services=tuple(self.engine(identity).services(run_id)) if spec.services else (),
         )
         client.report(run_id, running)
         if sandbox.status in ("exited", "dead"):
@@ -287,13 +287,16 @@ class RunnerHost:
         self, identity: Identity, spec: LaunchSpec, shape: Shape | None = None, image: str = ""
     ) -> SandboxSpec:
         egress = spec.egress
+        services = [service.name for service in spec.services]  # reached directly, not proxied
         environment: dict[str, str] = {"COVEY_RUN": spec.run}
         network: dict[str, Any] = {"network": self.settings.network}
         if shape is not None:
             # The proxy is the only way out, so the sandbox is told where it is whatever the
             # control plane's COVEY_EGRESS_ENFORCE says.
             environment.update(
-                proxy_environment(shape.proxy_ip, isolation.PROXY_PORT, egress.credentials)
+                proxy_environment(
+                    shape.proxy_ip, isolation.PROXY_PORT, egress.credentials, services
+                )
             )
             network = isolation.sandbox_network_options(shape)
         elif egress.enforce:
@@ -302,18 +305,14 @@ class RunnerHost:
                     "egress enforcement is on and this runner has no proxy (COVEY_RUNNER_PROXY)"
                 )
             host, port = split_host_port(self.settings.proxy)
-            if any(service.name == host.lower() for service in spec.services):
+            if host.lower() in services:
                 # The holder's /etc/hosts names every service: the proxy's name would lead
                 # to the service, which would get the run's egress credential.
                 raise ValueError(
                     f"a service of this workplace is named {host}, as this runner's proxy"
                     " (COVEY_RUNNER_PROXY) is: rename the service"
                 )
-            environment.update(proxy_environment(host, port, egress.credentials))
-        if spec.services and "NO_PROXY" in environment:
-            # The services are the sandbox's own loopback: never through the proxy.
-            direct = ",".join([environment["NO_PROXY"], *(s.name for s in spec.services)])
-            environment["NO_PROXY"] = environment["no_proxy"] = direct
+            environment.update(proxy_environment(host, port, egress.credentials, services))
         return SandboxSpec(
             run_id=spec.run,
             agent_id=spec.agent,

@@ -213,31 +213,35 @@ class Engine:
             **({LABEL_INSTALLATION: self.installation} if self.installation else {}),
         }
         try:
-            try:
-                if spec.network is None:  # the default bridge, which every sandbox shares
-                    network = {
-                        **network,
-                        "network": companions.own_network(self._client, spec.run_id, labels),
-                    }
-                holder = companions.start_holder(
-                    self._client, spec.run_id, spec.image, labels, network, spec.services
-                )
-            except (APIError, DockerException) as exc:
-                raise EngineError(
-                    f"cannot make the network of run {spec.run_id}'s services: {_explain(exc)}"
-                ) from exc
-            try:
-                records = companions.start_services(
-                    self._client, spec.run_id, holder, labels, spec.services
-                )
-            except companions.ServiceFailed as exc:
-                raise ServiceNotReady(str(exc), exc.record) from exc
-        except BaseException:
+            holder = self._start_holder(spec, network, labels)
+            records = companions.start_services(
+                self._client, spec.run_id, holder, labels, spec.services
+            )
+        except BaseException as exc:
             self._remove_parts(spec.run_id)
             shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(exc, companions.ServiceFailed):
+                raise ServiceNotReady(str(exc), exc.record) from exc
             raise
         self._ready[spec.run_id] = {record.name: record for record in records}
         return {"network_mode": f"container:{holder.id}"}
+
+    def _start_holder(
+        self, spec: SandboxSpec, network: dict[str, Any], labels: dict[str, str]
+    ) -> Any:
+        """The run's network holder, on the run's own network when the sandbox's would be the
+        default bridge every sandbox shares."""
+        try:
+            if spec.network is None:
+                own = companions.own_network(self._client, spec.run_id, labels)
+                network = {**network, "network": own}
+            return companions.start_holder(
+                self._client, spec.run_id, spec.image, labels, network, spec.services
+            )
+        except (APIError, DockerException) as exc:
+            raise EngineError(
+                f"cannot make the network of run {spec.run_id}'s services: {_explain(exc)}"
+            ) from exc
 
     def services(self, run_id: str, logs: bool = False) -> list[ServiceRecord]:
         """The run's services as they run (image ID, seconds until ready as this process saw
