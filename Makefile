@@ -14,7 +14,7 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services base-image egress-image control-plane-image lock
+.PHONY: help venv run test lint format check services base-image test-debs egress-image control-plane-image lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
@@ -46,6 +46,10 @@ services:
 base-image: services
 	@scripts/base-image
 
+# The Debian packages the workplace build tests install (fetched once with apt in the base image).
+test-debs: base-image
+	@scripts/test-debs
+
 # Wheels of the lock downloaded on the host (the venv's pip), installed in the image; instant
 # when up to date.
 egress-image: venv base-image
@@ -67,7 +71,7 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
-test: venv services base-image egress-image control-plane-image lint check
+test: venv services base-image test-debs egress-image control-plane-image lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 format: venv

@@ -109,7 +109,7 @@ def file_package(
         raise ValidationError({"package": [str(exc)]}) from None
     if not spec:
         raise ValidationError({"package": [f"give a package name ({config.PACKAGES_RULE})"]})
-    name = spec.split("=")[0]
+    name = config.package_name(ecosystem, spec)
     with transaction.atomic():
         workplace = Workplace.objects.select_for_update().get(pk=agent.workplace_id)
         # The same package in the same version (or the same unversioned name) merges.
@@ -133,9 +133,9 @@ def file_package(
         )
         _requester(request, agent, reason, run, None, by)
         present = (workplace.packages or {}).get(ecosystem, [])
-        names = {p.split("=")[0]: p for p in present}
+        names = {config.package_name(ecosystem, p): p for p in present}
         # Exactly that, or (no version asked for) the package in whatever version it has.
-        if not merged and (spec in present or (spec == name and name in names)):
+        if not merged and (spec in present or (config.is_bare(ecosystem, spec) and name in names)):
             shown = names.get(name, spec)
             _answer(request, f"already in {workplace.name} v{workplace.version} ({shown})")
         elif not merged:
@@ -397,11 +397,14 @@ def _add_package(request: Request, by: Any) -> dict[str, Any]:
         raise ValidationError("the request names no workplace to add the package to")
     workplace = Workplace.objects.select_for_update().get(pk=request.workplace_id)
     packages = {k: list(v) for k, v in (workplace.packages or {}).items()}
-    name = request.package.split("=")[0]
-    present = packages.get(request.ecosystem, [])
-    replaced = [p for p in present if p.split("=")[0] == name and p != request.package]
-    kept = [p for p in present if p.split("=")[0] != name]
-    packages[request.ecosystem] = [*kept, request.package]
+    ecosystem = request.ecosystem
+    name = config.package_name(ecosystem, request.package)
+    present = packages.get(ecosystem, [])
+    replaced = [
+        p for p in present if config.package_name(ecosystem, p) == name and p != request.package
+    ]
+    kept = [p for p in present if config.package_name(ecosystem, p) != name]
+    packages[ecosystem] = [*kept, request.package]
     workplace = update_workplace(workplace, by=by, packages=packages)
     produced: dict[str, Any] = {"workplace_version": workplace.version}
     if replaced:

@@ -223,9 +223,13 @@ COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
 COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
 # Workplace images (read on the runner host): a sources.list file apt uses instead of the base
 # image's own sources while it installs a workplace's packages (an internal mirror; the image
-# keeps its own), and the Docker network the build runs on ("": Docker's default bridge; "host").
+# keeps its own), and the Docker network the build runs on ("": Docker's default bridge; "host");
+# the index pip and the registry npm fetch a workplace's packages from on the runner host ("":
+# the host's pip and npm configuration).
 COVEY_WORKPLACE_APT_SOURCES = env.str("COVEY_WORKPLACE_APT_SOURCES", default="")
 COVEY_WORKPLACE_BUILD_NETWORK = env.str("COVEY_WORKPLACE_BUILD_NETWORK", default="")
+COVEY_WORKPLACE_PIP_INDEX_URL = env.str("COVEY_WORKPLACE_PIP_INDEX_URL", default="")
+COVEY_WORKPLACE_NPM_REGISTRY = env.str("COVEY_WORKPLACE_NPM_REGISTRY", default="")
 # Homes from outside (homes/): changes while a run of the agent is active are refused (409)
 # unless this is true; one upload carries at most this many MiB; transfers between a runner
 # and the people asking pass through this folder on the control plane's disk.

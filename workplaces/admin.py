@@ -56,14 +56,16 @@ def packages_field(ecosystem: str) -> PackagesField:
     return PackagesField(
         label=config.ECOSYSTEM_NAMES[ecosystem],
         required=False,
-        help_text="One per line: name, or name=version. Installed in an image built once for"
-        " each version of the workplace.",
+        help_text=f"One per line: {config.ECOSYSTEM_FORMS[ecosystem]}. Installed in an image"
+        " built once for each version of the workplace.",
     )
 
 
 class WorkplaceForm(forms.ModelForm):
     # One field per ecosystem covey installs (config.ECOSYSTEMS; checked below).
     packages_apt = packages_field("apt")
+    packages_pip = packages_field("pip")
+    packages_npm = packages_field("npm")
     services = JSONListField(
         config.SERVICES_EXAMPLE,
         required=False,
@@ -93,11 +95,14 @@ class WorkplaceForm(forms.ModelForm):
         organisation = data.get("organisation")
         if self.instance.pk and organisation and organisation.pk != self.instance.organisation_id:
             self.add_error("organisation", "A workplace cannot move to another organisation.")
-        packages = {e: data.pop(f"packages_{e}", []) for e in config.ECOSYSTEMS}
-        try:
-            data["packages"] = config.check_packages({e: p for e, p in packages.items() if p})
-        except ValueError as exc:
-            self.add_error(f"packages_{config.ECOSYSTEMS[0]}", str(exc))
+        packages: dict[str, list[str]] = {}
+        for ecosystem in config.ECOSYSTEMS:
+            given = data.pop(f"packages_{ecosystem}", [])
+            try:
+                packages.update(config.check_packages({ecosystem: given} if given else {}))
+            except ValueError as exc:
+                self.add_error(f"packages_{ecosystem}", str(exc))
+        data["packages"] = packages
         if "services" in data:
             try:
                 data["services"] = config.check_services(data["services"])

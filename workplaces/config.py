@@ -9,11 +9,24 @@ could be read as an option, a URL or a second command passes.
 import re
 from typing import Any
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
 from workplaces.images import validate_image_reference
 
-# Ecosystems whose packages the runner host installs in a workplace's image (in this order).
-ECOSYSTEMS = ("apt",)
-ECOSYSTEM_NAMES = {"apt": "Debian packages (apt)"}
+# Ecosystems whose packages the runner host installs in a workplace's image (in this order:
+# apt first, it may bring the runtimes the others need).
+ECOSYSTEMS = ("apt", "pip", "npm")
+ECOSYSTEM_NAMES = {
+    "apt": "Debian packages (apt)",
+    "pip": "Python packages (pip)",
+    "npm": "Node.js packages (npm)",
+}
+ECOSYSTEM_FORMS = {
+    "apt": "name, or name=version",
+    "pip": "name, or name with a version specifier: name==1.2.3, name>=1,<2, name[extra]",
+    "npm": "name, or name@version (a version, a range or a tag): name@1.2.3, @scope/name@^1",
+}
 MAX_PACKAGES = 200  # per ecosystem
 MAX_SERVICES = 8
 
@@ -21,6 +34,11 @@ MAX_SERVICES = 8
 # Not ending in '-': `apt-get install name-` removes the package.
 _APT_NAME = re.compile(r"[a-z0-9][a-z0-9+.-]{0,61}[a-z0-9+.]")
 _APT_VERSION = re.compile(r"(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]{0,99}")
+# PEP 508 names; npm's (validate-npm-package-name, new packages: lower case, URL-safe). An npm
+# version is a semver version, range or dist-tag: no ':' or '/' (URLs, git, file:, npm: aliases).
+_PIP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+_NPM_NAME = re.compile(r"(?:@[a-z0-9~-][a-z0-9._~-]*/)?[a-z0-9~-][a-z0-9._~-]*")
+_NPM_VERSION = re.compile(r"[A-Za-z0-9.^~<>=|*+][A-Za-z0-9.^~<>=|*+ -]{0,99}")
 # A service's name is its host name in the sandbox: one DNS label, lower case.
 _SERVICE_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _RESERVED_NAMES = frozenset({"localhost", "sandbox", "proxy", "covey"})
@@ -30,8 +48,9 @@ READY_KEYS = ("command", "start_period", "interval", "timeout")
 READY_DEFAULTS = {"start_period": 0.0, "interval": 1.0, "timeout": 60.0}
 SERVICE_DEFAULTS = {"cpus": 1.0, "memory_mb": 512}
 
-PACKAGES_RULE = 'Give packages as {"apt": ["name", "name=version", …]}; ecosystems: ' + ", ".join(
-    ECOSYSTEMS
+PACKAGES_RULE = (
+    'Give packages as {"apt": ["name", "name=version", …], "pip": ["name==1.2.3", …],'
+    ' "npm": ["name@1.2.3", …]}; ecosystems: ' + ", ".join(ECOSYSTEMS)
 )
 SERVICES_EXAMPLE = (
     '[{"name": "db", "image": "postgres:16", "environment": {"POSTGRES_PASSWORD": "test"},'
@@ -56,14 +75,41 @@ def check_packages(value: Any) -> dict[str, list[str]]:
             raise ValueError(f"{ecosystem}: give a list of package names")
         if len(specs) > MAX_PACKAGES:
             raise ValueError(f"{ecosystem}: at most {MAX_PACKAGES} packages")
-        checked = sorted({check_apt_package(spec.strip()) for spec in specs})
-        names = [spec.split("=")[0] for spec in checked]
+        checked = sorted({check_package(ecosystem, spec.strip()) for spec in specs})
+        names = [package_name(ecosystem, spec) for spec in checked]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"{ecosystem}: {', '.join(twice)} given with two versions")
         if checked:
             found[ecosystem] = checked
     return dict(sorted(found.items(), key=lambda item: ECOSYSTEMS.index(item[0])))
+
+
+def check_package(ecosystem: str, spec: str) -> str:
+    """One package of ``ecosystem`` as its installer takes it, normalised (ValueError if it is
+    not one)."""
+    if ecosystem == "apt":
+        return check_apt_package(spec)
+    if ecosystem == "pip":
+        return check_pip_package(spec)
+    if ecosystem == "npm":
+        return check_npm_package(spec)
+    raise ValueError(f"{ecosystem!r} is not an ecosystem covey installs")
+
+
+def package_name(ecosystem: str, spec: str) -> str:
+    """The name in a checked ``spec`` (what two specs of one package share)."""
+    if ecosystem == "pip":
+        return canonicalize_name(re.split(r"[\[=<>!~ ]", spec, maxsplit=1)[0])
+    if ecosystem == "npm":
+        at = spec.find("@", 1)
+        return spec if at < 0 else spec[:at]
+    return spec.split("=")[0]
+
+
+def is_bare(ecosystem: str, spec: str) -> bool:
+    """Whether ``spec`` names a package without asking for a version."""
+    return spec == package_name(ecosystem, spec)
 
 
 def check_apt_package(spec: str) -> str:
@@ -77,6 +123,49 @@ def check_apt_package(spec: str) -> str:
     if has_version and not _APT_VERSION.fullmatch(version):
         raise ValueError(f"apt: {version!r} in {spec!r} is not a Debian version")
     return spec
+
+
+def check_pip_package(spec: str) -> str:
+    """A PEP 508 requirement without a URL or an environment marker (an index's package in
+    versions the specifier allows), normalised: the canonical name, extras sorted."""
+    if len(spec) > 200:
+        raise ValueError(f"pip: {spec[:40]!r}… is longer than 200 characters")
+    try:
+        requirement = Requirement(spec)
+    except InvalidRequirement as exc:
+        why = str(exc).splitlines()[0]
+        raise ValueError(
+            f"pip: {spec!r} is not a requirement ({ECOSYSTEM_FORMS['pip']}): {why}"
+        ) from None
+    if requirement.url or "@" in spec:
+        raise ValueError(f"pip: {spec!r} names a URL; give a package of the index")
+    if requirement.marker is not None or ";" in spec:
+        raise ValueError(f"pip: {spec!r} has an environment marker; give the package alone")
+    if not _PIP_NAME.fullmatch(requirement.name):
+        raise ValueError(f"pip: {requirement.name!r} is not a package name")
+    extras = ",".join(sorted({canonicalize_name(extra) for extra in requirement.extras}))
+    extras = f"[{extras}]" if extras else ""
+    return f"{canonicalize_name(requirement.name)}{extras}{requirement.specifier}"
+
+
+def check_npm_package(spec: str) -> str:
+    """``name`` or ``name@version`` (a version, a range or a dist-tag): a registry's package,
+    never a URL, a path, a git repository or an alias."""
+    at = spec.find("@", 1)
+    name, version = (spec, "") if at < 0 else (spec[:at], spec[at + 1 :].strip())
+    if not _NPM_NAME.fullmatch(name) or len(name) > 214:
+        raise ValueError(
+            f"npm: {name!r} is not a package name (lower case letters, digits and - . _ ~,"
+            " not starting with . or _, optionally @scope/; at most 214 characters)"
+        )
+    if at < 0:
+        return name
+    if not _NPM_VERSION.fullmatch(version):
+        raise ValueError(
+            f"npm: {version!r} in {spec!r} is not a version, a range or a tag of the registry"
+            " (no URLs, paths, git repositories or aliases)"
+        )
+    return f"{name}@{version}"
 
 
 def check_services(value: Any) -> list[dict[str, Any]]:

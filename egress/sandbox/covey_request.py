@@ -70,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     egress = kinds.add_parser("egress", help="a route: host or host:port")
     egress.add_argument("target")
     package = kinds.add_parser("package", help="a package in the agent's workplace")
-    package.add_argument("ecosystem", help="e.g. apt")
-    package.add_argument("package", help="name or name=version")
+    package.add_argument("ecosystem", help="apt, pip or npm")
+    package.add_argument(
+        "package", help="name, or with a version: apt name=1.2, pip name==1.2, npm name@1.2"
+    )
     for asking in (egress, package):
         asking.add_argument("--reason", required=True, help="why the agent needs it")
     status = kinds.add_parser("status", help="how a request stands")

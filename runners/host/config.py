@@ -28,9 +28,12 @@ class HostSettings:
     # The image the proxy check runs in (it needs python3): the default sandbox image.
     check_image: str = "covey-base:trixie"
     # Workplace images (containers/builds.py): apt's sources for the build ("": the base
-    # image's), and the build's network ("": Docker's default bridge).
+    # image's), the build's network ("": Docker's default bridge), and the package index and
+    # registry pip and npm fetch from on this host ("": their own configuration's).
     apt_sources: Path | None = None
     build_network: str | None = None
+    pip_index_url: str = ""
+    npm_registry: str = ""
 
     @property
     def isolation_mode(self) -> str:

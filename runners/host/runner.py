@@ -82,7 +82,12 @@ def docker_engine(name: str, installation: str, legacy: str) -> Engine:
 
 def docker_builder(settings: HostSettings) -> ImageBuilder:
     """What builds workplace images on this host's Docker."""
-    return ImageBuilder(apt_sources=settings.apt_sources, network=settings.build_network)
+    return ImageBuilder(
+        apt_sources=settings.apt_sources,
+        network=settings.build_network,
+        pip_index_url=settings.pip_index_url,
+        npm_registry=settings.npm_registry,
+    )
 
 
 @dataclass

@@ -281,6 +281,31 @@ def test_package_versions_merge_only_when_they_are_the_same(agent, workplace, ap
     assert decided.produced["replaced"] == ["jq=1.6"]
 
 
+def test_pip_and_npm_requests_use_their_ecosystems_names(agent, workplace, april):
+    # Written as the agent wrote it, merged and compared by the package's canonical name.
+    first = services.file_package(agent, "pip", "PyYAML==6.0.1", reason="x")
+    assert first.package == "pyyaml==6.0.1"
+    assert services.file_package(agent, "pip", "pyyaml==6.0.1", reason="y").pk == first.pk
+    services.approve(first, by=april, note="ok")
+    newer = services.file_package(agent, "pip", "pyyaml>=6.0.2", reason="newer")
+    assert services.approve(newer, by=april, note="ok").produced["replaced"] == ["pyyaml==6.0.1"]
+    present = services.file_package(agent, "pip", "PyYAML", reason="any")
+    assert present.status == Status.APPROVED and present.note.endswith("(pyyaml>=6.0.2)")
+    scoped = services.file_package(agent, "npm", "@types/node@^20", reason="types")
+    services.approve(scoped, by=april, note="ok")
+    workplace.refresh_from_db()
+    assert workplace.packages == {
+        "apt": ["git"],
+        "pip": ["pyyaml>=6.0.2"],
+        "npm": ["@types/node@^20"],
+    }
+    assert services.file_package(agent, "npm", "@types/node", reason="x").status == Status.APPROVED
+    with pytest.raises(ValidationError, match="names a URL"):
+        services.file_package(agent, "pip", "x @ https://evil.example/x.whl", reason="x")
+    with pytest.raises(ValidationError, match="'cargo' is not an ecosystem"):
+        services.file_package(agent, "cargo", "serde", reason="x")
+
+
 def test_an_agent_cannot_flood_its_approvers(agent, monkeypatch):
     monkeypatch.setattr(services, "MAX_PENDING_PER_AGENT", 2)
     services.file_egress(agent, "a.example.org", reason="x")

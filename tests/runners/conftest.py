@@ -1,17 +1,17 @@
 """Fixtures of the runner tests: hard isolation needs root, iptables and the proxy image;
-workplace builds install a Debian package from a repository served here."""
+workplace builds install packages from an apt repository, a Python package index and an npm
+registry served here (package_indexes)."""
 
-import hashlib
-import http.server
 import os
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.runners import package_indexes
 from tests.runners.isolation_support import EGRESS_IMAGE, TAG, TEST_LABEL, docker, unavailable
 
 
@@ -47,47 +47,43 @@ def egress_image(firewall: None) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def apt_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    # Debian's hello, fetched once by scripts/test-services (make services): no test reaches
-    # a mirror.
-    """A flat apt repository with Debian's hello, served on loopback; yields a sources.list
-    naming it (trusted: the test made it)."""
+    """A flat apt repository of the packages scripts/test-debs fetched (Debian's hello, and
+    nodejs with what it needs), served on loopback; yields a sources.list naming it (trusted:
+    the test made it). No test reaches a mirror."""
     debs_dir = Path(os.environ.get("COVEY_TEST_DEBS", Path.home() / ".cache/covey/test-debs"))
-    debs = sorted(debs_dir.glob("hello_*.deb"))
-    if not debs:
-        pytest.fail(f"no hello_*.deb in {debs_dir}: run scripts/test-services (make services)")
+    debs = sorted(debs_dir.glob("*.deb"))
+    if not any(deb.name.startswith("nodejs_") for deb in debs):
+        pytest.fail(f"no nodejs_*.deb in {debs_dir}: run scripts/test-debs (make test-debs)")
     root = tmp_path_factory.mktemp("apt")
-    deb = root / debs[-1].name
-    shutil.copy(debs[-1], deb)
-    control = subprocess.run(
-        ["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    data = deb.read_bytes()
-    stanza = (
-        f"{control}\nFilename: ./{deb.name}\nSize: {len(data)}\n"
-        f"SHA256: {hashlib.sha256(data).hexdigest()}\n"
-    )
-    (root / "Packages").write_text(stanza)
-    packages = (root / "Packages").read_bytes()
-    (root / "Release").write_text(
-        "Origin: covey-test\nLabel: covey-test\nSuite: test\nCodename: test\n"
-        "Architectures: amd64 all\nDate: Wed, 02 Dec 2026 00:00:00 UTC\nSHA256:\n"
-        f" {hashlib.sha256(packages).hexdigest()} {len(packages)} Packages\n"
-    )
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(root), **kwargs)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    sources = root.parent / f"{root.name}.list"
-    sources.write_text(f"deb [trusted=yes] http://127.0.0.1:{server.server_address[1]}/ ./\n")
-    try:
+    package_indexes.apt_repository(root, debs)
+    with package_indexes.serve(root) as url:
+        sources = root.parent / f"{root.name}.list"
+        sources.write_text(f"deb [trusted=yes] {url}/ ./\n")
         yield sources
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+@dataclass(frozen=True)
+class Index:
+    url: str  # what pip's --index-url or npm's --registry takes
+    mark: Path  # appears if anything of a package ran on this host
+
+
+@pytest.fixture(scope="session")
+def pip_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Index]:
+    """A simple index of test wheels (package_indexes.pip_index), served on loopback."""
+    root = tmp_path_factory.mktemp("pypi")
+    mark = root.parent / f"{root.name}-{package_indexes.MARK}"
+    package_indexes.pip_index(root, mark)
+    with package_indexes.serve(root) as url:
+        yield Index(f"{url}/simple/", mark)
+
+
+@pytest.fixture(scope="session")
+def npm_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Index]:
+    """An npm registry of test packages (package_indexes.npm_registry), served on loopback."""
+    root = tmp_path_factory.mktemp("npm")
+    mark = root.parent / f"{root.name}-{package_indexes.MARK}"
+    documents = frozenset(f"/{name}" for name in package_indexes.NPM_PACKAGES)
+    with package_indexes.serve(root, documents) as url:
+        package_indexes.npm_registry(root, url, mark)
+        yield Index(url, mark)

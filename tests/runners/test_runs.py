@@ -399,11 +399,13 @@ def test_a_home_keeps_what_a_run_changed_its_usage_and_its_quota(stack, acme):
         assert stopped.status_detail.startswith("stopped: its home passed its quota (1.9 MiB")
 
 
-def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt_repository, root):
-    """A workplace end to end (issue 12): a package approved for it (a Debian package, from the
-    test's own repository) installed in an image built for its new version, its service ready
-    beside the sandbox and reached by name, both on the run's record; a service that is never
-    ready fails the run naming it."""
+def test_a_workplace_gives_its_runs_their_packages_and_services(
+    stack, acme, apt_repository, pip_index, root
+):
+    """A workplace end to end (issue 12): packages approved for it (a Debian package and a Python
+    one, from the test's own repository and index) installed in an image built for its new
+    version, its service ready beside the sandbox and reached by name, both on the run's record;
+    a service that is never ready fails the run naming it."""
     runner, config = stack.register(acme, "edge-1")
     ready = "import urllib.request as u; u.urlopen('http://127.0.0.1:8080/')"
     web = {
@@ -415,10 +417,13 @@ def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt
     }
     workplace = create_workplace(acme, "dev", stack.base_image, services=[web])
     fetch = "curl --silent --show-error --max-time 5 http://web:8080/ >/dev/null && echo fetched"
-    agent = stack.agent(acme, "Builder", ["sh", "-c", f"hello; {fetch}"], workplace=workplace)
+    script = f"hello; covey-greet; {fetch}"
+    agent = stack.agent(acme, "Builder", ["sh", "-c", script], workplace=workplace)
     asked = approvals.file_package(agent, "apt", "hello", reason="it greets")
     approved = approvals.approve(asked, by=root, note="harmless")
     assert approved.produced == {"workplace_version": 2}
+    asked = approvals.file_package(agent, "pip", "covey-greeting", reason="it greets too")
+    assert approvals.approve(asked, by=root, note="ok").produced == {"workplace_version": 3}
     broken = create_workplace(
         acme,
         "broken",
@@ -426,16 +431,19 @@ def test_a_workplace_gives_its_runs_their_packages_and_services(stack, acme, apt
         services=[{**web, "name": "db", "ready": {"command": ["false"], "timeout": 1}}],
     )
     waiting = stack.agent(acme, "Waiting", ["true"], workplace=broken)
-    build = {"COVEY_WORKPLACE_APT_SOURCES": str(apt_repository)}
+    build = {
+        "COVEY_WORKPLACE_APT_SOURCES": str(apt_repository),
+        "COVEY_WORKPLACE_PIP_INDEX_URL": pip_index.url,
+    }
     with stack.runner(runner, config, COVEY_WORKPLACE_BUILD_NETWORK="host", **build):
         run = stack.wait(run_services.queue_run(agent, "use them"), *FINISHED, timeout=240)
         assert run.status == RunStatus.SUCCEEDED, run.status_detail
-        assert "Hello, world!\nfetched" in run.log_tail
+        assert "Hello, world!\nhello from pip, dep 2.0\nfetched" in run.log_tail
         assert run.image_id.startswith("sha256:")
         (service,) = run.services
         assert service["name"] == "web" and service["image_id"].startswith("sha256:")
         assert '"GET / HTTP/1.1" 200' in service["log"]
-        assert run.workplace_version.number == 2  # the version the approval made
+        assert run.workplace_version.number == 3  # the version the approvals made
         failed = stack.wait(run_services.queue_run(waiting, "wait"), *FINISHED, timeout=60)
         assert failed.status == RunStatus.FAILED
         assert failed.status_detail.startswith(

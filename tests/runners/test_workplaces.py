@@ -1,9 +1,9 @@
 """Workplaces on a real Docker engine: images built once with their packages and reused, and
 companion services beside the sandbox, reachable by name from it and from nothing else.
 
-The package comes from the Debian archive (Debian's ``hello``, fetched once by
-scripts/test-services) and is installed by apt from a repository this test serves on loopback:
-no mirror is reached.
+The Debian packages come from the Debian archive (``hello``, and ``nodejs`` for npm's, fetched
+once by scripts/test-debs), the Python and npm packages are made by the tests
+(package_indexes); all are served on loopback: no mirror or registry is reached.
 """
 
 import json
@@ -19,6 +19,7 @@ from runners.host.containers import builds, companions
 from runners.host.containers.builds import BuildFailed, ImageBuilder
 from runners.host.containers.engine import Engine, SandboxSpec, ServiceNotReady
 from runners.protocol import Packages, Readiness, ServiceSpec
+from tests.runners.conftest import Index
 
 pytestmark = pytest.mark.docker
 
@@ -36,9 +37,14 @@ def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def builder(apt_repository: Path) -> ImageBuilder:
-    """Builds on the host's network (the repository is on loopback)."""
-    return ImageBuilder(apt_sources=apt_repository, network="host")
+def builder(apt_repository: Path, pip_index: Index, npm_registry: Index) -> ImageBuilder:
+    """Builds on the host's network (the repositories are on loopback)."""
+    return ImageBuilder(
+        apt_sources=apt_repository,
+        network="host",
+        pip_index_url=pip_index.url,
+        npm_registry=npm_registry.url,
+    )
 
 
 def test_a_workplace_image_is_built_once_with_its_packages_and_reused(builder: ImageBuilder):
@@ -70,6 +76,52 @@ def test_a_workplace_image_is_built_once_with_its_packages_and_reused(builder: I
         assert "127.0.0.1" not in sources
     finally:
         docker("rmi", "--force", tag, check=False)
+
+
+def test_pip_and_npm_packages_come_with_their_dependencies_and_commands(
+    builder: ImageBuilder, pip_index: Index, npm_registry: Index
+):
+    packages = [Packages("pip", ("covey-greeting==1.0",)), Packages("npm", ("covey-greet@^1",))]
+    tag = builder.image(BASE, packages, "test v3")
+    try:
+        # As the sandbox's user: the packages, their dependencies and their commands are there;
+        # npm's came with Node.js (the base image has none).
+        run = ["run", "--rm", "--user", "1000:1000", tag]
+        assert docker(*run, "covey-greet").stdout == "hello from pip, dep 2.0\n"
+        python = "import covey_greeting, covey_test_dep; print(covey_test_dep.WORD)"
+        assert docker(*run, "python3", "-c", python).stdout == "dep 2.0\n"
+        assert docker(*run, "covey-greet-js").stdout == "hello from npm, dep 2.0.0\n"
+        node = "console.log(require('covey-greet').hello())"
+        assert docker(*run, "node", "-e", node).stdout == "hello from npm, dep 2.0.0\n"
+        # Owned by root: the agent uses them, and cannot change them.
+        owners = docker(*run, "stat", "-c", "%U", builds.PYTHON, builds.NODE_MODULES).stdout
+        assert owners.split() == ["root", "root"]
+        assert docker("run", "--rm", BASE, "sh", "-c", "command -v node", check=False).returncode
+        # npm's install scripts did not run on this host.
+        assert not npm_registry.mark.exists()
+        # The image is the same one next time.
+        assert builder.image(BASE, packages, "again") == tag
+    finally:
+        docker("rmi", "--force", tag, check=False)
+
+
+def test_pip_takes_wheels_alone_so_no_package_builds_on_the_host(
+    builder: ImageBuilder, pip_index: Index
+):
+    with pytest.raises(BuildFailed) as failed:
+        builder.image(BASE, [Packages("pip", ("covey-test-sdist==1.0",))], "sdist v1")
+    assert "the pip packages of sdist v1 could not be fetched" in str(failed.value)
+    assert "covey-test-sdist" in failed.value.log
+    assert not pip_index.mark.exists()  # its setup.py never ran
+
+
+def test_a_package_the_index_lacks_fails_the_build_naming_it(builder: ImageBuilder):
+    with pytest.raises(BuildFailed) as failed:
+        builder.image(BASE, [Packages("npm", ("covey-no-such-package@1.0.0",))], "npm v1")
+    assert "the npm packages of npm v1 could not be fetched" in str(failed.value)
+    assert "covey-no-such-package" in failed.value.log
+    with pytest.raises(BuildFailed, match="No matching distribution found for covey-nothing"):
+        builder.image(BASE, [Packages("pip", ("covey-nothing",))], "pip v1")
 
 
 def test_no_packages_is_the_base_itself(builder: ImageBuilder):

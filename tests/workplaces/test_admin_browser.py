@@ -41,10 +41,22 @@ def test_a_workplace_is_made_changed_and_its_versions_read_in_the_admin(page, ac
 
     page.fill("#id_services", json.dumps(DB))
     page.fill("#id_packages_apt", "hello")
+    page.fill("#id_packages_pip", "requests @ https://evil.example/r.whl")
+    page.click("input[name=_continue]")
+    assert "names a URL" in page.inner_text(".field-packages_pip")  # under its own field
+    workplace.refresh_from_db()
+    assert workplace.version == 1
+    page.fill("#id_packages_pip", "PyYAML==6.0.2")
+    page.fill("#id_packages_npm", "typescript@5.6.3")
     page.click("input[name=_continue]")
     page.wait_for_selector("text=was changed successfully")
     workplace.refresh_from_db()
     assert workplace.version == 2
+    assert workplace.packages == {
+        "apt": ["hello"],
+        "pip": ["pyyaml==6.0.2"],
+        "npm": ["typescript@5.6.3"],
+    }
     assert workplace.services[0]["ready"]["interval"] == 1.0
     assert json.loads(page.input_value("#id_services"))[0]["name"] == "db"
     history = page.inner_text("#versions-group")

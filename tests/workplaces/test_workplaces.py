@@ -28,6 +28,24 @@ def test_packages_are_normalised_sorted_and_deduplicated():
     assert config.check_packages(None) == {}
 
 
+def test_pip_and_npm_packages_are_normalised_in_the_installers_own_grammar():
+    found = config.check_packages(
+        {
+            "npm": ["left-pad", "@types/node@^20", "semver@>=7.0.0 <8"],
+            "pip": ["Requests[socks,Brotli]>=2,<3", "foo_bar==1.0", "pyyaml"],
+        }
+    )
+    # Ecosystems in the order they are installed; pip names canonical, extras sorted.
+    assert list(found) == ["pip", "npm"]
+    assert found["pip"] == ["foo-bar==1.0", "pyyaml", "requests[brotli,socks]<3,>=2"]
+    assert found["npm"] == ["@types/node@^20", "left-pad", "semver@>=7.0.0 <8"]
+    assert config.package_name("pip", "requests[socks]<3,>=2") == "requests"
+    assert config.package_name("npm", "@types/node@^20") == "@types/node"
+    assert config.package_name("apt", "hello=2.10-3") == "hello"
+    assert config.is_bare("npm", "@types/node") and not config.is_bare("npm", "@types/node@1")
+    assert config.is_bare("pip", "pyyaml") and not config.is_bare("pip", "pyyaml>=6")
+
+
 @pytest.mark.parametrize(
     ("packages", "message"),
     [
@@ -40,6 +58,20 @@ def test_packages_are_normalised_sorted_and_deduplicated():
         ({"apt": ["jq\nrm"]}, "is not a Debian package name"),
         ({"apt": ["jq=1.6 evil"]}, "is not a Debian version"),
         ({"apt": ["jq=1.6", "jq=1.7"]}, "jq given with two versions"),
+        ({"pip": ["requests @ https://evil.example/r.whl"]}, "names a URL"),
+        ({"pip": ["requests; sys_platform == 'linux'"]}, "has an environment marker"),
+        ({"pip": ["--index-url=http://evil"]}, "is not a requirement"),
+        ({"pip": ["-e ."]}, "is not a requirement"),
+        ({"pip": ["requests==2 --pre"]}, "is not a requirement"),
+        ({"pip": ["Requests==2", "requests==3"]}, "requests given with two versions"),
+        ({"npm": ["left-pad@git+https://evil/x.git"]}, "is not a version, a range or a tag"),
+        ({"npm": ["left-pad@file:../x"]}, "is not a version, a range or a tag"),
+        ({"npm": ["pad@npm:left-pad"]}, "is not a version, a range or a tag"),
+        ({"npm": ["left-pad@--ignore-scripts=false"]}, "is not a version, a range or a tag"),
+        ({"npm": ["--registry=http://evil"]}, "is not a package name"),
+        ({"npm": ["Left-Pad"]}, "is not a package name"),
+        ({"npm": ["./x"]}, "is not a package name"),
+        ({"npm": ["left-pad@1", "left-pad@2"]}, "left-pad given with two versions"),
         (["jq"], "Give packages as"),
     ],
 )

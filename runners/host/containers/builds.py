@@ -12,26 +12,45 @@ the runner host, COVEY_WORKPLACE_APT_SOURCES: an internal mirror) used for the b
 build container is on Docker's default bridge unless ``network`` says otherwise
 (COVEY_WORKPLACE_BUILD_NETWORK).
 
+pip and npm packages are fetched on the runner host (where a container may not reach or trust an
+index) and copied in, and nothing of theirs runs on the host: pip takes wheels alone (an sdist
+would run its build on the host), for the base image's Python, machine and C library, found by
+running the image once; npm installs with ``--ignore-scripts``. In the image, pip installs the
+wheels offline into a virtual environment, /opt/covey/python (with the system's site packages,
+first on PATH); npm's tree goes to /usr/local (NODE_PATH names it, so ``require`` finds it), and
+Debian's ``nodejs`` is installed with apt when the base image has no ``node``. The host's pip and
+npm configuration applies, or ``pip_index_url`` and ``npm_registry``
+(COVEY_WORKPLACE_PIP_INDEX_URL, COVEY_WORKPLACE_NPM_REGISTRY).
+
 The docker SDK; no Django (runner hosts have no database).
 """
 
+import dataclasses
 import hashlib
 import io
 import json
+import os
 import shlex
+import shutil
+import subprocess
+import sys
 import tarfile
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import docker
-from docker.errors import APIError, DockerException, ImageNotFound
+from docker.errors import APIError, ContainerError, DockerException, ImageNotFound
 
 from runners.host.containers.engine import LABEL_INSTALLATION, EngineError
 from runners.protocol import Packages
 
+ECOSYSTEMS = ("apt", "pip", "npm")  # what this recipe installs (workplaces/config.py checks them)
+
 REPOSITORY = "covey-workplace"
-RECIPE = "1"  # what the Dockerfile below makes; a change to it makes new images
+RECIPE = "2"  # what the Dockerfile below makes; a change to it makes new images
 LABEL_RECIPE = "covey.workplace.recipe"  # the whole content hash
 LABEL_WORKPLACE = "covey.workplace"  # which workplace version first built it, for people
 BUILD_TIMEOUT = 1800  # seconds a build may take before it is given up
@@ -46,6 +65,63 @@ class BuildFailed(EngineError):
         self.log = log
 
 
+PYTHON = "/opt/covey/python"  # the virtual environment pip packages go to
+NODE_MODULES = "/usr/local/lib/node_modules"
+# npm's names of machines (`uname -m`), for the packages that ship one build per machine.
+NPM_CPUS = {
+    "x86_64": "x64",
+    "aarch64": "arm64",
+    "armv7l": "arm",
+    "ppc64le": "ppc64",
+    "s390x": "s390x",
+}
+# What a base image offers packages: run in it once (as root, without a network) by /bin/sh.
+PROBE = """
+echo "machine=$(uname -m)"
+command -v node >/dev/null 2>&1 && echo node=1
+command -v python3 >/dev/null 2>&1 && python3 -c '
+import ensurepip, os, platform, sys, venv
+print("python=%d.%d" % sys.version_info[:2])
+print("libc=" + (os.confstr("CS_GNU_LIBC_VERSION") or ""))
+' 2>/dev/null
+true
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a base image runs packages with: ``python`` ("3.13"; "" when it has no python3 with
+    venv), its ``machine``, C library (``libc``, "glibc 2.41") and whether it has ``node``."""
+
+    machine: str
+    python: str = ""
+    libc: str = ""
+    node: bool = False
+
+    @classmethod
+    def parse(cls, output: str) -> "Target":
+        found = dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+        return cls(
+            machine=found.get("machine", "").strip(),
+            python=found.get("python", "").strip(),
+            libc=found.get("libc", "").strip(),
+            node=found.get("node") == "1",
+        )
+
+    def pip_platforms(self) -> list[str]:
+        """The platform tags of the wheels this target runs, newest first (as pip's own)."""
+        kind, _, version = self.libc.partition(" ")
+        major, _, minor = version.partition(".")
+        if kind != "glibc" or major != "2" or not minor.isdigit():
+            return []
+        tags = [f"manylinux_2_{n}_{self.machine}" for n in range(int(minor), 4, -1)]
+        if self.machine in ("x86_64", "i686", "aarch64", "armv7l", "ppc64", "ppc64le", "s390x"):
+            tags.append(f"manylinux2014_{self.machine}")
+        if self.machine in ("x86_64", "i686"):
+            tags += [f"manylinux2010_{self.machine}", f"manylinux1_{self.machine}"]
+        return tags
+
+
 class ImageBuilder:
     """Builds and finds workplace images on one Docker engine (one per runner host)."""
 
@@ -56,6 +132,8 @@ class ImageBuilder:
         apt_sources: Path | None = None,
         network: str | None = None,
         installation: str = "",
+        pip_index_url: str = "",
+        npm_registry: str = "",
     ) -> None:
         try:
             self._client = client if client is not None else docker.from_env(timeout=BUILD_TIMEOUT)
@@ -64,6 +142,9 @@ class ImageBuilder:
         self.apt_sources = apt_sources
         self.network = network
         self.installation = installation
+        self.pip_index_url = pip_index_url
+        self.npm_registry = npm_registry
+        self._targets: dict[str, Target] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -75,7 +156,7 @@ class ImageBuilder:
         if not wanted:
             return base
         for group in wanted:
-            if group.ecosystem != "apt":
+            if group.ecosystem not in ECOSYSTEMS:
                 raise BuildFailed(f"this runner cannot install {group.ecosystem} packages")
         base_id = self._base_id(base)
         content = recipe_hash(base_id, wanted)
@@ -113,11 +194,32 @@ class ImageBuilder:
         self, tag: str, content: str, base_id: str, packages: Sequence[Packages], what: str
     ) -> None:
         user = self._base_user(base_id)
-        context = self._context(dockerfile(base_id, packages, user, bool(self.apt_sources)))
+        specs = {p.ecosystem: sorted(p.specs) for p in packages}
         labels = {LABEL_RECIPE: content, LABEL_WORKPLACE: what[:200]}
         if self.installation:
             labels[LABEL_INSTALLATION] = self.installation
         lines: list[str] = []
+        with tempfile.TemporaryDirectory(prefix="covey-build-") as scratch:
+            folders: dict[str, Path] = {}
+            target = self._target(base_id, what) if {"pip", "npm"} & set(specs) else None
+            if "pip" in specs and target is not None:
+                folders["wheels"] = self._fetch_pip(
+                    specs["pip"], target, Path(scratch), what, lines
+                )
+            if "npm" in specs and target is not None:
+                folders["npm"] = self._fetch_npm(specs["npm"], target, Path(scratch), what, lines)
+            text = dockerfile(base_id, packages, user, bool(self.apt_sources), target)
+            with self._context(text, folders) as context:
+                self._run_build(context, tag, labels, what, lines)
+        if not self._has(tag, content):
+            raise BuildFailed(
+                f"the image of {what} was built but is not tagged {tag}",
+                "\n".join(lines[-LOG_LINES:]),
+            )
+
+    def _run_build(
+        self, context: IO[bytes], tag: str, labels: dict[str, str], what: str, lines: list[str]
+    ) -> None:
         try:
             stream = self._client.api.build(
                 fileobj=context,
@@ -144,11 +246,79 @@ class ImageBuilder:
             raise BuildFailed(
                 f"the image of {what} could not be built: {exc}", "\n".join(lines[-LOG_LINES:])
             ) from exc
-        if not self._has(tag, content):
+
+    def _target(self, base_id: str, what: str) -> Target:
+        """What the base image runs packages with (found once per image)."""
+        if base_id not in self._targets:
+            try:
+                output = self._client.containers.run(
+                    base_id,
+                    entrypoint=["/bin/sh", "-c", PROBE],
+                    command=[],
+                    user="root",
+                    network_mode="none",
+                    remove=True,
+                    stdout=True,
+                    stderr=False,
+                    labels={LABEL_INSTALLATION: self.installation} if self.installation else {},
+                )
+            except (ContainerError, APIError, DockerException) as exc:
+                raise BuildFailed(
+                    f"cannot run /bin/sh in the base image of {what} to see what it has: {exc}"
+                ) from exc
+            self._targets[base_id] = Target.parse(bytes(output).decode(errors="replace"))
+        return self._targets[base_id]
+
+    def _fetch_pip(
+        self, specs: Sequence[str], target: Target, scratch: Path, what: str, lines: list[str]
+    ) -> Path:
+        """The wheels of ``specs`` and their dependencies, for ``target``, in a folder."""
+        if not target.python:
             raise BuildFailed(
-                f"the image of {what} was built but is not tagged {tag}",
-                "\n".join(lines[-LOG_LINES:]),
+                f"pip packages need python3 with venv in the base image of {what}, and it has"
+                " none (add python3-venv to its apt packages in a base image of your own, or"
+                " use covey-base)"
             )
+        platforms = target.pip_platforms()
+        if not platforms:
+            raise BuildFailed(
+                f"pip packages need a glibc system in the base image of {what}"
+                f" (it has {target.libc or 'another C library'})"
+            )
+        into = scratch / "wheels"
+        command = [
+            sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
+            "--progress-bar", "off", "--only-binary=:all:", "--implementation", "cp",
+            "--python-version", target.python, "--dest", str(into),
+        ]  # fmt: skip
+        for platform in platforms:
+            command += ["--platform", platform]
+        if self.pip_index_url:
+            command += ["--index-url", self.pip_index_url]
+        _host([*command, "--", *specs], "pip", what, lines)
+        return into
+
+    def _fetch_npm(
+        self, specs: Sequence[str], target: Target, scratch: Path, what: str, lines: list[str]
+    ) -> Path:
+        """``specs`` and their dependencies installed under a prefix (lib/node_modules, bin)."""
+        npm = shutil.which("npm")
+        if npm is None:
+            raise BuildFailed(
+                f"this runner host has no npm to fetch the npm packages of {what} with:"
+                " install npm on it"
+            )
+        into = scratch / "npm"
+        command = [
+            npm, "install", "--global", "--prefix", str(into), "--ignore-scripts", "--no-audit",
+            "--no-fund", "--no-update-notifier", "--omit=dev", "--loglevel=warn", "--os=linux",
+        ]  # fmt: skip
+        if target.machine in NPM_CPUS:
+            command.append(f"--cpu={NPM_CPUS[target.machine]}")
+        if self.npm_registry:
+            command.append(f"--registry={self.npm_registry}")
+        _host([*command, "--", *specs], "npm", what, lines)
+        return into
 
     def _base_user(self, base_id: str) -> str:
         try:
@@ -157,8 +327,9 @@ class ImageBuilder:
             raise EngineError(f"cannot inspect image {base_id}: {exc}") from exc
         return str(((image.attrs or {}).get("Config") or {}).get("User") or "")
 
-    def _context(self, text: str) -> io.BytesIO:
-        """The build context: the Dockerfile, and the apt sources when there are any."""
+    def _context(self, text: str, folders: dict[str, Path]) -> IO[bytes]:
+        """The build context, in a temporary file: the Dockerfile, the apt sources when there
+        are any, and ``folders`` by their names (symbolic links kept)."""
         files = {"Dockerfile": text.encode()}
         if self.apt_sources is not None:
             try:
@@ -168,15 +339,59 @@ class ImageBuilder:
                     f"cannot read the apt sources {self.apt_sources}"
                     f" (COVEY_WORKPLACE_APT_SOURCES): {exc}"
                 ) from exc
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as archive:
-            for name, data in files.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                info.mode = 0o644
-                archive.addfile(info, io.BytesIO(data))
+        buffer = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
+        try:
+            with tarfile.open(fileobj=buffer, mode="w") as archive:
+                for name, data in files.items():
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    info.mode = 0o644
+                    archive.addfile(info, io.BytesIO(data))
+                for name, folder in folders.items():
+                    archive.add(folder, arcname=name, filter=_owned_by_root)
+        except OSError as exc:
+            buffer.close()
+            raise BuildFailed(f"cannot make the build context: {exc}") from exc
         buffer.seek(0)
         return buffer
+
+
+def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    info.mode &= 0o755
+    return info
+
+
+def _host(command: list[str], what_tool: str, what: str, lines: list[str]) -> None:
+    """Runs ``command`` (pip or npm) on the runner host; BuildFailed with its output's end if it
+    fails. Its output joins ``lines`` (the build's log)."""
+    environment = {**os.environ, "PIP_NO_INPUT": "1", "npm_config_update_notifier": "false"}
+    try:
+        done = subprocess.run(  # noqa: S603 - pip or npm, arguments checked before
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            timeout=BUILD_TIMEOUT,
+            check=False,
+        )
+    except FileNotFoundError as exc:
+        raise BuildFailed(f"this runner host cannot run {what_tool}: {exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise BuildFailed(
+            f"fetching the {what_tool} packages of {what} took over {BUILD_TIMEOUT} s"
+        ) from exc
+    output = done.stdout.decode(errors="replace").splitlines()
+    lines.append(f"$ {what_tool} " + " ".join(shlex.quote(arg) for arg in command[1:]))
+    lines.extend(output)
+    del lines[: -LOG_LINES * 5]
+    if done.returncode != 0:
+        raise BuildFailed(
+            f"the {what_tool} packages of {what} could not be fetched: {_last(output, 3)}",
+            "\n".join(lines[-LOG_LINES:]),
+        )
 
 
 def recipe_hash(base_id: str, packages: Sequence[Packages]) -> str:
@@ -189,12 +404,47 @@ def recipe_hash(base_id: str, packages: Sequence[Packages]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def dockerfile(base_id: str, packages: Sequence[Packages], user: str, own_sources: bool) -> str:
-    """The Dockerfile of a workplace image (apt packages; they are checked before this, and
-    quoted here all the same)."""
-    apt = sorted({spec for p in packages if p.ecosystem == "apt" for spec in p.specs})
-    options = ""
+def dockerfile(
+    base_id: str,
+    packages: Sequence[Packages],
+    user: str,
+    own_sources: bool,
+    target: Target | None = None,
+) -> str:
+    """The Dockerfile of a workplace image (the packages are checked before this, and quoted
+    here all the same). pip's wheels are in the context's ``wheels``, npm's tree in ``npm``."""
+    specs = {p.ecosystem: sorted(set(p.specs)) for p in packages if p.specs}
+    apt = specs.get("apt", [])
+    if "npm" in specs and target is not None and not target.node:
+        apt = sorted({*apt, "nodejs"})
     lines = [f"FROM {base_id}", "USER root"]
+    if apt:
+        lines += _apt_steps(apt, own_sources)
+    if "pip" in specs:
+        install = f"{PYTHON}/bin/python -m pip install --disable-pip-version-check --no-input"
+        lines += [
+            "COPY wheels /tmp/covey-build/wheels",
+            "RUN "
+            + " \\\n    && ".join(
+                [
+                    f"python3 -m venv --system-site-packages {PYTHON}",
+                    f"{install} --no-cache-dir --no-index --find-links /tmp/covey-build/wheels"
+                    " -- " + " ".join(shlex.quote(spec) for spec in specs["pip"]),
+                    "rm -rf /tmp/covey-build",
+                ]
+            ),
+            f"ENV PATH={PYTHON}/bin:$PATH",
+        ]
+    if "npm" in specs:
+        lines += ["COPY npm/ /usr/local/", f"ENV NODE_PATH={NODE_MODULES}"]
+    if user and user not in ("root", "0", "0:0"):
+        lines.append(f"USER {user}")
+    return "\n".join(lines) + "\n"
+
+
+def _apt_steps(apt: Sequence[str], own_sources: bool) -> list[str]:
+    options = ""
+    lines = []
     if own_sources:
         # For the build alone: the image keeps its own sources.
         lines.append("COPY sources.list /tmp/covey-build/sources.list")
@@ -212,9 +462,7 @@ def dockerfile(base_id: str, packages: Sequence[Packages], user: str, own_source
         "rm -rf /var/lib/apt/lists/* /tmp/covey-build",
     ]
     lines.append("RUN " + " \\\n    && ".join(steps))
-    if user and user not in ("root", "0", "0:0"):
-        lines.append(f"USER {user}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _last(lines: list[str], count: int) -> str:

@@ -64,6 +64,8 @@ class Command(BaseCommand):
             if settings.COVEY_WORKPLACE_APT_SOURCES
             else None,
             build_network=settings.COVEY_WORKPLACE_BUILD_NETWORK or None,
+            pip_index_url=settings.COVEY_WORKPLACE_PIP_INDEX_URL,
+            npm_registry=settings.COVEY_WORKPLACE_NPM_REGISTRY,
         )
         if host_settings.apt_sources is not None and not host_settings.apt_sources.is_file():
             raise CommandError(
