@@ -33,6 +33,7 @@ from allowlists.entries import parse_entry
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from egress.environment import DESK_HOST
 from egress.models import Decision, EgressToken
+from organisations import webhooks
 from organisations.models import Membership, Organisation, Role
 from organisations.roles import role_of
 from organisations.services import update_organisation
@@ -230,6 +231,7 @@ def expire_unattended(now: datetime | None = None) -> int:
                 locked.note = f"expired: nobody decided it within {minutes} minutes"
                 locked.decided_at = now
                 locked.save(update_fields=["status", "expired", "note", "decided_at"])
+                webhooks.send(organisation.pk, "request.decided", event_data(locked))
                 expired += 1
     return expired
 
@@ -335,6 +337,7 @@ def _decided(request: Request, by: Any, note: str) -> None:
     request.decided_at = timezone.now()
     request.note = note.strip()
     request.save()
+    webhooks.send(request.organisation_id, "request.decided", event_data(request))
 
 
 def _has(entries: list[str], entry: str) -> bool:
@@ -427,8 +430,37 @@ def _remove_entry(grant: Grant) -> int | None:
 
 
 def _notify_later(request: Request) -> None:
+    """Once filing commits: email the approvers, and post ``request.pending`` to the
+    organisation's webhook."""
     pk = request.pk
     transaction.on_commit(lambda: _notify_quietly(pk))
+    webhooks.send(request.organisation_id, "request.pending", event_data(request))
+
+
+def event_data(request: Request) -> dict[str, Any]:
+    """A request as its webhook events carry it."""
+    first = request.requesters.order_by("at", "id").first()
+    base = settings.COVEY_CONTROL_PLANE_URL.rstrip("/")
+    return {
+        "id": request.pk,
+        "kind": request.kind,
+        "thing": request.thing,
+        "ecosystem": request.ecosystem,
+        "package": request.package,
+        "target": request.target,
+        "status": request.status,
+        "expired": request.expired,
+        "agent": {"id": request.agent_id, "slug": request.agent.slug, "name": request.agent.name},
+        "run": first.run_id if first else None,
+        "reason": first.reason if first else "",
+        "decided_by": request.decided_by.get_username() if request.decided_by else None,
+        "decided_at": request.decided_at.isoformat() if request.decided_at else None,
+        "note": request.note,
+        "scope": request.scope,
+        "produced": request.produced,
+        "decide": base + reverse("admin:approvals_request_decide", args=[request.pk]),
+        "api": base + reverse("request-detail", args=[request.pk]),
+    }
 
 
 def _notify_quietly(request_id: int) -> None:

@@ -24,6 +24,11 @@ VAR_DIR = var.default_var_dir()
 # (make run does); the web server refuses to start with neither (covey/wsgi.py), and processes
 # that sign nothing (the worker, runners, the proxy) need none.
 SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or var.secret_key(VAR_DIR)
+# Secrets covey reads back (covey/crypto.py) are encrypted with these keys (Fernet; the first
+# encrypts, all decrypt); without them, with the one `python -m covey.var` made.
+COVEY_ENCRYPTION_KEYS = env.list("COVEY_ENCRYPTION_KEYS", default=[]) or [
+    key for key in [var.encryption_key(VAR_DIR)] if key
+]
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
@@ -282,6 +287,9 @@ COVEY_RUN_LOG_RETENTION_DAYS = env.int("COVEY_RUN_LOG_RETENTION_DAYS", default=3
 vars().update({k: v for k, v in env.email_url("EMAIL_URL", default="consolemail://").items() if v})
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="covey@localhost")
 EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)  # seconds: a stuck mail server holds nothing
+# Organisations' webhooks (organisations/webhooks.py) verify their receivers' certificates
+# against the system's CAs, or this bundle (a file; an internal CA).
+COVEY_WEBHOOK_CA_BUNDLE = env.str("COVEY_WEBHOOK_CA_BUNDLE", default="")
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},

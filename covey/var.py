@@ -1,5 +1,5 @@
-"""The control plane's own directory (``COVEY_VAR_DIR``) on embedded defaults: its secret key
-and the file-system broker's folders.
+"""The control plane's own directory (``COVEY_VAR_DIR``) on embedded defaults: its secret key,
+the key secrets are encrypted with at rest, and the file-system broker's folders.
 
 Settings only read it: every process imports them (gunicorn's workers at the same moment), and a
 file made at import by one is read half-written by another. ``prepare`` makes it, once, by an
@@ -7,6 +7,7 @@ explicit step: ``make run`` (scripts/run), ``python -m covey.var``, the tests' c
 It is safe to run any number of times and from several processes at once. No Django here.
 """
 
+import base64
 import os
 import secrets
 import sys
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 SECRET_KEY_FILE = "secret_key"  # noqa: S105 - a file name
+ENCRYPTION_KEY_FILE = "encryption_key"  # covey.crypto's (a Fernet key)
 BROKER = "broker"
 BROKER_FOLDERS = ("queue", "processed", "control")
 STATIC = "static"
@@ -26,8 +28,17 @@ def default_var_dir() -> Path:
 
 def secret_key(var_dir: Path) -> str:
     """The key kept in ``var_dir``, or "" when none has been made."""
+    return _read(var_dir / SECRET_KEY_FILE)
+
+
+def encryption_key(var_dir: Path) -> str:
+    """The encryption key kept in ``var_dir``, or "" when none has been made."""
+    return _read(var_dir / ENCRYPTION_KEY_FILE)
+
+
+def _read(path: Path) -> str:
     try:
-        return (var_dir / SECRET_KEY_FILE).read_text().strip()
+        return path.read_text().strip()
     except FileNotFoundError:
         return ""
 
@@ -38,15 +49,17 @@ def broker_folder(var_dir: Path, name: str) -> Path:
 
 def prepare(var_dir: Path) -> Path:
     """Make ``var_dir``, its broker folders, its static folder and (the first time) its secret
-    key; returns the directory."""
+    key and encryption key; returns the directory."""
     for name in BROKER_FOLDERS:
         broker_folder(var_dir, name).mkdir(parents=True, exist_ok=True)
     (var_dir / STATIC).mkdir(exist_ok=True)
-    _make_secret_key(var_dir / SECRET_KEY_FILE)
+    _make_key(var_dir / SECRET_KEY_FILE, secrets.token_urlsafe(50), "DJANGO_SECRET_KEY")
+    key = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()  # a Fernet key
+    _make_key(var_dir / ENCRYPTION_KEY_FILE, key, "COVEY_ENCRYPTION_KEYS")
     return var_dir
 
 
-def _make_secret_key(path: Path) -> None:
+def _make_key(path: Path, key: str, setting: str) -> None:
     """Write a new key whole into a private file, then give it its name with link(2), which
     fails when the name exists: whoever comes second keeps the first key, and nobody ever reads
     a half-written one."""
@@ -55,7 +68,7 @@ def _make_secret_key(path: Path) -> None:
     descriptor, draft = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
     try:
         with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_urlsafe(50))
+            file.write(key)
             file.flush()
             os.fsync(file.fileno())
         try:
@@ -65,7 +78,7 @@ def _make_secret_key(path: Path) -> None:
         except OSError as exc:
             raise OSError(
                 f"cannot make the secret key {path}: its file system does not take hard links"
-                f" ({exc.strerror or exc}); set DJANGO_SECRET_KEY, or COVEY_VAR_DIR to a"
+                f" ({exc.strerror or exc}); set {setting}, or COVEY_VAR_DIR to a"
                 " directory on another file system"
             ) from exc
     finally:

@@ -2,13 +2,54 @@
 
 from typing import Any
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
+from django.utils import timezone
 from simple_history.admin import SimpleHistoryAdmin
 
-from organisations import services
-from organisations.models import Membership, Organisation
+from organisations import services, webhooks
+from organisations.models import Membership, Organisation, Webhook
+
+
+def _when(moment: Any) -> str:
+    return f"{timezone.localtime(moment):%Y-%m-%d %H:%M:%S %Z}"
+
+
+class OrganisationForm(forms.ModelForm):
+    """The organisation, and where its events go (its webhook: not a field of the model)."""
+
+    webhook_url = forms.URLField(
+        label="Webhook URL",
+        required=False,
+        assume_scheme="https",
+        max_length=500,
+        help_text="Requests waiting for a decision, and decisions, are POSTed here as JSON"
+        " signed with a secret shown once when it is made (X-Covey-Signature). Empty: none.",
+    )
+    new_webhook_secret = forms.BooleanField(
+        label="Make a new signing secret",
+        required=False,
+        help_text="The old one stops signing at once; the new one is shown once, after saving.",
+    )
+
+    class Meta:
+        model = Organisation
+        fields = ["name", "slug", "base_allowlist", "request_expiry_minutes"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        found = Webhook.objects.filter(organisation_id=self.instance.pk).first()
+        if self.instance.pk and found is not None:
+            self.fields["webhook_url"].initial = found.url
+
+    def clean_webhook_url(self) -> str:
+        url = str(self.cleaned_data.get("webhook_url") or "")
+        if url and not url.startswith(("http://", "https://")):
+            raise ValidationError("Give an http or https URL.")
+        return url
 
 
 class MembershipInline(admin.TabularInline):
@@ -23,13 +64,30 @@ class OrganisationAdmin(SimpleHistoryAdmin):
     starts with the base allowlist (COVEY_EGRESS_BASE_ALLOWLIST, shown filled in), gets its
     built-in runner, and its creator becomes its admin."""
 
+    form = OrganisationForm
     list_display = ["name", "slug", "base_allowlist_size", "agent_count", "created_at"]
     search_fields = ["name", "slug"]
     inlines = [MembershipInline]
     history_list_display = ["base_allowlist"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return ["created_at"] if obj is None else ["slug", "created_at"]
+        return ["created_at"] if obj is None else ["slug", "webhook_state", "created_at"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        fields = ["name", "slug", "base_allowlist", "request_expiry_minutes", "webhook_url"]
+        if obj is not None:
+            fields += ["new_webhook_secret", "webhook_state"]
+        return [*fields, "created_at"]
+
+    @admin.display(description="Webhook")
+    def webhook_state(self, obj: Organisation) -> str:
+        found = Webhook.objects.filter(organisation=obj).first()
+        if found is None:
+            return "none"
+        made = f"signing secret made {_when(found.secret_made_at)}"
+        if not found.last_delivery_at:
+            return f"{made}; nothing sent yet"
+        return f"{made}; last delivery {_when(found.last_delivery_at)}: {found.last_delivery}"
 
     def get_prepopulated_fields(self, request: HttpRequest, obj: Any = None) -> dict[str, Any]:
         return {"slug": ["name"]} if obj is None else {}
@@ -40,16 +98,33 @@ class OrganisationAdmin(SimpleHistoryAdmin):
             fields = ("name", "base_allowlist", "request_expiry_minutes")
             changes = {f: data[f] for f in fields if f in form.changed_data}
             services.update_organisation(obj, by=request.user, **changes)
+        else:
+            created = services.create_organisation(
+                data["name"],
+                by=request.user,
+                slug=data["slug"],
+                base_allowlist=data["base_allowlist"],
+                request_expiry_minutes=data.get("request_expiry_minutes"),
+            )
+            obj.pk, obj.created_at = created.pk, created.created_at
+            obj.updated_at = created.updated_at
+            obj._state.adding = False
+        self._save_webhook(request, obj, data)
+
+    def _save_webhook(self, request: HttpRequest, obj: Organisation, data: dict[str, Any]) -> None:
+        url = data.get("webhook_url") or ""
+        if not url:
+            if webhooks.remove_webhook(obj):
+                self.message_user(request, "The webhook was removed.", messages.INFO)
             return
-        created = services.create_organisation(
-            data["name"],
-            by=request.user,
-            slug=data["slug"],
-            base_allowlist=data["base_allowlist"],
-            request_expiry_minutes=data.get("request_expiry_minutes"),
-        )
-        obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
-        obj._state.adding = False
+        secret = webhooks.set_webhook(obj, url, new_secret=bool(data.get("new_webhook_secret")))
+        if secret is not None:
+            self.message_user(
+                request,
+                f"Webhook signing secret (shown once; the receiver checks X-Covey-Signature"
+                f" with it): {secret}",
+                messages.WARNING,
+            )
 
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
         if formset.model is not Membership or change:

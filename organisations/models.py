@@ -95,3 +95,22 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} ({self.role}) in {self.organisation}"
+
+
+class Webhook(models.Model):
+    """Where an organisation's events are posted (organisations/webhooks.py), signed with a
+    secret only covey and the receiver know: shown once when made, kept encrypted
+    (covey/crypto.py). The last delivery's outcome is kept for people to see."""
+
+    organisation = models.OneToOneField(
+        Organisation, on_delete=models.CASCADE, related_name="webhook"
+    )
+    url = models.URLField(max_length=500, help_text="Events are POSTed here as signed JSON.")
+    secret = models.TextField(editable=False)  # encrypted
+    created_at = models.DateTimeField(auto_now_add=True)
+    secret_made_at = models.DateTimeField()
+    last_delivery_at = models.DateTimeField(null=True, blank=True)
+    last_delivery = models.CharField(max_length=300, blank=True)
+
+    def __str__(self) -> str:
+        return f"webhook of {self.organisation}"

@@ -2,13 +2,19 @@
 
 from typing import Any
 
-from rest_framework import permissions
+from django.core.exceptions import ValidationError
+from rest_framework import permissions, status
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound, PermissionDenied
+from rest_framework.exceptions import ValidationError as BadRequest
 from rest_framework.request import Request
+from rest_framework.response import Response
 
-from organisations import services
+from organisations import services, webhooks
 from organisations.api import OrganisationScopedViewSet
-from organisations.models import Organisation
-from organisations.serializers import OrganisationSerializer
+from organisations.models import Organisation, Role, Webhook
+from organisations.roles import role_of
+from organisations.serializers import OrganisationSerializer, WebhookSerializer
 
 
 class PlatformTeamOnly(permissions.BasePermission):
@@ -37,3 +43,36 @@ class OrganisationViewSet(OrganisationScopedViewSet):
 
     def perform_destroy(self, instance: Organisation) -> None:
         services.delete_organisation(instance, by=self.request.user)
+
+    @action(detail=True, methods=["get", "put", "delete"], serializer_class=WebhookSerializer)
+    def webhook(self, request: Request, pk: str | None = None) -> Response:
+        """Where the organisation's events go (organisations/webhooks.py), for its admins alone
+        (a receiver's URL may hold a credential of its own): read it, set it (PUT ``url``,
+        ``new_secret``; the answer holds ``secret`` when one was made, this once) and remove
+        it (DELETE)."""
+        organisation = self.get_object()
+        if role_of(request.user, organisation) != Role.ADMIN:
+            raise PermissionDenied("Only the organisation's admins see and change its webhook.")
+        if request.method == "DELETE":
+            if not webhooks.remove_webhook(organisation):
+                raise NotFound("this organisation has no webhook")
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        if request.method == "PUT":
+            given = WebhookSerializer(data=request.data)
+            given.is_valid(raise_exception=True)
+            try:
+                secret = webhooks.set_webhook(
+                    organisation,
+                    given.validated_data["url"],
+                    new_secret=given.validated_data["new_secret"],
+                )
+            except ValidationError as exc:
+                raise BadRequest(exc.message_dict) from None
+            answer = dict(WebhookSerializer(Webhook.objects.get(organisation=organisation)).data)
+            if secret is not None:
+                answer["secret"] = secret
+            return Response(answer)
+        found = Webhook.objects.filter(organisation=organisation).first()
+        if found is None:
+            raise NotFound("this organisation has no webhook")
+        return Response(WebhookSerializer(found).data)

@@ -76,6 +76,8 @@ def _own_var_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     settings.STATIC_ROOT = directory / var.STATIC  # made (empty): WhiteNoise wants one
     if not os.environ.get("DJANGO_SECRET_KEY"):  # a fresh clone has made none (make run does)
         settings.SECRET_KEY = var.secret_key(directory)
+    if not os.environ.get("COVEY_ENCRYPTION_KEYS"):
+        settings.COVEY_ENCRYPTION_KEYS = [var.encryption_key(directory)]
 
 
 @pytest.fixture

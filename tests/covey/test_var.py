@@ -26,7 +26,12 @@ def test_prepare_makes_the_folders_and_one_private_key_that_stays(tmp_path):
         assert var.broker_folder(directory, name).is_dir()
     var.prepare(directory)
     assert var.secret_key(directory) == key
-    assert sorted(p.name for p in directory.iterdir()) == ["broker", "secret_key", "static"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "broker",
+        "encryption_key",
+        "secret_key",
+        "static",
+    ]
 
 
 def test_processes_preparing_at_once_all_read_the_same_whole_key(tmp_path):
@@ -65,7 +70,12 @@ def test_whoever_names_the_key_second_keeps_the_first_and_leaves_no_draft(tmp_pa
     monkeypatch.setattr(var.os, "link", another_process_first)
     var.prepare(directory)
     assert var.secret_key(directory) == "the-first-key"
-    assert sorted(p.name for p in directory.iterdir()) == ["broker", "secret_key", "static"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "broker",
+        "encryption_key",
+        "secret_key",
+        "static",
+    ]
 
 
 def test_a_file_system_without_hard_links_is_said_and_nothing_is_left(tmp_path, monkeypatch):

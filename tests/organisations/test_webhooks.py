@@ -1,0 +1,265 @@
+"""Organisations' webhooks: the signing secret shown once and kept encrypted, deliveries to a
+real receiver on loopback (plain and TLS with the test's own CA) that checks the signature, the
+outcome kept, the API and the admin; and end to end, a request filed in a transaction that
+commits, delivered by a real Celery worker on the Redis broker."""
+
+import hashlib
+import hmac
+import http.server
+import json
+import os
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import trustme
+from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.db import connection
+
+from covey import crypto
+from organisations import webhooks
+from organisations.models import Webhook
+from tests.agents.test_admin_browser import browser, page  # noqa: F401 (fixtures)
+from tests.egress.conftest import subprocess_database_url
+from tests.factories import AgentFactory
+from tests.processes import running, wait_for
+
+EVENT = {"id": 7, "thing": "registry.example.org:443"}
+
+
+@dataclass
+class Receiver:
+    url: str
+    answer: int = 204
+    got: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+
+
+@contextmanager
+def receiver(tls: ssl.SSLContext | None = None) -> Iterator[Receiver]:
+    """An HTTP(S) server on loopback that keeps what is POSTed to it."""
+    found = Receiver("")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            found.got.append((dict(self.headers), body))
+            self.send_response(found.answer)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    found.url = f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}/hooks/covey"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield found
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def verified(secret: str, headers: dict[str, str], body: bytes) -> dict:
+    """What a receiver does: check the signature (and that it is recent), then read."""
+    parts = dict(part.split("=", 1) for part in headers[webhooks.SIGNATURE_HEADER].split(","))
+    expected = hmac.new(secret.encode(), f"{parts['t']}.".encode() + body, hashlib.sha256)
+    assert hmac.compare_digest(parts["v1"], expected.hexdigest())
+    assert abs(time.time() - int(parts["t"])) < 60
+    return json.loads(body)
+
+
+# --- encryption --------------------------------------------------------------------------------
+
+
+def test_secrets_are_encrypted_and_keys_rotate(settings):
+    old, new = crypto.Fernet.generate_key().decode(), crypto.Fernet.generate_key().decode()
+    settings.COVEY_ENCRYPTION_KEYS = [old]
+    kept = crypto.encrypt("whsec_abc")
+    assert kept.startswith(crypto.PREFIX) and "whsec_abc" not in kept
+    assert crypto.decrypt(kept) == "whsec_abc"
+    settings.COVEY_ENCRYPTION_KEYS = [new, old]  # a new key first: the old one still opens
+    assert crypto.decrypt(kept) == "whsec_abc"
+    rotated = crypto.rotate(kept)
+    settings.COVEY_ENCRYPTION_KEYS = [new]
+    assert crypto.decrypt(rotated) == "whsec_abc"
+    with pytest.raises(crypto.Undecryptable, match="no key of COVEY_ENCRYPTION_KEYS opens it"):
+        crypto.decrypt(kept)
+    with pytest.raises(crypto.Undecryptable, match="not encrypted by covey"):
+        crypto.decrypt("whsec_abc")
+    settings.COVEY_ENCRYPTION_KEYS = ["not-a-key"]
+    with pytest.raises(ImproperlyConfigured, match="32 url-safe base64-encoded bytes"):
+        crypto.encrypt("x")
+    settings.COVEY_ENCRYPTION_KEYS = []
+    with pytest.raises(ImproperlyConfigured, match="no encryption key"):
+        crypto.encrypt("x")
+
+
+# --- the webhook and its deliveries ------------------------------------------------------------
+
+
+def test_the_secret_is_given_once_and_kept_encrypted(acme):
+    secret = webhooks.set_webhook(acme, "https://hooks.example.org/covey")
+    assert secret and secret.startswith(webhooks.SECRET_PREFIX)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT secret FROM organisations_webhook")
+        (raw,) = cursor.fetchone()
+    assert secret not in raw and crypto.decrypt(raw) == secret
+    # Moving it keeps the secret; asking for a new one replaces it.
+    assert webhooks.set_webhook(acme, "https://hooks.example.org/v2") is None
+    assert crypto.decrypt(Webhook.objects.get().secret) == secret
+    again = webhooks.set_webhook(acme, "https://hooks.example.org/v2", new_secret=True)
+    assert again and again != secret and crypto.decrypt(Webhook.objects.get().secret) == again
+    for bad in ("ftp://hooks.example.org/", "hooks.example.org", "http://"):
+        with pytest.raises(ValidationError, match="give an http or https URL"):
+            webhooks.set_webhook(acme, bad)
+    assert Webhook.objects.get().url == "https://hooks.example.org/v2"  # nothing changed
+
+
+def test_a_delivery_is_signed_and_its_outcome_kept(acme):
+    with receiver() as hooks:
+        secret = webhooks.set_webhook(acme, hooks.url)
+        assert secret
+        outcome = webhooks.post(acme.pk, "request.pending", "d-1", "2026-12-02T00:00:00Z", EVENT)
+        assert outcome == "delivered: 204"
+        ((headers, body),) = hooks.got
+        sent = verified(secret, headers, body)
+        assert sent == {
+            "event": "request.pending",
+            "delivery": "d-1",
+            "at": "2026-12-02T00:00:00Z",
+            "organisation": {"id": acme.pk, "slug": acme.slug},
+            "data": EVENT,
+        }
+        assert headers["X-Covey-Event"] == "request.pending"
+        assert headers["X-Covey-Delivery"] == "d-1"
+        assert headers["Content-Type"] == "application/json"
+        assert Webhook.objects.get().last_delivery == "delivered: 204"
+        hooks.answer = 500
+        outcome = webhooks.post(acme.pk, "request.pending", "d-2", "2026-12-02T00:00:01Z", EVENT)
+        assert outcome == "failed: the receiver answered 500"
+        assert Webhook.objects.get().last_delivery == outcome
+    assert webhooks.post(acme.pk, "request.pending", "d-3", "x", EVENT).startswith("failed: Conn")
+
+
+def test_a_tls_receiver_is_verified(acme, settings, tmp_path):
+    authority = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(tls)
+    with receiver(tls) as hooks:
+        webhooks.set_webhook(acme, hooks.url)
+        # Not a CA this machine trusts: refused, nothing sent.
+        outcome = webhooks.post(acme.pk, "request.pending", "d-1", "x", EVENT)
+        assert outcome.startswith("failed: ConnectError") and "CERTIFICATE_VERIFY_FAILED" in outcome
+        assert hooks.got == []
+        bundle = tmp_path / "ca.pem"
+        authority.cert_pem.write_to_path(str(bundle))
+        settings.COVEY_WEBHOOK_CA_BUNDLE = str(bundle)
+        assert webhooks.post(acme.pk, "request.pending", "d-2", "x", EVENT) == "delivered: 204"
+
+
+def test_an_organisation_without_a_webhook_sends_nothing(acme, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        webhooks.send(acme.pk, "request.pending", EVENT)
+    assert callbacks == []
+    with pytest.raises(ValueError, match="unknown webhook event"):
+        webhooks.send(acme.pk, "request.eaten", EVENT)
+
+
+# --- API and admin -----------------------------------------------------------------------------
+
+
+def test_the_api_shows_the_secret_once_and_only_admins_change_it(api, acme, alice, vera, gary):
+    path = f"/api/v1/organisations/{acme.pk}/webhook/"
+    assert api(alice).get(path).status_code == 404
+    made = api(alice).put(path, {"url": "https://hooks.example.org/covey"}, format="json")
+    assert made.status_code == 200, made.content
+    secret = made.json()["secret"]
+    assert secret.startswith(webhooks.SECRET_PREFIX)
+    shown = api(alice).get(path)  # without the secret
+    assert shown.json()["url"] == "https://hooks.example.org/covey" and secret not in shown.text
+    assert api(vera).get(path).status_code == 403  # its URL may hold a credential of its own
+    moved = api(alice).put(path, {"url": "https://hooks.example.org/v2"}, format="json")
+    assert "secret" not in moved.json() and secret not in moved.text
+    assert api(vera).put(path, {"url": "https://evil.example/"}, format="json").status_code == 403
+    assert api(gary).get(path).status_code == 404  # another organisation's
+    bad = api(alice).put(path, {"url": "ftp://x"}, format="json")
+    assert bad.status_code == 400 and "url" in bad.json()
+    assert Webhook.objects.get().url == "https://hooks.example.org/v2"
+    organisation = api(alice).get(f"/api/v1/organisations/{acme.pk}/")
+    assert secret not in organisation.text
+    assert api(alice).delete(path).status_code == 204
+    assert not Webhook.objects.exists()
+
+
+# --- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.django_db(transaction=True)
+def test_a_filed_request_reaches_the_receiver_through_a_real_worker(acme, tmp_path, settings):
+    from approvals import services as approvals
+
+    with receiver() as hooks:
+        secret = webhooks.set_webhook(acme, hooks.url)
+        assert secret
+        hostname = f"covey-webhook-test-{os.getpid()}@localhost"
+        env = {
+            **os.environ,
+            "DATABASE_URL": subprocess_database_url(),
+            "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
+            "PYTHONUNBUFFERED": "1",
+        }
+        args = [
+            sys.executable, "-m", "celery", "--app", "covey", "worker", "--pool", "solo",
+            "--hostname", hostname, "--without-mingle", "--without-gossip",
+        ]  # fmt: skip
+        log = tmp_path / "worker.log"
+        with running(args, env, log) as worker:
+            agent = AgentFactory(organisation=acme)
+            request = approvals.file_egress(agent, "registry.example.org", reason="the SDK")
+
+            def delivered() -> bool:
+                assert worker.poll() is None, log.read_text()
+                return bool(hooks.got)
+
+            wait_for(delivered, 60, "the webhook delivered", log)
+        ((headers, body),) = hooks.got
+        sent = verified(secret, headers, body)
+        assert sent["event"] == "request.pending"
+        assert sent["data"]["id"] == request.pk and sent["data"]["reason"] == "the SDK"
+        assert sent["data"]["decide"].endswith(f"/admin/approvals/request/{request.pk}/decide/")
+        assert Webhook.objects.get().last_delivery == "delivered: 204"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_webhook_is_set_in_the_admin_in_a_browser(page, acme):  # noqa: F811
+    page.goto(f"/admin/organisations/organisation/{acme.pk}/change/")
+    page.fill("#id_webhook_url", "ftp://hooks.example.org/")
+    page.click("input[name=_continue]")
+    assert "http or https URL" in page.inner_text(".field-webhook_url")
+    assert not Webhook.objects.exists()
+    page.fill("#id_webhook_url", "https://hooks.example.org/covey")
+    page.click("input[name=_continue]")
+    page.wait_for_selector("text=Webhook signing secret (shown once")
+    secret = crypto.decrypt(Webhook.objects.get(organisation=acme).secret)
+    assert secret in page.inner_text(".messagelist")
+    page.reload()
+    assert secret not in page.content()
+    assert "nothing sent yet" in page.inner_text(".field-webhook_state")
+    page.check("#id_new_webhook_secret")
+    page.click("input[name=_continue]")
+    page.wait_for_selector("text=Webhook signing secret (shown once")
+    assert crypto.decrypt(Webhook.objects.get(organisation=acme).secret) != secret
+    page.fill("#id_webhook_url", "")
+    page.click("input[name=_continue]")
+    page.wait_for_selector("text=The webhook was removed.")
+    assert not Webhook.objects.exists()
