@@ -37,8 +37,13 @@ _APT_VERSION = re.compile(r"(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]{0,99}")
 # PEP 508 names; npm's (validate-npm-package-name, new packages: lower case, URL-safe). An npm
 # version is a semver version, range or dist-tag: no ':' or '/' (URLs, git, file:, npm: aliases).
 _PIP_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
-_NPM_NAME = re.compile(r"(?:@[a-z0-9~-][a-z0-9._~-]*/)?[a-z0-9~-][a-z0-9._~-]*")
+# A pip specifier's version: PEP 440 characters only (with .* and a +local part).
+_PIP_VERSION = re.compile(r"[A-Za-z0-9.*+!_-]{1,64}")
+_PIP_OPERATORS = ("==", "!=", "<=", ">=", "<", ">", "~=")
+# npm reads a spec that looks like a file (a tarball's suffix, a leading ~ or -) as a path.
+_NPM_NAME = re.compile(r"(?:@[a-z0-9][a-z0-9._~-]*/)?[a-z0-9][a-z0-9._~-]*")
 _NPM_VERSION = re.compile(r"[A-Za-z0-9.^~<>=|*+][A-Za-z0-9.^~<>=|*+ -]{0,99}")
+_NPM_FILE = re.compile(r"\.(?:tgz|tar|tar\.gz|tar\.bz2|tar\.xz|zip)$", re.IGNORECASE)
 # A service's name is its host name in the sandbox: one DNS label, lower case.
 _SERVICE_NAME = re.compile(r"[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _RESERVED_NAMES = frozenset({"localhost", "sandbox", "proxy", "covey"})
@@ -143,6 +148,15 @@ def check_pip_package(spec: str) -> str:
         raise ValueError(f"pip: {spec!r} has an environment marker; give the package alone")
     if not _PIP_NAME.fullmatch(requirement.name):
         raise ValueError(f"pip: {requirement.name!r} is not a package name")
+    for specifier in requirement.specifier:
+        # '===' compares as text, and pip reads anything with a slash as a path on the host.
+        if specifier.operator not in _PIP_OPERATORS or not _PIP_VERSION.fullmatch(
+            specifier.version
+        ):
+            raise ValueError(
+                f"pip: {str(specifier)!r} in {spec!r} is not a version specifier covey takes"
+                f" (operators {', '.join(_PIP_OPERATORS)}, and a PEP 440 version)"
+            )
     extras = ",".join(sorted({canonicalize_name(extra) for extra in requirement.extras}))
     extras = f"[{extras}]" if extras else ""
     return f"{canonicalize_name(requirement.name)}{extras}{requirement.specifier}"
@@ -153,10 +167,12 @@ def check_npm_package(spec: str) -> str:
     never a URL, a path, a git repository or an alias."""
     at = spec.find("@", 1)
     name, version = (spec, "") if at < 0 else (spec[:at], spec[at + 1 :].strip())
+    if _NPM_FILE.search(name) or _NPM_FILE.search(version):
+        raise ValueError(f"npm: {spec!r} names a file; give a package of the registry")
     if not _NPM_NAME.fullmatch(name) or len(name) > 214:
         raise ValueError(
             f"npm: {name!r} is not a package name (lower case letters, digits and - . _ ~,"
-            " not starting with . or _, optionally @scope/; at most 214 characters)"
+            " starting with a letter or digit, optionally @scope/; at most 214 characters)"
         )
     if at < 0:
         return name

@@ -50,7 +50,9 @@ def apt_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A flat apt repository of the packages scripts/test-debs fetched (Debian's hello, and
     nodejs with what it needs), served on loopback; yields a sources.list naming it (trusted:
     the test made it). No test reaches a mirror."""
-    debs_dir = Path(os.environ.get("COVEY_TEST_DEBS", Path.home() / ".cache/covey/test-debs"))
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    cache_home = Path(cache) if cache.startswith("/") else Path.home() / ".cache"
+    debs_dir = Path(os.environ.get("COVEY_TEST_DEBS") or cache_home / "covey/test-debs")
     debs = sorted(debs_dir.glob("*.deb"))
     if not any(deb.name.startswith("nodejs_") for deb in debs):
         pytest.fail(f"no nodejs_*.deb in {debs_dir}: run scripts/test-debs (make test-debs)")

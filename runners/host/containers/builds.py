@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -275,9 +276,9 @@ class ImageBuilder:
         """The wheels of ``specs`` and their dependencies, for ``target``, in a folder."""
         if not target.python:
             raise BuildFailed(
-                f"pip packages need python3 with venv in the base image of {what}, and it has"
-                " none (add python3-venv to its apt packages in a base image of your own, or"
-                " use covey-base)"
+                f"pip packages need python3 with its venv module in the base image of {what},"
+                " and it has none: use a base image that has them (on Debian, python3-venv),"
+                " such as covey-base"
             )
         platforms = target.pip_platforms()
         if not platforms:
@@ -285,17 +286,30 @@ class ImageBuilder:
                 f"pip packages need a glibc system in the base image of {what}"
                 f" (it has {target.libc or 'another C library'})"
             )
+        # pip reads the environment markers of dependencies (python_version < "3.11",
+        # platform_machine == ...) for the Python that runs it: it must be the image's.
+        here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        if (here, platform.machine()) != (target.python, target.machine):
+            raise BuildFailed(
+                f"pip packages are fetched by this runner host's Python {here} on"
+                f" {platform.machine()}, and the base image of {what} has Python"
+                f" {target.python} on {target.machine}: the dependencies pip chose would be"
+                " those of the host's; use a base image with the host's Python"
+            )
         into = scratch / "wheels"
         command = [
             sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
             "--progress-bar", "off", "--only-binary=:all:", "--implementation", "cp",
             "--python-version", target.python, "--dest", str(into),
         ]  # fmt: skip
-        for platform in platforms:
-            command += ["--platform", platform]
-        if self.pip_index_url:
-            command += ["--index-url", self.pip_index_url]
-        _host([*command, "--", *specs], "pip", what, lines)
+        for tag in platforms:
+            command += ["--platform", tag]
+        index = {"PIP_INDEX_URL": self.pip_index_url} if self.pip_index_url else {}
+        hint = (
+            f"covey installs wheels alone, for Python {target.python} on {target.machine}"
+            f" ({target.libc})"
+        )
+        _host([*command, "--", *specs], "pip", what, lines, scratch, index, hint)
         return into
 
     def _fetch_npm(
@@ -309,15 +323,17 @@ class ImageBuilder:
                 " install npm on it"
             )
         into = scratch / "npm"
+        # No scripts, and no git: npm runs a git dependency's prepare script even with
+        # --ignore-scripts (npm/pacote#486); without git, such a dependency fails instead.
         command = [
             npm, "install", "--global", "--prefix", str(into), "--ignore-scripts", "--no-audit",
             "--no-fund", "--no-update-notifier", "--omit=dev", "--loglevel=warn", "--os=linux",
+            f"--git={shutil.which('false') or '/bin/false'}",
         ]  # fmt: skip
         if target.machine in NPM_CPUS:
             command.append(f"--cpu={NPM_CPUS[target.machine]}")
-        if self.npm_registry:
-            command.append(f"--registry={self.npm_registry}")
-        _host([*command, "--", *specs], "npm", what, lines)
+        registry = {"npm_config_registry": self.npm_registry} if self.npm_registry else {}
+        _host([*command, "--", *specs], "npm", what, lines, scratch, registry)
         return into
 
     def _base_user(self, base_id: str) -> str:
@@ -357,23 +373,51 @@ class ImageBuilder:
 
 
 def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Root's, readable by everyone (whatever this host's umask made them), executable where
+    they were, and nothing more."""
     info.uid = info.gid = 0
     info.uname = info.gname = "root"
-    info.mode &= 0o755
+    executable = info.isdir() or info.mode & 0o111
+    info.mode = 0o755 if executable else 0o644
     return info
 
 
-def _host(command: list[str], what_tool: str, what: str, lines: list[str]) -> None:
-    """Runs ``command`` (pip or npm) on the runner host; BuildFailed with its output's end if it
-    fails. Its output joins ``lines`` (the build's log)."""
-    environment = {**os.environ, "PIP_NO_INPUT": "1", "npm_config_update_notifier": "false"}
+# What pip and npm see of the runner's environment: their own settings and the network's, not
+# the runner's (its token, its database URL if it has one).
+_PASSED = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_PASSED_PREFIXES = ("PIP_", "NPM_CONFIG_", "npm_config_")
+_PROXIES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+
+
+def _environment(extra: dict[str, str]) -> dict[str, str]:
+    kept = {
+        key: value
+        for key, value in os.environ.items()
+        if key in _PASSED or key.startswith(_PASSED_PREFIXES) or key.lower() in _PROXIES
+    }
+    return {**kept, "PIP_NO_INPUT": "1", "npm_config_update_notifier": "false", **extra}
+
+
+def _host(
+    command: list[str],
+    what_tool: str,
+    what: str,
+    lines: list[str],
+    cwd: Path,
+    settings: dict[str, str] | None = None,
+    hint: str = "",
+) -> None:
+    """Runs ``command`` (pip or npm) on the runner host, in ``cwd``, with ``settings`` in its
+    environment (never on its command line, which the build's log shows); BuildFailed with its
+    output's end (and ``hint``) if it fails. Its output joins ``lines`` (the build's log)."""
     try:
         done = subprocess.run(  # noqa: S603 - pip or npm, arguments checked before
             command,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=environment,
+            env=_environment(settings or {}),
             timeout=BUILD_TIMEOUT,
             check=False,
         )
@@ -384,12 +428,14 @@ def _host(command: list[str], what_tool: str, what: str, lines: list[str]) -> No
             f"fetching the {what_tool} packages of {what} took over {BUILD_TIMEOUT} s"
         ) from exc
     output = done.stdout.decode(errors="replace").splitlines()
-    lines.append(f"$ {what_tool} " + " ".join(shlex.quote(arg) for arg in command[1:]))
+    shown = command[3:] if what_tool == "pip" else command[1:]  # after "python -m pip"
+    lines.append(f"$ {what_tool} " + " ".join(shlex.quote(arg) for arg in shown))
     lines.extend(output)
     del lines[: -LOG_LINES * 5]
     if done.returncode != 0:
+        why = f"{_last(output, 3)} ({hint})" if hint else _last(output, 3)
         raise BuildFailed(
-            f"the {what_tool} packages of {what} could not be fetched: {_last(output, 3)}",
+            f"the {what_tool} packages of {what} could not be fetched: {why}",
             "\n".join(lines[-LOG_LINES:]),
         )
 
@@ -433,10 +479,13 @@ def dockerfile(
                     "rm -rf /tmp/covey-build",
                 ]
             ),
-            f"ENV PATH={PYTHON}/bin:$PATH",
+            f"ENV PATH={PYTHON}/bin${{PATH:+:$PATH}}",
         ]
     if "npm" in specs:
-        lines += ["COPY npm/ /usr/local/", f"ENV NODE_PATH={NODE_MODULES}"]
+        lines += [
+            "COPY npm/ /usr/local/",
+            f"ENV NODE_PATH={NODE_MODULES}${{NODE_PATH:+:$NODE_PATH}}",
+        ]
     if user and user not in ("root", "0", "0:0"):
         lines.append(f"USER {user}")
     return "\n".join(lines) + "\n"
