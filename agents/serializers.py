@@ -106,5 +106,5 @@ class AgentVersionSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = AgentVersion
-        fields = ["number", "config", "changes", "created_by", "created_at"]
+        fields = ["number", "config", "changes", "created_by", "reason", "created_at"]
         read_only_fields = fields

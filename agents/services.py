@@ -99,8 +99,9 @@ def create_agent(
 
 
 @transaction.atomic
-def update_agent(agent: Agent, *, by: Any = None, **changes: Any) -> Agent:
-    """Apply changes to an agent; a new version is written if the configuration changed.
+def update_agent(agent: Agent, *, by: Any = None, reason: str = "", **changes: Any) -> Agent:
+    """Apply changes to an agent; a new version is written if the configuration changed
+    (``reason``: why, when covey changes it, e.g. an approved request).
 
     The row is locked for the duration, so concurrent changes get consecutive numbers.
     Returns the agent as saved (``agent`` itself is refreshed too).
@@ -133,6 +134,7 @@ def update_agent(agent: Agent, *, by: Any = None, **changes: Any) -> Agent:
             config=after,
             changes=diff_configs(before, after),
             created_by=_user(by),
+            reason=reason[:500],
         )
     agent.refresh_from_db()
     return locked

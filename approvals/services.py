@@ -358,7 +358,12 @@ def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any)
         locked = Organisation.objects.select_for_update().get(pk=organisation.pk)
         added = not _has(locked.base_allowlist, entry)
         if added:
-            update_organisation(locked, by=by, base_allowlist=[*locked.base_allowlist, entry])
+            update_organisation(
+                locked,
+                by=by,
+                reason=_because(request),
+                base_allowlist=[*locked.base_allowlist, entry],
+            )
         Grant.objects.create(
             request=request,
             entry=entry,
@@ -380,7 +385,10 @@ def _grant(request: Request, scope: Scope, expires_at: datetime | None, by: Any)
         added = not _has(locked_agent.allowlist, entry)
         if added:
             locked_agent = update_agent(
-                locked_agent, by=by, allowlist=[*locked_agent.allowlist, entry]
+                locked_agent,
+                by=by,
+                reason=_because(request),
+                allowlist=[*locked_agent.allowlist, entry],
             )
             versions[str(agent.pk)] = locked_agent.version
         Grant.objects.create(
@@ -408,7 +416,7 @@ def _add_package(request: Request, by: Any) -> dict[str, Any]:
     ]
     kept = [p for p in present if config.package_name(ecosystem, p) != name]
     packages[ecosystem] = [*kept, request.package]
-    workplace = update_workplace(workplace, by=by, packages=packages)
+    workplace = update_workplace(workplace, by=by, reason=_because(request), packages=packages)
     produced: dict[str, Any] = {"workplace_version": workplace.version}
     if replaced:
         produced["replaced"] = replaced
@@ -420,13 +428,24 @@ def _remove_entry(grant: Grant) -> int | None:
         organisation = Organisation.objects.select_for_update().get(pk=grant.organisation_id)
         if _has(organisation.base_allowlist, grant.entry):
             kept = _without(organisation.base_allowlist, grant.entry)
-            update_organisation(organisation, base_allowlist=kept)
+            update_organisation(organisation, reason=_expired(grant), base_allowlist=kept)
         return None
     agent = Agent.objects.select_for_update().get(pk=grant.agent_id)
     if not _has(agent.allowlist, grant.entry):
         return None
-    agent = update_agent(agent, allowlist=_without(agent.allowlist, grant.entry))
+    agent = update_agent(
+        agent, reason=_expired(grant), allowlist=_without(agent.allowlist, grant.entry)
+    )
     return agent.version
+
+
+def _because(request: Request) -> str:
+    """A version's reason, when an approval makes it."""
+    return f"request #{request.pk} approved: {request.kind} {request.thing}"
+
+
+def _expired(grant: Grant) -> str:
+    return f"grant of {grant.entry} (request #{grant.request_id}) expired"
 
 
 def _notify_later(request: Request) -> None:

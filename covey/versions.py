@@ -4,7 +4,7 @@ shown in the admin as a table and in the API as field → [old, new], and the AP
 
 A versioned model has a ``versions`` relation to rows with ``number``, ``config`` (the whole
 configuration at that version), ``changes`` (field → [old, new] from the one before),
-``created_by`` and ``created_at``; its app's services write them, never the views.
+``created_by``, ``reason`` and ``created_at``; its app's services write them, never the views.
 """
 
 import json
@@ -34,6 +34,12 @@ class Version(models.Model):
     )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    reason = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="Why it was made, when covey made it: the approved request, the grant that"
+        " expired. Empty: a person's own change.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -148,7 +154,7 @@ class VersionInline(admin.TabularInline):
     extra = 0
     can_delete = False
     ordering = ["-number"]
-    fields = ("number", "created_at", "created_by", "changes_shown")
+    fields = ("number", "created_at", "created_by", "reason", "changes_shown")
     readonly_fields = fields
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -166,7 +172,9 @@ class VersionAdmin(admin.ModelAdmin):
     """Read-only: versions are a record. ``parent`` names the versioned object's field."""
 
     parent = ""
-    readonly_fields = ["number", "created_by", "created_at", "changes_shown", "config_shown"]
+    readonly_fields = [
+        "number", "created_by", "reason", "created_at", "changes_shown", "config_shown",
+    ]  # fmt: skip
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return [self.parent, *self.readonly_fields]

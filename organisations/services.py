@@ -80,9 +80,11 @@ def create_organisation(
 
 
 @transaction.atomic
-def update_organisation(organisation: Organisation, *, by: Any = None, **changes: Any) -> None:
+def update_organisation(
+    organisation: Organisation, *, by: Any = None, reason: str = "", **changes: Any
+) -> None:
     """Change an organisation's name, base allowlist or request expiry (recorded in its
-    history)."""
+    history, with ``reason`` when covey changes it, e.g. an approved request)."""
     unknown = set(changes) - {"name", "base_allowlist", "request_expiry_minutes"}
     if unknown:
         raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
@@ -90,6 +92,7 @@ def update_organisation(organisation: Organisation, *, by: Any = None, **changes
         setattr(organisation, field, value)
     organisation.full_clean()
     organisation._history_user = by  # type: ignore[attr-defined]
+    organisation._change_reason = reason[:100] or None  # type: ignore[attr-defined]
     organisation.save()
 
 

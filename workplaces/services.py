@@ -56,9 +56,12 @@ def create_workplace(
 
 
 @transaction.atomic
-def update_workplace(workplace: Workplace, *, by: Any = None, **changes: Any) -> Workplace:
-    """Apply changes; a new version is written if the configuration changed. The row is
-    locked meanwhile, so concurrent changes get consecutive numbers."""
+def update_workplace(
+    workplace: Workplace, *, by: Any = None, reason: str = "", **changes: Any
+) -> Workplace:
+    """Apply changes; a new version is written if the configuration changed (``reason``: why,
+    when covey changes it). The row is locked meanwhile, so concurrent changes get consecutive
+    numbers."""
     unknown = set(changes) - set(WORKPLACE_FIELDS)
     if unknown:
         raise TypeError(f"cannot change {', '.join(sorted(unknown))} of a workplace")
@@ -83,6 +86,7 @@ def update_workplace(workplace: Workplace, *, by: Any = None, **changes: Any) ->
             config=after,
             changes=diff_configs(before, after),
             created_by=_user(by),
+            reason=reason[:500],
         )
     workplace.refresh_from_db()
     return locked

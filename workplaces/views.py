@@ -65,7 +65,7 @@ class WorkplaceVersionSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = WorkplaceVersion
-        fields = ["number", "config", "changes", "created_by", "created_at"]
+        fields = ["number", "config", "changes", "created_by", "reason", "created_at"]
         read_only_fields = fields
 
 

@@ -109,7 +109,9 @@ def test_an_approved_route_is_a_new_agent_version_and_allowed_at_once(agent, apr
     )
     assert decided.produced == {"agent_versions": {str(agent.pk): before + 1}}
     assert allowed(agent)
-    assert agent.versions.get(number=agent.version).created_by == april
+    made = agent.versions.get(number=agent.version)
+    assert made.created_by == april
+    assert made.reason == f"request #{request.pk} approved: egress {request.target}"  # history
 
 
 def test_a_route_for_the_workplace_goes_to_each_of_its_agents(acme, agent, workplace, april):
@@ -125,6 +127,10 @@ def test_a_route_for_the_organisation_goes_to_its_base_list(acme, agent, april):
     request = services.file_egress(agent, TARGET, reason="SDK")
     services.approve(request, by=april, note="everyone", scope=Scope.ORGANISATION)
     assert TARGET in Organisation.objects.get(pk=acme.pk).base_allowlist
+    history = Organisation.objects.get(pk=acme.pk).history.latest()
+    assert (
+        history.history_change_reason == f"request #{request.pk} approved: egress {request.target}"
+    )
     assert allowed(AgentFactory(organisation=acme))
 
 
@@ -138,6 +144,8 @@ def test_a_granted_route_goes_again_when_it_expires(agent, april):
     assert not allowed(agent)
     grant = Grant.objects.get()
     assert grant.removed_at is not None and grant.removed_version == version + 1
+    removed = agent.versions.get(number=version + 1)
+    assert removed.reason == f"grant of {grant.entry} (request #{request.pk}) expired"
     assert services.expire_grants(soon + timedelta(hours=1)) == 0  # once
 
 
@@ -147,6 +155,9 @@ def test_an_approved_package_is_a_new_workplace_version(agent, workplace, april)
     workplace.refresh_from_db()
     assert workplace.packages == {"apt": ["git", "jq"]}
     assert decided.produced == {"workplace_version": workplace.version} and workplace.version == 2
+    assert (
+        workplace.versions.get(number=2).reason == f"request #{request.pk} approved: package apt jq"
+    )
     assert queue_run(agent, "next").workplace_version.number == 2  # the next run has it
 
 
