@@ -22,7 +22,8 @@ VAR_DIR = var.default_var_dir()
 
 # Settings make nothing: without DJANGO_SECRET_KEY the key is the one `python -m covey.var` made
 # (make run does); the web server refuses to start with neither (covey/wsgi.py), and processes
-# that sign nothing (the worker, runners, the proxy) need none.
+# that sign nothing (the worker, runners, the proxy) need none. (The worker does need the
+# encryption key below, to sign webhooks.)
 SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="") or var.secret_key(VAR_DIR)
 # Secrets covey reads back (covey/crypto.py) are encrypted with these keys (Fernet; the first
 # encrypts, all decrypt); without them, with the one `python -m covey.var` made.
@@ -290,6 +291,10 @@ EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)  # seconds: a stuck mail se
 # Organisations' webhooks (organisations/webhooks.py) verify their receivers' certificates
 # against the system's CAs, or this bundle (a file; an internal CA).
 COVEY_WEBHOOK_CA_BUNDLE = env.str("COVEY_WEBHOOK_CA_BUNDLE", default="")
+# Receivers must be at public addresses, except in these networks (e.g. 10.20.0.0/16).
+COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = env.list("COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS", default=[])
+# Budgets (budgets/): their daily, weekly and monthly periods begin at midnight in this zone.
+COVEY_BUDGET_TIME_ZONE = env.str("COVEY_BUDGET_TIME_ZONE", default="UTC")
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},

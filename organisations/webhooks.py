@@ -11,21 +11,30 @@ It is sent after the change that caused it commits, by a Celery task (the web re
 waits for a receiver), with certificate verification, a short timeout and retries with back-off;
 an answer outside 2xx counts as a failure. The last outcome is kept on the webhook. The secret
 is shown once, when made (:func:`set_webhook`), and never again.
+
+A receiver must be at a public address, unless COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS holds its
+address: an organisation's admin may not point the control plane at the platform's own
+network. The name is resolved once per delivery, checked, and that address connected to (the
+certificate is still checked against the name), so a name cannot change its answer between the
+check and the connection.
 """
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
+import socket
 import ssl
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from django.conf import settings
-from django.core.exceptions import ValidationError
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.core.validators import URLValidator
 from django.db import transaction
 from django.utils import timezone
@@ -90,8 +99,10 @@ def send(organisation_id: int, event: str, data: dict[str, Any]) -> None:
         return
     delivery = str(uuid.uuid4())
     at = timezone.now().isoformat()
+    # robust: a broker that is down loses the delivery (logged), never the committed change.
     transaction.on_commit(
-        lambda: app.send_task(DELIVER, args=[organisation_id, event, delivery, at, data])
+        lambda: app.send_task(DELIVER, args=[organisation_id, event, delivery, at, data]),
+        robust=True,
     )
 
 
@@ -118,9 +129,15 @@ def post(organisation_id: int, event: str, delivery: str, at: str, data: dict[st
     ).encode()
     try:
         secret = crypto.decrypt(webhook.secret)
-    except crypto.Undecryptable as exc:
+    except (crypto.Undecryptable, ImproperlyConfigured) as exc:
         return _kept(webhook, f"failed: the signing secret cannot be read: {exc}")
+    try:
+        url, host = _pinned(webhook.url)
+        verify = _verify()
+    except (OSError, ValueError) as exc:
+        return _kept(webhook, f"failed: {exc}")
     headers = {
+        "Host": host,
         "Content-Type": "application/json",
         "User-Agent": USER_AGENT,
         "X-Covey-Event": event,
@@ -128,14 +145,14 @@ def post(organisation_id: int, event: str, delivery: str, at: str, data: dict[st
         SIGNATURE_HEADER: signature(secret, int(time.time()), body),
     }
     try:
-        answer = httpx.post(
-            webhook.url,
-            content=body,
-            headers=headers,
-            timeout=TIMEOUT,
-            follow_redirects=False,
-            verify=_verify(),
-        )
+        with httpx.Client(verify=verify, timeout=TIMEOUT, follow_redirects=False) as client:
+            answer = client.request(
+                "POST",
+                url,
+                content=body,
+                headers=headers,
+                extensions={"sni_hostname": urlsplit(webhook.url).hostname or ""},
+            )
     except httpx.HTTPError as exc:
         return _kept(webhook, f"failed: {type(exc).__name__}: {exc}"[:300])
     if not 200 <= answer.status_code < 300:
@@ -144,8 +161,37 @@ def post(organisation_id: int, event: str, delivery: str, at: str, data: dict[st
 
 
 def _verify() -> ssl.SSLContext:
-    """The system's CAs, or COVEY_WEBHOOK_CA_BUNDLE's."""
-    return ssl.create_default_context(cafile=settings.COVEY_WEBHOOK_CA_BUNDLE or None)
+    """The system's CAs, or COVEY_WEBHOOK_CA_BUNDLE's (OSError when it cannot be read)."""
+    bundle = settings.COVEY_WEBHOOK_CA_BUNDLE or None
+    try:
+        return ssl.create_default_context(cafile=bundle)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(
+            f"the CA bundle {bundle} (COVEY_WEBHOOK_CA_BUNDLE) cannot be read: {exc}"
+        ) from None
+
+
+def _pinned(url: str) -> tuple[str, str]:
+    """``url`` with its host replaced by the address it resolves to now (checked), and the
+    Host header it needs; ValueError saying why when the address is not allowed."""
+    parts = urlsplit(url)
+    name = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        found = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"{name} does not resolve: {exc}") from None
+    address = ipaddress.ip_address(str(found[0][4][0]))
+    allowed = [ipaddress.ip_network(cidr) for cidr in settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS]
+    if not address.is_global and not any(address in network for network in allowed):
+        raise ValueError(
+            f"{name} is at {address}, not a public address; the platform team allows private"
+            " receivers with COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS"
+        )
+    shown = f"[{address}]" if address.version == 6 else str(address)
+    netloc = f"{shown}:{parts.port}" if parts.port else shown
+    host = f"{name}:{parts.port}" if parts.port else name
+    return urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, "")), host
 
 
 def _kept(webhook: Webhook, outcome: str) -> str:

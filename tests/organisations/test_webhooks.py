@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import trustme
 from django.core.exceptions import ImproperlyConfigured, ValidationError
-from django.db import connection
+from django.db import connection, transaction
 
 from covey import crypto
 from organisations import webhooks
@@ -30,6 +30,13 @@ from tests.factories import AgentFactory
 from tests.processes import running, wait_for
 
 EVENT = {"id": 7, "thing": "registry.example.org:443"}
+LOOPBACK = ["127.0.0.0/8"]
+
+
+@pytest.fixture(autouse=True)
+def _loopback_receivers(settings):
+    """The tests' receivers are on loopback, which covey refuses unless it is allowed."""
+    settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = LOOPBACK
 
 
 @dataclass
@@ -150,6 +157,73 @@ def test_a_delivery_is_signed_and_its_outcome_kept(acme):
     assert webhooks.post(acme.pk, "request.pending", "d-3", "x", EVENT).startswith("failed: Conn")
 
 
+def test_a_receiver_at_a_private_address_is_refused_unless_allowed(acme, settings, monkeypatch):
+    with receiver() as hooks:
+        webhooks.set_webhook(acme, hooks.url)
+        settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = []
+        outcome = webhooks.post(acme.pk, "request.pending", "d-1", "x", EVENT)
+        assert outcome == (
+            "failed: 127.0.0.1 is at 127.0.0.1, not a public address; the platform team allows"
+            " private receivers with COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS"
+        )
+        assert hooks.got == []
+    # A name is resolved once, checked, and its address connected to, under its own Host.
+    answers = {"hooks.example.org": "10.1.2.3"}
+    monkeypatch.setattr(
+        webhooks.socket,
+        "getaddrinfo",
+        lambda name, port, **kw: [(2, 1, 6, "", (answers[name], port))],
+    )
+    with pytest.raises(ValueError, match=r"hooks\.example\.org is at 10\.1\.2\.3, not a public"):
+        webhooks._pinned("https://hooks.example.org/covey")
+    settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = ["10.0.0.0/8"]
+    assert webhooks._pinned("https://hooks.example.org:8443/covey?x=1") == (
+        "https://10.1.2.3:8443/covey?x=1",
+        "hooks.example.org:8443",
+    )
+
+
+def test_a_delivery_that_cannot_be_signed_or_verified_is_recorded_not_raised(acme, settings):
+    with receiver() as hooks:
+        webhooks.set_webhook(acme, hooks.url)
+        settings.COVEY_WEBHOOK_CA_BUNDLE = "/nonexistent/ca.pem"
+        outcome = webhooks.post(acme.pk, "request.pending", "d-1", "x", EVENT)
+        assert outcome.startswith("failed: the CA bundle /nonexistent/ca.pem")
+        settings.COVEY_ENCRYPTION_KEYS = []
+        outcome = webhooks.post(acme.pk, "request.pending", "d-2", "x", EVENT)
+        assert outcome.startswith("failed: the signing secret cannot be read: no encryption key")
+        assert Webhook.objects.get().last_delivery == outcome and hooks.got == []
+
+
+def test_decisions_are_sent_once_they_commit_and_not_when_they_roll_back(
+    acme, april, django_capture_on_commit_callbacks, monkeypatch
+):
+    from approvals import services as approvals
+
+    sent: list[tuple[str, list]] = []
+    monkeypatch.setattr(webhooks.app, "send_task", lambda name, args: sent.append((name, args)))
+    webhooks.set_webhook(acme, "https://hooks.example.org/covey")
+    agent = AgentFactory(organisation=acme)
+    with django_capture_on_commit_callbacks(execute=True):
+        request = approvals.file_egress(agent, "registry.example.org", reason="the SDK")
+    with (
+        django_capture_on_commit_callbacks(execute=True),
+        pytest.raises(RuntimeError),
+        transaction.atomic(),
+    ):
+        approvals.approve(request, by=april, note="fine")
+        raise RuntimeError("something after it failed: the decision rolls back")
+    assert [args[1] for _, args in sent] == ["request.pending"]  # nothing of the rolled back
+    request.refresh_from_db()
+    assert request.status == "pending"
+    with django_capture_on_commit_callbacks(execute=True):
+        approvals.approve(request, by=april, note="fine")
+    name, (organisation, event, _, _, data) = sent[-1]
+    assert (name, organisation, event) == (webhooks.DELIVER, acme.pk, "request.decided")
+    assert (data["status"], data["decided_by"], data["note"]) == ("approved", "april", "fine")
+    assert data["produced"] == {"agent_versions": {str(agent.pk): agent.version + 1}}
+
+
 def test_a_tls_receiver_is_verified(acme, settings, tmp_path):
     authority = trustme.CA()
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -216,6 +290,7 @@ def test_a_filed_request_reaches_the_receiver_through_a_real_worker(acme, tmp_pa
             **os.environ,
             "DATABASE_URL": subprocess_database_url(),
             "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
+            "COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS": ",".join(LOOPBACK),
             "PYTHONUNBUFFERED": "1",
         }
         args = [
