@@ -10,6 +10,7 @@ from rest_framework.routers import DefaultRouter
 
 from agents.views import AgentViewSet
 from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
+from budgets.views import BudgetViewSet, ChargeViewSet
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -49,6 +50,8 @@ router.register("egress-decisions", DecisionViewSet)
 router.register("runners", RunnerViewSet)
 router.register("runs", RunViewSet)
 router.register("requests", RequestViewSet)
+router.register("budgets", BudgetViewSet)
+router.register("charges", ChargeViewSet)
 router.register("package-requests", RequestViewSet, basename="package-request")  # DESIGN.md's name
 
 

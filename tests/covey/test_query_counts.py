@@ -1,5 +1,8 @@
 """List endpoints cost the same number of queries however many rows they return."""
 
+from decimal import Decimal
+from uuid import uuid4
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -7,6 +10,8 @@ from django.utils import timezone
 
 from agents import services
 from approvals.services import approve, file_egress, file_package
+from budgets import services as budgets
+from budgets.usage import Usage
 from covey.pagination import BoundedPagination
 from covey.urls import router
 from egress.models import Decision
@@ -24,6 +29,7 @@ from tests.factories import (
 )
 
 pytestmark = pytest.mark.django_db
+SONNET = "claude-sonnet-4-5-20250929"  # priced by the shipped prices
 
 
 def queries_for(client, url):
@@ -60,6 +66,11 @@ def make_rows(acme, alice, count):
         file_egress(agent, "b.example", reason="again", by=alice)
         file_package(agent, "apt", "jq", reason="jq")
         approve(asked, by=UserFactory(username="decider", is_superuser=True), note="fine")
+        budgets.set_budget(agent, Decimal("10"), period="daily")
+        held = budgets.reserve(
+            agent, model=SONNET, input_bound=10, max_tokens=10, request_id=str(uuid4())
+        )
+        budgets.settle(held, Usage(output=5))
 
 
 # Every list endpoint of the router, from the router itself: a new resource is measured too

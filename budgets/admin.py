@@ -1,0 +1,122 @@
+"""Budgets, prices and the ledger in the admin: budgets set through the service (the current
+period follows at once), prices as dated rows (a change is a new row), the ledger read-only."""
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from budgets import services
+from budgets.models import Budget, Charge, Price, Spend
+
+
+class SpendInline(admin.TabularInline):
+    """Every period of the budget, newest first: what was spent against what limit."""
+
+    model = Spend
+    extra = 0
+    can_delete = False
+    ordering = ["-starts_at"]
+    fields = ["starts_at", "ends_at", "limit", "spent", "reserved", "alerted"]
+    readonly_fields = ["starts_at", "ends_at", "limit", "spent", "reserved", "alerted"]
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class BudgetForm(forms.ModelForm):
+    class Meta:
+        model = Budget
+        fields = ["organisation", "agent", "amount", "period", "thresholds"]
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        agent, organisation = data.get("agent"), data.get("organisation")
+        if agent is not None and organisation and agent.organisation_id != organisation.pk:
+            self.add_error("agent", "The agent is not in this organisation.")
+        return data
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    form = BudgetForm
+    list_display = ["__str__", "organisation", "amount", "period", "spent_now", "remaining_now"]
+    list_filter = ["organisation", "period"]
+    list_select_related = ["organisation", "agent"]
+    fields = ["organisation", "agent", "amount", "period", "thresholds"]
+    inlines = [SpendInline]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return ["organisation", "agent"] if obj else []
+
+    def save_model(self, request: HttpRequest, obj: Budget, form: Any, change: bool) -> None:
+        owner: Any = obj.agent if obj.agent is not None else obj.organisation
+        saved = services.set_budget(
+            owner, obj.amount, period=obj.period, thresholds=list(obj.thresholds or [])
+        )
+        obj.pk, obj.created_at, obj.updated_at = saved.pk, saved.created_at, saved.updated_at
+        obj._state.adding = False
+
+    @admin.display(description="Spent this period")
+    def spent_now(self, obj: Budget) -> str:
+        spend = services.current_spends([obj])[obj.pk]
+        return f"${spend.spent} (${spend.reserved} held)" if spend.reserved else f"${spend.spent}"
+
+    @admin.display(description="Remaining")
+    def remaining_now(self, obj: Budget) -> str:
+        return f"${max(services.current_spends([obj])[obj.pk].remaining, 0)}"
+
+
+@admin.register(Price)
+class PriceAdmin(admin.ModelAdmin):
+    """Dollars per million tokens. A price in use is not edited: end it (``effective until``)
+    and add the new one, so every charge keeps the row it was priced by."""
+
+    list_display = [
+        "model", "input", "cache_write_5m", "cache_write_1h", "cache_read", "output",
+        "effective_from", "effective_until",
+    ]  # fmt: skip
+    search_fields = ["model"]
+    list_filter = ["effective_until"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if obj is None:
+            return []
+        return [
+            "model", "input", "cache_write_5m", "cache_write_1h", "cache_read", "output",
+            "effective_from", "created_at",
+        ]  # fmt: skip
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Charge)
+class ChargeAdmin(admin.ModelAdmin):
+    """The ledger: one row per model request, never changed."""
+
+    list_display = [
+        "at", "agent", "model", "input_tokens", "cache_write_5m_tokens", "cache_write_1h_tokens",
+        "cache_read_tokens", "output_tokens", "cost", "outcome",
+    ]  # fmt: skip
+    list_filter = ["organisation", "outcome", "model"]
+    list_select_related = ["agent"]
+    search_fields = ["request_id", "agent__name", "model"]
+    date_hierarchy = "at"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Charge]:
+        return super().get_queryset(request).select_related("agent", "price")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

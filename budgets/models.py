@@ -1,0 +1,220 @@
+"""Budgets, prices and the ledger of what model requests cost.
+
+Change them only through ``budgets.services``: it reserves and settles in single conditional
+updates, so concurrent requests never together spend more than a budget holds.
+"""
+
+from decimal import Decimal
+
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import F, Q
+
+from budgets import periods
+from budgets.usage import Prices
+from organisations.models import TenantQuerySet
+
+# Dollars, to a millionth: amounts max_digits=14, prices per million tokens max_digits=12.
+DEFAULT_THRESHOLDS = [50, 80, 100]
+
+
+def default_thresholds() -> list[int]:
+    return list(DEFAULT_THRESHOLDS)
+
+
+class Period(models.TextChoices):
+    NONE = periods.NONE, "no period (one amount, for ever)"
+    DAILY = periods.DAILY, "daily"
+    WEEKLY = periods.WEEKLY, "weekly (from Monday)"
+    MONTHLY = periods.MONTHLY, "monthly (from the first)"
+
+
+class Price(models.Model):
+    """What a model costs, per million tokens of each kind, from a moment on (dated data: a
+    change is a new row, and applies to requests that start after it)."""
+
+    model = models.CharField(
+        max_length=100,
+        db_index=True,
+        help_text="A model id, or a pattern ending in *: claude-sonnet-4-5-* prices"
+        " claude-sonnet-4-5-20250929 (a row naming the model wins, then the longest pattern).",
+    )
+    input = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
+    cache_write_5m = models.DecimalField(
+        max_digits=12,
+        decimal_places=6,
+        validators=[MinValueValidator(0)],
+        verbose_name="cache write (5 min)",
+    )
+    cache_write_1h = models.DecimalField(
+        max_digits=12,
+        decimal_places=6,
+        validators=[MinValueValidator(0)],
+        verbose_name="cache write (1 h)",
+    )
+    cache_read = models.DecimalField(
+        max_digits=12, decimal_places=6, validators=[MinValueValidator(0)]
+    )
+    output = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
+    effective_from = models.DateTimeField()
+    effective_until = models.DateTimeField(null=True, blank=True)
+    source = models.CharField(max_length=300, help_text="Where the prices come from.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model", "-effective_from"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(effective_until__isnull=True)
+                | Q(effective_until__gt=F("effective_from")),
+                name="price_until_after_from",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.effective_from:%Y-%m-%d}"
+
+    @property
+    def prices(self) -> Prices:
+        return Prices(
+            input=self.input,
+            cache_write_5m=self.cache_write_5m,
+            cache_write_1h=self.cache_write_1h,
+            cache_read=self.cache_read,
+            output=self.output,
+        )
+
+
+class Budget(models.Model):
+    """What an agent (or, without one, an organisation, capping the sum of its agents) may
+    spend on models in each period."""
+
+    organisation = models.ForeignKey(
+        "organisations.Organisation", on_delete=models.CASCADE, related_name="budgets"
+    )
+    agent = models.OneToOneField(
+        "agents.Agent", on_delete=models.CASCADE, null=True, blank=True, related_name="budget"
+    )
+    amount = models.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="US dollars per period.",
+    )
+    period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTHLY)
+    thresholds = models.JSONField(
+        default=default_thresholds,
+        blank=True,
+        help_text="Percentages of the amount at which people are told, once per period.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["organisation"],
+                condition=Q(agent__isnull=True),
+                name="budget_one_per_organisation",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"budget of {self.agent or self.organisation}"
+
+
+class Spend(models.Model):
+    """One budget's one period: its limit then, what was spent, and what open requests hold."""
+
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="spends")
+    starts_at = models.DateTimeField()
+    ends_at = models.DateTimeField(null=True, blank=True)
+    limit = models.DecimalField(max_digits=14, decimal_places=6)
+    spent = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal(0))
+    reserved = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal(0))
+    alerted = models.JSONField(default=list, blank=True, help_text="Thresholds told of.")
+
+    class Meta:
+        ordering = ["budget_id", "-starts_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["budget", "starts_at"], name="spend_one_per_period"),
+            models.CheckConstraint(
+                condition=Q(reserved__gte=0), name="spend_reserved_not_negative"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.budget} from {self.starts_at:%Y-%m-%d}"
+
+    @property
+    def remaining(self) -> Decimal:
+        return self.limit - self.spent - self.reserved
+
+
+class Reservation(models.Model):
+    """The worst case of one model request, held against its budgets until it is settled (a
+    charge) or released."""
+
+    class Status(models.TextChoices):
+        OPEN = "open"
+        SETTLED = "settled"
+        RELEASED = "released"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    organisation = models.ForeignKey(
+        "organisations.Organisation", on_delete=models.PROTECT, related_name="+"
+    )
+    agent = models.ForeignKey("agents.Agent", on_delete=models.PROTECT, related_name="+")
+    run = models.ForeignKey(
+        "runs.Run", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    model = models.CharField(max_length=100)
+    price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="+")
+    amount = models.DecimalField(max_digits=14, decimal_places=6)
+    spends = models.ManyToManyField(Spend, related_name="+", blank=True)
+    status = models.CharField(max_length=8, choices=Status.choices, default=Status.OPEN)
+    created_at = models.DateTimeField(auto_now_add=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.request_id} ({self.status})"
+
+
+class Outcome(models.TextChoices):
+    COMPLETE = "complete"
+    ERROR = "error", "ended with an error"
+    CUT_OFF = "cut-off", "cut off"
+
+
+class Charge(models.Model):
+    """One model request's cost: a row of the ledger, never changed or deleted."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    organisation = models.ForeignKey(
+        "organisations.Organisation", on_delete=models.PROTECT, related_name="+"
+    )
+    agent = models.ForeignKey("agents.Agent", on_delete=models.PROTECT, related_name="charges")
+    run = models.ForeignKey(
+        "runs.Run", on_delete=models.SET_NULL, null=True, blank=True, related_name="charges"
+    )
+    model = models.CharField(max_length=100, help_text="The model that answered.")
+    input_tokens = models.PositiveBigIntegerField(default=0)
+    cache_write_5m_tokens = models.PositiveBigIntegerField(default=0)
+    cache_write_1h_tokens = models.PositiveBigIntegerField(default=0)
+    cache_read_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=14, decimal_places=6)
+    price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="charges")
+    outcome = models.CharField(max_length=8, choices=Outcome.choices, default=Outcome.COMPLETE)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["agent", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.request_id}: ${self.cost}"

@@ -1,0 +1,261 @@
+"""Metering model requests against budgets: price, reserve, settle, release.
+
+A request is reserved at its worst case (:meth:`budgets.usage.Prices.worst_case`) against each
+budget that applies (the agent's, and its organisation's, which caps the sum of its agents) in
+one transaction of conditional updates (``… SET reserved = reserved + x WHERE spent <= limit -
+reserved - x``): the database decides, row by row, so concurrent requests can never together
+hold or spend more than a budget has, and a request that does not fit is refused before it is
+sent. Settling charges the actual cost (a ledger row) and frees the reservation; releasing
+frees it without a charge. A request is priced by the price row in effect when it starts.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+from zoneinfo import ZoneInfo
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import F, Q, Value
+from django.utils import timezone
+
+from agents.models import Agent
+from budgets import periods
+from budgets.models import Budget, Charge, Outcome, Price, Reservation, Spend
+from budgets.usage import Usage
+from organisations.models import Organisation
+
+
+class Unpriced(Exception):
+    """No price row applies to the model: it is refused, never metered at zero."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"covey has no price for the model {model!r}: an admin adds one (Budgets → Prices)"
+            " before it can be used"
+        )
+        self.model = model
+
+
+@dataclass
+class Exhausted(Exception):
+    """A budget cannot hold the request's worst case."""
+
+    budget: Budget
+    spend: Spend
+    needed: Decimal
+
+    def __str__(self) -> str:
+        whose = f"agent {self.budget.agent}" if self.budget.agent_id else "the organisation"
+        remaining = max(self.spend.remaining, Decimal(0))
+        if remaining <= 0:
+            return f"the budget of {whose} is used up (${self.spend.limit} this period)"
+        return (
+            f"the budget of {whose} has ${remaining} left this period; this request may cost"
+            f" up to ${self.needed}"
+        )
+
+
+def zone() -> ZoneInfo:
+    return ZoneInfo(settings.COVEY_BUDGET_TIME_ZONE)
+
+
+def price_for(model: str, at: datetime | None = None) -> Price:
+    """The price in effect at ``at`` for ``model``: the row naming it, else the row of the
+    longest pattern that matches it (``claude-sonnet-4-5-*`` for ``claude-sonnet-4-5-20250929``);
+    among rows of one name, the newest in effect. Unpriced when none."""
+    at = at or timezone.now()
+    in_effect = (
+        Price.objects.filter(effective_from__lte=at)
+        .filter(Q(effective_until__isnull=True) | Q(effective_until__gt=at))
+        .order_by("-effective_from")
+    )
+    exact = in_effect.filter(model=model).first()
+    if exact is not None:
+        return exact
+    best: Price | None = None
+    for price in in_effect.filter(model__endswith="*"):
+        stem = price.model[:-1]
+        if model.startswith(stem) and (best is None or len(price.model) > len(best.model)):
+            best = price
+    if best is None:
+        raise Unpriced(model)
+    return best
+
+
+def budgets_of(agent: Agent) -> list[Budget]:
+    """The budgets that apply to the agent: its own and its organisation's (either may be
+    missing: then nothing limits it there, but every request is still charged)."""
+    return list(
+        Budget.objects.filter(organisation_id=agent.organisation_id).filter(
+            Q(agent=agent) | Q(agent__isnull=True)
+        )
+    )
+
+
+def current_spend(budget: Budget, at: datetime | None = None) -> Spend:
+    """The budget's spend in the period holding ``at`` (made when the period starts)."""
+    starts, ends = periods.bounds(budget.period, at or timezone.now(), zone())
+    spend, _ = Spend.objects.get_or_create(
+        budget=budget, starts_at=starts, defaults={"ends_at": ends, "limit": budget.amount}
+    )
+    return spend
+
+
+def current_spends(budgets: list[Budget], at: datetime | None = None) -> dict[int, Spend]:
+    """Each budget's spend in the period holding ``at``, in one query, without making any: a
+    period nothing was spent in yet is shown as a new one (limit = amount, nothing spent)."""
+    at = at or timezone.now()
+    starts: dict[int, tuple[datetime, datetime | None]] = {
+        budget.pk: periods.bounds(budget.period, at, zone()) for budget in budgets
+    }
+    wanted = Q(pk__in=[])
+    for pk, (start, _) in starts.items():
+        wanted |= Q(budget_id=pk, starts_at=start)
+    found = {spend.budget_id: spend for spend in Spend.objects.filter(wanted)}
+    return {
+        budget.pk: found.get(budget.pk)
+        or Spend(
+            budget=budget,
+            starts_at=starts[budget.pk][0],
+            ends_at=starts[budget.pk][1],
+            limit=budget.amount,
+        )
+        for budget in budgets
+    }
+
+
+def reserve(
+    agent: Agent,
+    *,
+    model: str,
+    input_bound: int,
+    max_tokens: int,
+    request_id: str,
+    run_id: "UUID | str | None" = None,
+    at: datetime | None = None,
+) -> Reservation:
+    """Hold the worst case of a request against the agent's budgets. Unpriced for a model
+    without a price; Exhausted (nothing held) when a budget cannot hold it."""
+    at = at or timezone.now()
+    price = price_for(model, at)
+    amount = price.prices.worst_case(input_bound, max_tokens)
+    with transaction.atomic():
+        held = []
+        # Rows are updated in one order (by id) by every reservation and settlement, so two
+        # requests never wait for each other's rows in opposite orders (a deadlock).
+        spends = sorted(((current_spend(b, at), b) for b in budgets_of(agent)), key=_by_id)
+        for spend, budget in spends:
+            fits = Spend.objects.filter(
+                pk=spend.pk, spent__lte=F("limit") - F("reserved") - Value(amount)
+            ).update(reserved=F("reserved") + Value(amount))
+            if not fits:
+                spend.refresh_from_db()
+                raise Exhausted(budget, spend, amount)
+            held.append(spend)
+        reservation = Reservation.objects.create(
+            request_id=request_id,
+            organisation_id=agent.organisation_id,
+            agent=agent,
+            run_id=run_id,
+            model=model,
+            price=price,
+            amount=amount,
+        )
+        reservation.spends.set(held)
+    return reservation
+
+
+def settle(
+    reservation: Reservation, usage: Usage, *, model: str = "", outcome: str = Outcome.COMPLETE
+) -> Charge:
+    """Charge what the request used, at the price it started under, and free its reservation."""
+    with transaction.atomic():
+        locked = _open(reservation)
+        cost = locked.price.prices.cost(usage)
+        charge = Charge.objects.create(
+            request_id=locked.request_id,
+            organisation_id=locked.organisation_id,
+            agent_id=locked.agent_id,
+            run_id=locked.run_id,
+            model=model or locked.model,
+            input_tokens=usage.input,
+            cache_write_5m_tokens=usage.cache_write_5m,
+            cache_write_1h_tokens=usage.cache_write_1h,
+            cache_read_tokens=usage.cache_read,
+            output_tokens=usage.output,
+            cost=cost,
+            price=locked.price,
+            outcome=outcome,
+        )
+        _close(locked, Reservation.Status.SETTLED, spent=cost)
+    return charge
+
+
+def release(reservation: Reservation) -> None:
+    """Free a reservation without a charge (the request never reached the model)."""
+    with transaction.atomic():
+        _close(_open(reservation), Reservation.Status.RELEASED, spent=Decimal(0))
+
+
+def _open(reservation: Reservation) -> Reservation:
+    # Its own row alone: FOR UPDATE of the join would lock the price row too, which every
+    # other request's foreign keys share-lock at commit (a deadlock under load).
+    locked = (
+        Reservation.objects.select_for_update(of=("self",))
+        .select_related("price")
+        .get(pk=reservation.pk)
+    )
+    if locked.status != Reservation.Status.OPEN:
+        raise ValidationError(f"reservation {locked.request_id} is {locked.status} already")
+    return locked
+
+
+def _by_id(pair: tuple[Spend, Budget]) -> int:
+    return pair[0].pk
+
+
+def _close(reservation: Reservation, status: str, *, spent: Decimal) -> None:
+    for spend in reservation.spends.order_by("pk"):
+        Spend.objects.filter(pk=spend.pk).update(
+            reserved=F("reserved") - Value(reservation.amount), spent=F("spent") + Value(spent)
+        )
+    reservation.status = status
+    reservation.closed_at = timezone.now()
+    reservation.save(update_fields=["status", "closed_at"])
+
+
+def set_budget(
+    owner: Agent | Organisation,
+    amount: Decimal,
+    *,
+    period: str = periods.MONTHLY,
+    thresholds: list[int] | None = None,
+) -> Budget:
+    """The budget of an agent or an organisation, made or changed; the current period's limit
+    follows at once (raising it lets the agent work again)."""
+    if amount < 0:
+        raise ValidationError({"amount": ["a budget cannot be negative"]})
+    if period not in periods.PERIODS:
+        raise ValidationError({"period": [f"one of {', '.join(periods.PERIODS)}"]})
+    wanted = sorted(set(thresholds if thresholds is not None else [50, 80, 100]))
+    if not all(isinstance(t, int) and 0 < t <= 1000 for t in wanted):
+        raise ValidationError({"thresholds": ["percentages from 1 to 1000"]})
+    fields: dict[str, Any] = {"amount": amount, "period": period, "thresholds": wanted}
+    with transaction.atomic():
+        if isinstance(owner, Agent):
+            budget, _ = Budget.objects.update_or_create(
+                agent=owner, defaults={**fields, "organisation_id": owner.organisation_id}
+            )
+        else:
+            budget, _ = Budget.objects.update_or_create(
+                organisation=owner, agent=None, defaults=fields
+            )
+        current_spend(budget)  # the current period exists, and takes the new limit:
+        Spend.objects.filter(budget=budget).filter(
+            Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now())
+        ).update(limit=amount)
+    return budget

@@ -1,0 +1,184 @@
+"""What a model request used, read exactly from the Anthropic Messages API's answers, and what
+it costs. No Django: the model gateway reads usage as the answer streams through it.
+
+The counts (Messages API ``usage``):
+
+- ``input_tokens``: the input not read from or written to the cache;
+- ``cache_creation_input_tokens``: written to the cache, split by lifetime in
+  ``cache_creation`` (``ephemeral_5m_input_tokens``, ``ephemeral_1h_input_tokens``; without the
+  split, all of it is the 5-minute kind, the default);
+- ``cache_read_input_tokens``: read from the cache;
+- ``output_tokens``.
+
+A plain answer holds them in ``usage``. A streamed one (server-sent events) holds the input and
+cache counts in ``message_start``'s ``message.usage``, whose output count is a placeholder;
+each ``message_delta`` carries ``usage`` counts that are cumulative, so the last value of each
+field is the one (never the sum). A stream that ends with an ``error`` event, or is cut off,
+used its input and the output seen until then. :class:`StreamMeter` keeps only the event it is
+reading, never the answer.
+"""
+
+import dataclasses
+import json
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+MILLION = Decimal(1_000_000)
+CENT_FRACTION = Decimal("0.000001")  # costs are kept to a millionth of a dollar, rounded up
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # an event longer than this is content, not counted
+KINDS = ("input", "cache_write_5m", "cache_write_1h", "cache_read", "output")
+
+
+@dataclasses.dataclass
+class Usage:
+    """Tokens of each kind one request used."""
+
+    input: int = 0
+    cache_write_5m: int = 0
+    cache_write_1h: int = 0
+    cache_read: int = 0
+    output: int = 0
+
+    def update(self, usage: Any, *, output: bool = True) -> None:
+        """Take the counts ``usage`` (a Messages API usage object) holds; those it lacks stay.
+        ``output``: whether its output count is real (message_start's is a placeholder)."""
+        if not isinstance(usage, dict):
+            return
+        if _count(usage, "input_tokens") is not None:
+            self.input = _count(usage, "input_tokens") or 0
+        written = _count(usage, "cache_creation_input_tokens")
+        split = usage.get("cache_creation")
+        if isinstance(split, dict) and (
+            _count(split, "ephemeral_5m_input_tokens") is not None
+            or _count(split, "ephemeral_1h_input_tokens") is not None
+        ):
+            self.cache_write_5m = _count(split, "ephemeral_5m_input_tokens") or 0
+            self.cache_write_1h = _count(split, "ephemeral_1h_input_tokens") or 0
+        elif written is not None:
+            self.cache_write_5m, self.cache_write_1h = written, 0
+        if _count(usage, "cache_read_input_tokens") is not None:
+            self.cache_read = _count(usage, "cache_read_input_tokens") or 0
+        if output and _count(usage, "output_tokens") is not None:
+            self.output = _count(usage, "output_tokens") or 0
+
+
+def _count(usage: dict[str, Any], key: str) -> int | None:
+    value = usage.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """Dollars per million tokens of each kind."""
+
+    input: Decimal
+    cache_write_5m: Decimal
+    cache_write_1h: Decimal
+    cache_read: Decimal
+    output: Decimal
+
+    def cost(self, usage: Usage) -> Decimal:
+        """What ``usage`` costs, in dollars, rounded up to a millionth."""
+        total = sum(
+            (Decimal(getattr(usage, kind)) * getattr(self, kind) for kind in KINDS), Decimal(0)
+        )
+        return (total / MILLION).quantize(CENT_FRACTION, rounding=ROUND_CEILING)
+
+    def worst_case(self, input_bound: int, max_tokens: int) -> Decimal:
+        """The most a request can cost: ``input_bound`` tokens at the dearest input price (a
+        1-hour cache write costs the most) and ``max_tokens`` of output."""
+        dearest = max(self.input, self.cache_write_5m, self.cache_write_1h, self.cache_read)
+        total = Decimal(input_bound) * dearest + Decimal(max_tokens) * self.output
+        return (total / MILLION).quantize(CENT_FRACTION, rounding=ROUND_CEILING)
+
+
+def from_message(body: bytes) -> tuple[Usage, str]:
+    """The usage and model of a plain (not streamed) answer; ValueError if it has no usage."""
+    try:
+        message = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"the answer is not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("usage"), dict):
+        raise ValueError("the answer has no usage")
+    usage = Usage()
+    usage.update(message["usage"])
+    return usage, str(message.get("model") or "")
+
+
+class StreamMeter:
+    """Reads the usage of a streamed answer from its bytes as they pass (:meth:`feed`), holding
+    only the event being read (server-sent events: ``data:`` lines up to a blank line). ``usage``
+    is what was used so far, ``model`` the model that answered, ``started`` whether
+    ``message_start`` came, ``finished`` whether ``message_stop`` did, ``error`` the type of an
+    ``error`` event."""
+
+    def __init__(self) -> None:
+        self.usage = Usage()
+        self.model = ""
+        self.started = False
+        self.finished = False
+        self.error = ""
+        self._line = bytearray()  # the line being read
+        self._data: list[bytes] = []  # the event's data lines so far
+        self._size = 0
+        self._blank = True  # the line being read is empty so far (a blank line ends an event)
+        self._skipping = False  # the event is too long to be one that counts
+
+    def feed(self, chunk: bytes) -> None:
+        """The next bytes of the answer, as they came."""
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._add(chunk[start:end])
+            self._end_of_line()
+            start = end + 1
+        self._add(chunk[start:])
+
+    def _add(self, part: bytes) -> None:
+        if part.strip(b"\r"):
+            self._blank = False
+        if self._skipping or not part:
+            return
+        self._size += len(part)
+        if self._size > MAX_EVENT_BYTES:
+            self._line.clear()
+            self._data.clear()
+            self._skipping = True
+            return
+        self._line += part
+
+    def _end_of_line(self) -> None:
+        line = bytes(self._line).removesuffix(b"\r")
+        self._line.clear()
+        blank, self._blank = self._blank, True
+        if not blank:
+            if not self._skipping and line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+            return
+        # A blank line ends the event.
+        data, self._data, self._size = self._data, [], 0
+        skipped, self._skipping = self._skipping, False
+        if data and not skipped:
+            try:
+                event = json.loads(b"\n".join(data))
+            except ValueError:
+                return
+            if isinstance(event, dict):
+                self._event(event)
+
+    def _event(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "message_start" and isinstance(data.get("message"), dict):
+            message = data["message"]
+            self.usage.update(message.get("usage"), output=False)
+            self.model = str(message.get("model") or self.model)
+            self.started = True
+        elif kind == "message_delta":
+            self.usage.update(data.get("usage"))
+        elif kind == "message_stop":
+            self.finished = True
+        elif kind == "error":
+            error = data.get("error")
+            self.error = str(error.get("type") if isinstance(error, dict) else "error")

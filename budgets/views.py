@@ -1,0 +1,134 @@
+"""API resources: budgets (with the current period's spend) and the ledger of charges."""
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from rest_framework import mixins, serializers
+from rest_framework.exceptions import ValidationError as BadRequest
+
+from agents.models import Agent
+from budgets import services
+from budgets.models import Budget, Charge, Period
+from organisations.api import OrganisationField, OrganisationScoped, ScopedRelatedField
+
+
+class BudgetSerializer(serializers.ModelSerializer):
+    """A budget: the agent's, or (without ``agent``) its organisation's cap on the sum of its
+    agents; ``current`` is the period now: its limit, spent, held by requests under way, and
+    remaining, in US dollars."""
+
+    organisation = OrganisationField()
+    agent = ScopedRelatedField(queryset=Agent.objects.all(), required=False, allow_null=True)
+    period = serializers.ChoiceField(choices=Period.choices, default=Period.MONTHLY)
+    thresholds = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=1000), required=False
+    )
+    current = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Budget
+        fields = [
+            "id", "organisation", "agent", "amount", "period", "thresholds", "current",
+            "created_at", "updated_at",
+        ]  # fmt: skip
+        read_only_fields = ["created_at", "updated_at"]
+        validators: list[Any] = []  # one per agent / organisation: set_budget changes it
+
+    def get_current(self, budget: Budget) -> dict[str, Any]:
+        # The list's spends come in one query (BudgetViewSet); one budget's in its own.
+        known = self.context.get("spends") or services.current_spends([budget])
+        spend = known[budget.pk]
+        return {
+            "starts_at": spend.starts_at,
+            "ends_at": spend.ends_at,
+            "limit": str(spend.limit),
+            "spent": str(spend.spent),
+            "reserved": str(spend.reserved),
+            "remaining": str(max(spend.remaining, 0)),
+        }
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        agent, organisation = data.get("agent"), data.get("organisation")
+        if self.instance is not None:
+            moved = organisation is not None and organisation.pk != self.instance.organisation_id
+            if moved or ("agent" in data and getattr(agent, "pk", None) != self.instance.agent_id):
+                raise BadRequest("a budget stays with its agent or organisation")
+        elif (
+            agent is not None
+            and organisation is not None
+            and (agent.organisation_id != organisation.pk)
+        ):
+            raise BadRequest({"agent": ["the agent is not in this organisation"]})
+        return data
+
+    def _save(self, data: dict[str, Any], owner: Any) -> Budget:
+        try:
+            return services.set_budget(
+                owner,
+                data["amount"],
+                period=data.get("period", Period.MONTHLY),
+                thresholds=data.get("thresholds"),
+            )
+        except ValidationError as exc:
+            raise BadRequest(exc.message_dict) from None
+
+    def create(self, validated_data: dict[str, Any]) -> Budget:
+        owner = validated_data.get("agent") or validated_data["organisation"]
+        return self._save(validated_data, owner)
+
+    def update(self, instance: Budget, validated_data: dict[str, Any]) -> Budget:
+        data = {
+            "amount": instance.amount,
+            "period": instance.period,
+            "thresholds": instance.thresholds,
+            **validated_data,
+        }
+        return self._save(data, instance.agent or instance.organisation)
+
+
+class BudgetViewSet(
+    mixins.CreateModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.ListModelMixin,
+    OrganisationScoped,
+):
+    """Budgets of your organisations; admins set them (a second budget for the same agent or
+    organisation changes the first). Not deleted: their periods are the record."""
+
+    queryset = Budget.objects.select_related("organisation", "agent")
+    serializer_class = BudgetSerializer
+    filterset_fields = ["organisation", "agent", "period"]
+    ordering_fields = ["created_at", "amount"]
+
+    def paginate_queryset(self, queryset: Any) -> Any:
+        page = super().paginate_queryset(queryset)
+        if page is not None:
+            self.spends = services.current_spends(list(page))
+        return page
+
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "spends": getattr(self, "spends", None)}
+
+
+class ChargeSerializer(serializers.ModelSerializer):
+    price: "serializers.StringRelatedField[Any]" = serializers.StringRelatedField()
+
+    class Meta:
+        model = Charge
+        fields = [
+            "request_id", "organisation", "agent", "run", "model", "input_tokens",
+            "cache_write_5m_tokens", "cache_write_1h_tokens", "cache_read_tokens",
+            "output_tokens", "cost", "price", "outcome", "at",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class ChargeViewSet(mixins.RetrieveModelMixin, mixins.ListModelMixin, OrganisationScoped):
+    """The ledger: one row per model request, what it used and cost; never changed."""
+
+    queryset = Charge.objects.select_related("price")
+    serializer_class = ChargeSerializer
+    filterset_fields = ["organisation", "agent", "run", "model", "outcome"]
+    ordering_fields = ["at", "cost"]
+    lookup_field = "request_id"

@@ -1,0 +1,113 @@
+"""Budgets and the ledger through the API, and in the admin."""
+
+from decimal import Decimal
+
+import pytest
+
+from budgets import services
+from budgets.models import Budget
+from budgets.usage import Usage
+from tests.agents.test_admin_browser import browser, page  # noqa: F401 (fixtures)
+from tests.factories import AgentFactory
+
+SONNET = "claude-sonnet-4-5-20250929"
+
+
+@pytest.mark.django_db
+def test_admins_set_budgets_and_everyone_in_the_organisation_reads_the_spend(
+    api, acme, alice, vera, gary
+):
+    agent = AgentFactory(organisation=acme)
+    made = api(alice).post(
+        "/api/v1/budgets/",
+        {"organisation": acme.pk, "agent": agent.pk, "amount": "2.50", "period": "daily"},
+        format="json",
+    )
+    assert made.status_code == 201, made.content
+    budget = made.json()
+    assert (budget["amount"], budget["period"], budget["thresholds"]) == (
+        "2.500000",
+        "daily",
+        [50, 80, 100],
+    )
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="r1")
+    services.settle(held, Usage(output=100))  # $0.0015
+    shown = api(vera).get(f"/api/v1/budgets/{budget['id']}/").json()
+    assert shown["current"]["spent"] == "0.001500"
+    assert shown["current"]["remaining"] == "2.498500"
+    # A second budget for the agent changes the first; viewers and other organisations cannot.
+    again = api(alice).post(
+        "/api/v1/budgets/",
+        {"organisation": acme.pk, "agent": agent.pk, "amount": "5"},
+        format="json",
+    )
+    assert again.status_code == 201 and again.json()["id"] == budget["id"]
+    assert Budget.objects.get().amount == 5
+    assert (
+        api(vera)
+        .patch(f"/api/v1/budgets/{budget['id']}/", {"amount": "9"}, format="json")
+        .status_code
+        == 403
+    )
+    assert api(gary).get(f"/api/v1/budgets/{budget['id']}/").status_code == 404
+    refused = api(alice).patch(f"/api/v1/budgets/{budget['id']}/", {"amount": "-1"}, format="json")
+    assert refused.status_code == 400
+    assert api(alice).delete(f"/api/v1/budgets/{budget['id']}/").status_code == 405
+    ledger = api(vera).get("/api/v1/charges/", {"agent": agent.pk}).json()
+    (charge,) = ledger["results"]
+    assert (charge["request_id"], charge["output_tokens"], charge["cost"]) == (
+        "r1",
+        100,
+        "0.001500",
+    )
+    assert api(gary).get("/api/v1/charges/").json()["results"] == []
+
+
+@pytest.mark.django_db
+def test_an_agent_of_another_organisation_is_refused(api, acme, globex, alice):
+    outsider = AgentFactory(organisation=globex)
+    answer = api(alice).post(
+        "/api/v1/budgets/",
+        {"organisation": acme.pk, "agent": outsider.pk, "amount": "1"},
+        format="json",
+    )
+    assert answer.status_code == 400
+    assert not Budget.objects.exists()
+
+
+@pytest.mark.django_db
+def test_the_admin_pages_of_budgets_prices_and_charges_open(operator_client, acme):
+    agent = AgentFactory(organisation=acme)
+    budget = services.set_budget(agent, Decimal("1"))
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
+    services.settle(held, Usage(output=10))
+    for path in (
+        "/admin/budgets/budget/",
+        f"/admin/budgets/budget/{budget.pk}/change/",
+        "/admin/budgets/price/",
+        "/admin/budgets/charge/",
+    ):
+        answer = operator_client.get(path)
+        assert answer.status_code == 200, path
+    assert "$0.000150" in operator_client.get("/admin/budgets/budget/").text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_budget_is_set_in_the_admin_in_a_browser(page, acme, sonnet_price):  # noqa: F811
+    agent = AgentFactory(organisation=acme, name="Builder")
+    page.goto("/admin/budgets/budget/add/")
+    page.select_option("#id_organisation", str(acme.pk))
+    page.select_option("#id_agent", str(agent.pk))
+    page.fill("#id_amount", "3.5")
+    page.select_option("#id_period", "weekly")
+    page.click("input[name=_continue]")
+    page.wait_for_selector("text=was added successfully")
+    budget = Budget.objects.get(agent=agent)
+    assert (budget.amount, budget.period) == (Decimal("3.5"), "weekly")
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
+    services.settle(held, Usage(output=1000))
+    page.goto("/admin/budgets/budget/")
+    row = page.inner_text("#result_list")
+    assert "$0.015000" in row and "$3.485000" in row  # spent, and what remains
+    page.goto(f"/admin/budgets/budget/{budget.pk}/change/")
+    assert "0.015000" in page.inner_text("#spends-group")  # the period, on the record

@@ -1,0 +1,220 @@
+"""Budgets against the real database: periods, prices in effect, reserving the worst case and
+settling the actual cost, the organisation's cap, and many requests at once never spending more
+than a budget holds."""
+
+import threading
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from uuid import uuid4
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from budgets import periods, services
+from budgets.models import Charge, Outcome, Price, Reservation, Spend
+from budgets.usage import Usage
+from tests.factories import AgentFactory
+
+BERLIN = ZoneInfo("Europe/Berlin")
+SONNET = "claude-sonnet-4-5-20250929"
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+# --- periods -----------------------------------------------------------------------------------
+
+
+def test_periods_are_calendar_aligned_in_the_time_zone():
+    moment = at("2026-03-29T12:00:00+02:00")  # Berlin's spring change was at 02:00 that day
+    day = periods.bounds(periods.DAILY, moment, BERLIN)
+    assert day == (at("2026-03-28T23:00:00+00:00"), at("2026-03-29T22:00:00+00:00"))  # 23 h
+    week = periods.bounds(periods.WEEKLY, moment, BERLIN)
+    assert week[0] == at("2026-03-23T00:00:00+01:00")  # Monday
+    assert week[1] == at("2026-03-30T00:00:00+02:00")
+    month = periods.bounds(periods.MONTHLY, at("2026-12-31T23:30:00+00:00"), BERLIN)
+    assert month[0] == at("2027-01-01T00:00:00+01:00")  # already January in Berlin
+    assert periods.bounds(periods.NONE, moment, BERLIN) == (periods.BEGINNING, None)
+    with pytest.raises(ValueError, match="'hourly' is not a budget period"):
+        periods.bounds("hourly", moment, BERLIN)
+
+
+# --- prices ------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_shipped_prices_cover_current_models_and_unknown_ones_are_refused():
+    sonnet = services.price_for(SONNET)
+    assert (sonnet.model, sonnet.input, sonnet.output) == ("claude-sonnet-4-5-*", 3, 15)
+    assert (sonnet.cache_write_5m, sonnet.cache_write_1h, sonnet.cache_read) == (
+        Decimal("3.75"),
+        6,
+        Decimal("0.3"),
+    )
+    assert services.price_for("claude-sonnet-4-5").model == "claude-sonnet-4-5"
+    assert services.price_for("claude-opus-4-5-20251101").input == 5
+    assert services.price_for("claude-opus-4-20250514").input == 15  # a name of its own
+    with pytest.raises(services.Unpriced, match="no price for the model 'claude-opus-9'"):
+        services.price_for("claude-opus-9")
+    with pytest.raises(services.Unpriced):
+        services.price_for("claude-sonnet-4-50")  # no pattern takes it
+
+
+@pytest.mark.django_db
+def test_a_price_change_applies_to_requests_that_start_after_it(acme):
+    agent = AgentFactory(organisation=acme)
+    before = services.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="a")
+    change = timezone.now()
+    Price.objects.filter(model="claude-sonnet-4-5-*").update(effective_until=change)
+    Price.objects.create(
+        model="claude-sonnet-4-5-*", input=6, cache_write_5m=Decimal("7.5"), cache_write_1h=12,
+        cache_read=Decimal("0.6"), output=30, effective_from=change, source="test",
+    )  # fmt: skip
+    after = services.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b")
+    usage = Usage(input=1_000_000)
+    assert services.settle(before, usage).cost == 3  # the price it started under
+    assert services.settle(after, usage).cost == 6
+    earlier = services.price_for(SONNET, change - timedelta(seconds=1))
+    assert earlier.input == 3
+
+
+# --- reserving and settling --------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_request_holds_its_worst_case_then_is_charged_what_it_used(acme):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("1.00"))
+    # 1000 input tokens at the 1-hour write price ($6) + 1000 output ($15): $0.021.
+    held = services.reserve(
+        agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="r-1", run_id=None
+    )
+    spend = Spend.objects.get(budget__agent=agent)
+    assert (held.amount, spend.reserved, spend.spent) == (Decimal("0.021"), held.amount, 0)
+    used = Usage(input=10, cache_write_5m=100, cache_write_1h=200, cache_read=300, output=50)
+    charge = services.settle(held, used, model=SONNET)
+    spend.refresh_from_db()
+    # 10*3 + 100*3.75 + 200*6 + 300*0.3 + 50*15 = 2445 per million.
+    assert charge.cost == Decimal("0.002445") and spend.spent == charge.cost
+    assert spend.reserved == 0
+    assert (charge.input_tokens, charge.cache_write_5m_tokens, charge.cache_write_1h_tokens) == (
+        10,
+        100,
+        200,
+    )
+    assert (charge.cache_read_tokens, charge.output_tokens, charge.outcome) == (
+        300,
+        50,
+        Outcome.COMPLETE,
+    )
+    assert charge.price.model == "claude-sonnet-4-5-*"
+    with pytest.raises(Exception, match="is settled already"):
+        services.settle(held, used)
+    freed = services.reserve(agent, model=SONNET, input_bound=1, max_tokens=1, request_id="r-2")
+    services.release(freed)
+    spend.refresh_from_db()
+    assert spend.reserved == 0 and Charge.objects.count() == 1  # released: no charge
+
+
+@pytest.mark.django_db
+def test_a_request_that_does_not_fit_is_refused_and_holds_nothing(acme):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("0.02"))
+    with pytest.raises(services.Exhausted) as refused:
+        services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="x")
+    assert str(refused.value) == (
+        f"the budget of agent {agent} has $0.020000 left this period; this request may cost up"
+        " to $0.021000"
+    )
+    assert Spend.objects.get().reserved == 0 and not Reservation.objects.exists()
+    # Raising the budget lets it work again, at once.
+    services.set_budget(agent, Decimal("0.05"))
+    services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="y")
+
+
+@pytest.mark.django_db
+def test_the_organisation_caps_the_sum_of_its_agents(acme):
+    first, second = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
+    services.set_budget(acme, Decimal("0.03"))
+    services.set_budget(first, Decimal("1"))  # more than the organisation's: the cap decides
+    one = services.reserve(first, model=SONNET, input_bound=1000, max_tokens=1000, request_id="1")
+    services.settle(one, Usage(output=1000))  # $0.015
+    with pytest.raises(
+        services.Exhausted, match=r"the budget of the organisation has \$0\.015000 left"
+    ):
+        services.reserve(second, model=SONNET, input_bound=1000, max_tokens=1000, request_id="2")
+    assert Spend.objects.get(budget__agent=first).spent == Decimal("0.015")
+
+
+@pytest.mark.django_db
+def test_a_new_period_starts_afresh_and_past_ones_keep_their_spend(acme):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("0.02"), period=periods.DAILY)
+    monday = datetime(2026, 11, 30, 12, tzinfo=UTC)
+    held = services.reserve(
+        agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m", at=monday
+    )
+    services.settle(held, Usage(output=1000))
+    with pytest.raises(services.Exhausted, match=r"has \$0\.005000 left"):
+        services.reserve(
+            agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m2", at=monday
+        )
+    tuesday = monday + timedelta(days=1)
+    services.reserve(
+        agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="t", at=tuesday
+    )
+    spends = {s.starts_at.date().isoformat(): s for s in Spend.objects.filter(budget__agent=agent)}
+    assert spends["2026-11-30"].spent == Decimal("0.015")  # kept
+    assert spends["2026-12-01"].reserved == Decimal("0.015")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_price):
+    """Each may cost $0.015; $0.10 holds six of them. Fifty threads, each with a connection of
+    its own, reserve and settle at their worst case at the same moment."""
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("0.10"))
+    services.set_budget(acme, Decimal("5"))
+    start = threading.Barrier(50)
+    outcomes: list[str] = []
+
+    def one() -> None:
+        try:
+            start.wait()
+            try:
+                held = services.reserve(
+                    agent, model=SONNET, input_bound=0, max_tokens=1000, request_id=str(uuid4())
+                )
+            except services.Exhausted:
+                outcomes.append("refused")
+                return
+            services.settle(held, Usage(output=1000))
+            outcomes.append("charged")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=one) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcomes) == 50
+    charged = Charge.objects.filter(agent=agent)
+    total = sum((c.cost for c in charged), Decimal(0))
+    assert total <= Decimal("0.10")  # never more than the budget
+    assert outcomes.count("charged") == charged.count() == 6  # and as much of it as fits
+    spend = Spend.objects.get(budget__agent=agent)
+    assert (spend.spent, spend.reserved) == (total, 0)
+    assert Spend.objects.get(budget__agent=None).spent == total
+
+
+def test_a_time_zone_that_does_not_exist_is_refused_at_start(settings):
+    from budgets.checks import budget_settings
+
+    assert budget_settings() == []
+    settings.COVEY_BUDGET_TIME_ZONE = "Mars/Olympus"
+    (error,) = budget_settings()
+    assert error.id == "budgets.E001" and "'Mars/Olympus', which is not a time zone" in error.msg
