@@ -34,6 +34,18 @@ class BudgetForm(forms.ModelForm):
         model = Budget
         fields = ["organisation", "agent", "amount", "period", "thresholds"]
 
+    def clean_thresholds(self) -> Any:
+        value = self.cleaned_data.get("thresholds")
+        if value in (None, ""):
+            return [50, 80, 100]
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 < t <= 1000 for t in value
+        ):
+            raise forms.ValidationError(
+                "Give a JSON list of whole percentages from 1 to 1000, e.g. [50, 80, 100]."
+            )
+        return value
+
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
         agent, organisation = data.get("agent"), data.get("organisation")

@@ -129,6 +129,7 @@ class Spend(models.Model):
     """One budget's one period: its limit then, what was spent, and what open requests hold."""
 
     budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="spends")
+    period = models.CharField(max_length=8, choices=Period.choices)
     starts_at = models.DateTimeField()
     ends_at = models.DateTimeField(null=True, blank=True)
     limit = models.DecimalField(max_digits=14, decimal_places=6)
@@ -139,7 +140,9 @@ class Spend(models.Model):
     class Meta:
         ordering = ["budget_id", "-starts_at"]
         constraints = [
-            models.UniqueConstraint(fields=["budget", "starts_at"], name="spend_one_per_period"),
+            models.UniqueConstraint(
+                fields=["budget", "period", "starts_at"], name="spend_one_per_period"
+            ),
             models.CheckConstraint(
                 condition=Q(reserved__gte=0), name="spend_reserved_not_negative"
             ),
@@ -208,7 +211,8 @@ class Charge(models.Model):
     cost = models.DecimalField(max_digits=14, decimal_places=6)
     price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="charges")
     outcome = models.CharField(max_length=8, choices=Outcome.choices, default=Outcome.COMPLETE)
-    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(help_text="When the request began: its period's.")
+    at = models.DateTimeField(auto_now_add=True, db_index=True, help_text="When it was settled.")
 
     objects = TenantQuerySet.as_manager()
 

@@ -9,6 +9,7 @@ sent. Settling charges the actual cost (a ledger row) and frees the reservation;
 frees it without a charge. A request is priced by the price row in effect when it starts.
 """
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -19,7 +20,7 @@ from zoneinfo import ZoneInfo
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import F, Q, Value
+from django.db.models import F, Q, Sum, Value
 from django.utils import timezone
 
 from agents.models import Agent
@@ -27,6 +28,8 @@ from budgets import periods
 from budgets.models import Budget, Charge, Outcome, Price, Reservation, Spend
 from budgets.usage import Usage
 from organisations.models import Organisation
+
+logger = logging.getLogger(__name__)
 
 
 class Unpriced(Exception):
@@ -90,19 +93,37 @@ def budgets_of(agent: Agent) -> list[Budget]:
     """The budgets that apply to the agent: its own and its organisation's (either may be
     missing: then nothing limits it there, but every request is still charged)."""
     return list(
-        Budget.objects.filter(organisation_id=agent.organisation_id).filter(
-            Q(agent=agent) | Q(agent__isnull=True)
-        )
+        Budget.objects.filter(organisation_id=agent.organisation_id)
+        .filter(Q(agent=agent) | Q(agent__isnull=True))
+        .order_by("pk")
     )
 
 
 def current_spend(budget: Budget, at: datetime | None = None) -> Spend:
-    """The budget's spend in the period holding ``at`` (made when the period starts)."""
+    """The budget's spend in the period holding ``at``, made when the period starts (with what
+    the ledger already holds for that time, when the budget's period kind was changed in it)."""
     starts, ends = periods.bounds(budget.period, at or timezone.now(), zone())
+    found = Spend.objects.filter(budget=budget, period=budget.period, starts_at=starts).first()
+    if found is not None:
+        return found
+    spent = _charged(budget, starts, ends)
     spend, _ = Spend.objects.get_or_create(
-        budget=budget, starts_at=starts, defaults={"ends_at": ends, "limit": budget.amount}
+        budget=budget,
+        period=budget.period,
+        starts_at=starts,
+        defaults={"ends_at": ends, "limit": budget.amount, "spent": spent},
     )
     return spend
+
+
+def _charged(budget: Budget, starts: datetime, ends: datetime | None) -> Decimal:
+    """What the ledger holds for the budget's agent (or organisation) in a period."""
+    charges = Charge.objects.filter(organisation_id=budget.organisation_id, started_at__gte=starts)
+    if budget.agent_id is not None:
+        charges = charges.filter(agent_id=budget.agent_id)
+    if ends is not None:
+        charges = charges.filter(started_at__lt=ends)
+    return charges.aggregate(total=Sum("cost"))["total"] or Decimal(0)
 
 
 def current_spends(budgets: list[Budget], at: datetime | None = None) -> dict[int, Spend]:
@@ -113,13 +134,15 @@ def current_spends(budgets: list[Budget], at: datetime | None = None) -> dict[in
         budget.pk: periods.bounds(budget.period, at, zone()) for budget in budgets
     }
     wanted = Q(pk__in=[])
+    kinds = {budget.pk: budget.period for budget in budgets}
     for pk, (start, _) in starts.items():
-        wanted |= Q(budget_id=pk, starts_at=start)
+        wanted |= Q(budget_id=pk, period=kinds[pk], starts_at=start)
     found = {spend.budget_id: spend for spend in Spend.objects.filter(wanted)}
     return {
         budget.pk: found.get(budget.pk)
         or Spend(
             budget=budget,
+            period=budget.period,
             starts_at=starts[budget.pk][0],
             ends_at=starts[budget.pk][1],
             limit=budget.amount,
@@ -139,7 +162,8 @@ def reserve(
     at: datetime | None = None,
 ) -> Reservation:
     """Hold the worst case of a request against the agent's budgets. Unpriced for a model
-    without a price; Exhausted (nothing held) when a budget cannot hold it."""
+    without a price; Exhausted (nothing held) when a budget cannot hold it; ValueError for a
+    negative bound."""
     at = at or timezone.now()
     price = price_for(model, at)
     amount = price.prices.worst_case(input_bound, max_tokens)
@@ -176,6 +200,14 @@ def settle(
     with transaction.atomic():
         locked = _open(reservation)
         cost = locked.price.prices.cost(usage)
+        if cost > locked.amount:
+            # Its worst case was not one: the budget may be passed by the difference.
+            logger.warning(
+                "covey: request %s cost $%s, more than the $%s reserved for it",
+                locked.request_id,
+                cost,
+                locked.amount,
+            )
         charge = Charge.objects.create(
             request_id=locked.request_id,
             organisation_id=locked.organisation_id,
@@ -190,6 +222,7 @@ def settle(
             cost=cost,
             price=locked.price,
             outcome=outcome,
+            started_at=locked.created_at,
         )
         _close(locked, Reservation.Status.SETTLED, spent=cost)
     return charge
@@ -241,9 +274,12 @@ def set_budget(
         raise ValidationError({"amount": ["a budget cannot be negative"]})
     if period not in periods.PERIODS:
         raise ValidationError({"period": [f"one of {', '.join(periods.PERIODS)}"]})
-    wanted = sorted(set(thresholds if thresholds is not None else [50, 80, 100]))
-    if not all(isinstance(t, int) and 0 < t <= 1000 for t in wanted):
-        raise ValidationError({"thresholds": ["percentages from 1 to 1000"]})
+    given = thresholds if thresholds is not None else [50, 80, 100]
+    if not isinstance(given, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 < t <= 1000 for t in given
+    ):
+        raise ValidationError({"thresholds": ["a list of whole percentages from 1 to 1000"]})
+    wanted = sorted(set(given))
     fields: dict[str, Any] = {"amount": amount, "period": period, "thresholds": wanted}
     with transaction.atomic():
         if isinstance(owner, Agent):
@@ -255,7 +291,7 @@ def set_budget(
                 organisation=owner, agent=None, defaults=fields
             )
         current_spend(budget)  # the current period exists, and takes the new limit:
-        Spend.objects.filter(budget=budget).filter(
+        Spend.objects.filter(budget=budget, period=budget.period).filter(
             Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now())
         ).update(limit=amount)
     return budget

@@ -14,8 +14,11 @@ A plain answer holds them in ``usage``. A streamed one (server-sent events) hold
 cache counts in ``message_start``'s ``message.usage``, whose output count is a placeholder;
 each ``message_delta`` carries ``usage`` counts that are cumulative, so the last value of each
 field is the one (never the sum). A stream that ends with an ``error`` event, or is cut off,
-used its input and the output seen until then. :class:`StreamMeter` keeps only the event it is
-reading, never the answer.
+used its input and the output seen until then; as the output's count only comes at the end,
+what was seen is bounded by its size: every output token is at least one byte of the content
+deltas (text, thinking, tool input), and never more than the request's ``max_tokens``
+(:meth:`StreamMeter.charged`). :class:`StreamMeter` keeps only the event it is reading, never
+the answer.
 """
 
 import dataclasses
@@ -54,8 +57,14 @@ class Usage:
         ):
             self.cache_write_5m = _count(split, "ephemeral_5m_input_tokens") or 0
             self.cache_write_1h = _count(split, "ephemeral_1h_input_tokens") or 0
-        elif written is not None:
-            self.cache_write_5m, self.cache_write_1h = written, 0
+        elif written is not None and written != self.cache_write_5m + self.cache_write_1h:
+            # A total without its split (message_delta never has one): without a split seen
+            # before, all of the default kind; else what changed is taken as the dearest kind.
+            if self.cache_write_1h == 0:
+                self.cache_write_5m = written
+            else:
+                self.cache_write_5m = min(self.cache_write_5m, written)
+                self.cache_write_1h = written - self.cache_write_5m
         if _count(usage, "cache_read_input_tokens") is not None:
             self.cache_read = _count(usage, "cache_read_input_tokens") or 0
         if output and _count(usage, "output_tokens") is not None:
@@ -88,7 +97,11 @@ class Prices:
 
     def worst_case(self, input_bound: int, max_tokens: int) -> Decimal:
         """The most a request can cost: ``input_bound`` tokens at the dearest input price (a
-        1-hour cache write costs the most) and ``max_tokens`` of output."""
+        1-hour cache write costs the most) and ``max_tokens`` of output. ``input_bound`` must
+        bound every input token the model is given (the gateway's business: the request's size
+        in bytes does, for text sent in the request itself)."""
+        if input_bound < 0 or max_tokens < 0:
+            raise ValueError("token bounds cannot be negative")
         dearest = max(self.input, self.cache_write_5m, self.cache_write_1h, self.cache_read)
         total = Decimal(input_bound) * dearest + Decimal(max_tokens) * self.output
         return (total / MILLION).quantize(CENT_FRACTION, rounding=ROUND_CEILING)
@@ -120,11 +133,24 @@ class StreamMeter:
         self.started = False
         self.finished = False
         self.error = ""
+        self.content_bytes = 0  # bytes of content deltas seen: a bound of the output so far
         self._line = bytearray()  # the line being read
         self._data: list[bytes] = []  # the event's data lines so far
         self._size = 0
         self._blank = True  # the line being read is empty so far (a blank line ends an event)
         self._skipping = False  # the event is too long to be one that counts
+
+    def charged(self, max_tokens: int) -> Usage:
+        """What to charge: the usage, when the stream finished; else its input and a bound of
+        the output seen (the bytes of its content deltas, at most ``max_tokens``)."""
+        if self.finished and not self.error:
+            return dataclasses.replace(self.usage)
+        seen = max(self.usage.output, min(self.content_bytes, max_tokens))
+        return dataclasses.replace(self.usage, output=seen)
+
+    def close(self) -> None:
+        """The answer ended: an event it did not end with a blank line is read all the same."""
+        self.feed(b"\n\n")
 
     def feed(self, chunk: bytes) -> None:
         """The next bytes of the answer, as they came."""
@@ -177,6 +203,11 @@ class StreamMeter:
             self.started = True
         elif kind == "message_delta":
             self.usage.update(data.get("usage"))
+        elif kind == "content_block_delta" and isinstance(data.get("delta"), dict):
+            delta = data["delta"]
+            for key in ("text", "partial_json", "thinking"):
+                if isinstance(delta.get(key), str):
+                    self.content_bytes += len(delta[key].encode())
         elif kind == "message_stop":
             self.finished = True
         elif kind == "error":

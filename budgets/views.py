@@ -1,9 +1,11 @@
 """API resources: budgets (with the current period's spend) and the ledger of charges."""
 
+from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from rest_framework import mixins, serializers
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.exceptions import ValidationError as BadRequest
 
 from agents.models import Agent
@@ -44,7 +46,7 @@ class BudgetSerializer(serializers.ModelSerializer):
             "limit": str(spend.limit),
             "spent": str(spend.spent),
             "reserved": str(spend.reserved),
-            "remaining": str(max(spend.remaining, 0)),
+            "remaining": str(max(spend.remaining, Decimal(0))),
         }
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +61,13 @@ class BudgetSerializer(serializers.ModelSerializer):
             and (agent.organisation_id != organisation.pk)
         ):
             raise BadRequest({"agent": ["the agent is not in this organisation"]})
+        whole = (self.instance.agent_id is None) if self.instance else agent is None
+        if whole and not self.context["request"].user.has_perm("budgets.change_budget"):
+            # The organisation's cap is the platform's limit on the tenant, not its own.
+            raise PermissionDenied(
+                "An organisation's budget is set by the platform team (the"
+                " 'budgets.change_budget' permission); its admins set its agents' budgets."
+            )
         return data
 
     def _save(self, data: dict[str, Any], owner: Any) -> Budget:

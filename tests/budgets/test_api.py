@@ -64,6 +64,24 @@ def test_admins_set_budgets_and_everyone_in_the_organisation_reads_the_spend(
 
 
 @pytest.mark.django_db
+def test_the_organisations_own_budget_is_the_platform_teams(api, acme, alice, root):
+    wanted = {"organisation": acme.pk, "amount": "100"}
+    refused = api(alice).post("/api/v1/budgets/", wanted, format="json")
+    assert refused.status_code == 403 and "set by the platform team" in refused.json()["detail"]
+    made = api(root).post("/api/v1/budgets/", wanted, format="json")
+    assert made.status_code == 201 and made.json()["agent"] is None
+    raised = api(alice).patch(
+        f"/api/v1/budgets/{made.json()['id']}/", {"amount": "1000"}, format="json"
+    )
+    assert raised.status_code == 403
+    assert Budget.objects.get().amount == 100
+    bad = api(root).patch(
+        f"/api/v1/budgets/{made.json()['id']}/", {"thresholds": [0]}, format="json"
+    )
+    assert bad.status_code == 400
+
+
+@pytest.mark.django_db
 def test_an_agent_of_another_organisation_is_refused(api, acme, globex, alice):
     outsider = AgentFactory(organisation=globex)
     answer = api(alice).post(

@@ -211,6 +211,28 @@ def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_pr
     assert Spend.objects.get(budget__agent=None).spent == total
 
 
+@pytest.mark.django_db
+def test_changing_the_period_counts_what_the_ledger_holds_for_the_new_one(acme):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("1"), period=periods.MONTHLY)
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="a")
+    charge = services.settle(held, Usage(output=1000))  # $0.015, today
+    assert charge.started_at == held.created_at
+    services.set_budget(agent, Decimal("1"), period=periods.DAILY)
+    today = Spend.objects.get(budget__agent=agent, period=periods.DAILY)
+    assert today.spent == Decimal("0.015")  # not a fresh start
+    assert Spend.objects.get(budget__agent=agent, period=periods.MONTHLY).spent == today.spent
+
+
+@pytest.mark.django_db
+def test_negative_bounds_are_refused_before_anything_is_held(acme):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("1"))
+    with pytest.raises(ValueError, match="cannot be negative"):
+        services.reserve(agent, model=SONNET, input_bound=-(10**9), max_tokens=1, request_id="n")
+    assert Spend.objects.get().reserved == 0
+
+
 def test_a_time_zone_that_does_not_exist_is_refused_at_start(settings):
     from budgets.checks import budget_settings
 

@@ -115,6 +115,46 @@ def test_a_stream_that_fails_or_is_cut_off_counts_what_came():
     assert (cut.usage.output, cut.finished) == (6, False)  # the half event is not taken
 
 
+def test_a_stream_cut_off_before_its_count_is_charged_a_bound_of_what_came():
+    """The output's count comes at the end: until then what came is bounded by its bytes (each
+    token is at least one), and by max_tokens."""
+    meter = StreamMeter()
+    meter.feed(START)
+    meter.feed(event("content_block_delta", index=0, delta={"type": "text_delta", "text": "héllo"}))
+    meter.feed(
+        event(
+            "content_block_delta",
+            index=1,
+            delta={"type": "input_json_delta", "partial_json": '{"a": 1'},
+        )
+    )
+    assert meter.content_bytes == len("héllo".encode()) + len('{"a": 1')  # 6 + 7
+    charged = meter.charged(max_tokens=1000)
+    assert (charged.input, charged.cache_write_1h, charged.output) == (12, 2000, 13)
+    assert meter.charged(max_tokens=5).output == 5
+    # A finished stream is charged its own count, however many bytes passed.
+    meter.feed(event("message_delta", usage={"output_tokens": 4}) + event("message_stop"))
+    assert meter.charged(max_tokens=1000).output == 4
+
+
+def test_a_last_event_without_its_blank_line_is_read_when_the_stream_closes():
+    meter = StreamMeter()
+    meter.feed(START + event("message_delta", usage={"output_tokens": 7}).rstrip(b"\n"))
+    assert meter.usage.output == 0
+    meter.close()
+    assert meter.usage.output == 7
+
+
+def test_a_cache_total_without_its_split_keeps_the_split_it_had():
+    """message_delta has cache_creation_input_tokens but never the split by lifetime."""
+    meter = StreamMeter()
+    meter.feed(START)  # 1000 of 5 minutes, 2000 of an hour
+    meter.feed(event("message_delta", usage={"cache_creation_input_tokens": 3000}))
+    assert (meter.usage.cache_write_5m, meter.usage.cache_write_1h) == (1000, 2000)
+    meter.feed(event("message_delta", usage={"cache_creation_input_tokens": 3500}))
+    assert (meter.usage.cache_write_5m, meter.usage.cache_write_1h) == (1000, 2500)  # dearest
+
+
 def test_a_newer_message_delta_with_input_counts_replaces_them():
     meter = StreamMeter()
     meter.feed(START)
@@ -146,3 +186,5 @@ def test_costs_are_exact_decimals_rounded_up_to_a_millionth():
     assert SONNET.cost(Usage()) == Decimal("0")
     # The worst case prices the whole input at the dearest input kind (the 1-hour write).
     assert SONNET.worst_case(1000, 100) == Decimal("0.007500")
+    with pytest.raises(ValueError, match="cannot be negative"):
+        SONNET.worst_case(-1000, 10)
