@@ -50,7 +50,11 @@ class Request(models.Model):
     )
     kind = models.CharField(max_length=8, choices=Kind.choices)
     ecosystem = models.CharField(max_length=16, blank=True)
-    package = models.CharField(max_length=255, blank=True, help_text="name or name=version")
+    package = models.CharField(
+        max_length=255,
+        blank=True,
+        help_text="As its installer takes it: apt name=1.2, pip name==1.2, npm name@1.2.",
+    )
     target = models.CharField(max_length=300, blank=True, help_text="host:port, normalised")
     status = models.CharField(
         max_length=8, choices=Status.choices, default=Status.PENDING, db_index=True

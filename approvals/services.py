@@ -470,7 +470,7 @@ def event_data(request: Request) -> dict[str, Any]:
         "status": request.status,
         "expired": request.expired,
         "agent": {"id": request.agent_id, "slug": request.agent.slug, "name": request.agent.name},
-        "run": first.run_id if first else None,
+        "run": str(first.run_id) if first and first.run_id else None,
         "reason": first.reason if first else "",
         "decided_by": request.decided_by.get_username() if request.decided_by else None,
         "decided_at": request.decided_at.isoformat() if request.decided_at else None,

@@ -30,6 +30,8 @@ class SpendInline(admin.TabularInline):
 
 
 class BudgetForm(forms.ModelForm):
+    user: Any = None  # who is asking (BudgetAdmin.get_form)
+
     class Meta:
         model = Budget
         fields = ["organisation", "agent", "amount", "period", "thresholds"]
@@ -51,6 +53,19 @@ class BudgetForm(forms.ModelForm):
         agent, organisation = data.get("agent"), data.get("organisation")
         if agent is not None and organisation and agent.organisation_id != organisation.pk:
             self.add_error("agent", "The agent is not in this organisation.")
+        if self.instance.pk is None and agent is None and organisation is not None:
+            if Budget.objects.filter(organisation=organisation, agent=None).exists():
+                self.add_error(
+                    "organisation",
+                    "This organisation has a budget of its own already: change that one.",
+                )
+            elif not self.user.has_perm("budgets.change_budget"):
+                # As in the API: the organisation's cap is the platform's limit on it.
+                self.add_error(
+                    "agent",
+                    "An organisation's own budget is set by the platform team (the 'change"
+                    " budget' permission); choose one of its agents.",
+                )
         return data
 
 
@@ -65,6 +80,19 @@ class BudgetAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return ["organisation", "agent"] if obj else []
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change, **kwargs)
+        form.user = request.user  # type: ignore[attr-defined]
+        return form
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # An organisation's own budget is the platform team's (as in the API).
+        if obj is not None and obj.agent_id is None:
+            return bool(request.user.has_perm("budgets.change_budget"))
+        return super().has_change_permission(request, obj)
 
     def save_model(self, request: HttpRequest, obj: Budget, form: Any, change: bool) -> None:
         owner: Any = obj.agent if obj.agent is not None else obj.organisation

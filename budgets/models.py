@@ -30,8 +30,8 @@ class Period(models.TextChoices):
 
 
 class Price(models.Model):
-    """What a model costs, per million tokens of each kind, from a moment on (dated data: a
-    change is a new row, and applies to requests that start after it)."""
+    """What a model costs, in US dollars per million tokens of each kind, from a moment on
+    (dated data: a change is a new row, and applies to requests that start after it)."""
 
     model = models.CharField(
         max_length=100,
@@ -39,7 +39,12 @@ class Price(models.Model):
         help_text="A model id, or a pattern ending in *: claude-sonnet-4-5-* prices"
         " claude-sonnet-4-5-20250929 (a row naming the model wins, then the longest pattern).",
     )
-    input = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
+    input = models.DecimalField(
+        max_digits=12,
+        decimal_places=6,
+        validators=[MinValueValidator(0)],
+        help_text="US dollars per million tokens (as every price here).",
+    )
     cache_write_5m = models.DecimalField(
         max_digits=12,
         decimal_places=6,
@@ -105,7 +110,8 @@ class Budget(models.Model):
     thresholds = models.JSONField(
         default=default_thresholds,
         blank=True,
-        help_text="Percentages of the amount at which people are told, once per period.",
+        help_text="Percentages of the amount at which people are to be told, once per period"
+        " (the alerts come with the model gateway).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -117,16 +117,19 @@ def post(organisation_id: int, event: str, delivery: str, at: str, data: dict[st
     if webhook is None:
         return "no webhook"
     organisation = webhook.organisation
-    body = json.dumps(
-        {
-            "event": event,
-            "delivery": delivery,
-            "at": at,
-            "organisation": {"id": organisation.pk, "slug": organisation.slug},
-            "data": data,
-        },
-        sort_keys=True,
-    ).encode()
+    try:
+        body = json.dumps(
+            {
+                "event": event,
+                "delivery": delivery,
+                "at": at,
+                "organisation": {"id": organisation.pk, "slug": organisation.slug},
+                "data": data,
+            },
+            sort_keys=True,
+        ).encode()
+    except (TypeError, ValueError) as exc:  # covey's own mistake: kept, and never retried away
+        return _kept(webhook, f"failed: the event could not be written as JSON: {exc}")
     try:
         secret = crypto.decrypt(webhook.secret)
     except (crypto.Undecryptable, ImproperlyConfigured) as exc:

@@ -129,3 +129,27 @@ def test_a_budget_is_set_in_the_admin_in_a_browser(page, acme, sonnet_price):  #
     assert "$0.015000" in row and "$3.485000" in row  # spent, and what remains
     page.goto(f"/admin/budgets/budget/{budget.pk}/change/")
     assert "0.015000" in page.inner_text("#spends-group")  # the period, on the record
+
+
+@pytest.mark.django_db
+def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(client, acme, root):
+    from django.contrib.auth.models import Permission
+
+    from tests.factories import UserFactory
+
+    carol = UserFactory(username="carol", is_staff=True)
+    carol.user_permissions.add(
+        *Permission.objects.filter(codename__in=["add_budget", "view_budget"])
+    )
+    client.force_login(carol)
+    form = {"organisation": acme.pk, "amount": "100", "period": "monthly", "thresholds": "[50]"}
+    form |= {"spends-TOTAL_FORMS": "0", "spends-INITIAL_FORMS": "0"}
+    refused = client.post("/admin/budgets/budget/add/", form)
+    assert "set by the platform team" in refused.text and not Budget.objects.exists()
+    client.force_login(root)
+    assert client.post("/admin/budgets/budget/add/", form).status_code == 302
+    again = client.post("/admin/budgets/budget/add/", form)
+    assert "has a budget of its own already" in again.text
+    assert Budget.objects.count() == 1
+    bad = client.post("/admin/budgets/budget/add/", {**form, "thresholds": '["50"]'})
+    assert "whole percentages from 1 to 1000" in bad.text

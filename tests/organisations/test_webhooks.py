@@ -338,3 +338,28 @@ def test_a_webhook_is_set_in_the_admin_in_a_browser(page, acme):  # noqa: F811
     page.click("input[name=_continue]")
     page.wait_for_selector("text=The webhook was removed.")
     assert not Webhook.objects.exists()
+
+
+def test_a_request_filed_from_a_run_is_sent_with_its_run(acme, orders):
+    """From a sandbox a request has its run, whose id is a UUID: the event carries it as text
+    (a UUID made the JSON fail, and the delivery with it)."""
+    from approvals import services as approvals
+    from runs import services as runs
+    from tests.factories import online_runner
+
+    online_runner(acme)
+    agent = AgentFactory(organisation=acme)
+    run = runs.queue_run(agent, "work")
+    request = approvals.file_egress(agent, "registry.example.org", reason="the SDK", run=run)
+    data = approvals.event_data(request)
+    assert data["run"] == str(run.pk)
+    with receiver() as hooks:
+        secret = webhooks.set_webhook(acme, hooks.url)
+        assert secret
+        assert webhooks.post(acme.pk, "request.pending", "d-1", "x", data) == "delivered: 204"
+        ((headers, body),) = hooks.got
+        assert verified(secret, headers, body)["data"]["run"] == str(run.pk)
+        # Were an event not JSON, the failure is kept on the webhook, not lost in the worker.
+        outcome = webhooks.post(acme.pk, "request.pending", "d-2", "x", {"run": run.pk})
+        assert outcome.startswith("failed: the event could not be written as JSON")
+        assert Webhook.objects.get().last_delivery == outcome

@@ -3,6 +3,7 @@ given (and not given) on the runner host, and which base images pip packages can
 
 import io
 import platform
+import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -94,3 +95,19 @@ def test_the_probe_output_is_read(tmp_path: Path):
         "manylinux1_x86_64",
     ]
     assert Target.parse("machine=aarch64\n") == Target(machine="aarch64")
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="no npm on this host")
+def test_npm_keeps_reading_the_hosts_global_npmrc_under_its_own_prefix(tmp_path, monkeypatch):
+    """--prefix moves the global npmrc npm looks for (to <prefix>/etc/npmrc): the build names
+    the host's own, where a CA file or a mirror may be set."""
+    npmrc = tmp_path / "npmrc"
+    npmrc.write_text("fund=false\n")
+    monkeypatch.setenv("npm_config_globalconfig", str(npmrc))
+    assert builds._npm_global_config(str(shutil.which("npm")), tmp_path) == str(npmrc)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(builds, "_host", lambda command, *args, **kwargs: commands.append(command))
+    builder = ImageBuilder(client=object())
+    builder._fetch_npm(["left-pad@1.3.0"], HERE, tmp_path, "dev v1", [])
+    assert f"--globalconfig={npmrc}" in commands[0]
+    assert "--git=" + (shutil.which("false") or "/bin/false") in commands[0]

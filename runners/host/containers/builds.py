@@ -332,6 +332,10 @@ class ImageBuilder:
         ]  # fmt: skip
         if target.machine in NPM_CPUS:
             command.append(f"--cpu={NPM_CPUS[target.machine]}")
+        # --prefix moves where npm looks for its global npmrc (<prefix>/etc/npmrc): the host's
+        # stays the one it reads (a CA file, a registry, credentials).
+        if host_config := _npm_global_config(npm, scratch):
+            command.append(f"--globalconfig={host_config}")
         registry = {"npm_config_registry": self.npm_registry} if self.npm_registry else {}
         _host([*command, "--", *specs], "npm", what, lines, scratch, registry)
         return into
@@ -384,7 +388,10 @@ def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 # What pip and npm see of the runner's environment: their own settings and the network's, not
 # the runner's (its token, its database URL if it has one).
-_PASSED = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_PASSED = (
+    "PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR",
+    "NODE_EXTRA_CA_CERTS",
+)  # fmt: skip
 _PASSED_PREFIXES = ("PIP_", "NPM_CONFIG_", "npm_config_")
 _PROXIES = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 
@@ -396,6 +403,24 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
         if key in _PASSED or key.startswith(_PASSED_PREFIXES) or key.lower() in _PROXIES
     }
     return {**kept, "PIP_NO_INPUT": "1", "npm_config_update_notifier": "false", **extra}
+
+
+def _npm_global_config(npm: str, cwd: Path) -> str:
+    """The global npmrc npm reads on this host, when there is one."""
+    try:
+        done = subprocess.run(  # noqa: S603 - npm itself, fixed arguments
+            [npm, "config", "get", "globalconfig"],
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=_environment({}),
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    path = done.stdout.decode(errors="replace").strip()
+    return path if done.returncode == 0 and path and Path(path).is_file() else ""
 
 
 def _host(
