@@ -119,6 +119,7 @@ class Budget(models.Model):
     objects = TenantQuerySet.as_manager()
 
     class Meta:
+        ordering = ["organisation_id", "pk"]
         constraints = [
             models.UniqueConstraint(
                 fields=["organisation"],
