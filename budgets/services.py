@@ -25,7 +25,15 @@ from django.utils import timezone
 
 from agents.models import Agent
 from budgets import periods
-from budgets.models import Budget, Charge, Outcome, Price, Reservation, Spend
+from budgets.models import (
+    DEFAULT_THRESHOLDS,
+    Budget,
+    Charge,
+    Outcome,
+    Price,
+    Reservation,
+    Spend,
+)
 from budgets.usage import Usage
 from organisations.models import Organisation
 
@@ -261,6 +269,17 @@ def _close(reservation: Reservation, status: str, *, spent: Decimal) -> None:
     reservation.save(update_fields=["status", "closed_at"])
 
 
+def check_thresholds(value: Any) -> list[int]:
+    """Alert thresholds, sorted without repeats (None: the default); ValueError if they are
+    not whole percentages from 1 to 1000."""
+    given = list(DEFAULT_THRESHOLDS) if value in (None, "") else value
+    if not isinstance(given, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 < t <= 1000 for t in given
+    ):
+        raise ValueError("give a list of whole percentages from 1 to 1000, e.g. [50, 80, 100]")
+    return sorted(set(given))
+
+
 def set_budget(
     owner: Agent | Organisation,
     amount: Decimal,
@@ -274,12 +293,10 @@ def set_budget(
         raise ValidationError({"amount": ["a budget cannot be negative"]})
     if period not in periods.PERIODS:
         raise ValidationError({"period": [f"one of {', '.join(periods.PERIODS)}"]})
-    given = thresholds if thresholds is not None else [50, 80, 100]
-    if not isinstance(given, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 < t <= 1000 for t in given
-    ):
-        raise ValidationError({"thresholds": ["a list of whole percentages from 1 to 1000"]})
-    wanted = sorted(set(given))
+    try:
+        wanted = check_thresholds(thresholds)
+    except ValueError as exc:
+        raise ValidationError({"thresholds": [str(exc)]}) from None
     fields: dict[str, Any] = {"amount": amount, "period": period, "thresholds": wanted}
     with transaction.atomic():
         if isinstance(owner, Agent):

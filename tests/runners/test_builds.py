@@ -97,7 +97,6 @@ def test_the_probe_output_is_read(tmp_path: Path):
     assert Target.parse("machine=aarch64\n") == Target(machine="aarch64")
 
 
-@pytest.mark.skipif(shutil.which("npm") is None, reason="no npm on this host")
 def test_npm_keeps_reading_the_hosts_global_npmrc_under_its_own_prefix(tmp_path, monkeypatch):
     """--prefix moves the global npmrc npm looks for (to <prefix>/etc/npmrc): the build names
     the host's own, where a CA file or a mirror may be set."""
