@@ -9,7 +9,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from budgets import services
-from budgets.models import Budget, Charge, Price, Spend
+from budgets.models import Budget, Charge, ModelKey, Price, Spend
 
 
 class SpendInline(admin.TabularInline):
@@ -166,3 +166,54 @@ class ChargeAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ModelKeyForm(forms.ModelForm):
+    key = forms.CharField(
+        label="API key",
+        strip=True,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="Kept encrypted and never shown again; the gateway sends it for the"
+        " organisation's agents, which never hold it. Enter a new one to replace it.",
+    )
+
+    class Meta:
+        model = ModelKey
+        fields = ["organisation", "vendor"]
+
+    def clean_key(self) -> str:
+        try:
+            return services.check_model_key(self.cleaned_data.get("key") or "")
+        except ValueError as exc:
+            raise forms.ValidationError(f"{str(exc).capitalize()}.") from None
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        organisation, vendor = data.get("organisation"), data.get("vendor")
+        known = ModelKey.objects.filter(organisation=organisation, vendor=vendor)
+        if self.instance.pk is None and organisation is not None and known.exists():
+            self.add_error("vendor", "This organisation has a key there already: change it.")
+        return data
+
+
+@admin.register(ModelKey)
+class ModelKeyAdmin(admin.ModelAdmin):
+    """Organisations' keys at model vendors: written here, never read back."""
+
+    form = ModelKeyForm
+    list_display = ["organisation", "vendor", "shown", "updated_at"]
+    list_filter = ["vendor"]
+    fields = ["organisation", "vendor", "key", "shown", "updated_at"]
+    readonly_fields = ["shown", "updated_at"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return ["organisation", "vendor", "shown", "updated_at"] if obj else ["shown", "updated_at"]
+
+    @admin.display(description="Key")
+    def shown(self, obj: ModelKey) -> str:
+        return f"…{obj.hint}" if obj.hint else "-"
+
+    def save_model(self, request: HttpRequest, obj: ModelKey, form: Any, change: bool) -> None:
+        saved = services.set_model_key(obj.organisation, form.cleaned_data["key"], obj.vendor)
+        obj.pk, obj.hint = saved.pk, saved.hint
+        obj._state.adding = False

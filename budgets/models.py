@@ -229,3 +229,59 @@ class Charge(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id}: ${self.cost}"
+
+
+class Vendor(models.TextChoices):
+    ANTHROPIC = "anthropic", "Anthropic (Messages API)"
+
+
+class ModelKey(models.Model):
+    """An organisation's API key at a model vendor, which the model gateway sends for its
+    agents (they never hold it). Kept encrypted (covey/crypto.py); shown never again after it
+    is entered: people see its last characters, to recognise it."""
+
+    organisation = models.ForeignKey(
+        "organisations.Organisation", on_delete=models.CASCADE, related_name="model_keys"
+    )
+    vendor = models.CharField(max_length=16, choices=Vendor.choices, default=Vendor.ANTHROPIC)
+    secret = models.TextField(editable=False)  # encrypted
+    hint = models.CharField(max_length=16, editable=False, help_text="Its last characters.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organisation", "vendor"], name="one_key_per_vendor")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_vendor_display()} key …{self.hint}"
+
+
+class GatewayTokenQuerySet(TenantQuerySet):
+    membership_lookup = "agent__organisation__memberships__user"
+
+
+class GatewayToken(models.Model):
+    """A run's credential at the model gateway: only its SHA-256 is kept; revoked when the run
+    ends."""
+
+    agent = models.ForeignKey("agents.Agent", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey(
+        "runs.Run", on_delete=models.CASCADE, null=True, blank=True, related_name="+"
+    )
+    sha256 = models.CharField(max_length=64, unique=True, editable=False)
+    prefix = models.CharField(max_length=12, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = GatewayTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… for {self.agent}"

@@ -9,9 +9,11 @@ sent. Settling charges the actual cost (a ledger row) and frees the reservation;
 frees it without a charge. A request is priced by the price row in effect when it starts.
 """
 
+import hashlib
 import logging
+import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -29,12 +31,16 @@ from budgets.models import (
     DEFAULT_THRESHOLDS,
     Budget,
     Charge,
+    GatewayToken,
+    ModelKey,
     Outcome,
     Price,
     Reservation,
     Spend,
+    Vendor,
 )
 from budgets.usage import Usage
+from covey import crypto
 from organisations.models import Organisation
 
 logger = logging.getLogger(__name__)
@@ -312,3 +318,58 @@ def set_budget(
             Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now())
         ).update(limit=amount)
     return budget
+
+
+GATEWAY_TOKEN_PREFIX = "covey-gw-"  # noqa: S105 - what a gateway token starts with
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def issue_gateway_token(agent: Agent, *, run_id: "UUID | str | None", ttl: timedelta) -> str:
+    """A credential at the model gateway for the agent (and its run); returned only now."""
+    if ttl <= timedelta(0):
+        raise ValueError("a token must live for a positive time")
+    secret = GATEWAY_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    GatewayToken.objects.create(
+        agent=agent,
+        run_id=run_id,
+        sha256=hash_token(secret),
+        prefix=secret[: len(GATEWAY_TOKEN_PREFIX) + 3],
+        expires_at=timezone.now() + ttl,
+    )
+    return secret
+
+
+def revoke_gateway_tokens(*, run_id: "UUID | str") -> int:
+    """Revoke the run's live gateway tokens; returns how many."""
+    return GatewayToken.objects.filter(run_id=run_id, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+
+
+def check_model_key(secret: str) -> str:
+    """The key without surrounding spaces; ValueError if it cannot be one."""
+    secret = secret.strip()
+    if len(secret) < 8 or any(ord(c) < 33 or ord(c) > 126 for c in secret):
+        raise ValueError("an API key is at least 8 printable characters, without spaces")
+    return secret
+
+
+def set_model_key(
+    organisation: Organisation, secret: str, vendor: str = Vendor.ANTHROPIC
+) -> ModelKey:
+    """The organisation's key at ``vendor``, made or replaced; kept encrypted."""
+    try:
+        secret = check_model_key(secret)
+    except ValueError as exc:
+        raise ValidationError({"secret": [str(exc)]}) from None
+    if vendor not in Vendor.values:
+        raise ValidationError({"vendor": [f"one of {', '.join(Vendor.values)}"]})
+    key, _ = ModelKey.objects.update_or_create(
+        organisation=organisation,
+        vendor=vendor,
+        defaults={"secret": crypto.encrypt(secret), "hint": secret[-4:]},
+    )
+    return key

@@ -295,6 +295,16 @@ COVEY_WEBHOOK_CA_BUNDLE = env.str("COVEY_WEBHOOK_CA_BUNDLE", default="")
 COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = env.list("COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS", default=[])
 # Budgets (budgets/): their daily, weekly and monthly periods begin at midnight in this zone.
 COVEY_BUDGET_TIME_ZONE = env.str("COVEY_BUDGET_TIME_ZONE", default="UTC")
+# The model gateway (budgets/gateway, `manage.py model_gateway`): the base URL sandboxes call
+# it at ("": none, and sandboxes get no model variables), where it listens, the vendor it
+# forwards to and the CAs it trusts for it (a file; "": the system's), the max_tokens it sets on
+# a request that has none (every reservation is bounded), and how many ledger calls run at once.
+COVEY_MODEL_GATEWAY_URL = env.str("COVEY_MODEL_GATEWAY_URL", default="")
+COVEY_MODEL_GATEWAY_LISTEN = env.str("COVEY_MODEL_GATEWAY_LISTEN", default="127.0.0.1:8002")
+COVEY_MODEL_UPSTREAM = env.str("COVEY_MODEL_UPSTREAM", default="https://api.anthropic.com")
+COVEY_MODEL_CA_BUNDLE = env.str("COVEY_MODEL_CA_BUNDLE", default="")
+COVEY_GATEWAY_DEFAULT_MAX_TOKENS = env.int("COVEY_GATEWAY_DEFAULT_MAX_TOKENS", default=32000)
+COVEY_GATEWAY_LEDGER_THREADS = env.int("COVEY_GATEWAY_LEDGER_THREADS", default=8)
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},

@@ -30,3 +30,4 @@ def proxy_environment(
         env[name] = env[name.upper()] = url
     env["no_proxy"] = env["NO_PROXY"] = ",".join([NO_PROXY, *direct])
     return env
+

@@ -79,6 +79,15 @@ class EgressGrant(Message):
     credentials: str = dataclasses.field(repr=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelGrant(Message):
+    """The run's way to its model: the model gateway's base URL and the run's token there
+    (revoked when the run ends); the sandbox holds no vendor key."""
+
+    base_url: str
+    token: str = dataclasses.field(repr=False)
+
+
 # What a runner host can build, sent with every start request: a run that needs more is failed
 # with a status saying so, never run without it (an older runner would ignore the fields).
 FEATURE_WORKPLACES = "workplaces"  # packages (a built image) and companion services
@@ -140,6 +149,7 @@ class LaunchSpec(Message):
     packages: tuple[Packages, ...] = ()
     services: tuple[ServiceSpec, ...] = ()
     workplace: str = ""  # which workplace version, as people name it ("dev v3")
+    model: ModelGrant | None = None  # None: the control plane runs no model gateway
 
 
 @dataclasses.dataclass(frozen=True)

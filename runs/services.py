@@ -13,6 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.models import Agent, home_quota_bytes
+from budgets.services import issue_gateway_token, revoke_gateway_tokens
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -25,6 +26,7 @@ from runners.protocol import (
     ActiveRuns,
     EgressGrant,
     LaunchSpec,
+    ModelGrant,
     Packages,
     Readiness,
     ReportState,
@@ -199,19 +201,21 @@ def start(
         _move(run, RunStatus.CANCELLED, "cancelled before it started", ["finished_at"])
         _ended(run)
         return None
-    if run.egress_token is not None:  # the first try died mid-launch: a fresh credential
+    if run.egress_token is not None:  # the first try died mid-launch: fresh credentials
         revoke_tokens([run.egress_token])
-    token, credentials = issue_token(
-        run.agent,
-        ttl=timedelta(seconds=run.timeout + 600),
-        purpose=f"run {run.pk}",
-    )
+        revoke_gateway_tokens(run_id=run.pk)
+    ttl = timedelta(seconds=run.timeout + 600)
+    token, credentials = issue_token(run.agent, ttl=ttl, purpose=f"run {run.pk}")
+    model = None
+    if settings.COVEY_MODEL_GATEWAY_URL:
+        secret = issue_gateway_token(run.agent, run_id=run.pk, ttl=ttl)
+        model = ModelGrant(base_url=settings.COVEY_MODEL_GATEWAY_URL, token=secret)
     run.egress_token = token
     if run.status == RunStatus.PLACED:
         _move(run, RunStatus.STARTING, "", ["egress_token"])
     else:
         run.save(update_fields=["egress_token"])
-    return sandbox_spec(run, credentials)
+    return sandbox_spec(run, credentials, model)
 
 
 def _workplace(run: Run) -> dict[str, Any]:
@@ -239,7 +243,7 @@ def _default_runtime(run: Run) -> bool:
     return not _command(run)
 
 
-def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
+def sandbox_spec(run: Run, credentials: str, model: ModelGrant | None = None) -> LaunchSpec:
     """What the runner builds, from the agent's configuration version the run was queued at."""
     config = run.agent_version.config
     sandbox = config.get("sandbox") or {}
@@ -265,6 +269,7 @@ def sandbox_spec(run: Run, credentials: str) -> LaunchSpec:
         workplace=""
         if run.workplace_version is None
         else f"{workplace.get('name')} v{run.workplace_version.number}",
+        model=model,
     )
 
 
@@ -417,6 +422,7 @@ def runners_run(run_id: str, runner: Runner) -> Run | None:
 def _end_credential(run: Run) -> None:
     if run.egress_token_id is not None:
         revoke_tokens(EgressToken.objects.filter(pk=run.egress_token_id))
+    revoke_gateway_tokens(run_id=run.pk)
 
 
 def _fit(text: str, limit: int | None) -> str:

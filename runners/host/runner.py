@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from allowlists.entries import split_host_port
 from egress.environment import proxy_environment
@@ -295,6 +296,16 @@ class RunnerHost:
         services = [service.name for service in spec.services]  # reached directly, not proxied
         environment: dict[str, str] = {"COVEY_RUN": spec.run}
         network: dict[str, Any] = {"network": self.settings.network}
+        direct = list(services)
+        if spec.model is not None:
+            # What the Claude runtime and the Anthropic SDKs read (either token variable).
+            environment.update(
+                ANTHROPIC_BASE_URL=spec.model.base_url,
+                ANTHROPIC_API_KEY=spec.model.token,
+                ANTHROPIC_AUTH_TOKEN=spec.model.token,
+            )
+            if shape is None:  # on the host's network, the gateway is reached directly
+                direct.append(urlsplit(spec.model.base_url).hostname or "")
         if shape is not None:
             # The proxy is the only way out, so the sandbox is told where it is whatever the
             # control plane's COVEY_EGRESS_ENFORCE says.
@@ -317,7 +328,7 @@ class RunnerHost:
                     f"a service of this workplace is named {host}, as this runner's proxy"
                     " (COVEY_RUNNER_PROXY) is: rename the service"
                 )
-            environment.update(proxy_environment(host, port, egress.credentials, services))
+            environment.update(proxy_environment(host, port, egress.credentials, direct))
         return SandboxSpec(
             run_id=spec.run,
             agent_id=spec.agent,

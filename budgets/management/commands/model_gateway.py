@@ -1,0 +1,50 @@
+"""Run the model gateway in the foreground (budgets.gateway.server) over the database ledger."""
+
+import logging
+from typing import Any
+
+from aiohttp import web
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from allowlists.entries import split_host_port
+from budgets.gateway.ledger import DjangoLedger
+from budgets.gateway.server import Gateway, GatewayConfig
+
+
+class Command(BaseCommand):
+    help = "Run covey's model gateway: agents call their model through it, metered."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--listen",
+            default=settings.COVEY_MODEL_GATEWAY_LISTEN,
+            help="HOST:PORT to accept sandboxes on (default COVEY_MODEL_GATEWAY_LISTEN).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            host, port = split_host_port(options["listen"])
+        except ValueError as exc:
+            raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
+        if not settings.COVEY_MODEL_UPSTREAM.startswith("https://"):
+            raise CommandError(
+                f"COVEY_MODEL_UPSTREAM {settings.COVEY_MODEL_UPSTREAM!r}: the vendor is called"
+                " over https only (its key travels with every request)"
+            )
+        config = GatewayConfig(
+            upstream=settings.COVEY_MODEL_UPSTREAM,
+            ca_bundle=settings.COVEY_MODEL_CA_BUNDLE,
+            default_max_tokens=settings.COVEY_GATEWAY_DEFAULT_MAX_TOKENS,
+            threads=settings.COVEY_GATEWAY_LEDGER_THREADS,
+        )
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        gateway = Gateway(DjangoLedger(), config)
+        self.stdout.write(f"covey: model gateway on http://{host}:{port}/ to {config.upstream}")
+        self.stdout.flush()
+        try:
+            web.run_app(
+                gateway.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=5
+            )
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port}: {exc}") from None

@@ -1,0 +1,324 @@
+"""The model gateway as a real process (``manage.py model_gateway``) over the test database, in
+front of a fake Messages API over TLS with a test CA: the key it sends, the usage it records,
+the budgets it stops at."""
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from budgets import services
+from budgets.models import Charge, Reservation, Spend
+from budgets.usage import Usage
+from tests.budgets.fake_vendor import TEXT, fake_vendor
+from tests.egress.conftest import subprocess_database_url
+from tests.factories import AgentFactory
+from tests.netfixtures import TestCA, loopback_alias
+from tests.processes import free_port, running, wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+VENDOR_HOST = loopback_alias(40)
+KEY = "sk-ant-api03-organisations-own-key-0123456789"
+MODEL = "claude-sonnet-4-5-20250929"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> TestCA:
+    return TestCA(tmp_path_factory.mktemp("vendor-ca"))
+
+
+@pytest.fixture(scope="module")
+def vendor(ca):
+    with fake_vendor(VENDOR_HOST, ca.issue(VENDOR_HOST)) as vendor:
+        yield vendor
+
+
+class Gateway:
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def gateway(vendor, ca, tmp_path_factory, django_db_setup, django_db_blocker):
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    env = {
+        **os.environ,
+        "DATABASE_URL": subprocess_database_url(),
+        "COVEY_VAR_DIR": str(settings.VAR_DIR),
+        "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
+        "COVEY_MODEL_UPSTREAM": vendor.url,
+        "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
+        "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [sys.executable, "manage.py", "model_gateway", "--listen", f"127.0.0.1:{port}"]
+    with running(args, env, log) as process:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the gateway answering", log)
+        yield Gateway(url, log)
+    assert KEY not in log.read_text(), "the key was logged"
+
+
+@pytest.fixture
+def agent(acme, sonnet_price):
+    agent = AgentFactory(organisation=acme)
+    services.set_model_key(acme, KEY)
+    services.set_budget(agent, Decimal(10))
+    return agent
+
+
+def token_for(agent) -> str:
+    return services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+
+
+def ask(gateway, token, scenario="json", *, bearer=False, **fields):
+    body = {"model": MODEL, "max_tokens": 100, "messages": [{"role": "user", "content": scenario}]}
+    body.update(fields)
+    auth = {"Authorization": f"Bearer {token}"} if bearer else {"x-api-key": token}
+    headers = {**auth, "anthropic-version": "2023-06-01"}
+    return httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=30)
+
+
+def expected_cost(price, usage: Usage) -> Decimal:
+    return price.prices.cost(usage)
+
+
+EXACT = Usage(input=120, cache_write_5m=20, cache_write_1h=30, cache_read=10, output=42)
+
+
+def the_charge() -> Charge:
+    (charge,) = Charge.objects.all()
+    return charge
+
+
+def assert_nothing_held(agent) -> None:
+    assert not Reservation.objects.filter(status=Reservation.Status.OPEN).exists()
+    assert all(spend.reserved == 0 for spend in Spend.objects.all())
+
+
+def test_a_plain_answer_is_metered_exactly_and_the_vendor_sees_only_the_key(
+    gateway, vendor, agent, sonnet_price
+):
+    token = token_for(agent)
+    answer = ask(gateway, token)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["content"][0]["text"] == "".join(TEXT)
+    assert answer.headers["request-id"] == "req_fake"  # the vendor's headers come back
+    seen = vendor.seen[-1]
+    assert seen.headers["x-api-key"] == KEY
+    assert "Authorization" not in seen.headers
+    assert not any(token in value for value in seen.headers.values())
+    charge = the_charge()
+    assert (charge.input_tokens, charge.cache_write_5m_tokens, charge.cache_write_1h_tokens) == (
+        120,
+        20,
+        30,
+    )
+    assert (charge.cache_read_tokens, charge.output_tokens) == (10, 42)
+    assert charge.cost == expected_cost(sonnet_price, EXACT) == Decimal("0.001248")
+    assert charge.outcome == "complete" and charge.model == MODEL
+    assert charge.request_id == answer.headers["X-Covey-Request-Id"]
+    assert_nothing_held(agent)
+    assert Spend.objects.get(budget__agent=agent).spent == charge.cost
+    assert KEY not in answer.text and KEY not in str(answer.headers)
+
+
+def test_a_stream_passes_unchanged_and_its_usage_is_read_on_the_way(gateway, vendor, agent):
+    answer = ask(gateway, token_for(agent), "stream", bearer=True, stream=True)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    events = [
+        json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")
+    ]
+    assert events[0]["type"] == "message_start"
+    assert events[-1]["type"] == "message_stop"
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == (
+        "".join(TEXT)
+    )
+    charge = the_charge()
+    assert (charge.input_tokens, charge.output_tokens, charge.outcome) == (120, 42, "complete")
+    assert vendor.seen[-1].headers["x-api-key"] == KEY
+
+
+@pytest.mark.parametrize(("scenario", "outcome"), [("error", "error"), ("drop", "cut-off")])
+def test_a_stream_that_fails_is_charged_its_input_and_the_output_it_carried(
+    gateway, agent, scenario, outcome
+):
+    with contextlib.suppress(httpx.HTTPError):  # a cut-off stream may end the read so
+        ask(gateway, token_for(agent), scenario, stream=True)
+    wait_for(lambda: Charge.objects.exists(), 10, "the charge")
+    charge = the_charge()
+    seen = len("".join(TEXT[:2]).encode())  # the two deltas before it ended
+    assert (charge.input_tokens, charge.cache_read_tokens) == (120, 10)
+    assert (charge.output_tokens, charge.outcome) == (seen, outcome)
+    assert_nothing_held(agent)
+
+
+def test_a_slow_stream_is_passed_on_as_it_comes(gateway, vendor, agent):
+    started = time.monotonic()
+    body = {"model": MODEL, "max_tokens": 100, "stream": True}
+    body["messages"] = [{"role": "user", "content": "slow"}]
+    headers = {"x-api-key": token_for(agent)}
+    with httpx.stream(
+        "POST", f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=30
+    ) as response:
+        first = None
+        for chunk in response.iter_raw():
+            if b"message_start" in chunk and first is None:
+                first = time.monotonic() - started
+        total = time.monotonic() - started
+    assert first is not None and total - first > 3 * vendor.pause  # not buffered to the end
+    assert the_charge().output_tokens == 42
+
+
+def test_what_the_vendor_refuses_is_released_uncharged(gateway, agent):
+    answer = ask(gateway, token_for(agent), "refuse")
+    assert answer.status_code == 400
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert not Charge.objects.exists()
+    assert Reservation.objects.get().status == "released"
+    assert_nothing_held(agent)
+
+
+def test_count_tokens_is_free_and_forwarded(gateway, vendor, agent):
+    answer = httpx.post(
+        f"{gateway.url}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "json"}]},
+        headers={"x-api-key": token_for(agent)},
+    )
+    assert answer.status_code == 200 and answer.json() == {"input_tokens": 99}
+    assert not Charge.objects.exists() and not Reservation.objects.exists()
+
+
+def test_unknown_revoked_and_disabled_are_refused_before_the_vendor(gateway, vendor, agent):
+    count = len(vendor.seen)
+    assert ask(gateway, "covey-gw-nonsense").status_code == 401
+    assert ask(gateway, "").status_code == 401
+    run_token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    services.GatewayToken.objects.update(revoked_at=services.timezone.now())
+    assert ask(gateway, run_token).status_code == 401
+    token = token_for(agent)
+    agent.enabled = False
+    agent.save()
+    refused = ask(gateway, token)
+    assert refused.status_code == 403 and "disabled" in refused.json()["error"]["message"]
+    assert len(vendor.seen) == count
+
+
+def test_an_organisation_without_a_key_is_told_how_to_get_one(gateway, agent, acme):
+    acme.model_keys.all().delete()
+    refused = ask(gateway, token_for(agent))
+    assert refused.status_code == 403
+    assert "no Anthropic API key" in refused.json()["error"]["message"]
+
+
+def test_an_unpriced_model_is_refused_naming_it(gateway, vendor, agent):
+    count = len(vendor.seen)
+    refused = ask(gateway, token_for(agent), model="claude-unheard-of-9")
+    assert refused.status_code == 400
+    assert "claude-unheard-of-9" in refused.json()["error"]["message"]
+    assert refused.headers["X-Covey-Deny-Reason"] == "unpriced-model"
+    assert len(vendor.seen) == count and not Reservation.objects.exists()
+
+
+def test_an_unbounded_request_is_refused(gateway, agent):
+    token = token_for(agent)
+    tools = [{"type": "web_search_20250305", "name": "web_search"}]
+    assert ask(gateway, token, tools=tools).status_code == 400
+    url = {"type": "document", "source": {"type": "url", "url": "https://example.invalid/a.pdf"}}
+    refused = ask(gateway, token, messages=[{"role": "user", "content": [url]}])
+    assert refused.status_code == 400 and "fetched by the vendor" in refused.text
+    assert not Reservation.objects.exists()
+
+
+def test_a_request_without_max_tokens_gets_the_default_and_is_bounded(gateway, vendor, agent):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "json"}]}
+    answer = httpx.post(
+        f"{gateway.url}/v1/messages", json=body, headers={"x-api-key": token_for(agent)}
+    )
+    assert answer.status_code == 200
+    assert vendor.seen[-1].body["max_tokens"] == 1000
+    reservation = Reservation.objects.get()
+    assert reservation.amount >= Decimal(1000) * Decimal(15) / Decimal(1_000_000)
+
+
+def test_a_used_up_budget_answers_402_until_it_is_raised(gateway, vendor, agent):
+    services.set_budget(agent, Decimal("0.001"))  # less than one worst case
+    count = len(vendor.seen)
+    token = token_for(agent)
+    refused = ask(gateway, token)
+    assert refused.status_code == 402
+    assert refused.headers["X-Covey-Deny-Reason"] == "budget-exhausted"
+    assert refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "billing_error"
+    assert len(vendor.seen) == count
+    services.set_budget(agent, Decimal(1))
+    assert ask(gateway, token).status_code == 200
+
+
+def test_fifty_at_once_never_spend_more_than_the_budget(gateway, agent, acme):
+    limit = Decimal("0.02")  # about eight worst cases, sixteen actual costs
+    services.set_budget(agent, limit)
+    token = token_for(agent)
+
+    async def all_at_once() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": MODEL, "max_tokens": 100}
+            body["messages"] = [{"role": "user", "content": "stream"}]
+            body["stream"] = True
+
+            async def one() -> int:
+                response = await client.post(
+                    f"{gateway.url}/v1/messages", json=body, headers={"x-api-key": token}
+                )
+                return response.status_code
+
+            return await asyncio.gather(*(one() for _ in range(50)))
+
+    statuses = asyncio.run(all_at_once())
+    assert set(statuses) <= {200, 402} and 402 in statuses and 200 in statuses
+    spent = sum(charge.cost for charge in Charge.objects.all())
+    assert spent <= limit
+    assert Charge.objects.count() == statuses.count(200)
+    spend = Spend.objects.get(budget__agent=agent)
+    assert (spend.spent, spend.reserved) == (spent, 0)
+
+
+def test_the_ledger_gone_means_nothing_is_forwarded(gateway, vendor, agent):
+    """The ledger's table out of the gateway's reach for a moment: 503, never an unmetered
+    request; and then it works again by itself."""
+    token = token_for(agent)
+    count = len(vendor.seen)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE budgets_reservation RENAME TO budgets_reservation_away")
+        try:
+            refused = ask(gateway, token)
+        finally:
+            cursor.execute("ALTER TABLE budgets_reservation_away RENAME TO budgets_reservation")
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["type"] == "api_error"
+    assert len(vendor.seen) == count
+    assert ask(gateway, token).status_code == 200
