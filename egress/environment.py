@@ -30,4 +30,3 @@ def proxy_environment(
         env[name] = env[name.upper()] = url
     env["no_proxy"] = env["NO_PROXY"] = ",".join([NO_PROXY, *direct])
     return env
-

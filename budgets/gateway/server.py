@@ -20,14 +20,13 @@ import json
 import logging
 import ssl
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from budgets.usage import StreamMeter, Usage, from_message
 
@@ -131,7 +130,7 @@ def _error(refused: Refused, request_id: str) -> web.Response:
     return response
 
 
-def token_of(headers: CIMultiDictProxy[str]) -> str:
+def token_of(headers: Mapping[str, str]) -> str:
     """The token the caller sent (both headers, when sent, must agree); Refused if none."""
     sent = set()
     if headers.get("x-api-key"):
@@ -316,13 +315,12 @@ class Gateway:
         request_id: str,
     ) -> web.StreamResponse:
         assert self.session is not None  # noqa: S101 - started with the app
-        headers = CIMultiDict(
+        headers = [
             (name, value)
             for name, value in request.headers.items()
             if name.lower() not in NOT_FORWARDED and not name.lower().startswith("x-covey")
-        )
-        headers["x-api-key"] = caller.key
-        headers["Accept-Encoding"] = "identity"
+        ]
+        headers += [("x-api-key", caller.key), ("Accept-Encoding", "identity")]
         try:
             upstream = await self.session.request(
                 request.method, self.upstream + request.path_qs, data=raw, headers=headers
@@ -346,9 +344,9 @@ class Gateway:
             response = web.StreamResponse(
                 status=upstream.status,
                 reason=upstream.reason,
-                headers=CIMultiDict(
+                headers=[
                     (n, v) for n, v in upstream.headers.items() if n.lower() not in NOT_RETURNED
-                ),
+                ],
             )
             response.headers["X-Covey-Request-Id"] = request_id
             await response.prepare(request)

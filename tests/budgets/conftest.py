@@ -1,11 +1,79 @@
-"""Fixtures of the budget tests."""
+"""Fixtures of the budget tests, and the model gateway as a real process before a fake vendor."""
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 
+import httpx
 import pytest
+from django.conf import settings
 
 from budgets.models import Price
+from tests.budgets.fake_vendor import FakeVendor, fake_vendor
+from tests.egress.conftest import subprocess_database_url
+from tests.netfixtures import TestCA, loopback_alias
+from tests.processes import free_port, running, wait_for
+
+VENDOR_HOST = loopback_alias(40)
+KEY = "sk-ant-api03-organisations-own-key-0123456789"
+MODEL = "claude-sonnet-4-5-20250929"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> TestCA:
+    return TestCA(tmp_path_factory.mktemp("vendor-ca"))
+
+
+@pytest.fixture(scope="module")
+def vendor(ca) -> Iterator[FakeVendor]:
+    with fake_vendor(VENDOR_HOST, ca.issue(VENDOR_HOST)) as vendor:
+        yield vendor
+
+
+class Gateway:
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def start_gateway(
+    tmp_path: Path, vendor: FakeVendor, ca: TestCA, host: str = "127.0.0.1"
+) -> Iterator[Gateway]:
+    """``manage.py model_gateway`` on ``host`` over the test database, to the fake vendor; the
+    organisation's key must never be in its output."""
+    port = free_port()
+    log = tmp_path / f"gateway-{port}.log"
+    env = {
+        **os.environ,
+        "DATABASE_URL": subprocess_database_url(),
+        "COVEY_VAR_DIR": str(settings.VAR_DIR),
+        "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
+        "COVEY_MODEL_UPSTREAM": vendor.url,
+        "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
+        "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [sys.executable, "manage.py", "model_gateway", "--listen", f"{host}:{port}"]
+    with running(args, env, log) as process:
+        url = f"http://{host}:{port}"
+
+        def up() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "the gateway answering", log)
+        yield Gateway(url, log)
+    assert KEY not in log.read_text(), "the key was logged"
 
 
 @pytest.fixture

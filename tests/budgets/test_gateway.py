@@ -5,81 +5,29 @@ the budgets it stops at."""
 import asyncio
 import contextlib
 import json
-import os
-import sys
 import time
 from datetime import timedelta
 from decimal import Decimal
-from pathlib import Path
 
 import httpx
 import pytest
-from django.conf import settings
 from django.db import connection
 
 from budgets import services
 from budgets.models import Charge, Reservation, Spend
 from budgets.usage import Usage
-from tests.budgets.fake_vendor import TEXT, fake_vendor
-from tests.egress.conftest import subprocess_database_url
+from tests.budgets.conftest import KEY, MODEL, start_gateway
+from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory
-from tests.netfixtures import TestCA, loopback_alias
-from tests.processes import free_port, running, wait_for
+from tests.processes import wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-VENDOR_HOST = loopback_alias(40)
-KEY = "sk-ant-api03-organisations-own-key-0123456789"
-MODEL = "claude-sonnet-4-5-20250929"
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory) -> TestCA:
-    return TestCA(tmp_path_factory.mktemp("vendor-ca"))
-
-
-@pytest.fixture(scope="module")
-def vendor(ca):
-    with fake_vendor(VENDOR_HOST, ca.issue(VENDOR_HOST)) as vendor:
-        yield vendor
-
-
-class Gateway:
-    def __init__(self, url: str, log: Path) -> None:
-        self.url, self.log = url, log
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
 def gateway(vendor, ca, tmp_path_factory, django_db_setup, django_db_blocker):
-    port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    env = {
-        **os.environ,
-        "DATABASE_URL": subprocess_database_url(),
-        "COVEY_VAR_DIR": str(settings.VAR_DIR),
-        "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
-        "COVEY_MODEL_UPSTREAM": vendor.url,
-        "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
-        "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
-        "PYTHONUNBUFFERED": "1",
-    }
-    args = [sys.executable, "manage.py", "model_gateway", "--listen", f"127.0.0.1:{port}"]
-    with running(args, env, log) as process:
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            assert process.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 30, "the gateway answering", log)
-        yield Gateway(url, log)
-    assert KEY not in log.read_text(), "the key was logged"
+    with start_gateway(tmp_path_factory.mktemp("gateway"), vendor, ca) as gateway:
+        yield gateway
 
 
 @pytest.fixture

@@ -1,0 +1,73 @@
+"""A real sandbox calls its model through the real gateway with the variables its run was
+given, as the Claude runtime and the SDKs do: the control plane (gunicorn), a runner process,
+Docker, the gateway process and a fake vendor over TLS."""
+
+from decimal import Decimal
+
+import pytest
+
+from budgets import services
+from budgets.models import Charge, GatewayToken
+from runners.host.containers.engine import Engine
+from runs import services as run_services
+from runs.models import FINISHED, RunStatus
+from tests.budgets.conftest import KEY, MODEL, start_gateway
+from tests.runners.stack import Stack
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.redis,
+    pytest.mark.docker,
+    pytest.mark.django_db(transaction=True),
+]
+
+REQUEST = (
+    '{"model": "%s", "max_tokens": 100, "stream": %s,'
+    ' "messages": [{"role": "user", "content": "%s"}]}'
+)
+SCRIPT = f"""
+set -e
+echo "base url: $ANTHROPIC_BASE_URL"
+curl -sS --fail-with-body "$ANTHROPIC_BASE_URL/v1/messages" \\
+    -H "x-api-key: $ANTHROPIC_API_KEY" -H "anthropic-version: 2023-06-01" \\
+    -H "content-type: application/json" -d '{REQUEST % (MODEL, "false", "json")}'
+echo
+curl -sS --fail-with-body -N "$ANTHROPIC_BASE_URL/v1/messages" \\
+    -H "Authorization: Bearer $ANTHROPIC_AUTH_TOKEN" -H "anthropic-version: 2023-06-01" \\
+    -H "content-type: application/json" -d '{REQUEST % (MODEL, "true", "stream")}'
+echo
+env
+grep -rl "{KEY[:12]}" / --exclude-dir=proc --exclude-dir=sys 2>/dev/null || echo "no key here"
+"""
+
+
+def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
+    tmp_path, base_image, acme, alice, sonnet_price, vendor, ca
+):
+    address = Engine("address").bridge_address(None)  # where sandboxes reach this host
+    with start_gateway(tmp_path, vendor, ca, host=address) as gateway:
+        stack = Stack(tmp_path, base_image, COVEY_MODEL_GATEWAY_URL=gateway.url)
+        try:
+            runner, config = stack.register(acme, "edge-1")
+            agent = stack.agent(acme, "Caller", ["sh", "-c", SCRIPT])
+            services.set_model_key(acme, KEY)
+            services.set_budget(agent, Decimal(5))
+            with stack.runner(runner, config):
+                run = run_services.queue_run(agent, "call your model")
+                stack.wait(run, *FINISHED, timeout=90)
+            with stack.api(alice) as api:
+                log = api.get(f"/api/v1/runs/{run.pk}/log/").text
+        finally:
+            stack.close()
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
+    assert f"base url: {gateway.url}" in log
+    assert '"text": "Hello, world!"' in log and "message_stop" in log
+    assert "no key here" in log and KEY not in log  # nor in its environment or files
+    charges = Charge.objects.filter(run=run).order_by("at")
+    assert [(c.input_tokens, c.output_tokens, c.outcome) for c in charges] == [
+        (120, 42, "complete"),
+        (120, 42, "complete"),
+    ]
+    assert all(seen.headers["x-api-key"] == KEY for seen in vendor.seen)
+    (token,) = GatewayToken.objects.filter(run=run)
+    assert token.revoked_at is not None  # it ended with the run
