@@ -143,6 +143,12 @@ class Spend(models.Model):
     spent = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal(0))
     reserved = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal(0))
     alerted = models.JSONField(default=list, blank=True, help_text="Thresholds told of.")
+    exhausted_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When a request was refused for what was left: the budget is used up until it"
+        " is raised or its period ends.",
+    )
 
     class Meta:
         ordering = ["budget_id", "-starts_at"]

@@ -64,6 +64,7 @@ class Exhausted(Exception):
     budget: Budget
     spend: Spend
     needed: Decimal
+    first: bool = False  # this refusal is the one that found the budget used up
 
     def __str__(self) -> str:
         whose = f"agent {self.budget.agent}" if self.budget.agent_id else "the organisation"
@@ -181,6 +182,28 @@ def reserve(
     at = at or timezone.now()
     price = price_for(model, at)
     amount = price.prices.worst_case(input_bound, max_tokens)
+    try:
+        return _reserve(agent, model, price, amount, request_id, run_id, at)
+    except Exhausted as exc:
+        # Used up from now (outside the refused transaction): the proxy refuses the agent's
+        # egress, its runs are stopped, new ones refused, until the budget is raised.
+        exc.first = bool(
+            Spend.objects.filter(pk=exc.spend.pk, exhausted_at__isnull=True).update(
+                exhausted_at=timezone.now()
+            )
+        )
+        raise
+
+
+def _reserve(
+    agent: Agent,
+    model: str,
+    price: Price,
+    amount: Decimal,
+    request_id: str,
+    run_id: "UUID | str | None",
+    at: datetime,
+) -> Reservation:
     with transaction.atomic():
         held = []
         # Rows are updated in one order (by id) by every reservation and settlement, so two
@@ -316,8 +339,41 @@ def set_budget(
         current_spend(budget)  # the current period exists, and takes the new limit:
         Spend.objects.filter(budget=budget, period=budget.period).filter(
             Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now())
-        ).update(limit=amount)
+        ).update(limit=amount, exhausted_at=None)
     return budget
+
+
+def used_up(agent: Agent, at: datetime | None = None) -> str:
+    """Why the agent cannot spend now ("": it can): a budget of its own, or its organisation's,
+    refused a request in the current period and was not raised since."""
+    for budget in budgets_of(agent):
+        spend = current_spends([budget], at)[budget.pk]
+        if spend.exhausted_at is not None:
+            whose = f"agent {budget.agent}" if budget.agent_id else "its organisation"
+            return (
+                f"the budget of {whose} is used up this period (${spend.spent} of"
+                f" ${spend.limit} spent, too little left for its last request): raise it, or"
+                " wait for the next period"
+            )
+    return ""
+
+
+def exhausted(organisation_id: int | None = None) -> tuple[set[int], set[int]]:
+    """The agents whose own budget, and the organisations whose budget, is used up now."""
+    now = timezone.now()
+    spends = Spend.objects.filter(
+        exhausted_at__isnull=False, period=F("budget__period"), starts_at__lte=now
+    ).filter(Q(ends_at__isnull=True) | Q(ends_at__gt=now))
+    if organisation_id is not None:
+        spends = spends.filter(budget__organisation_id=organisation_id)
+    agents: set[int] = set()
+    organisations: set[int] = set()
+    for agent_id, org_id in spends.values_list("budget__agent_id", "budget__organisation_id"):
+        if agent_id is None:
+            organisations.add(org_id)
+        else:
+            agents.add(agent_id)
+    return agents, organisations
 
 
 GATEWAY_TOKEN_PREFIX = "covey-gw-"  # noqa: S105 - what a gateway token starts with

@@ -70,6 +70,7 @@ STATUS = {
     Code.ALLOWED: 200,
     Code.PROXY_AUTH: 407,
     Code.CAPACITY: 429,
+    Code.BUDGET_EXHAUSTED: 402,  # as the model gateway answers
     Code.UNRESOLVABLE: 502,
     Code.POLICY_UNAVAILABLE: 503,
 }

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from agents.models import Agent
 from agents.services import effective_allowlist
+from budgets.services import exhausted
 from egress.models import Decision, EgressToken
 from egress.policy import hash_token
 from organisations.models import Organisation
@@ -71,7 +72,8 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
     templates = AllowlistTemplate.objects.aggregate(n=Count("id"), t=Max("updated_at"))
     tokens = _scoped(EgressToken.objects.all(), organisation_id, "agent__organisation_id")
     tokens_agg = tokens.aggregate(n=Count("id"), t=Max("created_at"), r=Max("revoked_at"))
-    parts = [agents, orgs, templates, tokens_agg]
+    used_up = [sorted(ids) for ids in exhausted(organisation_id)]
+    parts = [agents, orgs, templates, tokens_agg, {"n": used_up}]
     raw = "|".join(f"{p.get('n')}/{p.get('t')}/{p.get('r')}" for p in parts)
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
@@ -96,6 +98,7 @@ def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
             "organisation_id",
         )
         items = []
+        used_up = exhausted(organisation_id)
         for agent in agents:
             entries = effective_allowlist(agent)
             items.append(
@@ -104,8 +107,9 @@ def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
                     "username": agent_username(agent),
                     "organisation": agent.organisation.slug,
                     "enabled": agent.enabled,
-                    # Budgets are metered by the proxy's model gateway (budgets issue).
-                    "budget_exhausted": False,
+                    # The model gateway found a budget of the agent used up.
+                    "budget_exhausted": agent.pk in used_up[0]
+                    or agent.organisation_id in used_up[1],
                     "entries": {str(entry): sources for entry, sources in entries.items()},
                     "tokens": [
                         {"sha256": t.sha256, "expires_at": t.expires_at.timestamp()}

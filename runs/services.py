@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.models import Agent, home_quota_bytes
-from budgets.services import issue_gateway_token, revoke_gateway_tokens
+from budgets.services import exhausted, issue_gateway_token, revoke_gateway_tokens, used_up
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -60,6 +60,8 @@ def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
     """Queue work for an agent at its current configuration version, and place it."""
     if not agent.enabled:
         raise ValidationError({"agent": ["the agent is disabled"]})
+    if why := used_up(agent):
+        raise ValidationError({"agent": [why]})
     if not task.strip():
         raise ValidationError({"task": ["the task is empty"]})
     if len(task.encode()) > MAX_TASK_BYTES or "\0" in task:
@@ -147,13 +149,37 @@ def _ended(run: Run) -> None:
     transaction.on_commit(lambda: place_waiting(agent_id=agent_id))
 
 
+def stop_over_budget(agent_id: int) -> int:
+    """Stop the active runs a used-up budget holds: the agent's, or every agent's of its
+    organisation when the organisation's budget is the one; returns how many."""
+    agent = Agent.objects.select_related("organisation").get(pk=agent_id)
+    why = used_up(agent)
+    if not why:
+        return 0
+    own, _ = exhausted(agent.organisation_id)
+    runs = Run.objects.filter(status__in=ACTIVE, agent__organisation_id=agent.organisation_id)
+    if agent.pk in own:
+        runs = runs.filter(agent=agent)
+    stopped = 0
+    for run in runs:
+        try:
+            cancel(run, reason=why)
+            stopped += 1
+        except RunError:
+            pass  # it ended meanwhile
+    return stopped
+
+
 @transaction.atomic
-def cancel(run: Run, *, by: Any = None) -> Run:
-    """Cancel a run: at once when it waits, through its runner when it has one."""
+def cancel(run: Run, *, by: Any = None, reason: str = "") -> Run:
+    """Cancel a run: at once when it waits, through its runner when it has one. ``reason``:
+    why covey stops it (its status says so), rather than a person."""
     run = Run.objects.select_for_update().get(pk=run.pk)
     if run.status in FINISHED:
         raise RunError(f"the run has ended already ({run.status})")
     who = f" by {by.get_username()}" if by is not None and by.is_authenticated else ""
+    if reason:
+        who = f" ({reason})"
     if run.status in (RunStatus.QUEUED, RunStatus.PLACED) or run.runner is None:
         # Placed but not started: its runner will not start it now (start() refuses a run that
         # is not placed or starting), and a lost order cannot strand it, nor its agent's next.
@@ -340,7 +366,13 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
         run.log_tail = log_tail[-LOG_TAIL_CHARS:]
     run.finished_at = finished_at or now
     if run.cancel_requested_at is not None:
-        status, why = RunStatus.CANCELLED, "cancelled"
+        asked = run.status_detail  # "cancelling by …", or why covey stopped it
+        why = (
+            "cancelled" + asked.removeprefix("cancelling")
+            if asked.startswith("cancelling")
+            else "cancelled"
+        )
+        status = RunStatus.CANCELLED
     elif state == ReportState.EXITED and detail == "timeout":
         status, why = RunStatus.TIMED_OUT, f"stopped after {run.timeout} s"
     elif state == ReportState.EXITED and detail.startswith(f"{OVER_QUOTA}: "):

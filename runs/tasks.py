@@ -15,3 +15,9 @@ def place_waiting_runs() -> int:
 def prune_run_logs() -> int:
     """Delete whole run logs past COVEY_RUN_LOG_RETENTION_DAYS (beat, hourly)."""
     return services.prune_logs()
+
+
+@shared_task(name="runs.stop_over_budget")
+def stop_over_budget(agent_id: int) -> int:
+    """Sent by the model gateway when a budget is found used up."""
+    return services.stop_over_budget(agent_id)

@@ -5,6 +5,7 @@ call opens a new one, and the request is refused (503)."""
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from celery import current_app
 from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
@@ -89,6 +90,8 @@ class DjangoLedger:
             except services.Unpriced as exc:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
             except services.Exhausted as exc:
+                if exc.first:  # its runs are stopped (runs.tasks), by name: runs is above us
+                    current_app.send_task("runs.stop_over_budget", args=[agent.pk])
                 raise Refused(402, "billing_error", str(exc), BUDGET_EXHAUSTED) from None
         return Hold(reservation.pk, request_id)
 

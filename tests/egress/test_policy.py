@@ -19,6 +19,7 @@ from egress.policy import (
     is_public,
     parse_basic,
     parse_networks,
+    status_of,
 )
 
 NOW = 1_000_000.0
@@ -150,6 +151,7 @@ class TestDecision:
         broke = Policy.from_snapshot(snapshot(budget_exhausted=True))
         decision = by_name(broke.agents[7], "x", 443, plain_http=False, at_capacity=True)
         assert decision.code is Code.BUDGET_EXHAUSTED
+        assert status_of(decision.code) == 402  # the model gateway's answer too
 
     def test_a_full_proxy_refuses_before_looking_at_the_target(self, policy, agent):
         decision = by_name(agent, "127.0.0.1", 443, plain_http=False, at_capacity=True)
