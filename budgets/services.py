@@ -23,6 +23,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F, Q, Sum, Value
+from django.db.models.functions import Round
 from django.utils import timezone
 
 from agents.models import Agent
@@ -212,7 +213,7 @@ def _reserve(
         for spend, budget in spends:
             fits = Spend.objects.filter(
                 pk=spend.pk, spent__lte=F("limit") - F("reserved") - Value(amount)
-            ).update(reserved=F("reserved") + Value(amount))
+            ).update(reserved=_exact(F("reserved") + Value(amount)))
             if not fits:
                 spend.refresh_from_db()
                 raise Exhausted(budget, spend, amount)
@@ -284,6 +285,12 @@ def _open(reservation: Reservation) -> Reservation:
     return locked
 
 
+def _exact(amount: Any) -> Round:
+    """An amount kept to a millionth of a dollar: exact on PostgreSQL (numeric) already, and
+    on SQLite, whose arithmetic is binary floating point (0.3 - 0.1 - 0.2 is not 0 there)."""
+    return Round(amount, 6)
+
+
 def _by_id(pair: tuple[Spend, Budget]) -> int:
     return pair[0].pk
 
@@ -291,7 +298,8 @@ def _by_id(pair: tuple[Spend, Budget]) -> int:
 def _close(reservation: Reservation, status: str, *, spent: Decimal) -> None:
     for spend in reservation.spends.order_by("pk"):
         Spend.objects.filter(pk=spend.pk).update(
-            reserved=F("reserved") - Value(reservation.amount), spent=F("spent") + Value(spent)
+            reserved=_exact(F("reserved") - Value(reservation.amount)),
+            spent=_exact(F("spent") + Value(spent)),
         )
     reservation.status = status
     reservation.closed_at = timezone.now()

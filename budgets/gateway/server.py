@@ -300,8 +300,8 @@ class Gateway:
                 Refused(413, "request_too_large", "the request is larger than 32 MB"), request_id
             )
         except Refused as refused:
-            if refused.status >= 500 or refused.reason:
-                logger.warning("covey: refused request %s: %s", request_id, refused.message)
+            level = logging.WARNING if refused.status >= 500 else logging.INFO
+            logger.log(level, "covey: refused request %s: %s", request_id, refused.message)
             return _error(refused, request_id)
         return await self._forward(request, caller, raw, hold, max_tokens, request_id)
 
