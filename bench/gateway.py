@@ -115,7 +115,9 @@ async def first_byte(client: httpx.AsyncClient, url: str, headers: dict[str, str
     return elapsed or 0.0
 
 
-async def ttfb(vendor: str, gateway: str, token: str, ca: ssl.SSLContext, samples: int):
+async def ttfb(
+    vendor: str, gateway: str, token: str, ca: ssl.SSLContext, samples: int
+) -> tuple[list[float], list[float]]:
     direct: list[float] = []
     through: list[float] = []
     headers = {"x-api-key": token, "anthropic-version": "2023-06-01"}
@@ -129,7 +131,9 @@ async def ttfb(vendor: str, gateway: str, token: str, ca: ssl.SSLContext, sample
     return direct, through
 
 
-async def crowd(url: str, headers: dict[str, str], seconds: float, ca) -> tuple[int, int]:
+async def crowd(
+    url: str, headers: dict[str, str], seconds: float, ca: ssl.SSLContext
+) -> tuple[int, int]:
     """CLIENTS clients sending one request after another for ``seconds`` (or until every one
     is refused): answered requests and refused ones."""
     done = refused = 0
