@@ -354,8 +354,10 @@ def set_budget(
 def used_up(agent: Agent, at: datetime | None = None) -> str:
     """Why the agent cannot spend now ("": it can): a budget of its own, or its organisation's,
     refused a request in the current period and was not raised since."""
-    for budget in budgets_of(agent):
-        spend = current_spends([budget], at)[budget.pk]
+    budgets = budgets_of(agent)
+    spends = current_spends(budgets, at)
+    for budget in budgets:
+        spend = spends[budget.pk]
         if spend.exhausted_at is not None:
             whose = f"agent {budget.agent}" if budget.agent_id else "its organisation"
             return (

@@ -152,18 +152,17 @@ def _ended(run: Run) -> None:
 def stop_over_budget(agent_id: int) -> int:
     """Stop the active runs a used-up budget holds: the agent's, or every agent's of its
     organisation when the organisation's budget is the one; returns how many."""
-    agent = Agent.objects.select_related("organisation").get(pk=agent_id)
-    why = used_up(agent)
-    if not why:
-        return 0
-    own, _ = exhausted(agent.organisation_id)
+    agent = Agent.objects.get(pk=agent_id)
+    own, whole = exhausted(agent.organisation_id)
     runs = Run.objects.filter(status__in=ACTIVE, agent__organisation_id=agent.organisation_id)
-    if agent.pk in own:
+    if agent.organisation_id not in whole:
+        if agent.pk not in own:
+            return 0  # raised meanwhile
         runs = runs.filter(agent=agent)
     stopped = 0
-    for run in runs:
+    for run in runs.select_related("agent__organisation"):
         try:
-            cancel(run, reason=why)
+            cancel(run, reason=used_up(run.agent))
             stopped += 1
         except RunError:
             pass  # it ended meanwhile

@@ -77,7 +77,7 @@ class DjangoLedger:
         self, caller: Caller, *, model: str, input_bound: int, max_tokens: int, request_id: str
     ) -> Hold:
         with _database():
-            agent = Agent.objects.get(pk=caller.agent_id)
+            agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
             try:
                 reservation = services.reserve(
                     agent,

@@ -280,9 +280,7 @@ class Gateway:
         request_id = uuid.uuid4().hex
         try:
             caller = await self._ledger(self.ledger.authenticate, token_of(request.headers))
-            if (request.content_length or 0) > self.config.max_request_bytes:
-                raise Refused(413, "request_too_large", "the request is larger than 32 MB")
-            raw = await request.read()
+            raw = await self._read(request)
             hold, max_tokens = None, 0
             if metered:
                 body, model, max_tokens, raw = _parse(raw, self.config.default_max_tokens)
@@ -295,15 +293,21 @@ class Gateway:
                     max_tokens=max_tokens,
                     request_id=request_id,
                 )
-        except web.HTTPRequestEntityTooLarge:
-            return _error(
-                Refused(413, "request_too_large", "the request is larger than 32 MB"), request_id
-            )
         except Refused as refused:
             level = logging.WARNING if refused.status >= 500 else logging.INFO
             logger.log(level, "covey: refused request %s: %s", request_id, refused.message)
             return _error(refused, request_id)
         return await self._forward(request, caller, raw, hold, max_tokens, request_id)
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Refused(
+                413,
+                "request_too_large",
+                f"the request is larger than {self.config.max_request_bytes} bytes",
+            ) from None
 
     async def _forward(
         self,
@@ -357,8 +361,7 @@ class Gateway:
                     if len(kept) + len(chunk) <= MAX_KEPT:
                         kept += chunk
                     else:
-                        kept = None
-                        ok = False  # cannot be read: charged its worst case below
+                        kept = None  # cannot be read: charged its worst case below
                 await response.write(chunk)
             ended = True
             if hold is not None:  # before the answer ends: the caller's next request sees it

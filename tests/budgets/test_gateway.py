@@ -12,9 +12,10 @@ from decimal import Decimal
 import httpx
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from budgets import services
-from budgets.models import Charge, Reservation, Spend
+from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
 from tests.budgets.conftest import KEY, MODEL, start_gateway
 from tests.budgets.fake_vendor import TEXT
@@ -166,7 +167,7 @@ def test_unknown_revoked_and_disabled_are_refused_before_the_vendor(gateway, ven
     assert ask(gateway, "covey-gw-nonsense").status_code == 401
     assert ask(gateway, "").status_code == 401
     run_token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
-    services.GatewayToken.objects.update(revoked_at=services.timezone.now())
+    GatewayToken.objects.update(revoked_at=timezone.now())
     assert ask(gateway, run_token).status_code == 401
     token = token_for(agent)
     agent.enabled = False

@@ -27,6 +27,8 @@ class Command(BaseCommand):
             host, port = split_host_port(options["listen"])
         except ValueError as exc:
             raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
+        if not host:  # never every interface by omission
+            raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
         if not settings.COVEY_MODEL_UPSTREAM.startswith("https://"):
             raise CommandError(
                 f"COVEY_MODEL_UPSTREAM {settings.COVEY_MODEL_UPSTREAM!r}: the vendor is called"
