@@ -203,6 +203,14 @@ def test_an_unbounded_request_is_refused(gateway, agent):
     assert not Reservation.objects.exists()
 
 
+def test_a_request_larger_than_the_limit_is_refused_unread(gateway, vendor, agent):
+    before = len(vendor.seen)
+    answer = ask(gateway, token_for(agent), "x" * (32 * 1024 * 1024 + 1))
+    assert answer.status_code == 413
+    assert answer.json()["error"]["message"] == "the request is larger than 33554432 bytes"
+    assert len(vendor.seen) == before and not Reservation.objects.exists()
+
+
 def test_a_request_without_max_tokens_gets_the_default_and_is_bounded(gateway, vendor, agent):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "json"}]}
     answer = httpx.post(
