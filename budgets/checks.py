@@ -6,6 +6,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from django.conf import settings
 from django.core.checks import Error, register
 
+from budgets import services
+
 
 @register()
 def budget_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
@@ -18,6 +20,16 @@ def budget_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 " time zone.",
                 hint="Use an IANA name such as UTC or Europe/Berlin.",
                 id="budgets.E001",
+            )
+        ]
+    try:
+        services.gateway_destination(settings.COVEY_MODEL_GATEWAY_URL)
+    except ValueError as exc:
+        return [
+            Error(
+                f"COVEY_MODEL_GATEWAY_URL is {settings.COVEY_MODEL_GATEWAY_URL!r}: {exc}.",
+                hint="It is the address sandboxes reach the model gateway at.",
+                id="budgets.E002",
             )
         ]
     return []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
+from urllib.parse import urlsplit
 from uuid import UUID
 from zoneinfo import ZoneInfo
 
@@ -384,6 +385,25 @@ def exhausted(organisation_id: int | None = None) -> tuple[set[int], set[int]]:
         else:
             agents.add(agent_id)
     return agents, organisations
+
+
+def gateway_destination(url: str) -> tuple[str, int] | None:
+    """(host, port) of the model gateway as sandboxes reach it (COVEY_MODEL_GATEWAY_URL); None
+    when there is none; ValueError when it is not http(s)://HOST[:PORT]."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("give http://HOST:PORT or https://HOST[:PORT]")
+    if parts.username is not None or parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(
+            "give the gateway's root, with no user, path or query (the SDKs add /v1/…)"
+        )
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    return parts.hostname.lower(), port or (443 if parts.scheme == "https" else 80)
 
 
 GATEWAY_TOKEN_PREFIX = "covey-gw-"  # noqa: S105 - what a gateway token starts with

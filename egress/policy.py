@@ -9,8 +9,10 @@ the answer:
 2. may this agent connect at all (disabled, budget used up, its tunnels or the proxy's full), and
 3. may it reach this host and port by name (no IP literal; on the effective allowlist; plain
    HTTP only to port 80): :func:`check_agent`, which ``egress_explain`` calls for a given agent.
+   A destination the platform itself names for every agent (a *built-in*: the model gateway,
+   from COVEY_MODEL_GATEWAY_URL) is allowed as named, IP literal and port included.
 4. Is every address the name resolved to one it may reach: :func:`check_addresses`, which
-   also picks the one address to connect to (no second look-up).
+   also picks the one address to connect to (no second look-up); a built-in's may be private.
 5. Does the tunnel open with a TLS ClientHello naming the CONNECT host: :func:`check_client_hello`.
 
 The proxy addon, ``egress_explain`` and the tests call these same functions.
@@ -124,6 +126,7 @@ class Decision:
     detail: str = ""
     generation: str = ""  # of the policy it was decided by
     unknown_token: str = ""  # a 407 for a token this policy has never seen: its SHA-256
+    built_in: str = ""  # for an allow of a built-in destination: its name
 
     @property
     def allowed(self) -> bool:
@@ -132,7 +135,7 @@ class Decision:
 
     def refuse(self, code: Code, detail: str = "") -> "Decision":
         """This attempt refused at a later step: who, what and where to are kept."""
-        return replace(self, code=code, detail=detail, sources=())
+        return replace(self, code=code, detail=detail, sources=(), built_in="")
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ class Policy:
     generation: str
     agents: Mapping[int, AgentPolicy]
     tokens: Mapping[str, Token]
+    built_in: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (host, port) → name
 
     @classmethod
     def from_snapshot(cls, data: Mapping[str, Any]) -> "Policy":
@@ -188,7 +192,13 @@ class Policy:
                 agents[agent.id] = agent
                 for token in item["tokens"]:
                     tokens[str(token["sha256"])] = Token(agent.id, float(token["expires_at"]))
-            return cls(generation=str(data["generation"]), agents=agents, tokens=tokens)
+            built_in = {
+                (canonical_host(str(item["host"])), int(item["port"])): str(item["name"])
+                for item in data.get("built_in", [])
+            }
+            return cls(
+                generation=str(data["generation"]), agents=agents, tokens=tokens, built_in=built_in
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed policy snapshot: {exc!r}") from None
 
@@ -236,7 +246,14 @@ def check_request(
     agent, unknown = policy.identify(attempt.credentials, now)
     if agent is None:
         return replace(start.refuse(Code.PROXY_AUTH), unknown_token=unknown)
-    return check_agent(agent, attempt, full=full, generation=policy.generation)
+    return check_agent(
+        agent, attempt, full=full, generation=policy.generation, built_in=policy.built_in
+    )
+
+
+def canonical_host(host: str) -> str:
+    """A host as destinations are compared: lower case, no trailing dot, IPv6 unbracketed."""
+    return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
 
 
 def check_agent(
@@ -245,9 +262,11 @@ def check_agent(
     *,
     full: Callable[[int], bool] = _never,
     generation: str = "",
+    built_in: Mapping[tuple[str, int], str] | None = None,
 ) -> Decision:
     """Steps 2 and 3 for an identified agent: its switches and the proxy's capacity (tunnels
-    only; plain requests hold nothing open), then the target by name."""
+    only; plain requests hold nothing open), then the target by name: a built-in destination
+    (``built_in``: (host, port) → name), else the agent's allowlist."""
     start = Decision(
         Code.ALLOWED, attempt.host, attempt.port, attempt.username, agent, generation=generation
     )
@@ -257,6 +276,10 @@ def check_agent(
         return start.refuse(Code.BUDGET_EXHAUSTED)
     if not attempt.plain_http and full(agent.id):
         return start.refuse(Code.CAPACITY)
+    host = canonical_host(attempt.host)
+    name = (built_in or {}).get((host, attempt.port))
+    if name is not None:
+        return replace(start, host=host, sources=(f"built-in: {name}",), built_in=name)
     try:
         entry = parse_entry(f"{attempt.host}:{attempt.port}")
     except IPLiteralError:
@@ -363,13 +386,14 @@ def check_addresses(
     decision: Decision, addresses: Iterable[str], allowed_private: Sequence[IPNetwork] = ()
 ) -> Decision:
     """Step 4: refuse if the name has no address, or any is not public (unless inside
-    ``allowed_private``); else the allow with the one vetted address to dial (IPv4 first)."""
+    ``allowed_private``, or the destination is a built-in, which the platform named); else the
+    allow with the one vetted address to dial (IPv4 first)."""
     if not decision.allowed:
         return decision
     parsed = [ipaddress.ip_address(a) for a in addresses]
     if not parsed:
         return decision.refuse(Code.UNRESOLVABLE, "the name has no address")
-    for address in parsed:
+    for address in [] if decision.built_in else parsed:
         inner = embedded_ipv4(address) or address
         if any(inner in net for net in allowed_private if net.version == inner.version):
             continue

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from agents.models import Agent
 from agents.services import effective_allowlist
-from budgets.services import exhausted
+from budgets.services import exhausted, gateway_destination
 from egress.models import Decision, EgressToken
 from egress.policy import hash_token
 from organisations.models import Organisation
@@ -73,7 +73,7 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
     tokens = _scoped(EgressToken.objects.all(), organisation_id, "agent__organisation_id")
     tokens_agg = tokens.aggregate(n=Count("id"), t=Max("created_at"), r=Max("revoked_at"))
     used_up = [sorted(ids) for ids in exhausted(organisation_id)]
-    parts = [agents, orgs, templates, tokens_agg, {"n": used_up}]
+    parts = [agents, orgs, templates, tokens_agg, {"n": used_up}, {"n": built_in()}]
     raw = "|".join(f"{p.get('n')}/{p.get('t')}/{p.get('r')}" for p in parts)
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
@@ -117,7 +117,16 @@ def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
                     ],
                 }
             )
-    return {"generation": generation, "agents": items}
+    return {"generation": generation, "agents": items, "built_in": built_in()}
+
+
+def built_in() -> list[dict[str, Any]]:
+    """Destinations every agent may reach, because the platform names them: the model gateway
+    (COVEY_MODEL_GATEWAY_URL), at whatever address it has."""
+    gateway = gateway_destination(settings.COVEY_MODEL_GATEWAY_URL)
+    if gateway is None:
+        return []
+    return [{"host": gateway[0], "port": gateway[1], "name": "model gateway"}]
 
 
 def record_decisions(

@@ -299,7 +299,16 @@ class CoveyEgress:
         if plain_http:
             host, port = decision.host, decision.port
             request.host = host  # one canonical host for URL, Host header and dial
-            request.headers["Host"] = host if port == 80 else f"{host}:{port}"
+            shown = f"[{host}]" if ":" in host else host  # a built-in may be an IPv6 address
+            request.headers["Host"] = shown if port == 80 else f"{shown}:{port}"
+            # Bodies pass through as they come, never held: a streamed answer (the model
+            # gateway's) reaches the sandbox chunk by chunk.
+            request.stream = True
+            flow.metadata["covey_forwarded"] = True
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("covey_forwarded") and flow.response is not None:
+            flow.response.stream = True
 
     async def decide(self, attempt: Attempt, *, client: str | None) -> Decision:
         """Decide one attempt up to its addresses (a refusal is logged here; an allow by

@@ -8,6 +8,8 @@ caching, RFC 2308); without an SOA they are asked again every time.
 """
 
 import asyncio
+import contextlib
+import ipaddress
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -70,8 +72,10 @@ class Resolver:
         self._known.clear()
 
     def cached(self, host: str) -> list[str] | None:
-        """The addresses resolve() would return now, when both answers are still cached;
-        None when it would have to ask."""
+        """The addresses resolve() would return now, when both answers are still cached (an
+        IP address is its own answer); None when it would have to ask."""
+        with contextlib.suppress(ValueError):
+            return [str(ipaddress.ip_address(host))]
         known = self._known.get(host)
         if known is None:
             return None

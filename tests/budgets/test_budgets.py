@@ -240,3 +240,34 @@ def test_a_time_zone_that_does_not_exist_is_refused_at_start(settings):
     settings.COVEY_BUDGET_TIME_ZONE = "Mars/Olympus"
     (error,) = budget_settings()
     assert error.id == "budgets.E001" and "'Mars/Olympus', which is not a time zone" in error.msg
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("172.17.0.1:8002", "give http://HOST:PORT"),
+        ("ftp://gw.corp", "give http://HOST:PORT"),
+        ("http://gw.corp:8002/v1", "no user, path or query"),
+        ("http://user@gw.corp:8002", "no user, path or query"),
+        ("http://gw.corp:99999", "Port out of range"),
+    ],
+)
+def test_a_gateway_url_sandboxes_cannot_use_is_refused_at_start(settings, url, problem):
+    from budgets.checks import budget_settings
+
+    settings.COVEY_MODEL_GATEWAY_URL = url
+    (error,) = budget_settings()
+    assert error.id == "budgets.E002" and problem in error.msg
+
+
+@pytest.mark.parametrize(
+    ("url", "destination"),
+    [
+        ("", None),
+        ("http://172.17.0.1:8002", ("172.17.0.1", 8002)),
+        ("https://GW.corp/", ("gw.corp", 443)),
+        ("http://[fd00::1]:8002", ("fd00::1", 8002)),
+    ],
+)
+def test_the_gateway_url_names_one_destination(url, destination):
+    assert services.gateway_destination(url) == destination

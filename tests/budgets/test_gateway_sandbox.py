@@ -1,6 +1,8 @@
 """A real sandbox calls its model through the real gateway with the variables its run was
 given, as the Claude runtime and the SDKs do: the control plane (gunicorn), a runner process,
-Docker, the gateway process and a fake vendor over TLS."""
+Docker, the gateway process and a fake vendor over TLS; at the cooperative level directly, and
+under hard isolation through the runner's proxy container, for which the gateway is a built-in
+destination of every agent."""
 
 from decimal import Decimal
 
@@ -12,7 +14,9 @@ from runners.host.containers.engine import Engine
 from runs import services as run_services
 from runs.models import FINISHED, RunStatus
 from tests.budgets.conftest import KEY, MODEL, start_gateway
+from tests.runners.conftest import egress_image, firewall  # noqa: F401 - fixtures
 from tests.runners.stack import Stack
+from tests.runners.world import World, runner_ids_apart
 
 pytestmark = [
     pytest.mark.postgres,
@@ -71,3 +75,37 @@ def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
     assert all(seen.headers["x-api-key"] == KEY for seen in vendor.seen)
     (token,) = GatewayToken.objects.filter(run=run)
     assert token.revoked_at is not None  # it ended with the run
+
+
+def test_under_hard_isolation_the_gateway_is_reached_through_the_proxy(
+    tmp_path,
+    base_image,
+    egress_image,  # noqa: F811 - the fixture imported above
+    acme,
+    sonnet_price,
+    vendor,
+    ca,
+):
+    runner_ids_apart()
+    address = Engine("address").bridge_address(None)  # what the proxy container reaches
+    with start_gateway(tmp_path, vendor, ca, host=address) as gateway:
+        world = World(tmp_path, base_image, egress_image, COVEY_MODEL_GATEWAY_URL=gateway.url)
+        try:
+            runner, config = world.register(acme, "isolated-gw")
+            # Its allowlist names nothing on this machine: the gateway is allowed as built in.
+            agent = world.stack.agent(acme, "Isolated caller", ["sh", "-c", SCRIPT])
+            services.set_model_key(acme, KEY)
+            services.set_budget(agent, Decimal(5))
+            with world.stack.runner(runner, config, **world.runner_env()):
+                run = world.stack.wait(
+                    run_services.queue_run(agent, "call your model"), *FINISHED, timeout=90
+                )
+        finally:
+            world.close()
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+    log = run.log_tail
+    assert "HTTP_PROXY=http://" in log and "NO_PROXY=localhost,127.0.0.1,::1\n" in log
+    assert '"text": "Hello, world!"' in log and "message_stop" in log
+    assert "no key here" in log and KEY not in log
+    charges = Charge.objects.filter(run=run)
+    assert sorted((c.input_tokens, c.output_tokens) for c in charges) == [(120, 42), (120, 42)]

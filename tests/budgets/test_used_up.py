@@ -110,3 +110,15 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
             )
         assert (caught.value.status, caught.value.reason) == (402, "budget-exhausted")
     assert sent == [("runs.stop_over_budget", [agent.pk])]  # once
+
+
+def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
+    AgentFactory(organisation=acme)
+    before = policy_fingerprint()
+    settings.COVEY_MODEL_GATEWAY_URL = "http://172.17.0.1:8002"
+    assert build_snapshot()["built_in"] == [
+        {"host": "172.17.0.1", "port": 8002, "name": "model gateway"}
+    ]
+    assert policy_fingerprint() != before  # proxies load the change
+    settings.COVEY_MODEL_GATEWAY_URL = ""
+    assert build_snapshot()["built_in"] == []

@@ -70,3 +70,11 @@ def test_it_resolves_and_vets_addresses_through_the_configured_resolver(builder,
 def test_an_unknown_agent_is_a_clear_error(db):
     with pytest.raises(CommandError, match="no agent"):
         explain("nobody", "x.example")
+
+
+def test_the_model_gateway_is_a_built_in_destination_of_every_agent(builder):
+    with override_settings(COVEY_MODEL_GATEWAY_URL="http://172.17.0.1:8002"):
+        output = explain("acme/builder", "172.17.0.1:8002", "--plain-http")
+    assert "172.17.0.1:8002 from built-in: model gateway" in output
+    assert "decision: allow, connecting to 172.17.0.1 port 8002" in output
+    assert "deny ip-literal" in explain("acme/builder", "172.17.0.1:8002", "--plain-http")

@@ -309,3 +309,48 @@ class TestPipeline:
 
 def replace_host(attempt, host):
     return Attempt(attempt.credential, host, attempt.port, attempt.plain_http)
+
+
+class TestBuiltIn:
+    """A destination the platform names for every agent (the model gateway): allowed as named,
+    at any address, to that port alone, while the agent may connect at all."""
+
+    GATEWAY = {"host": "172.17.0.1", "port": 8002, "name": "model gateway"}
+
+    def policy(self, **agent_overrides):
+        return Policy.from_snapshot({**snapshot(**agent_overrides), "built_in": [self.GATEWAY]})
+
+    def ask(self, policy, host, port, plain_http=True):
+        attempt = Attempt(basic("acme.builder", "s3cret"), host, port, plain_http)
+        return check_request(policy, attempt, NOW)
+
+    def test_it_is_allowed_as_an_ip_literal_at_its_port_and_a_private_address(self):
+        decision = self.ask(self.policy(), "172.17.0.1", 8002)
+        assert decision.allowed and decision.sources == ("built-in: model gateway",)
+        vetted = check_addresses(decision, ["172.17.0.1"])
+        assert vetted.allowed and vetted.address == "172.17.0.1"
+        assert self.ask(self.policy(), "172.17.0.1", 8002, plain_http=False).allowed
+
+    def test_another_port_of_it_or_another_address_is_not(self):
+        assert self.ask(self.policy(), "172.17.0.1", 8003).code is Code.IP_LITERAL
+        assert self.ask(self.policy(), "172.17.0.2", 8002).code is Code.IP_LITERAL
+
+    def test_a_disabled_or_used_up_agent_is_refused_there_too(self):
+        assert self.ask(self.policy(enabled=False), "172.17.0.1", 8002).code is (
+            Code.AGENT_DISABLED
+        )
+        used_up = self.policy(budget_exhausted=True)
+        assert self.ask(used_up, "172.17.0.1", 8002).code is Code.BUDGET_EXHAUSTED
+
+    def test_a_named_one_is_compared_canonically_and_its_refusal_loses_the_allowance(self):
+        named = Policy.from_snapshot(
+            {**snapshot(), "built_in": [{"host": "Gateway.Corp.", "port": 443, "name": "gw"}]}
+        )
+        decision = self.ask(named, "GATEWAY.corp", 443, plain_http=False)
+        assert decision.allowed and decision.host == "gateway.corp"
+        refused = check_client_hello(check_addresses(decision, ["10.0.0.5"]), "evil.example")
+        assert refused.code is Code.BAD_REQUEST and refused.built_in == ""
+
+    def test_without_one_the_address_is_what_it_always_was(self):
+        plain = Policy.from_snapshot(snapshot())
+        assert self.ask(plain, "172.17.0.1", 8002).code is Code.IP_LITERAL

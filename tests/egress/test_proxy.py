@@ -7,6 +7,7 @@ import secrets
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from datetime import timedelta
 
@@ -588,3 +589,43 @@ def test_a_token_issued_after_the_last_poll_works_from_the_first_byte(
         bogus = f"{agent.slug}:{secrets.token_urlsafe(32)}"  # shaped like one: it is looked up
         answers = [connect(slow, target, bogus) for _ in range(3)]
         assert [a.status for a in answers] == [407, 407, 407]
+
+
+def test_a_plain_answer_reaches_the_client_as_it_comes_not_when_it_ends(proxy, net, world):
+    """A streamed answer (the model gateway's, under hard isolation) is never held whole."""
+    more = threading.Event()
+    listener = socket.create_server((UPSTREAM, 80))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while b"\r\n\r\n" not in conn.recv(65536):
+                pass
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            more.wait(10)
+            conn.sendall(b"4\r\nlast\r\n0\r\n\r\n")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        net.dns.set("stream.test", UPSTREAM)
+        agent = agent_services.create_agent(
+            world[0].organisation, "streamer", allowlist=["stream.test:80"]
+        )
+        _, credentials = issue_token(agent)
+        proxy.sync()
+        sock = socket.create_connection(proxy.address, timeout=5)
+        auth = f"Proxy-Authorization: {basic(credentials)}\r\n"
+        request = f"GET http://stream.test/ HTTP/1.1\r\nHost: stream.test\r\n{auth}\r\n"
+        sock.sendall(request.encode())
+        seen = b""
+        while b"first" not in seen:  # before the upstream sends the rest
+            seen += sock.recv(65536)
+        more.set()
+        while not seen.endswith(b"0\r\n\r\n"):
+            seen += sock.recv(65536)
+        assert b"last" in seen
+    finally:
+        more.set()
+        listener.close()
+        server.join(10)

@@ -108,3 +108,10 @@ def test_an_empty_answer_with_an_soa_is_kept_for_its_ttl(dns):
     dns.set("v4only.test", "192.0.2.1", "2001:db8::1", ttl=60)
     assert resolve(resolver, "v4only.test") == ["192.0.2.1"]
     assert dns.queries("v4only.test") == 2
+
+
+def test_an_address_is_its_own_answer_without_asking(dns):
+    resolver = Resolver([dns.nameserver])
+    assert resolve(resolver, "172.17.0.1") == ["172.17.0.1"]
+    assert resolver.cached("::1") == ["::1"]
+    assert dns.queries("172.17.0.1") == 0

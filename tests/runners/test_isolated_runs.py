@@ -6,7 +6,6 @@ to the control plane, a DNS server, the upstream) is made by tests/runners/world
 import io
 import ipaddress
 import json
-import random
 import re
 import subprocess
 from collections.abc import Iterator
@@ -14,20 +13,25 @@ from uuid import uuid4
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
 
 from approvals import services as approvals
 from approvals.models import Request, Status
 from egress.models import EgressToken
 from runners.host.containers import isolation
 from runners.host.identity import docker_name
-from runners.models import Runner
 from runners.services import installation_key, renew_runner_tokens
 from runs import services as run_services
 from runs.models import FINISHED, RunStatus
 from tests.processes import wait_for
 from tests.runners.stack import containers_of, docker
-from tests.runners.world import OFF_LIST_NAME, OUTSIDE_LABEL, UPSTREAM_NAME, Upstream, World
+from tests.runners.world import (
+    OFF_LIST_NAME,
+    OUTSIDE_LABEL,
+    UPSTREAM_NAME,
+    Upstream,
+    World,
+    runner_ids_apart,
+)
 
 pytestmark = [
     pytest.mark.postgres,
@@ -39,13 +43,7 @@ pytestmark = [
 
 @pytest.fixture
 def world(tmp_path, base_image, egress_image) -> Iterator[World]:
-    # Networks, the proxy and firewall rules are the host's, named after the runner id: start
-    # the ids far from where other sessions' test databases (and this one's) hand them out.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT setval(pg_get_serial_sequence(%s, 'id'), %s)",
-            [Runner._meta.db_table, random.randrange(10**6, 10**9)],
-        )
+    runner_ids_apart()
     built = World(tmp_path, base_image, egress_image)
     yield built
     built.close()

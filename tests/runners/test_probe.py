@@ -10,13 +10,11 @@ an order from the control plane's runner API, and reports back through it.
 
 import contextlib
 import json
-import random
 import subprocess
 from collections.abc import Iterator
 from uuid import uuid4
 
 import pytest
-from django.db import connection
 
 from agents import services as agent_services
 from agents.models import Agent
@@ -33,7 +31,7 @@ from runners.probe import host as probing
 from runners.probe.checks import Category, Check, Expect, Result, Verdict, judge, parse_address
 from runners.protocol import ProbePlan
 from runners.services import installation_key
-from tests.runners.world import UPSTREAM_NAME, World
+from tests.runners.world import UPSTREAM_NAME, World, runner_ids_apart
 
 # The module's rows are committed once (the control plane is another process); a test's own
 # writes roll back. The mark also makes pytest-django create the test database when only these
@@ -254,11 +252,7 @@ def world(
     """Committed rows the control plane (another process) reads; deleted when done (only
     these: the shipped templates, from a data migration, must stay)."""
     with django_db_blocker.unblock():
-        with connection.cursor() as cursor:  # networks are named after the runner id
-            cursor.execute(
-                "SELECT setval(pg_get_serial_sequence(%s, 'id'), %s)",
-                [Runner._meta.db_table, random.randrange(10**6, 10**9)],
-            )
+        runner_ids_apart()
         built = World(tmp_path_factory.mktemp("probe"), base_image, egress_image)
         organisation = Organisation.objects.create(name="Probed", slug="probed")
         try:

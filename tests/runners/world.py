@@ -10,6 +10,7 @@ them from its outward network; sandboxes must not reach any of them but through 
 
 import http.server
 import json
+import random
 import socket
 import socketserver
 import subprocess
@@ -18,12 +19,14 @@ from contextlib import ExitStack, closing, suppress
 from uuid import uuid4
 
 import pytest
+from django.db import connection
 from dnslib import QTYPE, RCODE, RR, A  # type: ignore[import-untyped]
 from dnslib.server import BaseResolver, DNSLogger, DNSServer  # type: ignore[import-untyped]
 
 from runners.host.containers import isolation
 from runners.host.containers.engine import Engine
 from runners.host.identity import docker_name
+from runners.models import Runner
 from runners.services import installation_key
 from tests.processes import wait_for
 from tests.runners.isolation_support import leftovers
@@ -101,6 +104,16 @@ class Outside:
         if self.containers:
             subprocess.run(["docker", "rm", "--force", *self.containers], capture_output=True)
         subprocess.run(["docker", "network", "rm", self.lan_network], capture_output=True)
+
+
+def runner_ids_apart() -> None:
+    """Networks, the proxy and firewall rules are the host's, named after the runner id: start
+    the ids far from where other sessions' test databases (and this one's) hand them out."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT setval(pg_get_serial_sequence(%s, 'id'), %s)",
+            [Runner._meta.db_table, random.randrange(10**6, 10**9)],
+        )
 
 
 def host_bridge_address() -> str:

@@ -55,7 +55,9 @@ class Command(BaseCommand):
         kind = "plain HTTP request" if plain else "CONNECT tunnel"
         self.stdout.write(f"agent {agent} (version {agent.version}), {kind} to {host}:{port}")
         # The proxy's own steps (egress.policy), from step 2: the agent is given, not proven.
-        decision = check_agent(subject, Attempt(None, host, port, plain_http=plain))
+        decision = check_agent(
+            subject, Attempt(None, host, port, plain_http=plain), built_in=policy.built_in
+        )
         if not decision.allowed:
             self._deny(decision)
             return
