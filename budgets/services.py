@@ -12,6 +12,7 @@ frees it without a charge. A request is priced by the price row in effect when i
 import hashlib
 import logging
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -22,7 +23,7 @@ from zoneinfo import ZoneInfo
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Q, Sum, Value
 from django.db.models.functions import Round
 from django.utils import timezone
@@ -84,23 +85,33 @@ def zone() -> ZoneInfo:
 
 
 def price_for(model: str, at: datetime | None = None) -> Price:
-    """The price in effect at ``at`` for ``model``: the row naming it, else the row of the
-    longest pattern that matches it (``claude-sonnet-4-5-*`` for ``claude-sonnet-4-5-20250929``);
-    among rows of one name, the newest in effect. Unpriced when none."""
-    at = at or timezone.now()
-    in_effect = (
-        Price.objects.filter(effective_from__lte=at)
-        .filter(Q(effective_until__isnull=True) | Q(effective_until__gt=at))
-        .order_by("-effective_from")
+    """The price in effect at ``at`` for ``model`` (:func:`choose_price` among the rows that
+    name it or end in ``*``). Unpriced when none."""
+    return choose_price(
+        Price.objects.filter(Q(model=model) | Q(model__endswith="*")), model, at or timezone.now()
     )
-    exact = in_effect.filter(model=model).first()
-    if exact is not None:
-        return exact
+
+
+def choose_price(prices: Iterable[Price], model: str, at: datetime) -> Price:
+    """Among ``prices``, the one in effect at ``at`` for ``model``: the row naming it, else the
+    row of the longest pattern that matches it (``claude-sonnet-4-5-*`` for
+    ``claude-sonnet-4-5-20250929``); among rows of one name, the newest in effect. Unpriced
+    when none."""
     best: Price | None = None
-    for price in in_effect.filter(model__endswith="*"):
-        stem = price.model[:-1]
-        if model.startswith(stem) and (best is None or len(price.model) > len(best.model)):
-            best = price
+    best_rank = (0, 0)
+    for price in prices:
+        if price.effective_from > at or (
+            price.effective_until is not None and price.effective_until <= at
+        ):
+            continue
+        if price.model == model:
+            rank = (2, 0)
+        elif price.model.endswith("*") and model.startswith(price.model[:-1]):
+            rank = (1, len(price.model))
+        else:
+            continue
+        if best is None or (rank, price.effective_from) > (best_rank, best.effective_from):
+            best, best_rank = price, rank
     if best is None:
         raise Unpriced(model)
     return best
@@ -177,12 +188,14 @@ def reserve(
     request_id: str,
     run_id: "UUID | str | None" = None,
     at: datetime | None = None,
+    price: Price | None = None,
 ) -> Reservation:
-    """Hold the worst case of a request against the agent's budgets. Unpriced for a model
-    without a price; Exhausted (nothing held) when a budget cannot hold it; ValueError for a
-    negative bound."""
+    """Hold the worst case of a request against the agent's budgets (only its id and its
+    organisation's are read), priced by ``price`` (the gateway keeps the rows; else
+    :func:`price_for`). Unpriced for a model without a price; Exhausted (nothing held) when a
+    budget cannot hold it; ValueError for a negative bound."""
     at = at or timezone.now()
-    price = price_for(model, at)
+    price = price or price_for(model, at)
     amount = price.prices.worst_case(input_bound, max_tokens)
     try:
         return _reserve(agent, model, price, amount, request_id, run_id, at)
@@ -206,30 +219,95 @@ def _reserve(
     run_id: "UUID | str | None",
     at: datetime,
 ) -> Reservation:
-    with transaction.atomic():
-        held = []
+    # On every model request, so in SQL of its own: a handful of statements, each one round
+    # trip, where the ORM spent milliseconds building them.
+    with transaction.atomic(), connection.cursor() as cursor:
         # Rows are updated in one order (by id) by every reservation and settlement, so two
         # requests never wait for each other's rows in opposite orders (a deadlock).
-        spends = sorted(((current_spend(b, at), b) for b in budgets_of(agent)), key=_by_id)
-        for spend, budget in spends:
-            fits = Spend.objects.filter(
-                pk=spend.pk, spent__lte=F("limit") - F("reserved") - Value(amount)
-            ).update(reserved=_exact(F("reserved") + Value(amount)))
-            if not fits:
-                spend.refresh_from_db()
-                raise Exhausted(budget, spend, amount)
-            held.append(spend)
-        reservation = Reservation.objects.create(
+        held = sorted(_current_spend_ids(cursor, agent, at))
+        for spend_id, budget_id in held:
+            cursor.execute(_HOLD, [_decimal(amount), spend_id, _decimal(amount)])
+            if cursor.rowcount != 1:
+                raise Exhausted(
+                    Budget.objects.get(pk=budget_id), Spend.objects.get(pk=spend_id), amount
+                )
+        reservation = Reservation(
             request_id=request_id,
             organisation_id=agent.organisation_id,
-            agent=agent,
+            agent_id=agent.pk,
             run_id=run_id,
             model=model,
             price=price,
             amount=amount,
+            status=Reservation.Status.OPEN,
+            created_at=timezone.now(),
         )
-        reservation.spends.set(held)
+        row = [_prep(reservation, name) for name in _RESERVATION_FIELDS]
+        cursor.execute(_INSERT_RESERVATION, row)
+        reservation.pk = cursor.fetchone()[0]
+        if held:
+            cursor.executemany(_LINK, [[reservation.pk, spend_id] for spend_id, _ in held])
     return reservation
+
+
+def _current_spend_ids(cursor: Any, agent: Agent, at: datetime) -> list[tuple[int, int]]:
+    """(spend id, budget id) of the current period of each budget that applies to the agent
+    (a period's spend is made, with :func:`current_spend`, when the first request finds none)."""
+    starts = {kind: periods.bounds(kind, at, zone())[0] for kind in periods.PERIODS}
+    cursor.execute(
+        _CURRENT_SPENDS,
+        [*(_datetime(starts[kind]) for kind in periods.PERIODS), agent.organisation_id, agent.pk],
+    )
+    found = []
+    for budget_id, spend_id in cursor.fetchall():
+        if spend_id is None:
+            spend_id = current_spend(Budget.objects.get(pk=budget_id), at).pk
+        found.append((spend_id, budget_id))
+    return found
+
+
+def _decimal(value: Decimal) -> Any:
+    return connection.ops.adapt_decimalfield_value(value, 14, 6)
+
+
+def _datetime(value: datetime) -> Any:
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def _prep(instance: Any, name: str) -> Any:
+    field = instance._meta.get_field(name)
+    return field.get_db_prep_save(getattr(instance, field.attname), connection)
+
+
+# The SQL of reserve(), in the standard SQL that PostgreSQL and SQLite share. The period
+# kinds' starts are given in periods.PERIODS order (none, daily, weekly, monthly).
+_CURRENT_SPENDS = (
+    "SELECT b.id, s.id FROM budgets_budget b LEFT JOIN budgets_spend s ON s.budget_id = b.id"
+    " AND s.period = b.period AND s.starts_at = (CASE b.period WHEN 'none' THEN %s"
+    " WHEN 'daily' THEN %s WHEN 'weekly' THEN %s WHEN 'monthly' THEN %s END)"
+    " WHERE b.organisation_id = %s AND (b.agent_id = %s OR b.agent_id IS NULL)"
+)
+_HOLD = (
+    'UPDATE budgets_spend SET reserved = ROUND(reserved + %s, 6) WHERE id = %s AND spent <= "limit"'
+    " - reserved - %s"
+)
+_RESERVATION_FIELDS = (
+    "request_id",
+    "organisation",
+    "agent",
+    "run",
+    "model",
+    "price",
+    "amount",
+    "status",
+    "created_at",
+)
+_INSERT_RESERVATION = (
+    "INSERT INTO budgets_reservation (request_id, organisation_id, agent_id, run_id, model,"
+    " price_id, amount, status, created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    " RETURNING id"
+)
+_LINK = "INSERT INTO budgets_reservation_spends (reservation_id, spend_id) VALUES (%s, %s)"
 
 
 def settle(
@@ -290,10 +368,6 @@ def _exact(amount: Any) -> Round:
     """An amount kept to a millionth of a dollar: exact on PostgreSQL (numeric) already, and
     on SQLite, whose arithmetic is binary floating point (0.3 - 0.1 - 0.2 is not 0 there)."""
     return Round(amount, 6)
-
-
-def _by_id(pair: tuple[Spend, Budget]) -> int:
-    return pair[0].pk
 
 
 def _close(reservation: Reservation, status: str, *, spent: Decimal) -> None:

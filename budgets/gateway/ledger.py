@@ -1,20 +1,34 @@
 """The model gateway's ledger in covey's database (budgets.services), for the gateway's
 worker threads: each keeps its database connection; one that fails is closed, so the next
-call opens a new one, and the request is refused (503)."""
+call opens a new one, and the request is refused (503).
 
-from collections.abc import Iterator
+What every request would otherwise read again is kept for at most KEPT_SECONDS: who a token
+belongs to (so a token revoked, an agent disabled or a key changed is seen within that time,
+as the egress proxies see a change of policy), and the price rows (so a price row saved with
+an ``effective_from`` less than that time ahead applies up to that time late). Budgets are
+never kept: every reservation is decided by the database.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
+from functools import partial
 
 from celery import current_app
-from django.db import InterfaceError, OperationalError, connection
+from django.db import IntegrityError, InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from agents.models import Agent
 from budgets import services
 from budgets.gateway.server import BUDGET_EXHAUSTED, Caller, Hold, Refused
-from budgets.models import GatewayToken, ModelKey, Reservation, Vendor
+from budgets.models import GatewayToken, ModelKey, Price, Reservation, Vendor
 from budgets.usage import Usage
 from covey import crypto
+
+KEPT_SECONDS = 0.5
+KEPT_CALLERS = 10_000  # tokens remembered at once (the oldest go first)
 
 
 @contextmanager
@@ -27,12 +41,48 @@ def _database() -> Iterator[None]:
 
 
 class DjangoLedger:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        # token's sha256 → (read at, the token's end, its caller)
+        self._callers: dict[str, tuple[float, datetime, Caller]] = {}
+        self._prices: tuple[float, list[Price]] = (float("-inf"), [])
+
+    def known(self, token: str) -> Caller | None:
+        kept = self._callers.get(services.hash_token(token))
+        if kept is None or self.clock() - kept[0] >= KEPT_SECONDS or kept[1] <= timezone.now():
+            return None
+        return kept[2]
+
     def authenticate(self, token: str) -> Caller:
+        caller = self.known(token)
+        if caller is not None:
+            return caller
+        digest = services.hash_token(token)
+        now = self.clock()
+        ends, caller = self._authenticate(digest)
+        with self._lock:
+            self._callers.pop(digest, None)
+            if len(self._callers) >= KEPT_CALLERS:
+                self._callers.pop(next(iter(self._callers)))
+            self._callers[digest] = (now, ends, caller)
+        return caller
+
+    def _prices_now(self, kept: float = KEPT_SECONDS) -> list[Price]:
+        """The price rows, as read at most ``kept`` seconds ago."""
+        read_at, prices = self._prices
+        now = self.clock()
+        if now - read_at >= kept:
+            prices = list(Price.objects.all())
+            self._prices = (now, prices)
+        return prices
+
+    def _authenticate(self, digest: str) -> tuple[datetime, Caller]:
         with _database():
             found = (
                 GatewayToken.objects.select_related("agent__organisation")
                 .filter(
-                    sha256=services.hash_token(token),
+                    sha256=digest,
                     revoked_at__isnull=True,
                     expires_at__gt=timezone.now(),
                 )
@@ -65,7 +115,7 @@ class DjangoLedger:
             raise Refused(
                 503, "api_error", f"the organisation's model key cannot be read ({exc})"
             ) from None
-        return Caller(
+        return found.expires_at, Caller(
             agent_id=agent.pk,
             organisation_id=agent.organisation_id,
             run_id=str(found.run_id) if found.run_id else None,
@@ -76,17 +126,25 @@ class DjangoLedger:
     def reserve(
         self, caller: Caller, *, model: str, input_bound: int, max_tokens: int, request_id: str
     ) -> Hold:
+        agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
         with _database():
-            agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
+            at = timezone.now()
+            hold = partial(
+                services.reserve,
+                agent,
+                model=model,
+                input_bound=input_bound,
+                max_tokens=max_tokens,
+                request_id=request_id,
+                run_id=caller.run_id,
+                at=at,
+            )
             try:
-                reservation = services.reserve(
-                    agent,
-                    model=model,
-                    input_bound=input_bound,
-                    max_tokens=max_tokens,
-                    request_id=request_id,
-                    run_id=caller.run_id,
-                )
+                try:
+                    reservation = hold(price=services.choose_price(self._prices_now(), model, at))
+                except (services.Unpriced, IntegrityError):
+                    # Priced (or a row gone) since the rows were read: read them now.
+                    reservation = hold(price=services.choose_price(self._prices_now(0), model, at))
             except services.Unpriced as exc:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
             except services.Exhausted as exc:

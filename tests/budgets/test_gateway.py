@@ -177,6 +177,16 @@ def test_unknown_revoked_and_disabled_are_refused_before_the_vendor(gateway, ven
     assert len(vendor.seen) == count
 
 
+def test_a_token_in_use_is_refused_within_a_second_of_its_revocation(gateway, agent):
+    token = token_for(agent)
+    assert ask(gateway, token).status_code == 200
+    assert ask(gateway, token).status_code == 200  # vouched for from memory now
+    GatewayToken.objects.update(revoked_at=timezone.now())
+    revoked = time.monotonic()
+    wait_for(lambda: ask(gateway, token).status_code == 401, 5, "the revocation seen")
+    assert time.monotonic() - revoked < 1
+
+
 def test_an_organisation_without_a_key_is_told_how_to_get_one(gateway, agent, acme):
     acme.model_keys.all().delete()
     refused = ask(gateway, token_for(agent))

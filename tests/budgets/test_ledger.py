@@ -1,0 +1,81 @@
+"""The gateway's database ledger: what it keeps between requests, and for how long."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from budgets import services
+from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
+from budgets.gateway.server import Refused
+from budgets.models import GatewayToken, Price, Reservation
+from tests.budgets.conftest import KEY
+from tests.factories import AgentFactory
+
+pytestmark = pytest.mark.django_db
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup(acme, sonnet_price):
+    agent = AgentFactory(organisation=acme)
+    services.set_model_key(acme, KEY)
+    services.set_budget(agent, Decimal(10))
+    clock = Clock()
+    token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    return DjangoLedger(clock=clock), clock, token
+
+
+def test_a_token_is_vouched_for_a_moment_then_read_again(setup):
+    ledger, clock, token = setup
+    assert ledger.known(token) is None  # never read
+    caller = ledger.authenticate(token)
+    assert caller.key == KEY and ledger.known(token) == caller
+    GatewayToken.objects.update(revoked_at=timezone.now())
+    clock.now += KEPT_SECONDS * 0.9
+    assert ledger.known(token) == caller  # the bound a revocation may take
+    clock.now += KEPT_SECONDS * 0.1
+    assert ledger.known(token) is None
+    with pytest.raises(Refused) as refused:
+        ledger.authenticate(token)
+    assert refused.value.status == 401
+
+
+def test_a_refused_token_is_never_kept(setup):
+    ledger, _, token = setup
+    GatewayToken.objects.update(revoked_at=timezone.now())
+    with pytest.raises(Refused):
+        ledger.authenticate(token)
+    GatewayToken.objects.update(revoked_at=None)
+    assert ledger.authenticate(token).key == KEY and ledger.known(token) is not None
+
+
+def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
+    ledger, _, token = setup
+    caller = ledger.authenticate(token)
+    ask = dict(model="claude-new-1", input_bound=10, max_tokens=10)
+    with pytest.raises(Refused) as refused:
+        ledger.reserve(caller, request_id="before", **ask)
+    assert refused.value.reason == "unpriced-model"
+    Price.objects.create(
+        model="claude-new-1",
+        input=Decimal(1),
+        cache_write_5m=Decimal(1),
+        cache_write_1h=Decimal(1),
+        cache_read=Decimal(1),
+        output=Decimal(1),
+        effective_from=timezone.now() - timedelta(seconds=1),
+        source="tests",
+    )
+    hold = ledger.reserve(caller, request_id="after", **ask)
+    reservation = Reservation.objects.get(pk=hold.reservation_id)
+    assert reservation.price.model == "claude-new-1" and reservation.amount == Decimal("0.00002")
+    assert list(reservation.spends.values_list("reserved", flat=True)) == [Decimal("0.00002")]
