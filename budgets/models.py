@@ -110,8 +110,8 @@ class Budget(models.Model):
     thresholds = models.JSONField(
         default=default_thresholds,
         blank=True,
-        help_text="Percentages of the amount at which people are to be told, once per period"
-        " (the alerts come with the model gateway).",
+        help_text="Percentages of the amount at which the organisation's admins (by email) and"
+        " its webhook (budget.threshold) are told, once per period.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

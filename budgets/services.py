@@ -16,16 +16,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 from uuid import UUID
 from zoneinfo import ZoneInfo
 
+from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.mail import send_mail
 from django.db import connection, transaction
 from django.db.models import F, Q, Sum, Value
 from django.db.models.functions import Round
+from django.urls import reverse
 from django.utils import timezone
 
 from agents.models import Agent
@@ -44,7 +48,8 @@ from budgets.models import (
 )
 from budgets.usage import Usage
 from covey import crypto
-from organisations.models import Organisation
+from organisations import webhooks
+from organisations.models import Membership, Organisation, Role
 
 logger = logging.getLogger(__name__)
 
@@ -202,11 +207,14 @@ def reserve(
     except Exhausted as exc:
         # Used up from now (outside the refused transaction): the proxy refuses the agent's
         # egress, its runs are stopped, new ones refused, until the budget is raised.
-        exc.first = bool(
-            Spend.objects.filter(pk=exc.spend.pk, exhausted_at__isnull=True).update(
-                exhausted_at=timezone.now()
+        with transaction.atomic():
+            exc.first = bool(
+                Spend.objects.filter(pk=exc.spend.pk, exhausted_at__isnull=True).update(
+                    exhausted_at=timezone.now()
+                )
             )
-        )
+            if exc.first:
+                tell_reached([exc.spend.pk], used_up=True)
         raise
 
 
@@ -341,7 +349,9 @@ def settle(
             outcome=outcome,
             started_at=locked.created_at,
         )
-        _close(locked, Reservation.Status.SETTLED, spent=cost)
+        spends = _close(locked, Reservation.Status.SETTLED, spent=cost)
+        if cost:
+            tell_reached(spends)
     return charge
 
 
@@ -370,15 +380,108 @@ def _exact(amount: Any) -> Round:
     return Round(amount, 6)
 
 
-def _close(reservation: Reservation, status: str, *, spent: Decimal) -> None:
-    for spend in reservation.spends.order_by("pk"):
-        Spend.objects.filter(pk=spend.pk).update(
+def _close(reservation: Reservation, status: str, *, spent: Decimal) -> list[int]:
+    """Free the reservation, charging ``spent``; the ids of the spends it held (their rows
+    locked until the transaction ends)."""
+    ids = list(reservation.spends.order_by("pk").values_list("pk", flat=True))
+    for pk in ids:
+        Spend.objects.filter(pk=pk).update(
             reserved=_exact(F("reserved") - Value(reservation.amount)),
             spent=_exact(F("spent") + Value(spent)),
         )
     reservation.status = status
     reservation.closed_at = timezone.now()
     reservation.save(update_fields=["status", "closed_at"])
+    return ids
+
+
+ALERT = "budgets.alert"  # the task that emails an alert (budgets/tasks.py)
+THRESHOLD_EVENT = "budget.threshold"  # the webhook event (organisations/webhooks.py)
+
+
+def reached(spend: Spend, threshold: int, *, used_up: bool = False) -> bool:
+    """Whether the period has spent ``threshold`` percent of its limit; a period found used up
+    has reached every threshold up to 100 %."""
+    if used_up and threshold <= 100:
+        return True
+    return spend.limit > 0 and spend.spent * 100 >= spend.limit * threshold
+
+
+def tell_reached(spend_ids: Iterable[int], *, used_up: bool = False) -> list[tuple[int, int]]:
+    """In the transaction that changed these spends (their rows locked by it, so two never
+    tell the same threshold): each threshold of their budgets reached now and not told this
+    period is marked told (``Spend.alerted``), and once the transaction commits, emailed to
+    the organisation's admins (a Celery task) and posted to its webhook. Returns the (spend
+    id, threshold) pairs told."""
+    told = []
+    for spend in Spend.objects.select_related("budget").filter(pk__in=spend_ids).order_by("pk"):
+        new = [
+            t
+            for t in spend.budget.thresholds
+            if t not in spend.alerted and reached(spend, t, used_up=used_up)
+        ]
+        if not new:
+            continue
+        spend.alerted = sorted({*spend.alerted, *new})
+        spend.save(update_fields=["alerted"])
+        for threshold in new:
+            told.append((spend.pk, threshold))
+            webhooks.send(
+                spend.budget.organisation_id,
+                THRESHOLD_EVENT,
+                alert_data(spend, threshold, used_up=used_up),
+            )
+            transaction.on_commit(
+                partial(current_app.send_task, ALERT, args=[spend.pk, threshold]), robust=True
+            )
+    return told
+
+
+def alert_data(spend: Spend, threshold: int, *, used_up: bool = False) -> dict[str, Any]:
+    """An alert as its webhook event carries it (and its email tells it)."""
+    budget = spend.budget
+    agent = budget.agent
+    return {
+        "budget": budget.pk,
+        "agent": {"id": agent.pk, "slug": agent.slug, "name": agent.name} if agent else None,
+        "threshold": threshold,
+        "used_up": used_up,
+        "spent": str(spend.spent),
+        "limit": str(spend.limit),
+        "period": spend.period,
+        "starts_at": spend.starts_at.isoformat(),
+        "ends_at": spend.ends_at.isoformat() if spend.ends_at else None,
+        "admin": settings.COVEY_CONTROL_PLANE_URL.rstrip("/")
+        + reverse("admin:budgets_budget_change", args=[budget.pk]),
+    }
+
+
+def email_alert(spend_id: int, threshold: int) -> int:
+    """Email the organisation's admins (those with an address) that a budget reached a
+    threshold; how many were told."""
+    spend = Spend.objects.select_related("budget__organisation", "budget__agent").get(pk=spend_id)
+    budget = spend.budget
+    emails = sorted(
+        set(
+            Membership.objects.filter(organisation=budget.organisation, role=Role.ADMIN)
+            .exclude(user__email="")
+            .values_list("user__email", flat=True)
+        )
+    )
+    if not emails:
+        return 0
+    data = alert_data(spend, threshold, used_up=spend.exhausted_at is not None)
+    whose = f"agent {budget.agent}" if budget.agent_id else f"organisation {budget.organisation}"
+    state = "is used up" if data["used_up"] else f"reached {threshold} %"
+    send_mail(
+        f"covey: the budget of {whose} {state}",
+        f"The {spend.period} budget of {whose} ({budget.organisation}) {state}: ${spend.spent}"
+        f" of ${spend.limit} spent in the period from {spend.starts_at:%Y-%m-%d %H:%M} UTC.\n\n"
+        f"See or raise it: {data['admin']}\n",
+        None,
+        emails,
+    )
+    return len(emails)
 
 
 def check_thresholds(value: Any) -> list[int]:
@@ -420,9 +523,15 @@ def set_budget(
                 organisation=owner, agent=None, defaults=fields
             )
         current_spend(budget)  # the current period exists, and takes the new limit:
-        Spend.objects.filter(budget=budget, period=budget.period).filter(
-            Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now())
-        ).update(limit=amount, exhausted_at=None)
+        for spend in (
+            Spend.objects.select_for_update()
+            .filter(budget=budget, period=budget.period)
+            .filter(Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now()))
+        ):
+            spend.limit, spend.exhausted_at = amount, None
+            # A threshold is told again when the new limit is reached that far again.
+            spend.alerted = [t for t in spend.alerted if reached(spend, t)]
+            spend.save(update_fields=["limit", "exhausted_at", "alerted"])
     return budget
 
 

@@ -47,6 +47,8 @@ class BudgetSerializer(serializers.ModelSerializer):
             "spent": str(spend.spent),
             "reserved": str(spend.reserved),
             "remaining": str(max(spend.remaining, Decimal(0))),
+            "alerted": spend.alerted,  # the thresholds told this period
+            "used_up": spend.exhausted_at is not None,
         }
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 A delivery is one POST of ``{"event", "delivery", "at", "organisation", "data"}`` with
 
-- ``X-Covey-Event``: the event (``request.pending``, ``request.decided``);
+- ``X-Covey-Event``: the event (``request.pending``, ``request.decided``, ``budget.threshold``);
 - ``X-Covey-Delivery``: the delivery's id (the same on each retry: a receiver can drop repeats);
 - ``X-Covey-Signature: t=<unix time>,v1=<hex>``: HMAC-SHA256 with the webhook's secret of
   ``<t>.<body>`` (receivers check it, and that ``t`` is recent).
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SECRET_PREFIX = "whsec_"  # noqa: S105 - how a signing secret starts, not one
 SIGNATURE_HEADER = "X-Covey-Signature"
-EVENTS = ("request.pending", "request.decided")
+EVENTS = ("request.pending", "request.decided", "budget.threshold")
 TIMEOUT = 10.0  # seconds for one POST
 RETRIES = 5  # after the first try; back-off 10 s, 20 s, 40 s, 80 s, 160 s
 DELIVER = "organisations.webhook"  # the task (organisations/tasks.py)

@@ -1,0 +1,11 @@
+"""Budgets' tasks: alerts by email (budgets.services.tell_reached sends them)."""
+
+from celery import shared_task
+
+from budgets import services
+
+
+@shared_task(name=services.ALERT, ignore_result=True)
+def alert(spend_id: int, threshold: int) -> int:
+    """Email the organisation's admins of a threshold reached; how many were told."""
+    return services.email_alert(spend_id, threshold)
