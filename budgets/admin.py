@@ -8,6 +8,8 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from agents.admin import AgentAdmin
+from agents.models import Agent
 from budgets import services
 from budgets.models import Budget, Charge, ModelKey, Price, Spend
 
@@ -217,3 +219,41 @@ class ModelKeyAdmin(admin.ModelAdmin):
         saved = services.set_model_key(obj.organisation, form.cleaned_data["key"], obj.vendor)
         obj.pk, obj.hint = saved.pk, saved.hint
         obj._state.adding = False
+
+
+class AgentWithSpendAdmin(AgentAdmin):
+    """The agents' admin (agents/admin.py) with what each spent against its budget: budgets
+    sit above agents, so they add the column here."""
+
+    list_display = [*AgentAdmin.list_display[:-1], "spend", AgentAdmin.list_display[-1]]
+    list_select_related = [*AgentAdmin.list_select_related, "budget"]
+    readonly_fields = [*AgentAdmin.readonly_fields[:-2], "spend", *AgentAdmin.readonly_fields[-2:]]
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        """The page's spends in one query."""
+        changelist = super().get_changelist_instance(request)
+        budgets = [a.budget for a in changelist.result_list if _budget_of(a) is not None]
+        spends = services.current_spends(budgets)
+        for agent in changelist.result_list:
+            budget = _budget_of(agent)
+            agent.spend_now = spends[budget.pk] if budget is not None else None
+        return changelist
+
+    @admin.display(description="Spent (budget)")
+    def spend(self, obj: Agent) -> str:
+        budget = _budget_of(obj) if obj.pk else None
+        if budget is None:
+            return "no budget of its own"
+        spend = getattr(obj, "spend_now", None) or services.current_spends([budget])[budget.pk]
+        return services.spend_text(budget, spend)
+
+
+def _budget_of(agent: Agent) -> Budget | None:
+    try:
+        return agent.budget
+    except Budget.DoesNotExist:
+        return None
+
+
+admin.site.unregister(Agent)
+admin.site.register(Agent, AgentWithSpendAdmin)

@@ -27,7 +27,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import connection, transaction
-from django.db.models import F, Q, Sum, Value
+from django.db.models import Count, F, Q, Sum, Value
 from django.db.models.functions import Round
 from django.urls import reverse
 from django.utils import timezone
@@ -550,6 +550,84 @@ def used_up(agent: Agent, at: datetime | None = None) -> str:
                 " wait for the next period"
             )
     return ""
+
+
+def usage(
+    agent: Agent, since: datetime | None = None, until: datetime | None = None
+) -> dict[str, Any]:
+    """What the agent spent from ``since`` to ``until`` (default: its own budget's current
+    period, or the current month), in total and by model, and where each of its budgets stands
+    now. Amounts in US dollars as strings."""
+    own = Budget.objects.filter(agent=agent).first()
+    if since is None:
+        since, end = periods.bounds(own.period if own else periods.MONTHLY, timezone.now(), zone())
+        until = until or end
+    charges = Charge.objects.filter(agent=agent, started_at__gte=since)
+    if until is not None:
+        charges = charges.filter(started_at__lt=until)
+    sums = {
+        "requests": Count("id"),
+        "input_tokens": Sum("input_tokens"),
+        "cache_write_5m_tokens": Sum("cache_write_5m_tokens"),
+        "cache_write_1h_tokens": Sum("cache_write_1h_tokens"),
+        "cache_read_tokens": Sum("cache_read_tokens"),
+        "output_tokens": Sum("output_tokens"),
+        "cost": Sum("cost"),
+    }
+
+    def shown(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            key: str(Decimal(value or 0).quantize(MILLIONTH)) if key == "cost" else (value or 0)
+            for key, value in row.items()
+        }
+
+    budgets = budgets_of(agent)
+    spends = current_spends(budgets)
+    return {
+        "agent": agent.pk,
+        "since": since,
+        "until": until,
+        "total": shown(charges.aggregate(**sums)),
+        "by_model": [
+            {"model": row["model"], **shown({k: v for k, v in row.items() if k != "model"})}
+            for row in charges.values("model").annotate(**sums).order_by("-cost", "model")
+        ],
+        "budgets": [
+            {
+                "budget": budget.pk,
+                "whose": "agent" if budget.agent_id else "organisation",
+                "period": budget.period,
+                "starts_at": spends[budget.pk].starts_at,
+                "ends_at": spends[budget.pk].ends_at,
+                "limit": str(spends[budget.pk].limit),
+                "spent": str(spends[budget.pk].spent),
+                "reserved": str(spends[budget.pk].reserved),
+                "remaining": str(max(spends[budget.pk].remaining, Decimal(0))),
+                "used_up": spends[budget.pk].exhausted_at is not None,
+            }
+            for budget in budgets
+        ],
+    }
+
+
+MILLIONTH = Decimal("0.000001")
+
+
+def spend_text(budget: Budget | None, spend: Spend | None) -> str:
+    """'$3.20 of $10.00 this month (32 %)', for lists; '-' without a budget."""
+    if budget is None or spend is None:
+        return "-"
+    share = f" ({spend.spent * 100 / spend.limit:.0f} %)" if spend.limit > 0 else ""
+    used_up = ", used up" if spend.exhausted_at is not None else ""
+    return f"${spend.spent:.2f} of ${spend.limit:.2f} {PERIOD_WORDS[budget.period]}{share}{used_up}"
+
+
+PERIOD_WORDS = {
+    periods.NONE: "in all",
+    periods.DAILY: "today",
+    periods.WEEKLY: "this week",
+    periods.MONTHLY: "this month",
+}
 
 
 def exhausted(organisation_id: int | None = None) -> tuple[set[int], set[int]]:

@@ -1,12 +1,20 @@
-"""API resources: budgets (with the current period's spend) and the ledger of charges."""
+"""API resources: budgets (with the current period's spend), the ledger of charges, and an
+agent's usage."""
 
+from datetime import UTC
 from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from rest_framework import mixins, serializers
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from rest_framework import mixins, permissions, serializers
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.exceptions import ValidationError as BadRequest
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from agents.models import Agent
 from budgets import services
@@ -143,3 +151,23 @@ class ChargeViewSet(mixins.RetrieveModelMixin, mixins.ListModelMixin, Organisati
     filterset_fields = ["organisation", "agent", "run", "model", "outcome"]
     ordering_fields = ["at", "cost"]
     lookup_field = "request_id"
+
+
+class AgentUsageView(APIView):
+    """``GET /api/v1/agents/{id}/usage/``: what the agent spent (``since`` and ``until``, ISO
+    times; default: its budget's current period, or the current month), in total and by model,
+    and where each budget that applies to it stands now. Members of its organisation read it."""
+
+    permission_classes = [permissions.IsAuthenticated]
+
+    def get(self, request: Request, agent_id: int) -> Response:
+        agent = get_object_or_404(Agent.objects.for_user(request.user), pk=agent_id)
+        bounds = {}
+        for name in ("since", "until"):
+            text = request.query_params.get(name)
+            if text:
+                when = parse_datetime(text)
+                if when is None:
+                    raise BadRequest(f"{name}: give an ISO 8601 time, e.g. 2026-12-01T00:00:00Z")
+                bounds[name] = when if timezone.is_aware(when) else timezone.make_aware(when, UTC)
+        return Response(services.usage(agent, **bounds))

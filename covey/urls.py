@@ -10,7 +10,7 @@ from rest_framework.routers import DefaultRouter
 
 from agents.views import AgentViewSet
 from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
-from budgets.views import BudgetViewSet, ChargeViewSet
+from budgets.views import AgentUsageView, BudgetViewSet, ChargeViewSet
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -84,6 +84,7 @@ urlpatterns = [
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/auth/", include("rest_framework.urls")),
+    path("api/v1/agents/<int:agent_id>/usage/", AgentUsageView.as_view(), name="agent-usage"),
     path("api/v1/egress/policy/", EgressPolicyView.as_view(), name="egress-policy"),
     path("api/v1/egress/decisions/", DecisionIngestView.as_view(), name="egress-decisions-ingest"),
     path("api/v1/runners/register/", RegisterRunnerView.as_view(), name="runner-register"),

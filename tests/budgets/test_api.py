@@ -153,3 +153,49 @@ def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(cli
     assert Budget.objects.count() == 1
     bad = client.post("/admin/budgets/budget/add/", {**form, "thresholds": '["50"]'})
     assert "whole percentages from 1 to 1000" in bad.text
+
+
+@pytest.mark.django_db
+def test_an_agents_usage_in_total_and_by_model_and_its_budgets_now(api, acme, vera, gary):
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal(10), period="daily")
+    services.set_budget(acme, Decimal(100))
+    for n, (model, output) in enumerate(
+        [(SONNET, 1000), (SONNET, 2000), ("claude-opus-4-5-20251101", 1000)]
+    ):
+        held = services.reserve(
+            agent, model=model, input_bound=0, max_tokens=2000, request_id=f"{n}"
+        )
+        services.settle(held, Usage(input=10, output=output))
+    answer = api(vera).get(f"/api/v1/agents/{agent.pk}/usage/")
+    assert answer.status_code == 200, answer.content
+    usage = answer.json()
+    assert usage["total"]["requests"] == 3 and usage["total"]["output_tokens"] == 4000
+    assert usage["total"]["cost"] == "0.070110"  # 0.01503 + 0.03003 + 0.02505
+    assert [(m["model"], m["requests"], m["cost"]) for m in usage["by_model"]] == [
+        (SONNET, 2, "0.045060"),
+        ("claude-opus-4-5-20251101", 1, "0.025050"),
+    ]
+    assert [(b["whose"], b["period"], b["spent"]) for b in usage["budgets"]] == [
+        ("agent", "daily", "0.070110"),
+        ("organisation", "monthly", "0.070110"),
+    ]
+    later = api(vera).get(f"/api/v1/agents/{agent.pk}/usage/?since=2999-01-01T00:00:00Z").json()
+    assert later["total"] == {**usage["total"], "requests": 0, "input_tokens": 0,
+                              "output_tokens": 0, "cost": "0.000000"}  # fmt: skip
+    bad = api(vera).get(f"/api/v1/agents/{agent.pk}/usage/?until=yesterday")
+    assert bad.status_code == 400 and "ISO 8601" in bad.text
+    assert api(gary).get(f"/api/v1/agents/{agent.pk}/usage/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_the_agent_list_shows_what_each_spent_against_its_budget(operator_client, acme):
+    spender = AgentFactory(organisation=acme, name="Spender")
+    AgentFactory(organisation=acme, name="Unbounded")
+    services.set_budget(spender, Decimal(4))
+    held = services.reserve(spender, model=SONNET, input_bound=0, max_tokens=10, request_id="r")
+    services.settle(held, Usage(output=66_667))  # $1.000005
+    listing = operator_client.get("/admin/agents/agent/").text
+    assert "$1.00 of $4.00 this month (25 %)" in listing and "no budget of its own" in listing
+    page = operator_client.get(f"/admin/agents/agent/{spender.pk}/change/")
+    assert page.status_code == 200 and "$1.00 of $4.00 this month (25 %)" in page.text
