@@ -197,5 +197,5 @@ def test_the_agent_list_shows_what_each_spent_against_its_budget(operator_client
     services.settle(held, Usage(output=66_667))  # $1.000005
     listing = operator_client.get("/admin/agents/agent/").text
     assert "$1.00 of $4.00 this month (25 %)" in listing and "no budget of its own" in listing
-    page = operator_client.get(f"/admin/agents/agent/{spender.pk}/change/")
-    assert page.status_code == 200 and "$1.00 of $4.00 this month (25 %)" in page.text
+    shown = operator_client.get(f"/admin/agents/agent/{spender.pk}/change/")
+    assert shown.status_code == 200 and "$1.00 of $4.00 this month (25 %)" in shown.text
