@@ -202,6 +202,7 @@ class Outcome(models.TextChoices):
     COMPLETE = "complete"
     ERROR = "error", "ended with an error"
     CUT_OFF = "cut-off", "cut off"
+    UNSETTLED = "unsettled", "never settled: charged its worst case"
 
 
 class Charge(models.Model):
@@ -223,7 +224,7 @@ class Charge(models.Model):
     output_tokens = models.PositiveBigIntegerField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6)
     price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="charges")
-    outcome = models.CharField(max_length=8, choices=Outcome.choices, default=Outcome.COMPLETE)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, default=Outcome.COMPLETE)
     started_at = models.DateTimeField(help_text="When the request began: its period's.")
     at = models.DateTimeField(auto_now_add=True, db_index=True, help_text="When it was settled.")
 

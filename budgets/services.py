@@ -355,6 +355,43 @@ def settle(
     return charge
 
 
+STALE_MARGIN = timedelta(minutes=5)
+
+
+def settle_stale(now: datetime | None = None) -> int:
+    """Charge every reservation still open longer than a request through the gateway may take
+    (COVEY_GATEWAY_MAX_REQUEST_SECONDS, and a margin) its worst case: its request may have
+    reached the model, and nothing is left unmetered. Returns how many."""
+    now = now or timezone.now()
+    limit = timedelta(seconds=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS) + STALE_MARGIN
+    settled = 0
+    for pk in Reservation.objects.filter(
+        status=Reservation.Status.OPEN, created_at__lt=now - limit
+    ).values_list("pk", flat=True):
+        with transaction.atomic():
+            locked = _open(Reservation(pk=pk))
+            Charge.objects.create(
+                request_id=locked.request_id,
+                organisation_id=locked.organisation_id,
+                agent_id=locked.agent_id,
+                run_id=locked.run_id,
+                model=locked.model,
+                cost=locked.amount,
+                price=locked.price,
+                outcome=Outcome.UNSETTLED,
+                started_at=locked.created_at,
+            )
+            spends = _close(locked, Reservation.Status.SETTLED, spent=locked.amount)
+            tell_reached(spends)
+        logger.warning(
+            "covey: request %s was never settled: charged its worst case, $%s",
+            locked.request_id,
+            locked.amount,
+        )
+        settled += 1
+    return settled
+
+
 def release(reservation: Reservation) -> None:
     """Free a reservation without a charge (the request never reached the model)."""
     with transaction.atomic():

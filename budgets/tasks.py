@@ -1,4 +1,5 @@
-"""Budgets' tasks: alerts by email (budgets.services.tell_reached sends them)."""
+"""Budgets' tasks: alerts by email (budgets.services.tell_reached sends them), and stale
+reservations charged."""
 
 from celery import shared_task
 
@@ -9,3 +10,9 @@ from budgets import services
 def alert(spend_id: int, threshold: int) -> int:
     """Email the organisation's admins of a threshold reached; how many were told."""
     return services.email_alert(spend_id, threshold)
+
+
+@shared_task(name="budgets.settle_stale", ignore_result=True)
+def settle_stale() -> int:
+    """Charge reservations the gateway never settled their worst case (every 5 minutes)."""
+    return services.settle_stale()

@@ -312,6 +312,10 @@ COVEY_MODEL_UPSTREAM = env.str("COVEY_MODEL_UPSTREAM", default="https://api.anth
 COVEY_MODEL_CA_BUNDLE = env.str("COVEY_MODEL_CA_BUNDLE", default="")
 COVEY_GATEWAY_DEFAULT_MAX_TOKENS = env.int("COVEY_GATEWAY_DEFAULT_MAX_TOKENS", default=32000)
 COVEY_GATEWAY_LEDGER_THREADS = env.int("COVEY_GATEWAY_LEDGER_THREADS", default=8)
+# The longest a request through the gateway may take, answer included; a reservation still open
+# five minutes after that (the gateway died, or its ledger failed at the end) is charged its
+# worst case by the worker.
+COVEY_GATEWAY_MAX_REQUEST_SECONDS = env.int("COVEY_GATEWAY_MAX_REQUEST_SECONDS", default=3600)
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
@@ -320,5 +324,6 @@ CELERY_BEAT_SCHEDULE = {
     "expire-probes": {"task": "runners.expire_probes", "schedule": 60.0},
     "prune-home-operations": {"task": "homes.prune_operations", "schedule": 600.0},
     "expire-requests-and-grants": {"task": "approvals.expire", "schedule": 30.0},
+    "settle-stale-reservations": {"task": "budgets.settle_stale", "schedule": 300.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

@@ -123,6 +123,7 @@ class GatewayConfig:
     threads: int = 8  # COVEY_GATEWAY_LEDGER_THREADS: ledger calls at once
     connect_timeout: float = 10.0
     read_timeout: float = 600.0  # between two chunks of an answer
+    total_timeout: float = 3600.0  # COVEY_GATEWAY_MAX_REQUEST_SECONDS: answer included
 
 
 def _error(refused: Refused, request_id: str) -> web.Response:
@@ -241,7 +242,9 @@ class Gateway:
         self.session = ClientSession(
             connector=TCPConnector(ssl=context, limit=0),
             timeout=ClientTimeout(
-                sock_connect=self.config.connect_timeout, sock_read=self.config.read_timeout
+                total=self.config.total_timeout,
+                sock_connect=self.config.connect_timeout,
+                sock_read=self.config.read_timeout,
             ),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),

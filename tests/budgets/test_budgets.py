@@ -9,6 +9,7 @@ from uuid import uuid4
 from zoneinfo import ZoneInfo
 
 import pytest
+import time_machine
 from django.db import connection
 from django.utils import timezone
 
@@ -271,3 +272,23 @@ def test_a_gateway_url_sandboxes_cannot_use_is_refused_at_start(settings, url, p
 )
 def test_the_gateway_url_names_one_destination(url, destination):
     assert services.gateway_destination(url) == destination
+
+
+def test_a_reservation_never_settled_is_charged_its_worst_case_once_it_is_stale(
+    acme, sonnet_price, settings
+):
+    settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS = 600
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal(10))
+    with time_machine.travel(datetime(2026, 12, 2, 10, 0, tzinfo=UTC)):
+        old = services.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="o")
+    with time_machine.travel(datetime(2026, 12, 2, 10, 14, tzinfo=UTC)):
+        services.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="new")
+        assert services.settle_stale() == 0  # 14 minutes: within 10 and the 5-minute margin
+    with time_machine.travel(datetime(2026, 12, 2, 10, 16, tzinfo=UTC)):
+        assert services.settle_stale() == 1
+        assert services.settle_stale() == 0  # once
+    (charge,) = Charge.objects.all()
+    assert (charge.request_id, charge.outcome, charge.cost) == ("o", "unsettled", old.amount)
+    spend = Spend.objects.get()
+    assert (spend.spent, spend.reserved) == (old.amount, old.amount)  # "new" still holds

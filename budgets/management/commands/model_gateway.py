@@ -39,6 +39,7 @@ class Command(BaseCommand):
             ca_bundle=settings.COVEY_MODEL_CA_BUNDLE,
             default_max_tokens=settings.COVEY_GATEWAY_DEFAULT_MAX_TOKENS,
             threads=settings.COVEY_GATEWAY_LEDGER_THREADS,
+            total_timeout=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS,
         )
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         gateway = Gateway(DjangoLedger(), config)
