@@ -468,9 +468,10 @@ def tell_reached(spend_ids: Iterable[int], *, used_up: bool = False) -> list[tup
                 THRESHOLD_EVENT,
                 alert_data(spend, threshold, used_up=used_up),
             )
-            transaction.on_commit(
-                partial(current_app.send_task, ALERT, args=[spend.pk, threshold]), robust=True
-            )
+        # One email for what one change reached (50 % and 80 % at once are one message).
+        transaction.on_commit(
+            partial(current_app.send_task, ALERT, args=[spend.pk, new, used_up]), robust=True
+        )
     return told
 
 
@@ -493,9 +494,9 @@ def alert_data(spend: Spend, threshold: int, *, used_up: bool = False) -> dict[s
     }
 
 
-def email_alert(spend_id: int, threshold: int) -> int:
-    """Email the organisation's admins (those with an address) that a budget reached a
-    threshold; how many were told."""
+def email_alert(spend_id: int, thresholds: list[int], used_up: bool = False) -> int:
+    """Email the organisation's admins (those with an address) that a budget reached these
+    thresholds (or was found used up); how many were told."""
     spend = Spend.objects.select_related("budget__organisation", "budget__agent").get(pk=spend_id)
     budget = spend.budget
     emails = sorted(
@@ -507,9 +508,9 @@ def email_alert(spend_id: int, threshold: int) -> int:
     )
     if not emails:
         return 0
-    data = alert_data(spend, threshold, used_up=spend.exhausted_at is not None)
+    data = alert_data(spend, max(thresholds), used_up=used_up)
     whose = f"agent {budget.agent}" if budget.agent_id else f"organisation {budget.organisation}"
-    state = "is used up" if data["used_up"] else f"reached {threshold} %"
+    state = "is used up" if used_up else f"reached {max(thresholds)} %"
     send_mail(
         f"covey: the budget of {whose} {state}",
         f"The {spend.period} budget of {whose} ({budget.organisation}) {state}: ${spend.spent}"

@@ -7,9 +7,9 @@ from budgets import services
 
 
 @shared_task(name=services.ALERT, ignore_result=True)
-def alert(spend_id: int, threshold: int) -> int:
-    """Email the organisation's admins of a threshold reached; how many were told."""
-    return services.email_alert(spend_id, threshold)
+def alert(spend_id: int, thresholds: list[int], used_up: bool = False) -> int:
+    """Email the organisation's admins of thresholds reached; how many were told."""
+    return services.email_alert(spend_id, thresholds, used_up)
 
 
 @shared_task(name="budgets.settle_stale", ignore_result=True)

@@ -84,8 +84,9 @@ def test_two_thresholds_reached_at_once_are_both_told(
     with django_capture_on_commit_callbacks(execute=True):
         spend(agent, Usage(output=8 * 66_667), "big")  # $8.00004: 50 % and 80 %
     assert told(agent) == [50, 80]
-    assert [args[1] for name, args in sent if name == services.ALERT] == [50, 80]
-    assert len(mail.outbox) == 2
+    assert [args[1] for name, args in sent if name == services.ALERT] == [[50, 80]]
+    (message,) = mail.outbox  # one message for one change
+    assert message.subject == f"covey: the budget of agent {agent} reached 80 %"
 
 
 def test_a_budget_found_used_up_tells_every_threshold_up_to_100(
@@ -98,7 +99,10 @@ def test_a_budget_found_used_up_tells_every_threshold_up_to_100(
                 agent, model=SONNET, input_bound=0, max_tokens=300_000, request_id="big"
             )
     assert told(agent) == [50, 80, 100]  # used up: every threshold up to 100 % is reached
-    assert mail.outbox[-1].subject == f"covey: the budget of agent {agent} is used up"
+    assert [m.subject for m in mail.outbox] == [
+        f"covey: the budget of agent {agent} reached 50 %",
+        f"covey: the budget of agent {agent} is used up",
+    ]
 
 
 def test_the_webhook_hears_of_it(agent, acme, sent, django_capture_on_commit_callbacks):
