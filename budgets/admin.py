@@ -42,7 +42,7 @@ class BudgetForm(forms.ModelForm):
         try:
             return services.check_thresholds(self.cleaned_data.get("thresholds"))
         except ValueError as exc:
-            raise forms.ValidationError(f"{str(exc).capitalize()}.") from None
+            raise forms.ValidationError(f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from None
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -187,7 +187,7 @@ class ModelKeyForm(forms.ModelForm):
         try:
             return services.check_model_key(self.cleaned_data.get("key") or "")
         except ValueError as exc:
-            raise forms.ValidationError(f"{str(exc).capitalize()}.") from None
+            raise forms.ValidationError(f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from None
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}

@@ -6,7 +6,7 @@ updates, so concurrent requests never together spend more than a budget holds.
 
 from decimal import Decimal
 
-from django.core.validators import MinValueValidator
+from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 
@@ -36,6 +36,12 @@ class Price(models.Model):
     model = models.CharField(
         max_length=100,
         db_index=True,
+        validators=[
+            RegexValidator(
+                r"^[A-Za-z0-9._:@-]+\*?$",
+                "A model id (letters, digits, . _ : @ -), or a pattern with one * at its end.",
+            )
+        ],
         help_text="A model id, or a pattern ending in *: claude-sonnet-4-5-* prices"
         " claude-sonnet-4-5-20250929 (a row naming the model wins, then the longest pattern).",
     )
@@ -73,7 +79,9 @@ class Price(models.Model):
                 condition=Q(effective_until__isnull=True)
                 | Q(effective_until__gt=F("effective_from")),
                 name="price_until_after_from",
-            )
+            ),
+            # One price per model from one moment: which of two would apply is not guessed.
+            models.UniqueConstraint(fields=["model", "effective_from"], name="price_one_per_start"),
         ]
 
     def __str__(self) -> str:

@@ -507,13 +507,23 @@ def email_alert(spend_id: int, thresholds: list[int], used_up: bool = False) -> 
         )
     )
     if not emails:
+        logger.warning(
+            "covey: no admin of %s has an email address: the budget alert (%s %%) reached"
+            " nobody by email",
+            budget.organisation,
+            ", ".join(map(str, thresholds)),
+        )
         return 0
     data = alert_data(spend, max(thresholds), used_up=used_up)
-    whose = f"agent {budget.agent}" if budget.agent_id else f"organisation {budget.organisation}"
+    if budget.agent_id:
+        whose = f"agent {budget.agent}"
+        where = f"agent {budget.agent} ({budget.organisation})"
+    else:
+        whose = where = f"organisation {budget.organisation}"
     state = "is used up" if used_up else f"reached {max(thresholds)} %"
     send_mail(
         f"covey: the budget of {whose} {state}",
-        f"The {spend.period} budget of {whose} ({budget.organisation}) {state}: ${spend.spent}"
+        f"The {spend.period} budget of {where} {state}: ${spend.spent}"
         f" of ${spend.limit} spent in the period from {spend.starts_at:%Y-%m-%d %H:%M} UTC.\n\n"
         f"See or raise it: {data['admin']}\n",
         None,
@@ -566,9 +576,13 @@ def set_budget(
             .filter(budget=budget, period=budget.period)
             .filter(Q(ends_at__isnull=True) | Q(ends_at__gt=timezone.now()))
         ):
-            spend.limit, spend.exhausted_at = amount, None
-            # A threshold is told again when the new limit is reached that far again.
-            spend.alerted = [t for t in spend.alerted if reached(spend, t)]
+            if amount == spend.limit:
+                continue  # saved again unchanged: a used-up budget stays used up
+            raised = amount > spend.limit
+            spend.limit = amount
+            if raised:  # the agent may work again; a threshold is told again when reached
+                spend.exhausted_at = None
+                spend.alerted = [t for t in spend.alerted if reached(spend, t)]
             spend.save(update_fields=["limit", "exhausted_at", "alerted"])
     return budget
 
@@ -657,7 +671,14 @@ def spend_text(budget: Budget | None, spend: Spend | None) -> str:
         return "-"
     share = f" ({spend.spent * 100 / spend.limit:.0f} %)" if spend.limit > 0 else ""
     used_up = ", used up" if spend.exhausted_at is not None else ""
-    return f"${spend.spent:.2f} of ${spend.limit:.2f} {PERIOD_WORDS[budget.period]}{share}{used_up}"
+    words = PERIOD_WORDS[budget.period]
+    return f"{dollars(spend.spent)} of {dollars(spend.limit)} {words}{share}{used_up}"
+
+
+def dollars(amount: Decimal) -> str:
+    """'$3.20'; an amount cents cannot show to its millionths ('$0.001248')."""
+    cents = amount.quantize(Decimal("0.01"))
+    return f"${cents}" if cents == amount else f"${amount.quantize(MILLIONTH).normalize():f}"
 
 
 PERIOD_WORDS = {

@@ -9,6 +9,8 @@ from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, serializers
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.exceptions import ValidationError as BadRequest
@@ -153,6 +155,15 @@ class ChargeViewSet(mixins.RetrieveModelMixin, mixins.ListModelMixin, Organisati
     lookup_field = "request_id"
 
 
+@extend_schema_view(
+    get=extend_schema(
+        parameters=[
+            OpenApiParameter("since", OpenApiTypes.DATETIME, description="from (ISO 8601)"),
+            OpenApiParameter("until", OpenApiTypes.DATETIME, description="until, excluded"),
+        ],
+        responses={200: OpenApiTypes.OBJECT},
+    )
+)
 class AgentUsageView(APIView):
     """``GET /api/v1/agents/{id}/usage/``: what the agent spent (``since`` and ``until``, ISO
     times; default: its budget's current period, or the current month), in total and by model,
@@ -170,4 +181,6 @@ class AgentUsageView(APIView):
                 if when is None:
                     raise BadRequest(f"{name}: give an ISO 8601 time, e.g. 2026-12-01T00:00:00Z")
                 bounds[name] = when if timezone.is_aware(when) else timezone.make_aware(when, UTC)
+        if "since" in bounds and "until" in bounds and bounds["since"] >= bounds["until"]:
+            raise BadRequest("until: give a time after since")
         return Response(services.usage(agent, **bounds))

@@ -26,8 +26,9 @@ class OrganisationForm(forms.ModelForm):
         required=False,
         assume_scheme="https",
         max_length=500,
-        help_text="Requests waiting for a decision, and decisions, are POSTed here as JSON"
-        " signed with a secret shown once when it is made (X-Covey-Signature). Empty: none.",
+        help_text="Requests waiting for a decision, decisions, and budgets reaching their alert"
+        " thresholds are POSTed here as JSON signed with a secret shown once when it is made"
+        " (X-Covey-Signature). Empty: none.",
     )
     new_webhook_secret = forms.BooleanField(
         label="Make a new signing secret",

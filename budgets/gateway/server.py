@@ -384,6 +384,10 @@ class Gateway:
             await response.write_eof()
         except (ClientError, TimeoutError, OSError) as exc:
             logger.info("covey: request %s was cut off: %r", request_id, exc)
+            # The caller must see it cut off too, not a whole answer: drop its connection
+            # without ending the response.
+            if request.transport is not None:
+                request.transport.abort()
         finally:
             upstream.release()
             if hold is not None and not settled:

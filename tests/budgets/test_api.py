@@ -192,10 +192,36 @@ def test_an_agents_usage_in_total_and_by_model_and_its_budgets_now(api, acme, ve
 def test_the_agent_list_shows_what_each_spent_against_its_budget(operator_client, acme):
     spender = AgentFactory(organisation=acme, name="Spender")
     AgentFactory(organisation=acme, name="Unbounded")
-    services.set_budget(spender, Decimal(4))
+    services.set_budget(spender, Decimal(6))
     held = services.reserve(spender, model=SONNET, input_bound=0, max_tokens=10, request_id="r")
-    services.settle(held, Usage(output=66_667))  # $1.000005
+    services.settle(held, Usage(output=100_000))  # $1.50
+    small = AgentFactory(organisation=acme, name="Small")
+    services.set_budget(small, Decimal(5))
+    held = services.reserve(small, model=SONNET, input_bound=0, max_tokens=10, request_id="s")
+    services.settle(held, Usage(output=83))  # $0.001245: cents would say $0.00
     listing = operator_client.get("/admin/agents/agent/").text
-    assert "$1.00 of $4.00 this month (25 %)" in listing and "no budget of its own" in listing
+    assert "$1.50 of $6.00 this month (25 %)" in listing and "no budget of its own" in listing
+    assert "$0.001245 of $5.00 this month (0 %)" in listing
     shown = operator_client.get(f"/admin/agents/agent/{spender.pk}/change/")
-    assert shown.status_code == 200 and "$1.00 of $4.00 this month (25 %)" in shown.text
+    assert shown.status_code == 200 and "$1.50 of $6.00 this month (25 %)" in shown.text
+
+
+@pytest.mark.django_db
+def test_a_second_price_from_the_same_moment_or_a_pattern_inside_a_name_is_refused(
+    operator_client,
+):
+    from budgets.models import Price
+
+    shipped = Price.objects.get(model="claude-haiku-4-5-*")
+    form = {
+        "model": shipped.model, "input": "100", "cache_write_5m": "1", "cache_write_1h": "1",
+        "cache_read": "1", "output": "1", "source": "mine",
+        "effective_from_0": shipped.effective_from.strftime("%Y-%m-%d"),
+        "effective_from_1": shipped.effective_from.strftime("%H:%M:%S"),
+    }  # fmt: skip
+    count = Price.objects.count()
+    twice = operator_client.post("/admin/budgets/price/add/", form)
+    assert "Model and Effective from already exists" in twice.text
+    inside = operator_client.post("/admin/budgets/price/add/", {**form, "model": "claude-*-x"})
+    assert "one * at its end" in inside.text
+    assert Price.objects.count() == count

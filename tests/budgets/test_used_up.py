@@ -34,6 +34,10 @@ def test_the_refusal_that_finds_it_used_up_says_so_once(acme, sonnet_price):
     assert refused(agent).first is False  # already known
     assert "the budget of agent" in services.used_up(agent)
     assert services.exhausted() == ({agent.pk}, set())
+    services.set_budget(agent, Decimal("0.01"))  # saved again unchanged: still used up
+    services.set_budget(agent, Decimal("0.005"))  # lowered: still used up
+    assert services.exhausted() == ({agent.pk}, set())
+    assert services.current_spend(agent.budget).alerted == [50, 80, 100]
     services.set_budget(agent, Decimal(1))  # raised: it works again at once
     assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
     services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="ok")
