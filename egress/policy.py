@@ -193,7 +193,7 @@ class Policy:
                 for token in item["tokens"]:
                     tokens[str(token["sha256"])] = Token(agent.id, float(token["expires_at"]))
             built_in = {
-                (canonical_host(str(item["host"])), int(item["port"])): str(item["name"])
+                destination(str(item["host"]), int(item["port"])): str(item["name"])
                 for item in data.get("built_in", [])
             }
             return cls(
@@ -251,9 +251,25 @@ def check_request(
     )
 
 
-def canonical_host(host: str) -> str:
-    """A host as destinations are compared: lower case, no trailing dot, IPv6 unbracketed."""
-    return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
+def destination(host: str, port: int) -> tuple[str, int]:
+    """(host, port) as destinations are compared: a name as the entry grammar normalises it,
+    an IP address in its standard form; ValueError for anything else."""
+    try:
+        entry = parse_entry(f"{host}:{port}")
+        return entry.host, entry.port
+    except IPLiteralError:
+        address = standard_address(host)
+        if not address:
+            raise ValueError(f"{host!r} is neither a host name nor an IP address") from None
+        return address, port
+
+
+def standard_address(host: str) -> str:
+    """An IP address (IPv6 bracketed or not) in its standard form; '' when it is not one."""
+    try:
+        return str(ipaddress.ip_address(host.removeprefix("[").removesuffix("]")))
+    except ValueError:
+        return ""
 
 
 def check_agent(
@@ -276,16 +292,19 @@ def check_agent(
         return start.refuse(Code.BUDGET_EXHAUSTED)
     if not attempt.plain_http and full(agent.id):
         return start.refuse(Code.CAPACITY)
-    host = canonical_host(attempt.host)
-    name = (built_in or {}).get((host, attempt.port))
-    if name is not None:
-        return replace(start, host=host, sources=(f"built-in: {name}",), built_in=name)
     try:
         entry = parse_entry(f"{attempt.host}:{attempt.port}")
-    except IPLiteralError:
-        return start.refuse(Code.IP_LITERAL)
+    except IPLiteralError:  # only a built-in destination may be an IP address
+        address = standard_address(attempt.host) if built_in else ""
+        name = built_in.get((address, attempt.port)) if built_in and address else None
+        if name is None:
+            return start.refuse(Code.IP_LITERAL)
+        return replace(start, host=address, sources=(f"built-in: {name}",), built_in=name)
     except EntryError as exc:
         return start.refuse(Code.BAD_REQUEST, str(exc))
+    name = built_in.get((entry.host, entry.port)) if built_in else None
+    if name is not None:
+        return replace(start, host=entry.host, sources=(f"built-in: {name}",), built_in=name)
     named = replace(start, host=entry.host, port=entry.port)
     sources = agent.entries.get(entry)
     if sources is not None and (not attempt.plain_http or entry.port == PLAIN_HTTP_PORT):

@@ -289,5 +289,15 @@ class FakeIdentity:
     path: Path = Path("/nonexistent/runner.json")
 
 
+class Clock:
+    """A clock a test moves (``clock.now += 1``), for code that takes ``clock=``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _now() -> datetime:
     return datetime.now(UTC)

@@ -74,10 +74,10 @@ class Resolver:
     def cached(self, host: str) -> list[str] | None:
         """The addresses resolve() would return now, when both answers are still cached (an
         IP address is its own answer); None when it would have to ask."""
-        with contextlib.suppress(ValueError):
-            return [str(ipaddress.ip_address(host))]
         known = self._known.get(host)
         if known is None:
+            with contextlib.suppress(ValueError):  # a built-in destination may be one
+                return [str(ipaddress.ip_address(host))]
             return None
         if known[0] <= time.time():
             self._known.pop(host, None)

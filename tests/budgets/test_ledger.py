@@ -12,16 +12,9 @@ from budgets.gateway.server import Refused
 from budgets.models import GatewayToken, Price, Reservation
 from tests.budgets.conftest import KEY
 from tests.factories import AgentFactory
+from tests.fakes import Clock
 
 pytestmark = pytest.mark.django_db
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -29,7 +22,7 @@ def setup(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
     services.set_model_key(acme, KEY)
     services.set_budget(agent, Decimal(10))
-    clock = Clock()
+    clock = Clock(100.0)
     token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
     return DjangoLedger(clock=clock), clock, token
 

@@ -5,14 +5,7 @@ plane says it has."""
 import pytest
 
 from runners.host.output import LiveOutput
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 @pytest.fixture
