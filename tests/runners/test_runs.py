@@ -158,7 +158,9 @@ def test_a_runner_killed_mid_launch_leaves_no_orphan_when_it_comes_back(stack, a
 
 def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, acme, alice):
     runner, config = stack.register(acme, "edge-1")
-    agent = stack.agent(acme, "Worker", ["sh", "-c", "sleep 2; echo finished"])
+    # Long enough to be running still when runner_pause (a Django start of its own) is done,
+    # on a machine busy with other tests.
+    agent = stack.agent(acme, "Worker", ["sh", "-c", "sleep 10; echo finished"])
     with stack.runner(runner, config) as process, stack.api(alice) as api:
         running_run = stack.wait(run_services.queue_run(agent, "first"), RunStatus.RUNNING)
         paused = subprocess.run(
