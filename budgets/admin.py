@@ -126,18 +126,18 @@ class PriceAdmin(admin.ModelAdmin):
     and add the new one, so every charge keeps the row it was priced by."""
 
     list_display = [
-        "model", "input", "cache_write_5m", "cache_write_1h", "cache_read", "output",
+        "model", "vendor", "input", "cache_write_5m", "cache_write_1h", "cache_read", "output",
         "effective_from", "effective_until",
     ]  # fmt: skip
     search_fields = ["model"]
-    list_filter = ["effective_until"]
+    list_filter = ["vendor", "effective_until"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         if obj is None:
             return []
         return [
-            "model", "input", "cache_write_5m", "cache_write_1h", "cache_read", "output",
-            "effective_from", "created_at",
+            "vendor", "model", "input", "cache_write_5m", "cache_write_1h", "cache_read",
+            "output", "effective_from", "created_at",
         ]  # fmt: skip
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:

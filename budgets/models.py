@@ -29,10 +29,21 @@ class Period(models.TextChoices):
     MONTHLY = periods.MONTHLY, "monthly (from the first)"
 
 
-class Price(models.Model):
-    """What a model costs, in US dollars per million tokens of each kind, from a moment on
-    (dated data: a change is a new row, and applies to requests that start after it)."""
+class Vendor(models.TextChoices):
+    ANTHROPIC = "anthropic", "Anthropic (Messages API)"
+    OPENAI = "openai", "OpenAI (Chat Completions and Responses APIs)"
 
+
+class Price(models.Model):
+    """What a vendor's model costs, in US dollars per million tokens of each kind, from a moment
+    on (dated data: a change is a new row, and applies to requests that start after it)."""
+
+    vendor = models.CharField(
+        max_length=16,
+        choices=Vendor.choices,
+        default=Vendor.ANTHROPIC,
+        help_text="Whose API the model is called by: a price applies to that API's requests.",
+    )
     model = models.CharField(
         max_length=100,
         db_index=True,
@@ -43,7 +54,8 @@ class Price(models.Model):
             )
         ],
         help_text="A model id, or a pattern ending in *: claude-sonnet-4-5-* prices"
-        " claude-sonnet-4-5-20250929 (a row naming the model wins, then the longest pattern).",
+        " claude-sonnet-4-5-20250929 (a row naming the model wins, then the longest pattern)."
+        " OpenAI's cached input is priced as a cache read (it has no cache writes).",
     )
     input = models.DecimalField(
         max_digits=12,
@@ -73,7 +85,7 @@ class Price(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["model", "-effective_from"]
+        ordering = ["vendor", "model", "-effective_from"]
         constraints = [
             models.CheckConstraint(
                 condition=Q(effective_until__isnull=True)
@@ -81,7 +93,9 @@ class Price(models.Model):
                 name="price_until_after_from",
             ),
             # One price per model from one moment: which of two would apply is not guessed.
-            models.UniqueConstraint(fields=["model", "effective_from"], name="price_one_per_start"),
+            models.UniqueConstraint(
+                fields=["vendor", "model", "effective_from"], name="price_one_per_start"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -244,10 +258,6 @@ class Charge(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id}: ${self.cost}"
-
-
-class Vendor(models.TextChoices):
-    ANTHROPIC = "anthropic", "Anthropic (Messages API)"
 
 
 class ModelKey(models.Model):

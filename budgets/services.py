@@ -57,12 +57,12 @@ logger = logging.getLogger(__name__)
 class Unpriced(Exception):
     """No price row applies to the model: it is refused, never metered at zero."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, vendor: str = Vendor.ANTHROPIC) -> None:
         super().__init__(
-            f"covey has no price for the model {model!r}: an admin adds one (Budgets → Prices)"
-            " before it can be used"
+            f"covey has no price for {Vendor(vendor).label.split(' (')[0]}'s model {model!r}:"
+            " an admin adds one (Budgets → Prices) before it can be used"
         )
-        self.model = model
+        self.model, self.vendor = model, vendor
 
 
 @dataclass
@@ -89,22 +89,29 @@ def zone() -> ZoneInfo:
     return ZoneInfo(settings.COVEY_BUDGET_TIME_ZONE)
 
 
-def price_for(model: str, at: datetime | None = None) -> Price:
-    """The price in effect at ``at`` for ``model`` (:func:`choose_price` among the rows that
-    name it or end in ``*``). Unpriced when none."""
+def price_for(model: str, at: datetime | None = None, vendor: str = Vendor.ANTHROPIC) -> Price:
+    """The price in effect at ``at`` for ``vendor``'s ``model`` (:func:`choose_price` among the
+    rows that name it or end in ``*``). Unpriced when none."""
     return choose_price(
-        Price.objects.filter(Q(model=model) | Q(model__endswith="*")), model, at or timezone.now()
+        Price.objects.filter(Q(model=model) | Q(model__endswith="*"), vendor=vendor),
+        model,
+        at or timezone.now(),
+        vendor,
     )
 
 
-def choose_price(prices: Iterable[Price], model: str, at: datetime) -> Price:
-    """Among ``prices``, the one in effect at ``at`` for ``model``: the row naming it, else the
-    row of the longest pattern that matches it (``claude-sonnet-4-5-*`` for
+def choose_price(
+    prices: Iterable[Price], model: str, at: datetime, vendor: str = Vendor.ANTHROPIC
+) -> Price:
+    """Among ``prices``, the one in effect at ``at`` for ``vendor``'s ``model``: the row naming
+    it, else the row of the longest pattern that matches it (``claude-sonnet-4-5-*`` for
     ``claude-sonnet-4-5-20250929``); among rows of one name, the newest in effect. Unpriced
     when none."""
     best: Price | None = None
     best_rank = (0, 0)
     for price in prices:
+        if price.vendor != vendor:
+            continue
         if price.effective_from > at or (
             price.effective_until is not None and price.effective_until <= at
         ):
@@ -118,7 +125,7 @@ def choose_price(prices: Iterable[Price], model: str, at: datetime) -> Price:
         if best is None or (rank, price.effective_from) > (best_rank, best.effective_from):
             best, best_rank = price, rank
     if best is None:
-        raise Unpriced(model)
+        raise Unpriced(model, vendor)
     return best
 
 
@@ -194,13 +201,14 @@ def reserve(
     run_id: "UUID | str | None" = None,
     at: datetime | None = None,
     price: Price | None = None,
+    vendor: str = Vendor.ANTHROPIC,
 ) -> Reservation:
     """Hold the worst case of a request against the agent's budgets (only its id and its
     organisation's are read), priced by ``price`` (the gateway keeps the rows; else
     :func:`price_for`). Unpriced for a model without a price; Exhausted (nothing held) when a
     budget cannot hold it; ValueError for a negative bound."""
     at = at or timezone.now()
-    price = price or price_for(model, at)
+    price = price or price_for(model, at, vendor)
     amount = price.prices.worst_case(input_bound, max_tokens)
     try:
         return _reserve(agent, model, price, amount, request_id, run_id, at)
@@ -753,6 +761,15 @@ def revoke_gateway_tokens(*, run_id: "UUID | str") -> int:
     return GatewayToken.objects.filter(run_id=run_id, revoked_at__isnull=True).update(
         revoked_at=timezone.now()
     )
+
+
+def model_vendors(organisation_id: int) -> tuple[str, ...]:
+    """Whose APIs an organisation's sandboxes are told of: Anthropic's always (the default
+    runtime's; without a key the gateway says so), and each other vendor it has a key at."""
+    keyed = set(
+        ModelKey.objects.filter(organisation_id=organisation_id).values_list("vendor", flat=True)
+    )
+    return tuple(v for v in Vendor.values if v == Vendor.ANTHROPIC or v in keyed)
 
 
 def check_model_key(secret: str) -> str:

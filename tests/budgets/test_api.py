@@ -214,14 +214,14 @@ def test_a_second_price_from_the_same_moment_or_a_pattern_inside_a_name_is_refus
 
     shipped = Price.objects.get(model="claude-haiku-4-5-*")
     form = {
-        "model": shipped.model, "input": "100", "cache_write_5m": "1", "cache_write_1h": "1",
-        "cache_read": "1", "output": "1", "source": "mine",
+        "vendor": "anthropic", "model": shipped.model, "input": "100", "cache_write_5m": "1",
+        "cache_write_1h": "1", "cache_read": "1", "output": "1", "source": "mine",
         "effective_from_0": shipped.effective_from.strftime("%Y-%m-%d"),
         "effective_from_1": shipped.effective_from.strftime("%H:%M:%S"),
     }  # fmt: skip
     count = Price.objects.count()
     twice = operator_client.post("/admin/budgets/price/add/", form)
-    assert "Model and Effective from already exists" in twice.text
+    assert "Vendor, Model and Effective from already exists" in twice.text
     inside = operator_client.post("/admin/budgets/price/add/", {**form, "model": "claude-*-x"})
     assert "one * at its end" in inside.text
     assert Price.objects.count() == count

@@ -58,7 +58,7 @@ def test_the_shipped_prices_cover_current_models_and_unknown_ones_are_refused():
     assert services.price_for("claude-sonnet-4-5").model == "claude-sonnet-4-5"
     assert services.price_for("claude-opus-4-5-20251101").input == 5
     assert services.price_for("claude-opus-4-20250514").input == 15  # a name of its own
-    with pytest.raises(services.Unpriced, match="no price for the model 'claude-opus-9'"):
+    with pytest.raises(services.Unpriced, match="no price for Anthropic's model 'claude-opus-9'"):
         services.price_for("claude-opus-9")
     with pytest.raises(services.Unpriced):
         services.price_for("claude-sonnet-4-50")  # no pattern takes it
