@@ -1,5 +1,6 @@
 """What a model request used, read exactly from the Anthropic Messages API's answers, and what
-it costs. No Django: the model gateway reads usage as the answer streams through it.
+it costs. No Django: the model gateway reads usage as the answer streams through it. Streams of
+every vendor are read by an :class:`EventStream` (OpenAI's: budgets/gateway/openai.py).
 
 The counts (Messages API ``usage``):
 
@@ -120,33 +121,39 @@ def from_message(body: bytes) -> tuple[Usage, str]:
     return usage, str(message.get("model") or "")
 
 
-class StreamMeter:
-    """Reads the usage of a streamed answer from its bytes as they pass (:meth:`feed`), holding
-    only the event being read (server-sent events: ``data:`` lines up to a blank line). ``usage``
-    is what was used so far, ``model`` the model that answered, ``started`` whether
-    ``message_start`` came, ``finished`` whether ``message_stop`` did, ``error`` the type of an
-    ``error`` event."""
+class EventStream:
+    """Reads a streamed answer (server-sent events: ``data:`` lines up to a blank line) from its
+    bytes as they pass (:meth:`feed`), holding only the event being read, and hands each event's
+    data to :meth:`_data` (a JSON object to :meth:`_event`). What a vendor's stream tells is set
+    by its subclass: ``usage`` what was used so far, ``exact`` whether that is the vendor's final
+    count, ``input_seen`` whether its input counts came, ``model`` the model that answered,
+    ``finished`` whether the stream ended as it should, ``error`` the type of an error event,
+    ``content_bytes`` the bytes of content seen (a bound of the output so far)."""
 
     def __init__(self) -> None:
         self.usage = Usage()
+        self.exact = False
+        self.input_seen = False
         self.model = ""
-        self.started = False
         self.finished = False
         self.error = ""
-        self.content_bytes = 0  # bytes of content deltas seen: a bound of the output so far
+        self.content_bytes = 0
         self._line = bytearray()  # the line being read
-        self._data: list[bytes] = []  # the event's data lines so far
+        self._lines: list[bytes] = []  # the event's data lines so far
         self._size = 0
         self._blank = True  # the line being read is empty so far (a blank line ends an event)
         self._skipping = False  # the event is too long to be one that counts
 
-    def charged(self, max_tokens: int) -> Usage:
-        """What to charge: the usage, when the stream finished; else its input and a bound of
-        the output seen (the bytes of its content deltas, at most ``max_tokens``)."""
-        if self.finished and not self.error:
+    def charged(self, max_tokens: int, input_bound: int) -> Usage:
+        """What to charge: the usage, when the vendor counted it all; else the input counts, or
+        without them ``input_bound`` tokens of input (the worst case), and a bound of the output
+        seen (the bytes of its content, at most ``max_tokens``)."""
+        if self.exact and self.finished and not self.error:
             return dataclasses.replace(self.usage)
         seen = max(self.usage.output, min(self.content_bytes, max_tokens))
-        return dataclasses.replace(self.usage, output=seen)
+        if self.input_seen:
+            return dataclasses.replace(self.usage, output=seen)
+        return Usage(input=input_bound, output=seen)
 
     def close(self) -> None:
         """The answer ended: an event it did not end with a blank line is read all the same."""
@@ -169,7 +176,7 @@ class StreamMeter:
         self._size += len(part)
         if self._size > MAX_EVENT_BYTES:
             self._line.clear()
-            self._data.clear()
+            self._lines.clear()
             self._skipping = True
             return
         self._line += part
@@ -181,18 +188,37 @@ class StreamMeter:
         if not blank:
             if not self._skipping and line.startswith(b"data:"):
                 value = line[5:]
-                self._data.append(value[1:] if value.startswith(b" ") else value)
+                self._lines.append(value[1:] if value.startswith(b" ") else value)
             return
         # A blank line ends the event.
-        data, self._data, self._size = self._data, [], 0
+        lines, self._lines, self._size = self._lines, [], 0
         skipped, self._skipping = self._skipping, False
-        if data and not skipped:
-            try:
-                event = json.loads(b"\n".join(data))
-            except ValueError:
-                return
-            if isinstance(event, dict):
-                self._event(event)
+        if lines and not skipped:
+            self._data(b"\n".join(lines))
+
+    def _data(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(event, dict):
+            self._event(event)
+
+    def _event(self, data: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class StreamMeter(EventStream):
+    """The usage of a streamed Messages API answer (``started``: whether ``message_start``
+    came). Its input counts come first, in ``message_start``; a stream cut off before them is
+    charged no input (the vendor ended it before it began)."""
+
+    @property
+    def started(self) -> bool:
+        return self.input_seen
+
+    def charged(self, max_tokens: int, input_bound: int = 0) -> Usage:
+        return super().charged(max_tokens, 0)
 
     def _event(self, data: dict[str, Any]) -> None:
         kind = data.get("type")
@@ -200,7 +226,7 @@ class StreamMeter:
             message = data["message"]
             self.usage.update(message.get("usage"), output=False)
             self.model = str(message.get("model") or self.model)
-            self.started = True
+            self.input_seen = True
         elif kind == "message_delta":
             self.usage.update(data.get("usage"))
         elif kind == "content_block_delta" and isinstance(data.get("delta"), dict):
@@ -209,7 +235,7 @@ class StreamMeter:
                 if isinstance(delta.get(key), str):
                     self.content_bytes += len(delta[key].encode())
         elif kind == "message_stop":
-            self.finished = True
+            self.finished = self.exact = True
         elif kind == "error":
             error = data.get("error")
             self.error = str(error.get("type") if isinstance(error, dict) else "error")

@@ -82,10 +82,12 @@ class EgressGrant(Message):
 @dataclasses.dataclass(frozen=True)
 class ModelGrant(Message):
     """The run's way to its model: the model gateway's base URL and the run's token there
-    (revoked when the run ends); the sandbox holds no vendor key."""
+    (revoked when the run ends); the sandbox holds no vendor key. ``vendors``: whose APIs the
+    sandbox is told of (Anthropic's always; OpenAI's when the organisation has a key there)."""
 
     base_url: str
     token: str = dataclasses.field(repr=False)
+    vendors: tuple[str, ...] = ("anthropic",)
 
 
 # What a runner host can build, sent with every start request: a run that needs more is failed

@@ -13,7 +13,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents.models import Agent, home_quota_bytes
-from budgets.services import exhausted, issue_gateway_token, revoke_gateway_tokens, used_up
+from budgets.services import (
+    exhausted,
+    issue_gateway_token,
+    model_vendors,
+    revoke_gateway_tokens,
+    used_up,
+)
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -234,7 +240,11 @@ def start(
     model = None
     if settings.COVEY_MODEL_GATEWAY_URL:
         secret = issue_gateway_token(run.agent, run_id=run.pk, ttl=ttl)
-        model = ModelGrant(base_url=settings.COVEY_MODEL_GATEWAY_URL, token=secret)
+        model = ModelGrant(
+            base_url=settings.COVEY_MODEL_GATEWAY_URL,
+            token=secret,
+            vendors=model_vendors(run.agent.organisation_id),
+        )
     run.egress_token = token
     if run.status == RunStatus.PLACED:
         _move(run, RunStatus.STARTING, "", ["egress_token"])

@@ -22,8 +22,9 @@ from django.utils import timezone
 
 from agents.models import Agent
 from budgets import services
-from budgets.gateway.server import BUDGET_EXHAUSTED, Caller, Hold, Refused
-from budgets.models import GatewayToken, ModelKey, Price, Reservation, Vendor
+from budgets.gateway.api import Refused
+from budgets.gateway.server import BUDGET_EXHAUSTED, Caller, Hold
+from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from budgets.usage import Usage
 from covey import crypto
 
@@ -99,18 +100,9 @@ class DjangoLedger:
             name = f"{agent.organisation.slug}/{agent.slug}"
             if not agent.enabled:
                 raise Refused(403, "permission_error", f"the agent {name} is disabled")
-            key = ModelKey.objects.filter(
-                organisation_id=agent.organisation_id, vendor=Vendor.ANTHROPIC
-            ).first()
-        if key is None:
-            raise Refused(
-                403,
-                "permission_error",
-                f"the organisation {agent.organisation.slug} has no Anthropic API key: an admin"
-                " enters one (Budgets → Model keys)",
-            )
+            found_keys = list(ModelKey.objects.filter(organisation_id=agent.organisation_id))
         try:
-            secret = crypto.decrypt(key.secret)
+            keys = {key.vendor: crypto.decrypt(key.secret) for key in found_keys}
         except crypto.Undecryptable as exc:
             raise Refused(
                 503, "api_error", f"the organisation's model key cannot be read ({exc})"
@@ -120,11 +112,18 @@ class DjangoLedger:
             organisation_id=agent.organisation_id,
             run_id=str(found.run_id) if found.run_id else None,
             name=name,
-            key=secret,
+            keys=keys,
         )
 
     def reserve(
-        self, caller: Caller, *, model: str, input_bound: int, max_tokens: int, request_id: str
+        self,
+        caller: Caller,
+        *,
+        vendor: str,
+        model: str,
+        input_bound: int,
+        max_tokens: int,
+        request_id: str,
     ) -> Hold:
         agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
         with _database():
@@ -141,10 +140,14 @@ class DjangoLedger:
             )
             try:
                 try:
-                    reservation = hold(price=services.choose_price(self._prices_now(), model, at))
+                    reservation = hold(
+                        price=services.choose_price(self._prices_now(), model, at, vendor)
+                    )
                 except (services.Unpriced, IntegrityError):
                     # Priced (or a row gone) since the rows were read: read them now.
-                    reservation = hold(price=services.choose_price(self._prices_now(0), model, at))
+                    reservation = hold(
+                        price=services.choose_price(self._prices_now(0), model, at, vendor)
+                    )
             except services.Unpriced as exc:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
             except services.Exhausted as exc:

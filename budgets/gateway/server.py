@@ -1,22 +1,22 @@
 """The model gateway: agents call their model through it without holding a key, and every
 request is metered against its budgets. No Django: the ledger it is given (:class:`Ledger`)
-knows tokens, keys and budgets.
+knows tokens, keys and budgets; what it knows of each vendor's API is in budgets/gateway/api.py
+and its neighbours (Anthropic's Messages API at /v1; OpenAI's Chat Completions and Responses
+APIs at /openai/v1).
 
-Per request (POST /v1/messages): authenticate the run's token (``x-api-key``, or
-``Authorization: Bearer``) → refuse a request whose cost the gateway cannot bound (server tools,
-content it would fetch, the 1M-token context) → reserve its worst case (its size in bytes bounds
-its input tokens; ``max_tokens``, set from the configuration when the request has none, its
-output) → send it to the vendor with every credential the sandbox sent removed and the
-organisation's key in their place, verifying the vendor's certificate → stream the answer back
-as it comes, reading its usage on the way (:class:`budgets.usage.StreamMeter`) → settle the
-reservation to what was used (released when the vendor refused the request). A ledger that
-cannot be written refuses the request (503): nothing is ever forwarded unmetered. Token counting
-(POST /v1/messages/count_tokens) is free, and forwarded after authentication only; every other
-path is refused.
+Per metered request: authenticate the run's token (``x-api-key``, or ``Authorization:
+Bearer``) → refuse a request whose cost the gateway cannot bound (:meth:`Api.prepare`) →
+reserve its worst case (its size in bytes bounds its input tokens; its output bound, set from
+the configuration when the request has none, its output) → send it to the vendor with every
+credential the sandbox sent removed and the organisation's key in their place, verifying the
+vendor's certificate → stream the answer back as it comes, reading its usage on the way
+(:class:`budgets.usage.EventStream`) → settle the reservation to what was used (released when
+the vendor refused the request). A ledger that cannot be written refuses the request (503):
+nothing is ever forwarded unmetered. Counting tokens and listing models are free, and forwarded
+after authentication only; every other path is refused.
 """
 
 import asyncio
-import json
 import logging
 import ssl
 import uuid
@@ -28,7 +28,10 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from budgets.usage import StreamMeter, Usage, from_message
+from budgets.gateway.anthropic import Messages
+from budgets.gateway.api import Api, Refused
+from budgets.gateway.openai import ChatCompletions, Responses
+from budgets.usage import EventStream, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ HOP_BY_HOP = frozenset(
 )
 NOT_FORWARDED = HOP_BY_HOP | {
     "host",
+    "openai-organization",  # the key alone decides whose account pays
+    "openai-project",
     "content-length",
     "accept-encoding",
     "x-api-key",
@@ -62,28 +67,17 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "x-forwarded-for",
 }
 NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "set-cookie"}
-# Tools the client runs itself (their results come back in the next request, in its size);
-# every other kind runs at the vendor, at costs the gateway cannot bound, and is refused.
-CLIENT_TOOLS = ("custom", "bash_", "text_editor_", "computer_", "memory_")
-
-
-class Refused(Exception):
-    """A request the gateway answers itself, in the Messages API's error shape."""
-
-    def __init__(self, status: int, kind: str, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.reason = status, kind, message, reason
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who a token belongs to, and the key to send for it."""
+    """Who a token belongs to, and the organisation's key at each vendor that has one."""
 
     agent_id: int
     organisation_id: int
     run_id: str | None
     name: str  # organisation/agent, for logs
-    key: str = field(repr=False)
+    keys: Mapping[str, str] = field(repr=False)  # vendor → key
 
 
 @dataclass(frozen=True)
@@ -106,7 +100,14 @@ class Ledger(Protocol):
     def authenticate(self, token: str) -> Caller: ...
 
     def reserve(
-        self, caller: Caller, *, model: str, input_bound: int, max_tokens: int, request_id: str
+        self,
+        caller: Caller,
+        *,
+        vendor: str,
+        model: str,
+        input_bound: int,
+        max_tokens: int,
+        request_id: str,
     ) -> Hold: ...
 
     def settle(self, hold: Hold, usage: Usage, *, model: str, outcome: str) -> None: ...
@@ -117,8 +118,9 @@ class Ledger(Protocol):
 @dataclass(frozen=True)
 class GatewayConfig:
     upstream: str = "https://api.anthropic.com"  # COVEY_MODEL_UPSTREAM
+    openai_upstream: str = "https://api.openai.com"  # COVEY_OPENAI_UPSTREAM
     ca_bundle: str = ""  # COVEY_MODEL_CA_BUNDLE: the CAs to trust for it (empty: the system's)
-    default_max_tokens: int = 32000  # COVEY_GATEWAY_DEFAULT_MAX_TOKENS
+    default_max_tokens: int = 32000  # COVEY_GATEWAY_DEFAULT_MAX_TOKENS: when a request has none
     max_request_bytes: int = 32 * 1024 * 1024  # the Messages API's own limit
     threads: int = 8  # COVEY_GATEWAY_LEDGER_THREADS: ledger calls at once
     connect_timeout: float = 10.0
@@ -126,18 +128,7 @@ class GatewayConfig:
     total_timeout: float = 3600.0  # COVEY_GATEWAY_MAX_REQUEST_SECONDS: answer included
 
 
-def _error(refused: Refused, request_id: str) -> web.Response:
-    response = web.json_response(
-        {"type": "error", "error": {"type": refused.kind, "message": refused.message}},
-        status=refused.status,
-    )
-    response.headers["X-Covey-Request-Id"] = request_id
-    if refused.reason:
-        response.headers["X-Covey-Deny-Reason"] = refused.reason
-    return response
-
-
-def token_of(headers: Mapping[str, str]) -> str:
+def token_of(headers: Mapping[str, str], api: Api) -> str:
     """The token the caller sent (both headers, when sent, must agree); Refused if none."""
     sent = set()
     if headers.get("x-api-key"):
@@ -149,72 +140,26 @@ def token_of(headers: Mapping[str, str]) -> str:
         raise Refused(
             401,
             "authentication_error",
-            "send the run's token (ANTHROPIC_API_KEY or ANTHROPIC_AUTH_TOKEN) as x-api-key or"
-            " as Authorization: Bearer" + (" (two different tokens were sent)" if sent else ""),
+            f"send the run's token ({api.key_variable}) as x-api-key or as Authorization:"
+            " Bearer" + (" (two different tokens were sent)" if sent else ""),
         )
     return sent.pop()
 
 
-def check_bounded(body: dict[str, Any], beta: str) -> None:
-    """Refuse what would cost more than the request's size and max_tokens can bound."""
-    if "context-1m" in beta:
-        raise Refused(
-            400,
-            "invalid_request_error",
-            "the 1M-token context (anthropic-beta context-1m) is priced differently and is not"
-            " metered by covey's gateway",
-        )
-    for name in ("mcp_servers", "container"):
-        if body.get(name):
-            raise Refused(
-                400,
-                "invalid_request_error",
-                f"{name!r} runs at the vendor at a cost covey's gateway cannot bound",
-            )
-    for tool in body.get("tools") or []:
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and not kind.startswith(CLIENT_TOOLS):
-            raise Refused(
-                400,
-                "invalid_request_error",
-                f"the server tool {kind!r} runs at the vendor at a cost covey's gateway cannot"
-                " bound: only tools the client runs itself are allowed",
-            )
-    stack: list[Any] = [body.get("messages"), body.get("system")]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            source = item.get("source")
-            if isinstance(source, dict) and source.get("type") in ("url", "file"):
-                raise Refused(
-                    400,
-                    "invalid_request_error",
-                    f"content by {source['type']} is fetched by the vendor, at a size covey's"
-                    " gateway cannot bound: send it in the request",
-                )
-            stack.extend(v for v in item.values() if isinstance(v, list | dict))
-
-
-def _parse(raw: bytes, default_max_tokens: int) -> tuple[dict[str, Any], str, int, bytes]:
-    """The request, its model and max_tokens, and the bytes to send (with max_tokens set)."""
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise Refused(400, "invalid_request_error", f"the request is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise Refused(400, "invalid_request_error", "the request is not a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise Refused(400, "invalid_request_error", "model: the request names no model")
-    if "max_tokens" not in body:
-        body["max_tokens"] = default_max_tokens
-        raw = json.dumps(body, separators=(",", ":")).encode()
-    max_tokens = body["max_tokens"]
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise Refused(400, "invalid_request_error", "max_tokens: a whole number of at least 1")
-    return body, model, max_tokens, raw
+ANTHROPIC, CHAT, RESPONSES = Messages(), ChatCompletions(), Responses()
+OPENAI_PREFIX = "/openai"  # OpenAI's paths, under OPENAI_BASE_URL = the gateway's /openai/v1
+# (method, path, API, metered): every other path is refused.
+ROUTES = [
+    ("POST", "/v1/messages", ANTHROPIC, True),
+    ("POST", "/v1/messages/count_tokens", ANTHROPIC, False),
+    ("GET", "/v1/models", ANTHROPIC, False),
+    ("GET", "/v1/models/{model}", ANTHROPIC, False),
+    ("POST", OPENAI_PREFIX + "/v1/chat/completions", CHAT, True),
+    ("POST", OPENAI_PREFIX + "/v1/responses", RESPONSES, True),
+    ("POST", OPENAI_PREFIX + "/v1/responses/input_tokens", RESPONSES, False),
+    ("GET", OPENAI_PREFIX + "/v1/models", CHAT, False),
+    ("GET", OPENAI_PREFIX + "/v1/models/{model}", CHAT, False),
+]
 
 
 class Gateway:
@@ -223,15 +168,18 @@ class Gateway:
     def __init__(self, ledger: Ledger, config: GatewayConfig) -> None:
         self.ledger = ledger
         self.config = config
-        self.upstream = config.upstream.rstrip("/")
+        self.upstreams = {
+            ANTHROPIC.vendor: config.upstream.rstrip("/"),
+            CHAT.vendor: config.openai_upstream.rstrip("/"),
+        }
         self.pool = ThreadPoolExecutor(config.threads, thread_name_prefix="covey-ledger")
         self.session: ClientSession | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_request_bytes)
         app.router.add_get("/healthz", self.health)
-        app.router.add_post("/v1/messages", partial(self.handle, metered=True))
-        app.router.add_post("/v1/messages/count_tokens", partial(self.handle, metered=False))
+        for method, path, api, metered in ROUTES:
+            app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -259,12 +207,14 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def unknown(self, request: web.Request) -> web.Response:
-        return _error(
+        api = CHAT if request.path.startswith(OPENAI_PREFIX + "/") else ANTHROPIC
+        known = ", ".join(f"{method} {path}" for method, path, _, _ in ROUTES)
+        return api.error(
             Refused(
                 404,
                 "not_found_error",
-                f"covey's model gateway forwards the Messages API only (POST /v1/messages and"
-                f" /v1/messages/count_tokens), not {request.method} {request.path}",
+                f"covey's model gateway does not forward {request.method} {request.path}: it"
+                f" forwards {known}",
             ),
             uuid.uuid4().hex,
         )
@@ -285,22 +235,31 @@ class Gateway:
                 "ledger-unavailable",
             ) from None
 
-    async def handle(self, request: web.Request, *, metered: bool) -> web.StreamResponse:
+    async def handle(self, request: web.Request, *, api: Api, metered: bool) -> web.StreamResponse:
         request_id = uuid.uuid4().hex
         try:
-            token = token_of(request.headers)
+            token = token_of(request.headers, api)
             caller = self.ledger.known(token)  # vouched for moments ago: no thread, no I/O
             if caller is None:
                 caller = await self._ledger(self.ledger.authenticate, token)
+            key = caller.keys.get(api.vendor)
+            if key is None:
+                raise Refused(
+                    403,
+                    "permission_error",
+                    f"the organisation of {caller.name} has no {api.vendor_name} API key: an"
+                    " admin enters one (Budgets → Model keys)",
+                )
             raw = await self._read(request)
             hold, max_tokens = None, 0
             if metered:
-                body, model, max_tokens, raw = _parse(raw, self.config.default_max_tokens)
-                check_bounded(body, request.headers.get("anthropic-beta", ""))
+                prepared = api.prepare(raw, request.headers, self.config.default_max_tokens)
+                raw, max_tokens = prepared.raw, prepared.max_output
                 hold = await self._ledger(
                     self.ledger.reserve,
                     caller,
-                    model=model,
+                    vendor=api.vendor,
+                    model=prepared.model,
                     input_bound=len(raw),
                     max_tokens=max_tokens,
                     request_id=request_id,
@@ -308,8 +267,8 @@ class Gateway:
         except Refused as refused:
             level = logging.WARNING if refused.status >= 500 else logging.INFO
             logger.log(level, "covey: refused request %s: %s", request_id, refused.message)
-            return _error(refused, request_id)
-        return await self._forward(request, caller, raw, hold, max_tokens, request_id)
+            return api.error(refused, request_id)
+        return await self._forward(request, api, key, raw, hold, max_tokens, request_id)
 
     async def _read(self, request: web.Request) -> bytes:
         try:
@@ -324,7 +283,8 @@ class Gateway:
     async def _forward(
         self,
         request: web.Request,
-        caller: Caller,
+        api: Api,
+        key: str,
         raw: bytes,
         hold: Hold | None,
         max_tokens: int,
@@ -336,16 +296,21 @@ class Gateway:
             for name, value in request.headers.items()
             if name.lower() not in NOT_FORWARDED and not name.lower().startswith("x-covey")
         ]
-        headers += [("x-api-key", caller.key), ("Accept-Encoding", "identity")]
+        headers += [*api.credentials(key), ("Accept-Encoding", "identity")]
+        path = (
+            request.path_qs.removeprefix(OPENAI_PREFIX)
+            if api.vendor == CHAT.vendor
+            else request.path_qs
+        )
         try:
             upstream = await self.session.request(
-                request.method, self.upstream + request.path_qs, data=raw, headers=headers
+                request.method, self.upstreams[api.vendor] + path, data=raw, headers=headers
             )
         except (ClientError, TimeoutError, OSError) as exc:
             if hold is not None:
                 await self._quietly(self.ledger.release, hold)
             logger.warning("covey: request %s did not reach the vendor: %r", request_id, exc)
-            return _error(
+            return api.error(
                 Refused(
                     502, "api_error", f"covey's model gateway could not reach the vendor ({exc})"
                 ),
@@ -353,7 +318,7 @@ class Gateway:
             )
         ok = hold is not None and upstream.status == 200
         streamed = "text/event-stream" in upstream.headers.get("Content-Type", "")
-        meter = StreamMeter() if ok and streamed else None
+        meter = api.meter() if ok and streamed else None
         kept: bytearray | None = bytearray() if ok and not streamed else None
         ended = settled = False
         try:
@@ -379,7 +344,7 @@ class Gateway:
             if hold is not None:  # before the answer ends: the caller's next request sees it
                 settled = True
                 await asyncio.shield(
-                    self._settle(hold, upstream.status, meter, kept, True, raw, max_tokens)
+                    self._settle(api, hold, upstream.status, meter, kept, True, raw, max_tokens)
                 )
             await response.write_eof()
         except (ClientError, TimeoutError, OSError) as exc:
@@ -392,15 +357,16 @@ class Gateway:
             upstream.release()
             if hold is not None and not settled:
                 await asyncio.shield(
-                    self._settle(hold, upstream.status, meter, kept, ended, raw, max_tokens)
+                    self._settle(api, hold, upstream.status, meter, kept, ended, raw, max_tokens)
                 )
         return response
 
     async def _settle(
         self,
+        api: Api,
         hold: Hold,
         status: int,
-        meter: StreamMeter | None,
+        meter: EventStream | None,
         kept: bytearray | None,
         ended: bool,
         raw: bytes,
@@ -413,10 +379,10 @@ class Gateway:
         if meter is not None:
             meter.close()
             outcome = ERROR if meter.error else COMPLETE if meter.finished else CUT_OFF
-            usage, model = meter.charged(max_tokens), meter.model
+            usage, model = meter.charged(max_tokens, len(raw)), meter.model
         elif kept is not None and ended:
             try:
-                usage, model = from_message(bytes(kept))
+                usage, model = api.from_answer(bytes(kept))
                 outcome = COMPLETE
             except ValueError:
                 usage, model, outcome = worst, "", CUT_OFF

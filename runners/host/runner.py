@@ -304,6 +304,11 @@ class RunnerHost:
                 ANTHROPIC_API_KEY=spec.model.token,
                 ANTHROPIC_AUTH_TOKEN=spec.model.token,
             )
+            if "openai" in spec.model.vendors:  # what the OpenAI SDKs and Codex read
+                environment.update(
+                    OPENAI_BASE_URL=spec.model.base_url.rstrip("/") + "/openai/v1",
+                    OPENAI_API_KEY=spec.model.token,
+                )
             if shape is None:  # on the host's network, the gateway is reached directly
                 direct.append(urlsplit(spec.model.base_url).hostname or "")
         if shape is not None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from budgets.models import Price
+from budgets.models import Price, Vendor
 from tests.budgets.fake_vendor import FakeVendor, fake_vendor
 from tests.egress.conftest import subprocess_database_url
 from tests.netfixtures import TestCA, loopback_alias
@@ -21,6 +21,8 @@ from tests.processes import free_port, running, wait_for
 VENDOR_HOST = loopback_alias(40)
 KEY = "sk-ant-api03-organisations-own-key-0123456789"
 MODEL = "claude-sonnet-4-5-20250929"
+OPENAI_KEY = "sk-proj-organisations-own-openai-key-0123456789"
+OPENAI_MODEL = "gpt-4.1"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def start_gateway(
         "COVEY_VAR_DIR": str(settings.VAR_DIR),
         "COVEY_ENCRYPTION_KEYS": ",".join(settings.COVEY_ENCRYPTION_KEYS),
         "COVEY_MODEL_UPSTREAM": vendor.url,
+        "COVEY_OPENAI_UPSTREAM": vendor.url,
         "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
         "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
         "PYTHONUNBUFFERED": "1",
@@ -89,6 +92,25 @@ def sonnet_price(db) -> Price:
             "cache_write_1h": Decimal(6),
             "cache_read": Decimal("0.3"),
             "output": Decimal(15),
+            "source": "tests",
+        },
+    )
+    return price
+
+
+@pytest.fixture
+def openai_price(db) -> Price:
+    """gpt-4.1's price row: the shipped one, or the same made again."""
+    price, _ = Price.objects.get_or_create(
+        vendor=Vendor.OPENAI,
+        model=OPENAI_MODEL,
+        effective_from=datetime(2026, 1, 1, tzinfo=UTC),
+        defaults={
+            "input": Decimal(2),
+            "cache_write_5m": Decimal(2),
+            "cache_write_1h": Decimal(2),
+            "cache_read": Decimal("0.5"),
+            "output": Decimal(8),
             "source": "tests",
         },
     )

@@ -1,8 +1,10 @@
-"""A fake Anthropic Messages API over TLS (a test CA's certificate for 127.0.0.x), the model
-gateway's upstream in tests and benchmarks. What it answers is chosen by the first message's
-text: ``json`` (a plain answer), ``stream`` (server-sent events with realistic usage), ``error``
-(a stream that ends in an ``error`` event), ``slow`` (a stream with pauses), ``drop`` (a stream
-the server cuts off), ``refuse`` (a 400 error). Every request it saw is kept (headers, body)."""
+"""A fake Anthropic Messages API, and a fake OpenAI Chat Completions and Responses API, over
+TLS (a test CA's certificate for 127.0.0.x): the model gateway's upstreams in tests and
+benchmarks. What it answers is chosen by the first message's text: ``json`` (a plain answer),
+``stream`` (server-sent events with realistic usage), ``error`` (a stream that ends in an error
+event), ``slow`` (a stream with pauses), ``drop`` (a stream the server cuts off), ``refuse`` (a
+400 error). A streamed Chat Completion carries usage only when ``stream_options.include_usage``
+asks for it, as OpenAI's does. Every request it saw is kept (headers, body)."""
 
 import asyncio
 import json
@@ -24,6 +26,21 @@ USAGE = {
     "output_tokens": 42,
 }
 TEXT = ["Hello", ", ", "world", "!"]
+# OpenAI's counts: 150 tokens of input of which 30 cached, 42 of output (reasoning included).
+OPENAI_CHAT_USAGE = {
+    "prompt_tokens": 150,
+    "completion_tokens": 42,
+    "total_tokens": 192,
+    "prompt_tokens_details": {"cached_tokens": 30, "audio_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 10, "audio_tokens": 0},
+}
+OPENAI_RESPONSES_USAGE = {
+    "input_tokens": 150,
+    "input_tokens_details": {"cached_tokens": 30},
+    "output_tokens": 42,
+    "output_tokens_details": {"reasoning_tokens": 10},
+    "total_tokens": 192,
+}
 
 
 @dataclass
@@ -132,9 +149,94 @@ def _app(vendor: FakeVendor) -> web.Application:
         await response.write(_event("message_stop", {"type": "message_stop"}))
         return response
 
+    def scenario_of(body: dict[str, Any]) -> str:
+        items = body.get("messages") or body.get("input") or []
+        first = items[0].get("content") if isinstance(items, list) and items else items
+        return first if isinstance(first, str) else "json"
+
+    async def refuse() -> web.Response:
+        error = {"message": "no", "type": "invalid_request_error", "param": None, "code": None}
+        return web.json_response({"error": error}, status=400)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        vendor.seen.append(Seen(request.path, dict(request.headers), body))
+        scenario, model = scenario_of(body), body["model"]
+        if scenario == "refuse":
+            return await refuse()
+        answer = {"id": "chatcmpl-fake", "created": 1, "model": f"{model}-2025-01-01"}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "".join(TEXT)}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            answer |= {"object": "chat.completion", "choices": [choice]}
+            return web.json_response(answer | {"usage": OPENAI_CHAT_USAGE})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = answer | {"object": "chat.completion.chunk"}
+        with_usage = (body.get("stream_options") or {}).get("include_usage")
+        for n, piece in enumerate(TEXT):
+            if scenario == "slow":
+                await asyncio.sleep(vendor.pause)
+            if scenario == "drop" and n == 2:
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            if scenario == "error" and n == 2:
+                error = {"message": "overloaded", "type": "server_error", "code": None}
+                await response.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+                return response
+            choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+            data = chunk | {"choices": [choice]} | ({"usage": None} if with_usage else {})
+            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+        if with_usage:
+            data = chunk | {"choices": [], "usage": OPENAI_CHAT_USAGE}
+            await response.write(f"data: {json.dumps(data)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        vendor.seen.append(Seen(request.path, dict(request.headers), body))
+        if request.path.endswith("/input_tokens"):
+            return web.json_response({"object": "response.input_tokens", "input_tokens": 99})
+        scenario, model = scenario_of(body), body["model"]
+        if scenario == "refuse":
+            return await refuse()
+        text = {"type": "output_text", "text": "".join(TEXT), "annotations": []}
+        output = [{"type": "message", "role": "assistant", "content": [text]}]
+        done: dict[str, Any] = {"id": "resp_fake", "object": "response"}
+        done["model"] = f"{model}-2025-01-01"
+        done |= {"status": "completed", "output": output, "usage": OPENAI_RESPONSES_USAGE}
+        if not body.get("stream"):
+            return web.json_response(done)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        started = done | {"status": "in_progress", "output": [], "usage": None}
+        await response.write(
+            _event("response.created", {"type": "response.created", "response": started})
+        )
+        for n, piece in enumerate(TEXT):
+            if scenario == "slow":
+                await asyncio.sleep(vendor.pause)
+            if scenario == "drop" and n == 2:
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            if scenario == "error" and n == 2:
+                error = {"type": "error", "code": "server_error", "message": "overloaded"}
+                await response.write(_event("error", error))
+                return response
+            delta = {"type": "response.output_text.delta", "delta": piece}
+            await response.write(_event(delta["type"], delta))
+        await response.write(
+            _event("response.completed", {"type": "response.completed", "response": done})
+        )
+        return response
+
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", messages)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/responses/input_tokens", responses)
     return app
 
 

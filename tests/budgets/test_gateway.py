@@ -141,7 +141,8 @@ def test_a_slow_stream_is_passed_on_as_it_comes(gateway, vendor, agent):
             if b"message_start" in chunk and first is None:
                 first = time.monotonic() - started
         total = time.monotonic() - started
-    assert first is not None and total - first > 3 * vendor.pause  # not buffered to the end
+    # Four pauses follow the first event: buffered, it would come with the rest.
+    assert first is not None and total - first > 2 * vendor.pause
     assert the_charge().output_tokens == 42
 
 

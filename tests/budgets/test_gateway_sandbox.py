@@ -9,11 +9,11 @@ from decimal import Decimal
 import pytest
 
 from budgets import services
-from budgets.models import Charge, GatewayToken
+from budgets.models import Charge, GatewayToken, Vendor
 from runners.host.containers.engine import Engine
 from runs import services as run_services
 from runs.models import FINISHED, RunStatus
-from tests.budgets.conftest import KEY, MODEL, start_gateway
+from tests.budgets.conftest import KEY, MODEL, OPENAI_KEY, OPENAI_MODEL, start_gateway
 from tests.runners.conftest import egress_image, firewall  # noqa: F401 - fixtures
 from tests.runners.stack import Stack
 from tests.runners.world import World, runner_ids_apart
@@ -40,13 +40,21 @@ curl -sS --fail-with-body -N "$ANTHROPIC_BASE_URL/v1/messages" \\
     -H "Authorization: Bearer $ANTHROPIC_AUTH_TOKEN" -H "anthropic-version: 2023-06-01" \\
     -H "content-type: application/json" -d '{REQUEST % (MODEL, "true", "stream")}'
 echo
+if [ -n "${{OPENAI_BASE_URL:-}}" ]; then
+    echo "openai base url: $OPENAI_BASE_URL"
+    curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \\
+        -H "Authorization: Bearer $OPENAI_API_KEY" -H "content-type: application/json" \\
+        -d '{{"model": "{OPENAI_MODEL}", "messages": [{{"role": "user", "content": "json"}}]}}'
+    echo
+fi
 env
-grep -rl "{KEY[:12]}" / --exclude-dir=proc --exclude-dir=sys 2>/dev/null || echo "no key here"
+grep -rlE "{KEY[:12]}|{OPENAI_KEY[:12]}" / --exclude-dir=proc --exclude-dir=sys 2>/dev/null \\
+    || echo "no key here"
 """
 
 
 def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
-    tmp_path, base_image, acme, alice, sonnet_price, vendor, ca
+    tmp_path, base_image, acme, alice, sonnet_price, openai_price, vendor, ca
 ):
     address = Engine("address").bridge_address(None)  # where sandboxes reach this host
     with start_gateway(tmp_path, vendor, ca, host=address) as gateway:
@@ -55,6 +63,7 @@ def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
             runner, config = stack.register(acme, "edge-1")
             agent = stack.agent(acme, "Caller", ["sh", "-c", SCRIPT])
             services.set_model_key(acme, KEY)
+            services.set_model_key(acme, OPENAI_KEY, Vendor.OPENAI)
             services.set_budget(agent, Decimal(5))
             with stack.runner(runner, config):
                 run = run_services.queue_run(agent, "call your model")
@@ -66,13 +75,18 @@ def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
     assert f"base url: {gateway.url}" in log
     assert '"text": "Hello, world!"' in log and "message_stop" in log
-    assert "no key here" in log and KEY not in log  # nor in its environment or files
+    assert f"openai base url: {gateway.url}/openai/v1" in log
+    assert '"content": "Hello, world!"' in log  # the OpenAI answer
+    # Neither key in its environment or files.
+    assert "no key here" in log and KEY not in log and OPENAI_KEY not in log
     charges = Charge.objects.filter(run=run).order_by("at")
-    assert [(c.input_tokens, c.output_tokens, c.outcome) for c in charges] == [
-        (120, 42, "complete"),
-        (120, 42, "complete"),
+    assert [(c.input_tokens, c.cache_read_tokens, c.output_tokens, c.model) for c in charges] == [
+        (120, 10, 42, MODEL),
+        (120, 10, 42, MODEL),
+        (120, 30, 42, f"{OPENAI_MODEL}-2025-01-01"),
     ]
-    assert all(seen.headers["x-api-key"] == KEY for seen in vendor.seen)
+    assert [seen.headers.get("x-api-key") for seen in vendor.seen[-3:]] == [KEY, KEY, None]
+    assert vendor.seen[-1].headers["Authorization"] == f"Bearer {OPENAI_KEY}"
     (token,) = GatewayToken.objects.filter(run=run)
     assert token.revoked_at is not None  # it ended with the run
 
@@ -109,3 +123,4 @@ def test_under_hard_isolation_the_gateway_is_reached_through_the_proxy(
     assert "no key here" in log and KEY not in log
     charges = Charge.objects.filter(run=run)
     assert sorted((c.input_tokens, c.output_tokens) for c in charges) == [(120, 42), (120, 42)]
+    assert "OPENAI_BASE_URL" not in log  # the organisation has no OpenAI key

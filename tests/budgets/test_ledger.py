@@ -7,8 +7,8 @@ import pytest
 from django.utils import timezone
 
 from budgets import services
+from budgets.gateway.api import Refused
 from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
-from budgets.gateway.server import Refused
 from budgets.models import GatewayToken, Price, Reservation
 from tests.budgets.conftest import KEY
 from tests.factories import AgentFactory
@@ -31,7 +31,7 @@ def test_a_token_is_vouched_for_a_moment_then_read_again(setup):
     ledger, clock, token = setup
     assert ledger.known(token) is None  # never read
     caller = ledger.authenticate(token)
-    assert caller.key == KEY and ledger.known(token) == caller
+    assert caller.keys == {"anthropic": KEY} and ledger.known(token) == caller
     GatewayToken.objects.update(revoked_at=timezone.now())
     clock.now += KEPT_SECONDS * 0.9
     assert ledger.known(token) == caller  # the bound a revocation may take
@@ -48,13 +48,13 @@ def test_a_refused_token_is_never_kept(setup):
     with pytest.raises(Refused):
         ledger.authenticate(token)
     GatewayToken.objects.update(revoked_at=None)
-    assert ledger.authenticate(token).key == KEY and ledger.known(token) is not None
+    assert ledger.authenticate(token).keys == {"anthropic": KEY} and ledger.known(token) is not None
 
 
 def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
     ledger, _, token = setup
     caller = ledger.authenticate(token)
-    ask = dict(model="claude-new-1", input_bound=10, max_tokens=10)
+    ask = dict(vendor="anthropic", model="claude-new-1", input_bound=10, max_tokens=10)
     with pytest.raises(Refused) as refused:
         ledger.reserve(caller, request_id="before", **ask)
     assert refused.value.reason == "unpriced-model"

@@ -169,7 +169,7 @@ def test_a_long_content_event_is_skipped_and_what_follows_still_counts():
     meter.feed(event("content_block_delta", delta={"type": "text_delta", "text": huge}))
     meter.feed(event("message_delta", usage={"output_tokens": 8}) + event("message_stop"))
     assert (meter.usage.output, meter.finished) == (8, True)
-    assert len(meter._line) == 0 and meter._data == []  # nothing of it was kept
+    assert len(meter._line) == 0 and meter._lines == []  # nothing of it was kept
 
 
 def test_bad_counts_are_ignored():

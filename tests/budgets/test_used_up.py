@@ -8,8 +8,9 @@ import time_machine
 from django.core.exceptions import ValidationError
 
 from budgets import services
+from budgets.gateway.api import Refused
 from budgets.gateway.ledger import DjangoLedger
-from budgets.gateway.server import Caller, Refused
+from budgets.gateway.server import Caller
 from egress.services import build_snapshot, policy_fingerprint
 from runs import services as run_services
 from runs.models import Run, RunStatus
@@ -105,12 +106,17 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
     monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.01"))
-    caller = Caller(agent.pk, acme.pk, None, "acme/a", key="k")
+    caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
     ledger = DjangoLedger()
     for n in range(2):
         with pytest.raises(Refused) as caught:
             ledger.reserve(
-                caller, model=SONNET, input_bound=1000, max_tokens=1000, request_id=f"{n}"
+                caller,
+                vendor="anthropic",
+                model=SONNET,
+                input_bound=1000,
+                max_tokens=1000,
+                request_id=f"{n}",
             )
         assert (caught.value.status, caught.value.reason) == (402, "budget-exhausted")
     assert sent == [("runs.stop_over_budget", [agent.pk])]  # once

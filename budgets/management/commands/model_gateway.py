@@ -29,13 +29,15 @@ class Command(BaseCommand):
             raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
         if not host:  # never every interface by omission
             raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
-        if not settings.COVEY_MODEL_UPSTREAM.startswith("https://"):
-            raise CommandError(
-                f"COVEY_MODEL_UPSTREAM {settings.COVEY_MODEL_UPSTREAM!r}: the vendor is called"
-                " over https only (its key travels with every request)"
-            )
+        for name in ("COVEY_MODEL_UPSTREAM", "COVEY_OPENAI_UPSTREAM"):
+            if not getattr(settings, name).startswith("https://"):
+                raise CommandError(
+                    f"{name} {getattr(settings, name)!r}: the vendor is called over https only"
+                    " (its key travels with every request)"
+                )
         config = GatewayConfig(
             upstream=settings.COVEY_MODEL_UPSTREAM,
+            openai_upstream=settings.COVEY_OPENAI_UPSTREAM,
             ca_bundle=settings.COVEY_MODEL_CA_BUNDLE,
             default_max_tokens=settings.COVEY_GATEWAY_DEFAULT_MAX_TOKENS,
             threads=settings.COVEY_GATEWAY_LEDGER_THREADS,
@@ -43,7 +45,10 @@ class Command(BaseCommand):
         )
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         gateway = Gateway(DjangoLedger(), config)
-        self.stdout.write(f"covey: model gateway on http://{host}:{port}/ to {config.upstream}")
+        self.stdout.write(
+            f"covey: model gateway on http://{host}:{port}/ to {config.upstream} (Anthropic)"
+            f" and {config.openai_upstream} (OpenAI, at /openai/v1)"
+        )
         self.stdout.flush()
         try:
             web.run_app(

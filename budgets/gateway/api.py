@@ -1,0 +1,95 @@
+"""What the model gateway knows of a vendor's API (:class:`Api`): how a request is bounded
+before it is reserved, how its answer's usage is read, how the key is sent, and how a refusal
+is written so that the vendor's own SDKs show it. No Django."""
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from budgets.usage import EventStream, Usage
+
+
+class Refused(Exception):
+    """A request the gateway answers itself, in the API's error shape."""
+
+    def __init__(self, status: int, kind: str, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.reason = status, kind, message, reason
+
+
+def invalid(message: str) -> Refused:
+    return Refused(400, "invalid_request_error", message)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request to reserve and send: its model, the most output it can produce (the sum over
+    every choice it asks for), and the bytes to send (changed when the gateway set a bound)."""
+
+    model: str
+    max_output: int
+    raw: bytes
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise invalid(f"the request is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request is not a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model: the request names no model")
+    return body
+
+
+def whole(body: dict[str, Any], name: str, least: int = 1) -> int | None:
+    """``body[name]``, a whole number of at least ``least``; None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise invalid(f"{name}: a whole number of at least {least}")
+    return value
+
+
+def dumped(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class Api:
+    """One of a vendor's APIs: subclasses say what it is."""
+
+    vendor = ""  # budgets.models.Vendor
+    vendor_name = ""  # for people
+    key_variable = ""  # the sandbox variable its SDKs read the token from
+
+    def prepare(self, raw: bytes, headers: Mapping[str, str], default_max: int) -> Prepared:
+        """The request bounded (Refused when its cost cannot be)."""
+        raise NotImplementedError
+
+    def meter(self) -> EventStream:
+        """A reader of a streamed answer's usage."""
+        raise NotImplementedError
+
+    def from_answer(self, body: bytes) -> tuple[Usage, str]:
+        """The usage and model of a plain answer; ValueError when it has none."""
+        raise NotImplementedError
+
+    def credentials(self, key: str) -> list[tuple[str, str]]:
+        """The headers that carry the organisation's key to the vendor."""
+        raise NotImplementedError
+
+    def error_body(self, refused: Refused) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def error(self, refused: Refused, request_id: str) -> web.Response:
+        response = web.json_response(self.error_body(refused), status=refused.status)
+        response.headers["X-Covey-Request-Id"] = request_id
+        if refused.reason:
+            response.headers["X-Covey-Deny-Reason"] = refused.reason
+        return response
