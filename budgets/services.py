@@ -441,6 +441,7 @@ def _close(reservation: Reservation, status: str, *, spent: Decimal) -> list[int
 
 
 ALERT = "budgets.alert"  # the task that emails an alert (budgets/tasks.py)
+STOP_OVER_BUDGET = "runs.stop_over_budget"  # the task that stops a used-up budget's runs
 THRESHOLD_EVENT = "budget.threshold"  # the webhook event (organisations/webhooks.py)
 
 
@@ -559,7 +560,9 @@ def set_budget(
     thresholds: list[int] | None = None,
 ) -> Budget:
     """The budget of an agent or an organisation, made or changed; the current period's limit
-    follows at once (raising it lets the agent work again)."""
+    follows at once: raising it lets the agent work again; lowering it to what was spent or
+    less uses it up now, as a refused request would (its runs are stopped, its thresholds
+    told)."""
     if amount < 0:
         raise ValidationError({"amount": ["a budget cannot be negative"]})
     if period not in periods.PERIODS:
@@ -569,6 +572,7 @@ def set_budget(
     except ValueError as exc:
         raise ValidationError({"thresholds": [str(exc)]}) from None
     fields: dict[str, Any] = {"amount": amount, "period": period, "thresholds": wanted}
+    used_up_now: list[int] = []
     with transaction.atomic():
         if isinstance(owner, Agent):
             budget, _ = Budget.objects.update_or_create(
@@ -591,7 +595,19 @@ def set_budget(
             if raised:  # the agent may work again; a threshold is told again when reached
                 spend.exhausted_at = None
                 spend.alerted = [t for t in spend.alerted if reached(spend, t)]
+            elif spend.exhausted_at is None and spend.spent >= amount:
+                spend.exhausted_at = timezone.now()
+                used_up_now.append(spend.pk)
             spend.save(update_fields=["limit", "exhausted_at", "alerted"])
+        if used_up_now:
+            tell_reached(used_up_now, used_up=True)
+            # Its runs are stopped (runs.tasks, by name: runs is above us), as the gateway does.
+            agents = Agent.objects.filter(organisation_id=budget.organisation_id)
+            some = budget.agent_id or agents.values_list("pk", flat=True).first()
+            if some is not None:
+                transaction.on_commit(
+                    partial(current_app.send_task, STOP_OVER_BUDGET, args=[some]), robust=True
+                )
     return budget
 
 

@@ -73,6 +73,22 @@ class BudgetSerializer(serializers.ModelSerializer):
             and (agent.organisation_id != organisation.pk)
         ):
             raise BadRequest({"agent": ["the agent is not in this organisation"]})
+        else:
+            field, found = (
+                ("agent", Budget.objects.filter(agent=agent))
+                if agent is not None
+                else ("organisation", Budget.objects.filter(organisation=organisation, agent=None))
+            )
+            existing = found.values_list("pk", flat=True).first()
+            if existing is not None:  # a second one would change the first, period and all
+                raise BadRequest(
+                    {
+                        field: [
+                            f"the {field} has a budget already: change it (PATCH"
+                            f" /api/v1/budgets/{existing}/)"
+                        ]
+                    }
+                )
         whole = (self.instance.agent_id is None) if self.instance else agent is None
         if whole and not self.context["request"].user.has_perm("budgets.change_budget"):
             # The organisation's cap is the platform's limit on the tenant, not its own.

@@ -152,7 +152,7 @@ class DjangoLedger:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
             except services.Exhausted as exc:
                 if exc.first:  # its runs are stopped (runs.tasks), by name: runs is above us
-                    current_app.send_task("runs.stop_over_budget", args=[agent.pk])
+                    current_app.send_task(services.STOP_OVER_BUDGET, args=[agent.pk])
                 raise Refused(402, "billing_error", str(exc), BUDGET_EXHAUSTED) from None
         return Hold(reservation.pk, request_id)
 

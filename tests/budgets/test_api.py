@@ -35,13 +35,17 @@ def test_admins_set_budgets_and_everyone_in_the_organisation_reads_the_spend(
     shown = api(vera).get(f"/api/v1/budgets/{budget['id']}/").json()
     assert shown["current"]["spent"] == "0.001500"
     assert shown["current"]["remaining"] == "2.498500"
-    # A second budget for the agent changes the first; viewers and other organisations cannot.
+    # A second budget for the agent is refused, naming the first, which is changed in place;
+    # viewers and other organisations cannot.
     again = api(alice).post(
         "/api/v1/budgets/",
         {"organisation": acme.pk, "agent": agent.pk, "amount": "5"},
         format="json",
     )
-    assert again.status_code == 201 and again.json()["id"] == budget["id"]
+    assert again.status_code == 400
+    assert f"PATCH /api/v1/budgets/{budget['id']}/" in again.json()["agent"][0]
+    changed = api(alice).patch(f"/api/v1/budgets/{budget['id']}/", {"amount": "5"}, format="json")
+    assert changed.status_code == 200 and changed.json()["period"] == "daily"  # kept
     assert Budget.objects.get().amount == 5
     assert (
         api(vera)

@@ -5,12 +5,14 @@ from decimal import Decimal
 
 import pytest
 import time_machine
+from celery import current_app
 from django.core.exceptions import ValidationError
 
 from budgets import services
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import DjangoLedger
 from budgets.gateway.server import Caller
+from budgets.usage import Usage
 from egress.services import build_snapshot, policy_fingerprint
 from runs import services as run_services
 from runs.models import Run, RunStatus
@@ -132,3 +134,26 @@ def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
     assert policy_fingerprint() != before  # proxies load the change
     settings.COVEY_MODEL_GATEWAY_URL = ""
     assert build_snapshot()["built_in"] == []
+
+
+def test_a_budget_lowered_to_what_was_spent_is_used_up_at_once(
+    acme, sonnet_price, monkeypatch, django_capture_on_commit_callbacks
+):
+    sent = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal(1))
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
+    services.settle(held, Usage(output=20_000))  # $0.30
+    services.set_budget(agent, Decimal("0.50"))  # lowered, still above what was spent
+    assert services.used_up(agent) == "" and not [n for n, _ in sent if n.startswith("runs.")]
+    with django_capture_on_commit_callbacks(execute=True):
+        services.set_budget(agent, Decimal("0.30"))  # lowered to what was spent
+    assert "the budget of agent" in services.used_up(agent)
+    assert ("runs.stop_over_budget", [agent.pk]) in sent
+    assert services.current_spend(agent.budget).alerted == [50, 80, 100]
+    organisation_wide = services.set_budget(acme, Decimal(5))
+    with django_capture_on_commit_callbacks(execute=True):
+        services.set_budget(acme, Decimal("0.10"))  # the organisation's, below its agents' sum
+    assert services.current_spend(organisation_wide).exhausted_at is not None
+    assert [name for name, _ in sent].count("runs.stop_over_budget") == 2  # every agent's runs
