@@ -1,7 +1,8 @@
 """Anthropic's Messages API at the model gateway (POST /v1/messages): a request's cost is
 bounded by its size in bytes (its input tokens) and ``max_tokens`` (set from the configuration
 when the request has none); what would cost more than that can bound is refused (server tools,
-content the vendor fetches, the 1M-token context). No Django."""
+content the vendor fetches, the 1M-token context), and the standard service tier asked for.
+No Django."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -60,11 +61,15 @@ class Messages(Api):
     def prepare(self, raw: bytes, headers: Mapping[str, str], default_max: int) -> Prepared:
         body = json_object(raw)
         max_tokens = whole(body, "max_tokens")
+        changed = max_tokens is None
         if max_tokens is None:
             body["max_tokens"] = max_tokens = default_max
-            raw = dumped(body)
         check_bounded(body, headers.get("anthropic-beta", ""))
-        return Prepared(body["model"], max_tokens, raw)
+        if body.get("service_tier") != "standard_only":
+            # auto would use Priority Tier capacity, billed otherwise, where an organisation has it
+            body["service_tier"] = "standard_only"
+            changed = True
+        return Prepared(body["model"], max_tokens, dumped(body) if changed else raw)
 
     def meter(self) -> EventStream:
         return StreamMeter()

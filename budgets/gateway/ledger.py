@@ -9,6 +9,7 @@ an ``effective_from`` less than that time ahead applies up to that time late). B
 never kept: every reservation is decided by the database.
 """
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from budgets.gateway.server import BUDGET_EXHAUSTED, Caller, Hold
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from budgets.usage import Usage
 from covey import crypto
+
+logger = logging.getLogger(__name__)
 
 KEPT_SECONDS = 0.5
 KEPT_CALLERS = 10_000  # tokens remembered at once (the oldest go first)
@@ -101,12 +104,13 @@ class DjangoLedger:
             if not agent.enabled:
                 raise Refused(403, "permission_error", f"the agent {name} is disabled")
             found_keys = list(ModelKey.objects.filter(organisation_id=agent.organisation_id))
-        try:
-            keys = {key.vendor: crypto.decrypt(key.secret) for key in found_keys}
-        except crypto.Undecryptable as exc:
-            raise Refused(
-                503, "api_error", f"the organisation's model key cannot be read ({exc})"
-            ) from None
+        keys: dict[str, str] = {}
+        for key in found_keys:
+            try:
+                keys[key.vendor] = crypto.decrypt(key.secret)
+            except crypto.Undecryptable as exc:  # refused for that vendor alone (the gateway)
+                logger.error("covey: the %s key of %s cannot be read (%s)", key.vendor, name, exc)
+                keys[key.vendor] = ""
         return found.expires_at, Caller(
             agent_id=agent.pk,
             organisation_id=agent.organisation_id,

@@ -3,8 +3,9 @@ APIs at the model gateway, which sandboxes reach under /openai/v1 (OPENAI_BASE_U
 
 A request's cost is bounded as an Anthropic one's is: its size in bytes bounds its input
 tokens, its output bound (``max_completion_tokens`` or ``max_tokens`` times ``n`` choices;
-``max_output_tokens``) is set from the configuration when it has none. Refused, because their
-cost is not bounded by that or is priced otherwise: tools that run at the vendor (web search,
+``max_output_tokens``) is set from the configuration when it has none (at most 16384, the least
+maximum of the shipped models), and the default service tier is asked for. Refused, because
+their cost is not bounded by that or is priced otherwise: tools that run at the vendor (web search,
 file search, code interpreter, …), content the vendor fetches (an image or file by URL or file
 id, a stored prompt, an earlier response or conversation), audio, predicted outputs, background
 responses, a service tier other than the default.
@@ -17,8 +18,8 @@ input column. A streamed Chat Completion carries usage only when asked, so the g
 (``stream_options.include_usage``): its last chunk before ``[DONE]`` holds it, with no choices.
 A streamed response holds it in ``response.completed`` (or ``response.incomplete``). A stream
 cut off or ended by an error before its usage is charged its input's worst case (its counts
-come only at the end) and the output seen (bytes of content and tool arguments, at most the
-bound).
+come only at the end) and its output bound: OpenAI never streams reasoning, which the request
+may have spent it all on.
 """
 
 import json
@@ -28,7 +29,11 @@ from typing import Any
 from budgets.gateway.api import Api, Prepared, Refused, dumped, invalid, json_object, whole
 from budgets.usage import EventStream, Usage
 
+# Absent or auto, a project's own setting may choose priority: the gateway asks for default.
 SERVICE_TIERS = (None, "auto", "default")  # flex and priority are priced otherwise
+# The default output bound is at most the least of the shipped models' maximum (gpt-4o's):
+# a larger one is refused by the models with a smaller maximum.
+DEFAULT_MAX_OUTPUT = 16384
 CHAT_TOOLS = ("function", "custom")
 # Tools the client runs itself; the rest (web_search, file_search, code_interpreter,
 # image_generation, mcp, computer use, …) run at the vendor.
@@ -59,14 +64,27 @@ def usage_of(counts: Any) -> Usage | None:
     return Usage(input=total - cached, cache_read=cached, output=output)
 
 
-def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> None:
+def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> bool:
+    """Refuse what cannot be bounded; True when the body was changed (the service tier)."""
     if body.get("service_tier") not in SERVICE_TIERS:
         raise invalid(
             f"service_tier {body.get('service_tier')!r} is priced otherwise than the prices"
             " covey's gateway meters by: leave it out, or use auto or default"
         )
+    changed = body.get("service_tier") != "default"
+    body["service_tier"] = "default"
     for tool in body.get("tools") or []:
         kind = tool.get("type") if isinstance(tool, dict) else None
+        environment = tool.get("environment") if isinstance(tool, dict) else None
+        if (
+            kind == "shell"
+            and environment is not None
+            and not (isinstance(environment, dict) and environment.get("type") == "local")
+        ):
+            raise invalid(
+                "a shell tool with an environment at the vendor runs there at a cost covey's"
+                " gateway cannot bound: only a local one is allowed"
+            )
         if kind not in tools:
             raise invalid(
                 f"the tool {kind!r} runs at the vendor at a cost covey's gateway cannot bound:"
@@ -80,6 +98,7 @@ def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> None:
         elif isinstance(item, dict):
             _check_part(item)
             stack.extend(v for v in item.values() if isinstance(v, list | dict))
+    return changed
 
 
 def _check_part(part: dict[str, Any]) -> None:
@@ -147,11 +166,11 @@ class ChatCompletions(_OpenAI):
             raise invalid(
                 "audio is priced otherwise than text, and is not metered by covey's gateway"
             )
-        _check_common(body, CHAT_TOOLS)
+        changed = _check_common(body, CHAT_TOOLS)
         bounds = [b for b in (whole(body, "max_completion_tokens"), whole(body, "max_tokens")) if b]
         if not bounds:
-            body["max_completion_tokens"] = default_max
-            bounds, changed = [default_max], True
+            body["max_completion_tokens"] = min(default_max, DEFAULT_MAX_OUTPUT)
+            bounds, changed = [body["max_completion_tokens"]], True
         choices = whole(body, "n") or 1
         if body.get("stream") is True:
             options = body.get("stream_options")
@@ -178,18 +197,29 @@ class Responses(_OpenAI):
                 raise invalid(f"{name}: {what} {FETCHED} (send the input itself)")
         if body.get("background"):
             raise invalid("background responses are not metered by covey's gateway")
-        _check_common(body, RESPONSES_TOOLS)
+        changed = _check_common(body, RESPONSES_TOOLS)
         bound = whole(body, "max_output_tokens")
         if bound is None:
-            body["max_output_tokens"] = bound = default_max
-            raw = dumped(body)
-        return Prepared(body["model"], bound, raw)
+            body["max_output_tokens"] = bound = min(default_max, DEFAULT_MAX_OUTPUT)
+            changed = True
+        return Prepared(body["model"], bound, dumped(body) if changed else raw)
 
     def meter(self) -> EventStream:
         return ResponsesStream()
 
 
-class ChatStream(EventStream):
+class _OpenAIStream(EventStream):
+    """OpenAI never streams reasoning, which a request may spend its whole output bound on:
+    a stream that ends without its usage is charged the worst case of both its input and its
+    output."""
+
+    def charged(self, max_tokens: int, input_bound: int) -> Usage:
+        if self.exact:
+            return super().charged(max_tokens, input_bound)
+        return Usage(input=input_bound, output=max_tokens)
+
+
+class ChatStream(_OpenAIStream):
     """A streamed Chat Completion: chunks, then one with ``usage`` and no choices, then
     ``data: [DONE]``."""
 
@@ -225,7 +255,7 @@ class ChatStream(EventStream):
             self.content_bytes += len(text.encode())
 
 
-class ResponsesStream(EventStream):
+class ResponsesStream(_OpenAIStream):
     """A streamed response: typed events; usage in the one that ends it."""
 
     ENDS = ("response.completed", "response.incomplete", "response.failed")

@@ -77,7 +77,7 @@ class Caller:
     organisation_id: int
     run_id: str | None
     name: str  # organisation/agent, for logs
-    keys: Mapping[str, str] = field(repr=False)  # vendor → key
+    keys: Mapping[str, str] = field(repr=False)  # vendor → key ("": it cannot be read)
 
 
 @dataclass(frozen=True)
@@ -249,6 +249,14 @@ class Gateway:
                     "permission_error",
                     f"the organisation of {caller.name} has no {api.vendor_name} API key: an"
                     " admin enters one (Budgets → Model keys)",
+                )
+            if not key:
+                raise Refused(
+                    503,
+                    "api_error",
+                    f"the {api.vendor_name} API key of the organisation of {caller.name} cannot"
+                    " be read (COVEY_ENCRYPTION_KEYS no longer holds the key it was sealed with):"
+                    " an admin enters it again",
                 )
             raw = await self._read(request)
             hold, max_tokens = None, 0

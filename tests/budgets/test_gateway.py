@@ -79,6 +79,7 @@ def test_a_plain_answer_is_metered_exactly_and_the_vendor_sees_only_the_key(
     assert seen.headers["x-api-key"] == KEY
     assert "Authorization" not in seen.headers
     assert not any(token in value for value in seen.headers.values())
+    assert seen.body["service_tier"] == "standard_only"  # auto may be Priority Tier
     charge = the_charge()
     assert (charge.input_tokens, charge.cache_write_5m_tokens, charge.cache_write_1h_tokens) == (
         120,
@@ -213,6 +214,7 @@ def test_an_unbounded_request_is_refused(gateway, agent):
     url = {"type": "document", "source": {"type": "url", "url": "https://example.invalid/a.pdf"}}
     refused = ask(gateway, token, messages=[{"role": "user", "content": [url]}])
     assert refused.status_code == 400 and "fetched by the vendor" in refused.text
+    assert "service_tier 'priority'" in ask(gateway, token, service_tier="priority").text
     assert not Reservation.objects.exists()
 
 

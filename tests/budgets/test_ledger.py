@@ -9,7 +9,7 @@ from django.utils import timezone
 from budgets import services
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
-from budgets.models import GatewayToken, Price, Reservation
+from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from tests.budgets.conftest import KEY
 from tests.factories import AgentFactory
 from tests.fakes import Clock
@@ -72,3 +72,12 @@ def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
     reservation = Reservation.objects.get(pk=hold.reservation_id)
     assert reservation.price.model == "claude-new-1" and reservation.amount == Decimal("0.00002")
     assert list(reservation.spends.values_list("reserved", flat=True)) == [Decimal("0.00002")]
+
+
+def test_a_key_that_cannot_be_read_refuses_its_vendor_alone(setup, acme, caplog):
+    ledger, _, token = setup
+    services.set_model_key(acme, "sk-openai-sealed-with-a-lost-key", "openai")
+    ModelKey.objects.filter(vendor="openai").update(secret="sealed-by-another-key")
+    caller = ledger.authenticate(token)
+    assert caller.keys == {"anthropic": KEY, "openai": ""}  # the gateway refuses OpenAI (503)
+    assert "the openai key of" in caplog.text and "sk-openai" not in caplog.text

@@ -65,8 +65,8 @@ def test_a_chat_stream_cut_off_before_its_usage_is_charged_its_input_bound():
     meter.feed(STREAM[: STREAM.index(b'{"choices": [], "usage"')])
     meter.close()
     assert not meter.finished
-    assert meter.charged(100, 5000) == Usage(input=5000, output=len("Hé".encode()) + 4)
-    assert meter.charged(2, 5000).output == 2  # never more than the bound
+    # Reasoning is never streamed: what it spent is not seen, so the whole bound is charged.
+    assert meter.charged(100, 5000) == Usage(input=5000, output=100)
 
 
 def test_a_responses_stream_takes_its_usage_from_the_event_that_ends_it():
@@ -87,7 +87,7 @@ def test_a_responses_stream_takes_its_usage_from_the_event_that_ends_it():
     assert meter.charged(100, 999) == Usage(input=20, cache_read=10, output=8)
     failed = ResponsesStream()
     failed.feed(stream[0] + event("error", code="server_error", message="x"))
-    assert failed.error == "server_error" and failed.charged(100, 999) == Usage(input=999)
+    assert failed.error == "server_error" and failed.charged(100, 999) == Usage(999, output=100)
 
 
 def prepare(api, body):
@@ -101,7 +101,10 @@ def test_a_chat_requests_output_bound_is_its_maximum_times_its_choices():
     sent = json.loads(defaulted.raw)
     assert defaulted.max_output == 500 and sent["max_completion_tokens"] == 500
     assert sent["stream_options"] == {"include_usage": True}
-    kept = {"model": "m", "max_completion_tokens": 9, "stream": True}
+    assert sent["service_tier"] == "default"  # auto may be a project's priority tier
+    # The default bound is never above the least maximum of the shipped models (gpt-4o's).
+    assert CHAT.prepare(b'{"model": "gpt-4o"}', {}, 32000).max_output == 16384
+    kept = {"model": "m", "max_completion_tokens": 9, "stream": True, "service_tier": "default"}
     kept["stream_options"] = {"include_usage": True, "include_obfuscation": False}
     assert prepare(CHAT, kept).raw == json.dumps(kept).encode()  # nothing to change: as sent
     with pytest.raises(Refused, match="max_completion_tokens: a whole number of at least 1"):
@@ -147,6 +150,11 @@ def test_a_chat_requests_output_bound_is_its_maximum_times_its_choices():
             "an image by URL or file id",
         ),
         (RESPONSES, {"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
+        (
+            RESPONSES,
+            {"tools": [{"type": "shell", "environment": {"type": "container_auto"}}]},
+            "a shell tool with an environment at the vendor",
+        ),
     ],
 )
 def test_what_the_gateway_cannot_bound_is_refused_saying_what(api, body, message):
@@ -160,7 +168,11 @@ def test_what_the_client_runs_and_inline_content_are_allowed():
     body = {
         "model": "m",
         "input": [{"role": "user", "content": [image]}],
-        "tools": [{"type": "function", "name": "f"}, {"type": "apply_patch"}],
+        "tools": [
+            {"type": "function", "name": "f"},
+            {"type": "apply_patch"},
+            {"type": "shell", "environment": {"type": "local"}},
+        ],
         "service_tier": "auto",
     }
     assert prepare(RESPONSES, body).max_output == 500

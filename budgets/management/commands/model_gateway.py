@@ -2,6 +2,7 @@
 
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from django.conf import settings
@@ -30,10 +31,16 @@ class Command(BaseCommand):
         if not host:  # never every interface by omission
             raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
         for name in ("COVEY_MODEL_UPSTREAM", "COVEY_OPENAI_UPSTREAM"):
-            if not getattr(settings, name).startswith("https://"):
+            parts = urlsplit(getattr(settings, name))
+            if parts.scheme != "https" or not parts.hostname:
                 raise CommandError(
                     f"{name} {getattr(settings, name)!r}: the vendor is called over https only"
                     " (its key travels with every request)"
+                )
+            if parts.path.strip("/") or parts.query:
+                raise CommandError(
+                    f"{name} {getattr(settings, name)!r}: give the vendor's root, without a path"
+                    " (the gateway adds /v1/…)"
                 )
         config = GatewayConfig(
             upstream=settings.COVEY_MODEL_UPSTREAM,
