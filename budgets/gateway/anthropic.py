@@ -7,7 +7,7 @@ No Django."""
 from collections.abc import Mapping
 from typing import Any
 
-from budgets.gateway.api import Api, Prepared, Refused, dumped, invalid, json_object, whole
+from budgets.gateway.api import Api, Prepared, Refused, invalid, json_object, whole, with_fields
 from budgets.usage import EventStream, StreamMeter, Usage, from_message
 
 # Tools the client runs itself (their results come back in the next request, in its size);
@@ -61,15 +61,12 @@ class Messages(Api):
     def prepare(self, raw: bytes, headers: Mapping[str, str], default_max: int) -> Prepared:
         body = json_object(raw)
         max_tokens = whole(body, "max_tokens")
-        changed = max_tokens is None
-        if max_tokens is None:
-            body["max_tokens"] = max_tokens = default_max
         check_bounded(body, headers.get("anthropic-beta", ""))
-        if body.get("service_tier") != "standard_only":
-            # auto would use Priority Tier capacity, billed otherwise, where an organisation has it
-            body["service_tier"] = "standard_only"
-            changed = True
-        return Prepared(body["model"], max_tokens, dumped(body) if changed else raw)
+        # auto would use Priority Tier capacity, billed otherwise, where an organisation has it
+        wanted: dict[str, Any] = {"service_tier": "standard_only"}
+        if max_tokens is None:
+            wanted["max_tokens"] = max_tokens = default_max
+        return Prepared(body["model"], max_tokens, with_fields(raw, body, wanted))
 
     def meter(self) -> EventStream:
         return StreamMeter()

@@ -61,6 +61,22 @@ def dumped(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def with_fields(raw: bytes, body: dict[str, Any], wanted: dict[str, Any]) -> bytes:
+    """The request ``raw`` (the JSON object ``body`` was read from) with the fields of
+    ``wanted`` set, in ``body`` too. When it has none of them they are put in front, without
+    writing the rest again (a request may be megabytes); when it has one with another value it
+    is written anew."""
+    changed = {name: value for name, value in wanted.items() if body.get(name, ...) != value}
+    if not changed:
+        return raw
+    lacking = all(name not in body for name in changed)
+    body.update(changed)
+    if not lacking:
+        return dumped(body)
+    front = json.dumps(changed, separators=(",", ":")).encode()
+    return front[:-1] + b"," + raw.lstrip()[1:]
+
+
 class Api:
     """One of a vendor's APIs: subclasses say what it is."""
 

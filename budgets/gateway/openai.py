@@ -26,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from budgets.gateway.api import Api, Prepared, Refused, dumped, invalid, json_object, whole
+from budgets.gateway.api import Api, Prepared, Refused, invalid, json_object, whole, with_fields
 from budgets.usage import EventStream, Usage
 
 # Absent or auto, a project's own setting may choose priority: the gateway asks for default.
@@ -64,15 +64,13 @@ def usage_of(counts: Any) -> Usage | None:
     return Usage(input=total - cached, cache_read=cached, output=output)
 
 
-def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> bool:
-    """Refuse what cannot be bounded; True when the body was changed (the service tier)."""
+def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> None:
+    """Refuse what cannot be bounded."""
     if body.get("service_tier") not in SERVICE_TIERS:
         raise invalid(
             f"service_tier {body.get('service_tier')!r} is priced otherwise than the prices"
             " covey's gateway meters by: leave it out, or use auto or default"
         )
-    changed = body.get("service_tier") != "default"
-    body["service_tier"] = "default"
     for tool in body.get("tools") or []:
         kind = tool.get("type") if isinstance(tool, dict) else None
         environment = tool.get("environment") if isinstance(tool, dict) else None
@@ -98,7 +96,6 @@ def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> bool:
         elif isinstance(item, dict):
             _check_part(item)
             stack.extend(v for v in item.values() if isinstance(v, list | dict))
-    return changed
 
 
 def _check_part(part: dict[str, Any]) -> None:
@@ -156,7 +153,6 @@ class _OpenAI(Api):
 class ChatCompletions(_OpenAI):
     def prepare(self, raw: bytes, headers: Mapping[str, str], default_max: int) -> Prepared:
         body = json_object(raw)
-        changed = False
         for name in ("audio", "web_search_options", "prediction"):
             if body.get(name) is not None:
                 raise invalid(
@@ -166,20 +162,19 @@ class ChatCompletions(_OpenAI):
             raise invalid(
                 "audio is priced otherwise than text, and is not metered by covey's gateway"
             )
-        changed = _check_common(body, CHAT_TOOLS)
+        _check_common(body, CHAT_TOOLS)
+        wanted: dict[str, Any] = {"service_tier": "default"}
         bounds = [b for b in (whole(body, "max_completion_tokens"), whole(body, "max_tokens")) if b]
         if not bounds:
-            body["max_completion_tokens"] = min(default_max, DEFAULT_MAX_OUTPUT)
-            bounds, changed = [body["max_completion_tokens"]], True
+            wanted["max_completion_tokens"] = min(default_max, DEFAULT_MAX_OUTPUT)
+            bounds = [wanted["max_completion_tokens"]]
         choices = whole(body, "n") or 1
         if body.get("stream") is True:
             options = body.get("stream_options")
             if options is not None and not isinstance(options, dict):
                 raise invalid("stream_options: a JSON object")
-            if not (options or {}).get("include_usage"):
-                body["stream_options"] = {**(options or {}), "include_usage": True}
-                changed = True
-        return Prepared(body["model"], max(bounds) * choices, dumped(body) if changed else raw)
+            wanted["stream_options"] = {**(options or {}), "include_usage": True}
+        return Prepared(body["model"], max(bounds) * choices, with_fields(raw, body, wanted))
 
     def meter(self) -> EventStream:
         return ChatStream()
@@ -197,12 +192,12 @@ class Responses(_OpenAI):
                 raise invalid(f"{name}: {what} {FETCHED} (send the input itself)")
         if body.get("background"):
             raise invalid("background responses are not metered by covey's gateway")
-        changed = _check_common(body, RESPONSES_TOOLS)
+        _check_common(body, RESPONSES_TOOLS)
+        wanted: dict[str, Any] = {"service_tier": "default"}
         bound = whole(body, "max_output_tokens")
         if bound is None:
-            body["max_output_tokens"] = bound = min(default_max, DEFAULT_MAX_OUTPUT)
-            changed = True
-        return Prepared(body["model"], bound, dumped(body) if changed else raw)
+            wanted["max_output_tokens"] = bound = min(default_max, DEFAULT_MAX_OUTPUT)
+        return Prepared(body["model"], bound, with_fields(raw, body, wanted))
 
     def meter(self) -> EventStream:
         return ResponsesStream()

@@ -179,3 +179,19 @@ def test_what_the_client_runs_and_inline_content_are_allowed():
     chat_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     chat = {"model": "m", "messages": [{"role": "user", "content": [chat_image]}]}
     assert prepare(CHAT, chat | {"tools": [{"type": "function", "function": {}}]}).max_output == 500
+
+
+def test_fields_a_request_lacks_are_put_in_front_and_one_it_has_is_rewritten():
+    from budgets.gateway.api import with_fields
+
+    raw = b' {"model": "m", "messages": []}'
+    body = json.loads(raw)
+    sent = with_fields(raw, body, {"max_tokens": 5, "service_tier": "standard_only"})
+    assert sent.endswith(b'"model": "m", "messages": []}')  # the rest as it came
+    assert json.loads(sent) == {"model": "m", "messages": [], "max_tokens": 5} | {
+        "service_tier": "standard_only"
+    }
+    null = b'{"model": "m", "max_tokens": null}'
+    rewritten = with_fields(null, json.loads(null), {"max_tokens": 5})
+    assert rewritten == b'{"model":"m","max_tokens":5}'  # never two of one name
+    assert with_fields(rewritten, json.loads(rewritten), {"max_tokens": 5}) is rewritten
