@@ -7,7 +7,16 @@ No Django."""
 from collections.abc import Mapping
 from typing import Any
 
-from budgets.gateway.api import Api, Prepared, Refused, invalid, json_object, whole, with_fields
+from budgets.gateway.api import (
+    Api,
+    Prepared,
+    Refused,
+    invalid,
+    json_object,
+    objects_in,
+    whole,
+    with_fields,
+)
 from budgets.usage import EventStream, StreamMeter, Usage, from_message
 
 # Tools the client runs itself (their results come back in the next request, in its size);
@@ -38,19 +47,13 @@ def check_bounded(body: dict[str, Any], beta: str) -> None:
                 f"the server tool {kind!r} runs at the vendor at a cost covey's gateway cannot"
                 " bound: only tools the client runs itself are allowed"
             )
-    stack: list[Any] = [body.get("messages"), body.get("system")]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            source = item.get("source")
-            if isinstance(source, dict) and source.get("type") in ("url", "file"):
-                raise invalid(
-                    f"content by {source['type']} is fetched by the vendor, at a size covey's"
-                    " gateway cannot bound: send it in the request"
-                )
-            stack.extend(v for v in item.values() if isinstance(v, list | dict))
+    for item in objects_in(body.get("messages"), body.get("system")):
+        source = item.get("source")
+        if isinstance(source, dict) and source.get("type") in ("url", "file"):
+            raise invalid(
+                f"content by {source['type']} is fetched by the vendor, at a size covey's"
+                " gateway cannot bound: send it in the request"
+            )
 
 
 class Messages(Api):

@@ -3,7 +3,7 @@ before it is reserved, how its answer's usage is read, how the key is sent, and 
 is written so that the vendor's own SDKs show it. No Django."""
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,18 @@ def whole(body: dict[str, Any], name: str, least: int = 1) -> int | None:
     return value
 
 
+def objects_in(*roots: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object in ``roots`` and in what they hold, at any depth."""
+    stack = list(roots)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            yield item
+            stack.extend(v for v in item.values() if isinstance(v, list | dict))
+
+
 def dumped(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -81,6 +93,7 @@ class Api:
     """One of a vendor's APIs: subclasses say what it is."""
 
     vendor = ""  # budgets.models.Vendor
+    prefix = ""  # where its paths are at the gateway (with it removed, at the vendor)
     vendor_name = ""  # for people
     key_variable = ""  # the sandbox variable its SDKs read the token from
 

@@ -26,7 +26,16 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from budgets.gateway.api import Api, Prepared, Refused, invalid, json_object, whole, with_fields
+from budgets.gateway.api import (
+    Api,
+    Prepared,
+    Refused,
+    invalid,
+    json_object,
+    objects_in,
+    whole,
+    with_fields,
+)
 from budgets.usage import EventStream, Usage
 
 # Absent or auto, a project's own setting may choose priority: the gateway asks for default.
@@ -88,14 +97,8 @@ def _check_common(body: dict[str, Any], tools: tuple[str, ...]) -> None:
                 f"the tool {kind!r} runs at the vendor at a cost covey's gateway cannot bound:"
                 f" only tools the client runs itself are allowed ({', '.join(tools)})"
             )
-    stack: list[Any] = [body.get("messages"), body.get("input")]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            _check_part(item)
-            stack.extend(v for v in item.values() if isinstance(v, list | dict))
+    for item in objects_in(body.get("messages"), body.get("input")):
+        _check_part(item)
 
 
 def _check_part(part: dict[str, Any]) -> None:
@@ -123,6 +126,7 @@ def _check_part(part: dict[str, Any]) -> None:
 
 class _OpenAI(Api):
     vendor = "openai"
+    prefix = "/openai"  # OPENAI_BASE_URL is the gateway's /openai/v1
     vendor_name = "OpenAI"
     key_variable = "OPENAI_API_KEY"
 

@@ -147,18 +147,17 @@ def token_of(headers: Mapping[str, str], api: Api) -> str:
 
 
 ANTHROPIC, CHAT, RESPONSES = Messages(), ChatCompletions(), Responses()
-OPENAI_PREFIX = "/openai"  # OpenAI's paths, under OPENAI_BASE_URL = the gateway's /openai/v1
 # (method, path, API, metered): every other path is refused.
 ROUTES = [
     ("POST", "/v1/messages", ANTHROPIC, True),
     ("POST", "/v1/messages/count_tokens", ANTHROPIC, False),
     ("GET", "/v1/models", ANTHROPIC, False),
     ("GET", "/v1/models/{model}", ANTHROPIC, False),
-    ("POST", OPENAI_PREFIX + "/v1/chat/completions", CHAT, True),
-    ("POST", OPENAI_PREFIX + "/v1/responses", RESPONSES, True),
-    ("POST", OPENAI_PREFIX + "/v1/responses/input_tokens", RESPONSES, False),
-    ("GET", OPENAI_PREFIX + "/v1/models", CHAT, False),
-    ("GET", OPENAI_PREFIX + "/v1/models/{model}", CHAT, False),
+    ("POST", CHAT.prefix + "/v1/chat/completions", CHAT, True),
+    ("POST", CHAT.prefix + "/v1/responses", RESPONSES, True),
+    ("POST", CHAT.prefix + "/v1/responses/input_tokens", RESPONSES, False),
+    ("GET", CHAT.prefix + "/v1/models", CHAT, False),
+    ("GET", CHAT.prefix + "/v1/models/{model}", CHAT, False),
 ]
 
 
@@ -207,7 +206,7 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def unknown(self, request: web.Request) -> web.Response:
-        api = CHAT if request.path.startswith(OPENAI_PREFIX + "/") else ANTHROPIC
+        api = CHAT if request.path.startswith(CHAT.prefix + "/") else ANTHROPIC
         known = ", ".join(f"{method} {path}" for method, path, _, _ in ROUTES)
         return api.error(
             Refused(
@@ -305,11 +304,7 @@ class Gateway:
             if name.lower() not in NOT_FORWARDED and not name.lower().startswith("x-covey")
         ]
         headers += [*api.credentials(key), ("Accept-Encoding", "identity")]
-        path = (
-            request.path_qs.removeprefix(OPENAI_PREFIX)
-            if api.vendor == CHAT.vendor
-            else request.path_qs
-        )
+        path = request.path_qs.removeprefix(api.prefix)
         try:
             upstream = await self.session.request(
                 request.method, self.upstreams[api.vendor] + path, data=raw, headers=headers
