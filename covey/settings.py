@@ -215,8 +215,11 @@ COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_
 
 # --- runs and runners -----------------------------------------------------------------------
 
-# The image of agents without a workplace.
-COVEY_DEFAULT_IMAGE = env.str("COVEY_DEFAULT_IMAGE", default="covey-base:trixie")
+# The image of agents without a workplace: the default workplace (make workplace-image), with
+# the Claude runtime.
+COVEY_DEFAULT_IMAGE = env.str("COVEY_DEFAULT_IMAGE", default="covey-workplace:latest")
+# The minimal image the egress probe and the proxy check run in (they need python3 alone).
+COVEY_PROBE_IMAGE = env.str("COVEY_PROBE_IMAGE", default="covey-base:trixie")
 # The control-plane host runs sandboxes itself: one built-in runner per organisation.
 COVEY_BUILTIN_RUNNER = env.bool("COVEY_BUILTIN_RUNNER", default=True)
 # Runners send a heartbeat this often; one not heard from for COVEY_RUNNER_STALE_SECONDS is
@@ -284,6 +287,9 @@ COVEY_EGRESS_PROBE_IPV6 = env.list(
     "COVEY_EGRESS_PROBE_IPV6", default=["[2606:4700:4700::1111]:443"]
 )
 COVEY_RUNNER_PROBE_RETRY_SECONDS = env.float("COVEY_RUNNER_PROBE_RETRY_SECONDS", default=300.0)
+# A launch waits this long for an egress proxy that does not answer (it may be starting beside
+# the runner) before the run fails saying so.
+COVEY_RUNNER_PROXY_WAIT_SECONDS = env.float("COVEY_RUNNER_PROXY_WAIT_SECONDS", default=20.0)
 
 # Whole run logs (and other uploads) are kept here; a run's whole log is deleted this many days
 # after the run ended (the run, its history and the tail of its output stay).

@@ -147,6 +147,7 @@ def operator_client(client, root):
 
 
 BASE_IMAGE = "covey-base:trixie"  # make base-image
+WORKPLACE_IMAGE = "covey-workplace:latest"
 
 
 def _image_exists(image: str) -> bool:
@@ -165,6 +166,18 @@ def base_image() -> str:
     if _image_exists(BASE_IMAGE):
         return BASE_IMAGE
     message = f"{BASE_IMAGE} is not on this host: run `make base-image`"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def workplace_image() -> str:
+    """The default workplace image (the Claude runtime); skips without it, but fails under
+    CI=true."""
+    if _image_exists(WORKPLACE_IMAGE):
+        return WORKPLACE_IMAGE
+    message = f"{WORKPLACE_IMAGE} is not on this host: run `make workplace-image`"
     if IN_CI:
         pytest.fail(message)
     pytest.skip(message)

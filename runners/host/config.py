@@ -25,8 +25,10 @@ class HostSettings:
     # failed waits before it probes again on its own.
     probe_targets: probing.Targets = field(default_factory=probing.Targets)
     probe_retry: float = 300.0
-    # The image the proxy check runs in (it needs python3): the default sandbox image.
+    # The image the proxy check runs in (it needs python3): the probe's.
     check_image: str = "covey-base:trixie"
+    # How long a launch waits for a proxy that does not answer before it is refused.
+    proxy_wait: float = 20.0
     # Workplace images (containers/builds.py): apt's sources for the build ("": the base
     # image's), the build's network ("": Docker's default bridge), and the package index and
     # registry pip and npm fetch from on this host ("": their own configuration's).

@@ -30,6 +30,10 @@ UNREPORTED_RETRY_SECONDS = 30.0
 # long after one that passed (on the heartbeat thread, so launches seldom wait for it).
 PROXY_RECHECK_SECONDS = 10.0
 PROXY_CHECK_EVERY_SECONDS = 300.0
+# A launch that finds the proxy not answering checks again this often, for at most the host's
+# proxy_wait, before it is refused: a proxy started beside the runner (make run) may still be
+# starting.
+PROXY_WAIT_STEP_SECONDS = 1.0
 
 
 class UntrustedError(Exception):
@@ -89,8 +93,19 @@ class Trust:
                 raise UntrustedError("this runner has not passed an egress probe yet")
             if not state.passed:
                 raise UntrustedError(f"this runner's last egress probe failed: {state.summary}")
-        elif proxied and (problem := self.check_proxy(identity)):
+        elif proxied and (problem := self._proxy_for_launch(identity)):
             raise UntrustedError(problem)
+
+    def _proxy_for_launch(self, identity: Identity) -> str:
+        """The proxy check for a launch: one that failed is tried again every
+        PROXY_WAIT_STEP_SECONDS for up to the host's proxy_wait before the launch is refused."""
+        problem = self.check_proxy(identity)
+        waited = 0.0
+        while problem and waited < self.settings.proxy_wait:
+            time.sleep(PROXY_WAIT_STEP_SECONDS)
+            waited += PROXY_WAIT_STEP_SECONDS
+            problem = self.check_proxy(identity, fresh=True)
+        return problem
 
     # --- the egress probe (hard isolation) ---------------------------------------------------
 
@@ -220,7 +235,7 @@ class Trust:
         if identity.id in self._proxy_checks:
             self.check_proxy(identity)
 
-    def check_proxy(self, identity: Identity) -> str:
+    def check_proxy(self, identity: Identity, *, fresh: bool = False) -> str:
         """'' when the proxy sandboxes are told of answered from a container on the sandbox
         network, else what is wrong. The answer is kept PROXY_RECHECK_SECONDS when it failed,
         PROXY_CHECK_EVERY_SECONDS when it passed."""
@@ -231,7 +246,7 @@ class Trust:
         with lock:
             last = self._proxy_checks.get(identity.id)
             again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS
-            if last is not None and self.clock() - last.at < again:
+            if not fresh and last is not None and self.clock() - last.at < again:
                 return last.problem
             try:
                 problem = probing.check_proxy(

@@ -131,7 +131,7 @@ def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = ""
     probe_row.isolation = isolation
     plan = ProbePlan(
         probe=str(probe_row.pk),
-        image=settings.COVEY_DEFAULT_IMAGE,
+        image=settings.COVEY_PROBE_IMAGE,
         services=tuple(control_plane_services()),
     )
     try:

@@ -58,7 +58,13 @@ class Stack:
         self.tmp = tmp_path
         self.base_image = base_image
         self.port = free_port()
-        self.env = {"COVEY_EGRESS_ENFORCE": "false", **control_plane_env}
+        # Sandboxes of agents without a workplace: the minimal base image unless a test says
+        # otherwise (the default workplace image is for the tests of it).
+        self.env = {
+            "COVEY_EGRESS_ENFORCE": "false",
+            "COVEY_DEFAULT_IMAGE": base_image,
+            **control_plane_env,
+        }
         self.stack = ExitStack()
         self._control_plane: ExitStack | None = None
         self.runners: list[RunnerProcess] = []

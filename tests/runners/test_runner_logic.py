@@ -58,7 +58,7 @@ class Host:
         self.builder = FakeBuilder()
         self.host = RunnerHost(
             {1: self.identity},  # type: ignore[dict-item]
-            HostSettings(homes=tmp_path / "homes", **settings),
+            HostSettings(homes=tmp_path / "homes", **({"proxy_wait": 0.0} | settings)),
             make_engine=make_engine,  # type: ignore[arg-type]
             make_builder=lambda settings: self.builder,  # type: ignore[arg-type,return-value]
             clock=clock,
@@ -112,6 +112,23 @@ def test_a_proxy_that_does_not_answer_fails_the_launch_saying_so(tmp_path):
     assert checked.control.states(RUN) == ["built"]
     assert "does not answer" in checked.control.reports[0][1].detail
     assert checked.engine.sandboxes() == []
+
+
+def test_a_launch_waits_a_little_for_a_proxy_that_is_still_starting(tmp_path):
+    """As under make run, where the proxy starts beside the runner: a launch that finds it not
+    answering checks again each second, for up to proxy_wait, rather than fail the run."""
+    answers = iter([(1, b"ConnectionRefusedError"), (1, b"ConnectionRefusedError")])
+
+    def proxy(spec):
+        if "proxy-check" not in spec.command:
+            return None
+        return next(answers, (0, b"answered HTTP/1.1 407"))
+
+    waiting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=5.0)
+    started = time.monotonic()
+    waiting.order(spec(enforce=True))
+    assert waiting.control.states(RUN) == ["running"]
+    assert 2 <= time.monotonic() - started < 5  # two more checks, a second apart
 
 
 def test_a_failed_proxy_check_is_repeated_soon_and_a_passed_one_seldom(tmp_path):

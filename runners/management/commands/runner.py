@@ -59,7 +59,8 @@ class Command(BaseCommand):
             proxy_environment=proxy_environment(),
             probe_targets=targets,
             probe_retry=settings.COVEY_RUNNER_PROBE_RETRY_SECONDS,
-            check_image=settings.COVEY_DEFAULT_IMAGE,
+            check_image=settings.COVEY_PROBE_IMAGE,
+            proxy_wait=settings.COVEY_RUNNER_PROXY_WAIT_SECONDS,
             apt_sources=Path(settings.COVEY_WORKPLACE_APT_SOURCES)
             if settings.COVEY_WORKPLACE_APT_SOURCES
             else None,
