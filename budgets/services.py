@@ -788,6 +788,11 @@ def model_vendors(organisation_id: int) -> tuple[str, ...]:
     return tuple(v for v in Vendor.values if v == Vendor.ANTHROPIC or v in keyed)
 
 
+def has_model_key(organisation_id: int, vendor: str) -> bool:
+    """Whether the organisation has entered its API key at ``vendor``."""
+    return ModelKey.objects.filter(organisation_id=organisation_id, vendor=vendor).exists()
+
+
 def check_model_key(secret: str) -> str:
     """The key without surrounding spaces; ValueError if it cannot be one."""
     secret = secret.strip()

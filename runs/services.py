@@ -10,11 +10,14 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from agents.models import Agent, home_quota_bytes
+from budgets.models import Vendor
 from budgets.services import (
     exhausted,
+    has_model_key,
     issue_gateway_token,
     model_vendors,
     revoke_gateway_tokens,
@@ -53,7 +56,9 @@ DEFAULT_RUNTIME = [
     "-c",
     "command -v claude >/dev/null 2>&1 || { echo 'covey: this image has no Claude runtime"
     " (claude is not on its PATH): give the agent a workplace whose image has it, or a runtime"
-    f' command\' >&2; exit {NO_RUNTIME_EXIT}; }}; exec claude --print "$COVEY_TASK"',
+    f" command' >&2; exit {NO_RUNTIME_EXIT}; }}; exec claude --print"
+    # The sandbox is the boundary: nobody is there to grant the runtime each permission.
+    ' --dangerously-skip-permissions "$COVEY_TASK"',
 ]
 
 
@@ -87,6 +92,22 @@ def queue_run(agent: Agent, task: str, *, by: Any = None) -> Run:
     RunEvent.objects.create(run=run, status=RunStatus.QUEUED)
     _place(run)
     return run
+
+
+def _no_model(run: Run) -> str:
+    """Why a run of the Claude runtime cannot reach its model ('' when it can): through the
+    model gateway (when there is one: without it, only the runtime's own errors say), which
+    needs the organisation's Anthropic key."""
+    if not settings.COVEY_MODEL_GATEWAY_URL or not _default_runtime(run):
+        return ""
+    organisation = run.agent.organisation
+    if has_model_key(organisation.pk, Vendor.ANTHROPIC):
+        return ""
+    return (
+        f"{organisation.name} has no Anthropic API key, which the Claude runtime needs: enter"
+        f" one in the admin (Budgets, Model keys, Add: {reverse('admin:budgets_modelkey_add')}),"
+        " then start the run again"
+    )
 
 
 def place_waiting(organisation_id: int | None = None, *, agent_id: int | None = None) -> int:
@@ -230,6 +251,11 @@ def start(
     if run.cancel_requested_at is not None:
         run.finished_at = timezone.now()
         _move(run, RunStatus.CANCELLED, "cancelled before it started", ["finished_at"])
+        _ended(run)
+        return None
+    if why := _no_model(run):  # before a sandbox is built, not after it asked in vain
+        run.finished_at = timezone.now()
+        _move(run, RunStatus.FAILED, why, ["finished_at"])
         _ended(run)
         return None
     if run.egress_token is not None:  # the first try died mid-launch: fresh credentials

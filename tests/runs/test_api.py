@@ -9,6 +9,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from budgets.services import set_model_key
 from runners import dispatch
 from runners.host import sealing
 from runners.models import Runner
@@ -561,6 +562,36 @@ class TestLiveOutput:
         answer = self.send(runner_api(APIClient(), other), run, 0, "forged")
         assert answer.status_code == 404
         assert user.get(f"/api/v1/runs/{run.pk}/log/").content == b""
+
+
+def test_a_claude_runtime_run_without_the_organisations_key_fails_before_a_sandbox(
+    acme, orders, settings
+):
+    """Through the model gateway the Claude runtime needs its organisation's Anthropic key:
+    without one the run fails when its runner asks to start it, saying where to enter the key,
+    and no sandbox is built; with one it starts, with the gateway's URL and a run token."""
+    settings.COVEY_MODEL_GATEWAY_URL = "http://172.17.0.1:8002"
+    _, token = online_runner(acme)
+    client = runner_api(APIClient(), token)
+    agent = AgentFactory(organisation=acme, runtime_command=[])
+    run = runs.queue_run(agent, "fix it")
+    answer = client.post(f"/api/v1/runner/runs/{run.pk}/start/")
+    assert answer.status_code == 409
+    run.refresh_from_db()
+    assert run.status == RunStatus.FAILED and run.finished_at is not None
+    assert run.status_detail == (
+        "Acme has no Anthropic API key, which the Claude runtime needs: enter one in the admin"
+        " (Budgets, Model keys, Add: /admin/budgets/modelkey/add/), then start the run again"
+    )
+    assert run.egress_token is None  # no credential was made for it
+    # An agent with a command of its own needs no key.
+    own = runs.queue_run(AgentFactory(organisation=acme, runtime_command=["make"]), "x")
+    assert client.post(f"/api/v1/runner/runs/{own.pk}/start/").status_code == 200
+    set_model_key(acme, "sk-ant-api03-a-key-of-acmes-0123456789")
+    again = runs.queue_run(agent, "fix it")
+    spec = client.post(f"/api/v1/runner/runs/{again.pk}/start/").json()
+    assert spec["model"]["base_url"] == "http://172.17.0.1:8002" and spec["model"]["token"]
+    assert "--dangerously-skip-permissions" in spec["command"][-1]
 
 
 def test_a_default_runtime_run_on_an_image_without_claude_says_what_to_do(acme, orders):
