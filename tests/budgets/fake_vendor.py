@@ -1,7 +1,8 @@
 """A fake Anthropic Messages API, and a fake OpenAI Chat Completions and Responses API, over
 TLS (a test CA's certificate for 127.0.0.x): the model gateway's upstreams in tests and
 benchmarks. What it answers is chosen by the first message's text: ``json`` (a plain answer),
-``stream`` (server-sent events with realistic usage), ``error`` (a stream that ends in an error
+``stream`` (server-sent events with realistic usage; also what content in blocks, as the
+Claude runtime sends, gets when it asks to stream), ``error`` (a stream that ends in an error
 event), ``slow`` (a stream with pauses), ``drop`` (a stream the server cuts off), ``refuse`` (a
 400 error). A streamed Chat Completion carries usage only when ``stream_options.include_usage``
 asks for it, as OpenAI's does. Every request it saw is kept (headers, body)."""
@@ -80,7 +81,8 @@ def _app(vendor: FakeVendor) -> web.Application:
         if request.path.endswith("/count_tokens"):
             return web.json_response({"input_tokens": 99})
         first = body["messages"][0]["content"]
-        scenario = first if isinstance(first, str) else "json"
+        # A real client's content is blocks: it gets what it asked for.
+        scenario = first if isinstance(first, str) else "stream" if body.get("stream") else "json"
         model = body["model"]
         if scenario == "refuse":
             return web.json_response(

@@ -2,14 +2,17 @@
 
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.request
+from decimal import Decimal
 
 import httpx
 import pytest
 
 from runners.host.containers.engine import Engine
+from tests.budgets.conftest import KEY, ca, vendor  # noqa: F401 - fixtures
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
 
 
@@ -127,3 +130,84 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
         assert f"proxy={host_address}:{env['COVEY_PROXY_PORT']}" in run["log_tail"]
         # covey's proxy knew the run's credential (not 407) and refused the name: off the list.
         assert "connect=403" in run["log_tail"], run["log_tail"]
+
+
+@pytest.mark.docker
+def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runtime_runs_it(
+    tmp_path,
+    workplace_image,
+    ca,  # noqa: F811 - a fixture imported above
+    vendor,  # noqa: F811 - a fixture imported above
+):
+    """The first start's own two lines, pasted into a shell: without the organisation's
+    Anthropic key the run fails at once saying where to enter it; with it, the demo agent runs
+    the real Claude runtime in the default workplace image, which reaches its model (a fake
+    vendor here) through the model gateway with the run's token, never the key. Ctrl-C stops
+    everything and leaves none of its containers behind."""
+    port = free_port()
+    env = run_env(tmp_path, port) | {
+        "COVEY_MODEL_GATEWAY_PORT": str(free_port()),
+        "COVEY_MODEL_UPSTREAM": vendor.url,
+        "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
+    }
+    env.pop("COVEY_DEFAULT_IMAGE", None)  # the default: the workplace image
+    log = tmp_path / "run.log"
+    base = f"http://127.0.0.1:{port}"
+    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("COVEY_")}
+    with running([str(ROOT / "scripts" / "run")], env, log) as process:
+        wait_for(lambda: b"taking orders" in log.read_bytes(), 180, "the built-in runner", log)
+        wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 60, "the control plane", log)
+        printed = log.read_text()
+        start = next(line for line in printed.splitlines() if line.startswith("  export COVEY_"))
+        follow = next(line for line in printed.splitlines() if "scripts/run-log" in line)
+        assert f"{base}/admin/budgets/modelkey/add/" in printed
+        lines = f"{start.strip()}\n{follow.strip()}\n"
+
+        def paste() -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                ["bash", "-c", lines], cwd=ROOT, env=shell_env, capture_output=True, text=True,
+                timeout=240, check=False,
+            )  # fmt: skip
+
+        before = time.monotonic()
+        without_key = paste()
+        assert without_key.returncode == 1, (without_key.stdout, without_key.stderr)
+        assert "failed: Demo has no Anthropic API key" in without_key.stdout
+        assert "/admin/budgets/modelkey/add/" in without_key.stdout
+        assert time.monotonic() - before < 15  # at once: no sandbox was built for it
+        assert vendor.seen == []
+
+        subprocess.run(
+            [str(VENV_BIN / "python"), "manage.py", "shell", "-c",
+             "from budgets.services import set_model_key; from organisations.models import"
+             f" Organisation; set_model_key(Organisation.objects.get(name='Demo'), {KEY!r})"],
+            cwd=ROOT, env=env, check=True, timeout=60,
+        )  # fmt: skip
+        with_key = paste()
+        assert with_key.returncode == 0, with_key.stdout + with_key.stderr + log.read_text()[-3000:]
+        # What the fake vendor answered, as the runtime printed it.
+        assert "Hello, world!" in with_key.stdout
+        run_id = with_key.stdout.splitlines()[0].strip()
+        token = start.split("COVEY_TOKEN=")[1].split(";")[0]
+        with httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}) as api:
+            run = api.get(f"/api/v1/runs/{run_id}/").json()
+            usage = api.get(f"/api/v1/agents/{run['agent']}/usage/").json()
+        assert process.poll() is None
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        process.wait(timeout=60)
+    workplace_id = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", workplace_image],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert run["status"] == "succeeded" and run["image_id"] == workplace_id, run
+    # The runtime's default model is priced (it was charged), and the vendor saw the
+    # organisation's key, never the run's token.
+    assert usage["total"]["requests"] == len(vendor.seen) >= 1, usage
+    assert Decimal(usage["total"]["cost"]) > 0
+    assert {seen.headers.get("x-api-key") for seen in vendor.seen} == {KEY}
+    assert KEY not in log.read_text()
+    left = subprocess.run(
+        ["docker", "ps", "-a", "-q", "--filter", f"label=covey.run={run_id}"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert left == []
