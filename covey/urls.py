@@ -1,4 +1,5 @@
-"""URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs."""
+"""URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs, and /healthz and
+/readyz for whatever watches the process."""
 
 from typing import Any
 
@@ -11,6 +12,7 @@ from rest_framework.routers import DefaultRouter
 from agents.views import AgentViewSet
 from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
 from budgets.views import AgentUsageView, BudgetViewSet, ChargeViewSet
+from covey.health import healthz, readyz
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -80,6 +82,8 @@ home_urls = [
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
     path("admin/", admin.site.urls),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

@@ -1,0 +1,66 @@
+"""Whether the control plane's web process lives (/healthz) and can serve (/readyz).
+
+Both answer anyone, without a session or a token, as load balancers and orchestrators ask:
+so they say which dependency is wrong and never its address or credentials, which go to the
+log (with the password masked) for the people who run it.
+"""
+
+import logging
+import time
+
+from django.db import DatabaseError, connections
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+
+from covey.celery import app
+
+logger = logging.getLogger(__name__)
+
+BROKER_TIMEOUT = 2.0  # seconds: a readiness answer must come quickly, whatever is down
+
+
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    """The process answers; nothing else is asked."""
+    return JsonResponse({"status": "ok"})
+
+
+@require_GET
+def readyz(request: HttpRequest) -> JsonResponse:
+    """200 when the database and the broker both answer, else 503 naming what does not."""
+    checks = {"database": _database(), "broker": _broker()}
+    ready = all(answer == "ok" for answer in checks.values())
+    return JsonResponse(
+        {"status": "ready" if ready else "not ready", "checks": checks},
+        status=200 if ready else 503,
+    )
+
+
+def _database() -> str:
+    started = time.monotonic()
+    try:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except DatabaseError as exc:
+        settings = connections["default"].settings_dict
+        where = f"{settings.get('HOST') or settings.get('NAME')}:{settings.get('PORT') or ''}"
+        logger.warning("readyz: the database at %s does not answer: %s", where, exc)
+        return "unreachable"
+    return "ok" if time.monotonic() - started < 10 else "slow"
+
+
+def _broker() -> str:
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(
+                max_retries=1, interval_start=0, interval_step=0, timeout=BROKER_TIMEOUT
+            )
+    except Exception as exc:  # kombu raises its transports' own errors
+        logger.warning(
+            "readyz: the broker at %s does not answer: %s",
+            app.connection_for_write().as_uri(),  # the password masked
+            exc,
+        )
+        return "unreachable"
+    return "ok"
