@@ -417,6 +417,28 @@ class RunnerHost:
         self._stop.set()
         self.serving.close()
 
+    def remove_sandboxes(self) -> int:
+        """Remove every sandbox of this host's runners, running or not, with its services (as
+        make run does at Ctrl-C: nothing of it is left behind); returns how many. Their runs
+        are found gone at the next start, and fail saying so."""
+        removed = 0
+        for identity in list(self.identities.values()):
+            engine = self.engine(identity)
+            try:
+                sandboxes = engine.sandboxes()
+            except EngineError as exc:
+                logger.warning("covey runner %s: sandboxes not removed: %s", identity.name, exc)
+                continue
+            for sandbox in sandboxes:
+                try:
+                    engine.remove(sandbox.run_id)
+                except EngineError as exc:
+                    logger.warning("covey runner: sandbox of run %s: %s", sandbox.run_id, exc)
+                    continue
+                logger.info("covey runner: removed the sandbox of run %s", sandbox.run_id)
+                removed += 1
+        return removed
+
     def sweep(self, identity: Identity) -> None:
         engine = self.engine(identity)
         sandboxes = engine.sandboxes()

@@ -192,6 +192,18 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
         with httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}) as api:
             run = api.get(f"/api/v1/runs/{run_id}/").json()
             usage = api.get(f"/api/v1/agents/{run['agent']}/usage/").json()
+            # A run still going at Ctrl-C: its sandbox goes too.
+            organisation = api.get("/api/v1/organisations/").json()["results"][0]["id"]
+            sleeper = api.post(
+                "/api/v1/agents/",
+                json={"organisation": organisation, "name": "Sleeper",
+                      "runtime_command": ["sleep", "600"]},
+            ).json()  # fmt: skip
+            going = api.post("/api/v1/runs/", json={"agent": sleeper["id"], "task": "wait"}).json()
+            wait_for(
+                lambda: api.get(f"/api/v1/runs/{going['id']}/").json()["status"] == "running",
+                60, "the second run running", log,
+            )  # fmt: skip
         assert process.poll() is None
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
         process.wait(timeout=60)
@@ -206,8 +218,10 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
     assert Decimal(usage["total"]["cost"]) > 0
     assert {seen.headers.get("x-api-key") for seen in vendor.seen} == {KEY}
     assert KEY not in log.read_text()
-    left = subprocess.run(
-        ["docker", "ps", "-a", "-q", "--filter", f"label=covey.run={run_id}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    assert left == []
+    for ran in (run_id, going["id"]):
+        left = subprocess.run(
+            ["docker", "ps", "-a", "-q", "--filter", f"label=covey.run={ran}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert left == [], log.read_text()[-3000:]
+    assert "removed 1 sandbox(es) at exit" in log.read_text()

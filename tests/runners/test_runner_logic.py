@@ -515,3 +515,11 @@ def test_a_sandbox_being_removed_does_not_hold_its_home(host):
     assert host.host._home_busy(1, 7) == ""
     host.engine.add("r-new", status="running", agent_id=7)
     assert host.host._home_busy(1, 7) == "run r-new of this agent is active"
+
+
+def test_at_exit_make_runs_runner_removes_every_sandbox_running_or_not(host):
+    host.order(spec())
+    host.order(spec(run="0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a99"))
+    assert len(host.engine.sandboxes()) == 2
+    assert host.host.remove_sandboxes() == 2
+    assert host.engine.sandboxes() == []

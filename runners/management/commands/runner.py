@@ -36,6 +36,12 @@ class Command(BaseCommand):
             help="The remote runner's file from runner_register (URL, id, token).",
         )
         parser.add_argument("--concurrency", type=int, default=4, help="Orders at once.")
+        parser.add_argument(
+            "--remove-sandboxes-at-exit",
+            action="store_true",
+            help="At exit, remove every sandbox, running or not (make run's Ctrl-C); without"
+            " it, runs go on and the runner takes them up again when it restarts.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         targets = probing.Targets(
@@ -137,6 +143,9 @@ class Command(BaseCommand):
         finally:
             host.stop()
             runner_host.set_current(None)
+            if options["remove_sandboxes_at_exit"]:
+                removed = host.remove_sandboxes()
+                self.stdout.write(f"covey runner {name}: removed {removed} sandbox(es) at exit")
 
     def _work(self, queue: str, name: str, concurrency: int) -> None:
         from covey.celery import app
