@@ -20,7 +20,7 @@ from homes.views import (
     RunnerHomeBodyView,
     RunnerHomeTakeView,
 )
-from organisations.views import OrganisationViewSet
+from organisations.views import MembershipViewSet, OrganisationViewSet
 from runners.views import (
     DecisionIngestView,
     EgressPolicyView,
@@ -44,6 +44,7 @@ from workplaces.views import WorkplaceViewSet
 
 router = DefaultRouter()
 router.register("organisations", OrganisationViewSet)
+router.register("memberships", MembershipViewSet)
 router.register("agents", AgentViewSet)
 router.register("allowlist-templates", AllowlistTemplateViewSet)
 router.register("workplaces", WorkplaceViewSet)

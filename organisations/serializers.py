@@ -1,12 +1,14 @@
-"""API shapes of organisations."""
+"""API shapes of organisations and their memberships."""
 
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from allowlists.fields import AllowlistSerializerField
 from organisations import services
-from organisations.models import Organisation, Webhook
+from organisations.api import OrganisationField
+from organisations.models import Membership, Organisation, Role, Webhook
 
 
 class OrganisationSerializer(serializers.ModelSerializer):
@@ -44,3 +46,37 @@ class WebhookSerializer(serializers.ModelSerializer):
             "last_delivery_at",
         ]  # fmt: skip
         read_only_fields = ["created_at", "secret_made_at", "last_delivery", "last_delivery_at"]
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    """A user's role in an organisation. Add one with ``organisation``, ``user`` (the
+    username) and ``role``; afterwards only the role changes."""
+
+    organisation = OrganisationField(queryset=Organisation.objects.all())
+    user: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
+        slug_field="username", queryset=get_user_model().objects.filter(is_active=True)
+    )
+
+    class Meta:
+        model = Membership
+        fields = ["id", "organisation", "user", "role"]
+        # The service says who is a member already, in its own words.
+        validators: list[Any] = []
+
+    def update(self, instance: Membership, validated_data: dict[str, Any]) -> Membership:
+        if validated_data.get("organisation", instance.organisation) != instance.organisation or (
+            validated_data.get("user", instance.user) != instance.user
+        ):
+            raise serializers.ValidationError(
+                "a membership's organisation and user do not change: remove it and add another"
+            )
+        role = validated_data.get("role", instance.role)
+        return services.change_role(instance, role, by=self.context["request"].user)
+
+    def create(self, validated_data: dict[str, Any]) -> Membership:
+        return services.add_member(
+            validated_data["organisation"],
+            validated_data["user"],
+            validated_data.get("role", Role.VIEWER),
+            by=self.context["request"].user,
+        )

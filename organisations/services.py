@@ -104,3 +104,55 @@ def delete_organisation(organisation: Organisation, *, by: Any = None) -> None:
         hook(organisation)
     organisation._history_user = by  # type: ignore[attr-defined]
     organisation.delete()
+
+
+# --- memberships: who belongs to an organisation, in which role -----------------------------
+
+LAST_ADMIN = "an organisation keeps at least one admin: make another member admin first"
+
+
+@transaction.atomic
+def add_member(organisation: Organisation, user: Any, role: str, *, by: Any = None) -> Membership:
+    """Make ``user`` a member of ``organisation`` in ``role``; ValidationError if they are one
+    already (change their role instead)."""
+    if Membership.objects.filter(organisation=organisation, user=user).exists():
+        raise ValidationError(
+            {"user": [f"{user} is a member of {organisation} already: change their role"]}
+        )
+    membership = Membership(organisation=organisation, user=user, role=role)
+    membership.full_clean()
+    membership._history_user = by  # type: ignore[attr-defined]
+    membership.save()
+    return membership
+
+
+@transaction.atomic
+def change_role(membership: Membership, role: str, *, by: Any = None) -> Membership:
+    """Give a member another role; the organisation's last admin stays one."""
+    locked = Membership.objects.select_for_update().get(pk=membership.pk)
+    if locked.role == Role.ADMIN and role != Role.ADMIN and _admins(locked.organisation_id) == 1:
+        raise ValidationError({"role": [LAST_ADMIN]})
+    locked.role = role
+    locked.full_clean()
+    locked._history_user = by  # type: ignore[attr-defined]
+    locked.save(update_fields=["role"])
+    return locked
+
+
+@transaction.atomic
+def remove_member(membership: Membership, *, by: Any = None) -> None:
+    """End a membership; the organisation's last admin stays."""
+    locked = Membership.objects.select_for_update().get(pk=membership.pk)
+    if locked.role == Role.ADMIN and _admins(locked.organisation_id) == 1:
+        raise ValidationError({"user": [LAST_ADMIN]})
+    locked._history_user = by  # type: ignore[attr-defined]
+    locked.delete()
+
+
+def _admins(organisation_id: int) -> int:
+    # Every admin's row locked: two admins demoting each other at once cannot leave none.
+    return len(
+        Membership.objects.select_for_update()
+        .filter(organisation_id=organisation_id, role=Role.ADMIN)
+        .values_list("pk", flat=True)
+    )

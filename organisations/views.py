@@ -1,4 +1,4 @@
-"""API resources: organisations."""
+"""API resources: organisations and their memberships."""
 
 from typing import Any
 
@@ -12,9 +12,13 @@ from rest_framework.response import Response
 
 from organisations import services, webhooks
 from organisations.api import OrganisationScopedViewSet
-from organisations.models import Organisation, Role, Webhook
+from organisations.models import Membership, Organisation, Role, Webhook
 from organisations.roles import role_of
-from organisations.serializers import OrganisationSerializer, WebhookSerializer
+from organisations.serializers import (
+    MembershipSerializer,
+    OrganisationSerializer,
+    WebhookSerializer,
+)
 
 
 class PlatformTeamOnly(permissions.BasePermission):
@@ -76,3 +80,22 @@ class OrganisationViewSet(OrganisationScopedViewSet):
         if found is None:
             raise NotFound("this organisation has no webhook")
         return Response(WebhookSerializer(found).data)
+
+
+class MembershipViewSet(OrganisationScopedViewSet):
+    """Who belongs to your organisations, in which role (admin, approver, viewer). Members
+    read; the organisation's admins add members, change their role and remove them, and an
+    organisation keeps at least one admin."""
+
+    queryset = Membership.objects.select_related("organisation", "user")
+    serializer_class = MembershipSerializer
+    filterset_fields = ["organisation", "role"]
+    ordering_fields = ["organisation", "role"]
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    def get_queryset(self) -> Any:
+        visible = Organisation.objects.for_user(self.request.user)
+        return self.queryset.filter(organisation__in=visible)
+
+    def perform_destroy(self, instance: Membership) -> None:
+        services.remove_member(instance, by=self.request.user)
