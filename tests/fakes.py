@@ -51,6 +51,10 @@ class FakeEngine:
         self.runs: Callable[[SandboxSpec], tuple[int, bytes] | None] = lambda spec: None
         self.parts: dict[str, list[ServiceRecord]] = {}  # runs' services, as started
         self.not_ready = ""  # a service of this name never becomes ready
+        self.absent_images: set[str] = set()  # every other image is on this host
+
+    def missing_image(self, image: str) -> str:
+        return f"image {image} is not on this host" if image in self.absent_images else ""
 
     # --- what a test does --------------------------------------------------------------------
 

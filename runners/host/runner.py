@@ -417,6 +417,19 @@ class RunnerHost:
         self._stop.set()
         self.serving.close()
 
+    def missing_default_image(self, image: str) -> dict[int, str]:
+        """At start: runner id → why sandboxes of ``image`` (the default) cannot start here,
+        for each runner whose engine lacks it (or cannot be asked)."""
+        missing = {}
+        for identity in list(self.identities.values()):
+            try:
+                problem = self.engine(identity).missing_image(image)
+            except EngineError as exc:
+                problem = str(exc)
+            if problem:
+                missing[identity.id] = problem
+        return missing
+
     def remove_sandboxes(self) -> int:
         """Remove every sandbox of this host's runners, running or not, with its services (as
         make run does at Ctrl-C: nothing of it is left behind); returns how many. Their runs

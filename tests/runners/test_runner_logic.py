@@ -523,3 +523,11 @@ def test_at_exit_make_runs_runner_removes_every_sandbox_running_or_not(host):
     assert len(host.engine.sandboxes()) == 2
     assert host.host.remove_sandboxes() == 2
     assert host.engine.sandboxes() == []
+
+
+def test_at_start_a_missing_default_image_is_named_for_each_runner(host):
+    assert host.host.missing_default_image("covey-workplace:latest") == {}
+    host.engine.absent_images.add("covey-workplace:latest")
+    assert host.host.missing_default_image("covey-workplace:latest") == {
+        1: "image covey-workplace:latest is not on this host"
+    }

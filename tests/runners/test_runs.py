@@ -269,6 +269,21 @@ class FakeProxy:
         self.server.close()
 
 
+def test_a_runner_without_the_default_image_says_so_at_start(acme, tmp_path, base_image):
+    stack = Stack(tmp_path, base_image)
+    try:
+        runner, config = stack.register(acme, "edge-1")
+        with stack.runner(runner, config, COVEY_DEFAULT_IMAGE="covey-none-such:latest") as process:
+            said = process.output()
+        with stack.runner(runner, config, COVEY_DEFAULT_IMAGE=base_image) as process:
+            quiet = process.output()
+    finally:
+        stack.close()
+    assert "THE DEFAULT IMAGE IS MISSING" in said
+    assert "covey-none-such:latest is not on this host" in said and "docker load" in said
+    assert "THE DEFAULT IMAGE IS MISSING" not in quiet
+
+
 def test_a_runner_whose_proxy_does_not_answer_refuses_launches_saying_why(
     acme, tmp_path, base_image
 ):

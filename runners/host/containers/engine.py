@@ -141,6 +141,13 @@ class LogStream:
             self._stream.close()
 
 
+# The make targets that build covey's own images.
+_BUILT_BY = {
+    "covey-base:trixie": "make base-image",
+    "covey-workplace:latest": "make workplace-image",
+}
+
+
 class Engine:
     """The sandboxes of one runner on one Docker engine."""
 
@@ -455,6 +462,14 @@ class Engine:
             **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
         }
 
+    def missing_image(self, image: str) -> str:
+        """'' when ``image`` is on this host, else why a sandbox of it cannot start."""
+        try:
+            self._check_image(image)
+        except EngineError as exc:
+            return str(exc)
+        return ""
+
     def _check_image(self, image: str, whose: str = "") -> None:
         try:
             self._client.images.get(image)
@@ -464,9 +479,12 @@ class Engine:
                     f"{whose}image {image} is not on this host (images are never pulled):"
                     " load it on the runner host (docker load, or docker pull there)"
                 ) from exc
+            how = _BUILT_BY.get(image, "docker build, or docker pull there")
             raise EngineError(
-                f"image {image} is not on this host; build it (make base-image) or load it"
+                f"image {image} is not on this host: build it ({how}) or load it (docker load)"
             ) from exc
+        except DockerException as exc:
+            raise EngineError(f"cannot reach the Docker engine: {exc}") from exc
 
     def _started(self, container: Any) -> Sandbox:
         """Start a container that was only created; never leave one behind that fails to."""

@@ -123,6 +123,12 @@ class Command(BaseCommand):
                 for line in report.lines:
                     self.stdout.write(f"covey runner {runner_id}: probe: {line}")
             self.stdout.write(f"covey runner {runner_id}: egress probe {verdict}")
+        for runner_id, problem in host.missing_default_image(settings.COVEY_DEFAULT_IMAGE).items():
+            # Loud, but the runner starts: agents with a workplace of their own still run.
+            self.stdout.write(
+                f"covey runner {runner_id}: THE DEFAULT IMAGE IS MISSING, runs of agents without"
+                f" a workplace fail until it is here (COVEY_DEFAULT_IMAGE): {problem}"
+            )
         runner_host.set_current(host)
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),
