@@ -1,16 +1,18 @@
 """Whether the control plane's web process lives (/healthz) and can serve (/readyz).
 
-Both answer anyone, without a session or a token, as load balancers and orchestrators ask:
-so they say which dependency is wrong and never its address or credentials, which go to the
-log (with the password masked) for the people who run it.
+Both answer anyone (GET or HEAD) without a session or a token, as load balancers and
+orchestrators ask: so they say which dependency is wrong and never its address or
+credentials, which go to the log (with the password masked) for the people who run it. As
+every path, they answer only the host names DJANGO_ALLOWED_HOSTS lists: a probe that asks by
+another name (a pod's address) must be given one, or be listed.
 """
 
 import logging
 import time
 
-from django.db import DatabaseError, connections
+from django.db import Error, connections
 from django.http import HttpRequest, JsonResponse
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_safe
 
 from covey.celery import app
 
@@ -19,13 +21,13 @@ logger = logging.getLogger(__name__)
 BROKER_TIMEOUT = 2.0  # seconds: a readiness answer must come quickly, whatever is down
 
 
-@require_GET
+@require_safe
 def healthz(request: HttpRequest) -> JsonResponse:
     """The process answers; nothing else is asked."""
     return JsonResponse({"status": "ok"})
 
 
-@require_GET
+@require_safe
 def readyz(request: HttpRequest) -> JsonResponse:
     """200 when the database and the broker both answer, else 503 naming what does not."""
     checks = {"database": _database(), "broker": _broker()}
@@ -42,7 +44,7 @@ def _database() -> str:
         with connections["default"].cursor() as cursor:
             cursor.execute("SELECT 1")
             cursor.fetchone()
-    except DatabaseError as exc:
+    except Error as exc:  # InterfaceError (a closed connection) too
         settings = connections["default"].settings_dict
         where = f"{settings.get('HOST') or settings.get('NAME')}:{settings.get('PORT') or ''}"
         logger.warning("readyz: the database at %s does not answer: %s", where, exc)

@@ -58,7 +58,7 @@ DEFAULT_RUNTIME = [
     " (claude is not on its PATH): give the agent a workplace whose image has it, or a runtime"
     f" command' >&2; exit {NO_RUNTIME_EXIT}; }}; exec claude --print"
     # The sandbox is the boundary: nobody is there to grant the runtime each permission.
-    ' --dangerously-skip-permissions "$COVEY_TASK"',
+    ' --dangerously-skip-permissions -- "$COVEY_TASK"',
 ]
 
 
@@ -255,6 +255,7 @@ def start(
         return None
     if why := _no_model(run):  # before a sandbox is built, not after it asked in vain
         run.finished_at = timezone.now()
+        _end_credential(run)  # a first try that died mid-launch had some
         _move(run, RunStatus.FAILED, why, ["finished_at"])
         _ended(run)
         return None

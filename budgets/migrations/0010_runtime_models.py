@@ -2,7 +2,8 @@
 0002 did not ship, so that its default model is priced out of the box. From the runtime's own
 baked-in model catalog (its pricing tiers, which it uses to show a session's cost), per
 million tokens: input, cache writes of 5 minutes and 1 hour, cache reads, output. Only the
-names the API gives these models, no patterns. Left unpriced (refused until an admin prices
+names the API gives these models, no patterns; a model an admin priced already keeps its
+prices. Left unpriced (refused until an admin prices
 it): claude-haiku-5-5, whose prompts over 100,000 tokens cost five times as much, which one
 row per model cannot say."""
 
@@ -44,7 +45,10 @@ MODELS = {
 
 def ship(apps, schema_editor):
     Price = apps.get_model("budgets", "Price")
+    priced = set(Price.objects.filter(vendor="anthropic").values_list("model", flat=True))
     for model, tier in MODELS.items():
+        if model in priced:
+            continue  # an admin priced it already: theirs stands
         given_input, write_5m, write_1h, read, output = map(Decimal, TIERS[tier])
         Price.objects.create(
             vendor="anthropic",

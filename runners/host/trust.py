@@ -98,12 +98,12 @@ class Trust:
 
     def _proxy_for_launch(self, identity: Identity) -> str:
         """The proxy check for a launch: one that failed is tried again every
-        PROXY_WAIT_STEP_SECONDS for up to the host's proxy_wait before the launch is refused."""
+        PROXY_WAIT_STEP_SECONDS until the host's proxy_wait has passed (the checks' own time
+        included) before the launch is refused."""
         problem = self.check_proxy(identity)
-        waited = 0.0
-        while problem and waited < self.settings.proxy_wait:
+        deadline = time.monotonic() + self.settings.proxy_wait  # checks' own time counts
+        while problem and time.monotonic() + PROXY_WAIT_STEP_SECONDS <= deadline:
             time.sleep(PROXY_WAIT_STEP_SECONDS)
-            waited += PROXY_WAIT_STEP_SECONDS
             problem = self.check_proxy(identity, fresh=True)
         return problem
 
@@ -246,7 +246,9 @@ class Trust:
         with lock:
             last = self._proxy_checks.get(identity.id)
             again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS
-            if not fresh and last is not None and self.clock() - last.at < again:
+            # Launches waiting together share each fresh check (made under this lock).
+            again = PROXY_WAIT_STEP_SECONDS if fresh else again
+            if last is not None and self.clock() - last.at < again:
                 return last.problem
             try:
                 problem = probing.check_proxy(

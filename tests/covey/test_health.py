@@ -12,6 +12,7 @@ from tests.processes import control_plane, free_port
 def test_healthz_answers_without_asking_anything(client):
     answer = client.get("/healthz")
     assert (answer.status_code, answer.json()) == (200, {"status": "ok"})
+    assert client.head("/healthz").status_code == 200
     assert client.post("/healthz").status_code == 405
 
 

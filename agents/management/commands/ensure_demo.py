@@ -1,6 +1,7 @@
 """On a new installation (no organisation yet), make a demo organisation and agent, and print
 the two lines that start a run of it through the API and follow its log."""
 
+import json
 import shlex
 from typing import Any
 
@@ -47,23 +48,30 @@ class Command(BaseCommand):
             agent = create_agent(organisation, "demo", by=admin, templates=templates)
             token, created = Token.objects.get_or_create(user=admin)
         url = options["url"].rstrip("/")
-        body = shlex.quote(f'{{"agent": {agent.pk}, "task": "{DEMO_TASK}"}}')
+        body = json.dumps({"agent": agent.pk, "task": DEMO_TASK})
         key_page = url + reverse("admin:budgets_modelkey_add")
-        token_line = (
-            f"COVEY_TOKEN={token.key}"
+        # A token made before (by hand) is not shown again: the line asks for it.
+        token_value = (
+            token.key
             if created
-            else "COVEY_TOKEN=<admin's API token: manage.py drf_create_token admin>"
+            else '"$(.venv/bin/python manage.py drf_create_token admin | cut -d" " -f3)"'
         )
         self.stdout.write(
             f"Made the organisation Demo and its agent demo (id {agent.pk}), which runs the"
             " Claude runtime in the default workplace. Start a run and follow its log"
             + (" (the token is shown this once):" if created else ":")
         )
+        # An error's answer goes to stderr (and $run stays empty) rather than a traceback.
+        read_id = (
+            "import json, sys; answer = json.load(sys.stdin);"
+            ' print(answer.get("id") or sys.exit(f"covey: {answer}"))'
+        )
         self.stdout.write(
-            f"  export COVEY_URL={url} {token_line}; run=$(curl -sSf"
+            f"  export COVEY_URL={shlex.quote(url)} COVEY_TOKEN={token_value};"
+            " run=$(curl -sS --fail-with-body"
             ' -H "Authorization: Token $COVEY_TOKEN" -H "Content-Type: application/json"'
-            f' -d {body} "$COVEY_URL/api/v1/runs/"'
-            " | python3 -c 'import json, sys; print(json.load(sys.stdin)[\"id\"])'); echo $run"
+            f' -d {shlex.quote(body)} "$COVEY_URL/api/v1/runs/" | python3 -c'
+            f" {shlex.quote(read_id)}); echo $run"
         )
         self.stdout.write('  scripts/run-log "$run"')
         self.stdout.write(
