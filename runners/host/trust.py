@@ -97,7 +97,7 @@ class Trust:
             raise UntrustedError(problem)
 
     def _proxy_for_launch(self, identity: Identity) -> str:
-        """The proxy check for a launch: one that failed is tried again every
+        """The proxy check for a launch (and at start): one that failed is tried again every
         PROXY_WAIT_STEP_SECONDS until the host's proxy_wait has passed (the checks' own time
         included) before the launch is refused."""
         problem = self.check_proxy(identity)
@@ -228,7 +228,8 @@ class Trust:
         wrong."""
         if self.settings.isolation or not self.settings.proxy:
             return {}
-        return {identity.id: self.check_proxy(identity) for identity in identities}
+        # Waited for, as a launch does: the proxy may be starting beside the runner.
+        return {identity.id: self._proxy_for_launch(identity) for identity in identities}
 
     def recheck_proxy(self, identity: Identity) -> None:
         """Checked once: keep checking while it serves (when the last answer is old)."""

@@ -531,3 +531,17 @@ def test_at_start_a_missing_default_image_is_named_for_each_runner(host):
     assert host.host.missing_default_image("covey-workplace:latest") == {
         1: "image covey-workplace:latest is not on this host"
     }
+
+
+def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path):
+    answers = iter([(1, b"ConnectionRefusedError")])
+
+    def proxy(spec):
+        if "proxy-check" not in spec.command:
+            return None
+        return next(answers, (0, b"answered HTTP/1.1 407"))
+
+    starting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=5.0)
+    assert starting.host.start_proxy_checks() == {1: ""}
+    hurried = Host(tmp_path, proxy_check(1, b"ConnectionRefusedError"), proxy="172.17.0.1:3128")
+    assert "does not answer" in hurried.host.start_proxy_checks()[1]  # proxy_wait 0: at once
