@@ -30,7 +30,9 @@ def test_readyz_names_a_broker_that_does_not_answer_and_never_its_address(
     client, monkeypatch, caplog
 ):
     port = free_port()  # nothing listens there
-    monkeypatch.setattr(app.conf, "broker_url", f"redis://:hunter2secret@127.0.0.1:{port}/0")
+    broker = f"redis://:hunter2secret@127.0.0.1:{port}/0"
+    monkeypatch.setenv("CELERY_BROKER_URL", broker)  # Celery reads it before its settings
+    monkeypatch.setattr(app.conf, "broker_url", broker)
     answer = client.get("/readyz")
     assert answer.status_code == 503
     assert answer.json()["checks"]["broker"] == "unreachable"

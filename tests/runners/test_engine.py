@@ -428,8 +428,8 @@ def test_a_missing_image_is_refused_and_not_pulled(engine, make_spec):
     with pytest.raises(
         EngineError,
         match=re.escape(
-            "image covey-test-missing:nope is not on this host; build it (make base-image)"
-            " or load it"
+            "image covey-test-missing:nope is not on this host: build it (docker build, or"
+            " docker pull there) or load it (docker load)"
         ),
     ):
         engine.launch(spec)
