@@ -93,7 +93,8 @@ WSGI_APPLICATION = "covey.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # covey's own templates: the admin index and its dashboard (covey/dashboard.py).
+        "DIRS": [BASE_DIR / "covey" / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -101,6 +102,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
             ],
+            "libraries": {"covey_dashboard": "covey.dashboard"},
         },
     },
 ]

@@ -42,6 +42,9 @@ from runs.views import (
 from templates.views import AllowlistTemplateViewSet
 from workplaces.views import WorkplaceViewSet
 
+# The admin's index: what waits for a person, then the apps (covey/templates/admin/).
+admin.site.index_template = "admin/covey_index.html"
+
 router = DefaultRouter()
 router.register("organisations", OrganisationViewSet)
 router.register("memberships", MembershipViewSet)

@@ -7,7 +7,9 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import format_html_join
 from simple_history.admin import SimpleHistoryAdmin
 
 from organisations import services, webhooks
@@ -72,13 +74,33 @@ class OrganisationAdmin(SimpleHistoryAdmin):
     history_list_display = ["base_allowlist"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return ["created_at"] if obj is None else ["slug", "webhook_state", "created_at"]
+        if obj is None:
+            return ["created_at"]
+        return ["slug", "webhook_state", "belongings", "created_at"]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = ["name", "slug", "base_allowlist", "request_expiry_minutes", "webhook_url"]
         if obj is not None:
-            fields += ["new_webhook_secret", "webhook_state"]
+            fields += ["new_webhook_secret", "webhook_state", "belongings"]
         return [*fields, "created_at"]
+
+    @admin.display(description="Its")
+    def belongings(self, obj: Organisation) -> str:
+        """Links to its agents, runners and runs (the apps above name them; the admin's URL
+        names are all this needs of them)."""
+        lists = (
+            ("agents_agent", "organisation__id__exact", f"{obj.agents.count()} agent(s)"),
+            ("runners_runner", "organisation__id__exact", f"{obj.runners.count()} runner(s)"),
+            ("runs_run", "agent__organisation__id__exact", "runs"),
+        )
+        return format_html_join(
+            ", ",
+            '<a href="{}?{}={}">{}</a>',
+            (
+                (reverse(f"admin:{name}_changelist"), lookup, obj.pk, text)
+                for name, lookup, text in lists
+            ),
+        )
 
     @admin.display(description="Webhook")
     def webhook_state(self, obj: Organisation) -> str:

@@ -1,15 +1,59 @@
-"""Admin for runs, written for operators: what waits and what happened, read-only."""
+"""Admin for runs, written for operators: what waits and what happened, read-only; a run
+is started from its agent's page and cancelled from its own.
 
+Runs sit above agents, egress and budgets, so the pages of those that lead to runs are
+extended here: the agent's (start a run, its recent runs and denials), and the egress
+decisions' and tokens' (the run each belongs to)."""
+
+from decimal import Decimal
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count, Q, QuerySet, Sum
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseBase,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
+from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
+from agents.models import Agent
+from budgets.admin import AgentWithSpendAdmin
+from budgets.models import Charge
+from budgets.services import dollars
+from egress.admin import DecisionAdmin, EgressTokenAdmin
+from egress.models import Decision, EgressToken
+from organisations.models import Role
+from organisations.roles import role_of
 from runs import output, services
 from runs.models import FINISHED, Run, RunEvent
+
+RECENT = 10  # runs and denials listed on an agent's page
+
+
+def _decisions_url(run: Run) -> str:
+    """The decision log, filtered to the run: its agent's decisions while it went."""
+    query: dict[str, Any] = {"agent__id__exact": run.agent_id}
+    if run.started_at is not None:
+        query["decided_at__gte"] = run.started_at.isoformat()
+    if run.finished_at is not None:
+        query["decided_at__lte"] = run.finished_at.isoformat()
+    return f"{reverse('admin:egress_decision_changelist')}?{urlencode(query)}"
+
+
+def _run_link(run: Run | None) -> str:
+    if run is None:
+        return "-"
+    url = reverse("admin:runs_run_change", args=[run.pk])
+    return format_html('<a href="{}">{}</a>', url, run.short_id)
 
 
 class RunEventInline(admin.TabularInline):
@@ -27,7 +71,10 @@ class RunEventInline(admin.TabularInline):
 class RunAdmin(admin.ModelAdmin):
     """What waits and what happened; runs are queued through the API, cancelled here."""
 
-    list_display = ["id", "agent", "status", "status_detail", "runner", "created_at", "finished_at"]
+    list_display = [
+        "short_id", "agent", "status", "status_detail", "runner", "created_at", "finished_at",
+    ]  # fmt: skip
+    list_display_links = ["short_id"]
     list_filter = ["status", "agent__organisation", "runner", "agent"]
     list_select_related = ["agent__organisation", "runner"]
     search_fields = ["id", "agent__name", "task"]
@@ -42,13 +89,16 @@ class RunAdmin(admin.ModelAdmin):
         "image_id",
         "services_shown",
         "task",
+        "command",
         "status",
         "status_detail",
         "runner",
         "timeout",
         "exit_code",
-        "log_tail",
+        "live_output",
         "log_link",
+        "egress_shown",
+        "model_usage",
         "changes_in_home",
         "output_size",
         "log_start",
@@ -60,6 +110,7 @@ class RunAdmin(admin.ModelAdmin):
         "cancel_requested_at",
     ]
     fields = tuple(readonly_fields)  # a run is a record: nothing on its page is edited
+    change_form_template = "admin/runs/run_change_form.html"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -74,10 +125,84 @@ class RunAdmin(admin.ModelAdmin):
 
     def get_urls(self) -> list[Any]:
         log = self.admin_site.admin_view(self.log_view)
+        cancel = self.admin_site.admin_view(self.cancel_view)
         return [
             path("<uuid:object_id>/log/", log, name="runs_run_log"),
+            path("<uuid:object_id>/cancel/", cancel, name="runs_run_cancel"),
             *super().get_urls(),
         ]
+
+    @admin.display(description="Run")
+    def short_id(self, obj: Run) -> str:
+        return obj.short_id
+
+    @admin.display(description="Command")
+    def command(self, obj: Run) -> str:
+        return format_html("<code>{}</code>", services.command_shown(obj)) if obj.pk else "-"
+
+    @admin.display(description="Output")
+    def live_output(self, obj: Run) -> str:
+        """The end of the output; while the run goes, the page follows it (and reloads when
+        the run ends, for its status)."""
+        return format_html(
+            '<pre id="run-output" data-offset="{}" data-live="{}" data-log="{}"'
+            ' style="max-height: 40em; overflow: auto; white-space: pre-wrap">{}</pre>',
+            obj.output_size,
+            "false" if obj.status in FINISHED else "true",
+            reverse("admin:runs_run_log", args=[obj.pk]),
+            obj.log_tail,
+        )
+
+    @admin.display(description="Egress")
+    def egress_shown(self, obj: Run) -> str:
+        if obj.started_at is None:
+            return "- (its sandbox has not started)"
+        decisions = Decision.objects.filter(agent_id=obj.agent_id, decided_at__gte=obj.started_at)
+        if obj.finished_at is not None:
+            decisions = decisions.filter(decided_at__lte=obj.finished_at)
+        counts = decisions.aggregate(
+            n_allowed=Count("pk", filter=Q(allowed=True)),
+            n_denied=Count("pk", filter=Q(allowed=False)),
+        )
+        return format_html(
+            '<a href="{}" id="run-decisions">{} allowed, {} denied</a>',
+            _decisions_url(obj),
+            counts["n_allowed"],
+            counts["n_denied"],
+        )
+
+    @admin.display(description="Model usage")
+    def model_usage(self, obj: Run) -> str:
+        charged = Charge.objects.filter(run_id=obj.pk).aggregate(n=Count("pk"), cost=Sum("cost"))
+        if not charged["n"]:
+            return "no model request"
+        url = (
+            reverse("admin:budgets_charge_changelist")
+            + f"?{urlencode({'run__id__exact': str(obj.pk)})}"
+        )
+        return format_html(
+            '<a href="{}">{} request(s), {}</a>',
+            url,
+            charged["n"],
+            dollars(charged["cost"] or Decimal(0)),
+        )
+
+    def cancel_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """The run page's Cancel button."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        run = self.get_object(request, str(object_id))
+        if run is None:
+            raise Http404("no such run")
+        if not self.has_change_permission(request, run) or not _may_run(request, run.agent):
+            raise PermissionDenied
+        try:
+            services.cancel(run, by=request.user)
+        except services.RunError as exc:
+            self.message_user(request, f"Not cancelled: {exc}.", messages.ERROR)
+        else:
+            self.message_user(request, "The run is cancelled or cancelling.", messages.SUCCESS)
+        return HttpResponseRedirect(reverse("admin:runs_run_change", args=[run.pk]))
 
     @admin.display(description="Changes in the home")
     def changes_in_home(self, obj: Run) -> str:
@@ -147,11 +272,15 @@ class RunAdmin(admin.ModelAdmin):
         return format_html('<a href="{}">{}</a>', url, what)
 
     def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
-        """The run's output as text: the whole log once kept, else what arrived so far."""
+        """The run's output as text: the whole log once kept, else what arrived so far; from
+        ``?offset=`` bytes on (as the API's), which the run page follows it with."""
         run = self.get_object(request, str(object_id))
         if run is None or not self.has_view_permission(request, run):
             raise Http404("no such run")
-        return output.log_response(run)
+        offset = request.GET.get("offset", "0")
+        if not offset.isdigit() or len(offset) > 18:
+            return HttpResponseBadRequest("offset: give a number of bytes (0 or more)\n")
+        return output.log_response(run, int(offset))
 
     @admin.action(description="Cancel selected runs", permissions=["change"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
@@ -160,3 +289,179 @@ class RunAdmin(admin.ModelAdmin):
             services.cancel(run, by=request.user)
             cancelled += 1
         self.message_user(request, f"{cancelled} run(s) cancelled or cancelling.", messages.SUCCESS)
+
+
+def _may_run(request: HttpRequest, agent: Agent) -> bool:
+    """Starting and cancelling runs takes the organisation's admin role, as in the API."""
+    return role_of(request.user, agent.organisation) == Role.ADMIN
+
+
+class AgentWithRunsAdmin(AgentWithSpendAdmin):
+    """The agents' admin (agents, then budgets) with its runs: a task box that starts one, the
+    recent runs and egress denials, and where its versions are."""
+
+    change_form_template = "admin/runs/agent_change_form.html"
+    readonly_fields = [
+        *AgentWithSpendAdmin.readonly_fields[:-2],
+        "recent_runs",
+        "recent_denials",
+        "versions",
+        *AgentWithSpendAdmin.readonly_fields[-2:],
+    ]
+
+    def get_urls(self) -> list[Any]:
+        start = self.admin_site.admin_view(self.start_run_view)
+        return [
+            path("<int:object_id>/start-run/", start, name="agents_agent_start_run"),
+            *super().get_urls(),
+        ]
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
+    ) -> HttpResponse:
+        agent = self.get_object(request, object_id)
+        may_run = agent is not None and agent.enabled and _may_run(request, agent)
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), "may_start_run": may_run}
+        )
+
+    def start_run_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """The agent page's task box: queue a run and show it."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        agent = get_object_or_404(Agent.objects.select_related("organisation"), pk=object_id)
+        if not self.has_view_permission(request, agent) or not _may_run(request, agent):
+            raise PermissionDenied
+        page = reverse("admin:agents_agent_change", args=[agent.pk])
+        try:
+            run = services.queue_run(agent, request.POST.get("task", ""), by=request.user)
+        except ValidationError as exc:
+            said = "; ".join(m for messages_ in exc.message_dict.values() for m in messages_)
+            self.message_user(request, f"No run started: {said}.", messages.ERROR)
+            return HttpResponseRedirect(page)
+        self.message_user(request, f"Run {run.short_id} queued.", messages.SUCCESS)
+        return HttpResponseRedirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+    @admin.display(description="Recent runs")
+    def recent_runs(self, obj: Agent) -> str:
+        if obj.pk is None:
+            return "-"
+        runs = list(obj.runs.order_by("-created_at")[:RECENT])
+        if not runs:
+            return "none yet"
+        everything = reverse("admin:runs_run_changelist") + f"?agent__id__exact={obj.pk}"
+        return format_html(
+            '<table id="agent-runs">{}</table><p><a href="{}">all its runs</a></p>',
+            format_html_join(
+                "",
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                (
+                    (_run_link(run), run.status, run.created_at, run.status_detail[:120])
+                    for run in runs
+                ),
+            ),
+            everything,
+        )
+
+    @admin.display(description="Recent egress denials")
+    def recent_denials(self, obj: Agent) -> str:
+        if obj.pk is None:
+            return "-"
+        denied = list(obj.egress_decisions.filter(allowed=False)[:RECENT])
+        if not denied:
+            return "none"
+        everything = (
+            reverse("admin:egress_decision_changelist")
+            + "?"
+            + urlencode({"agent__id__exact": obj.pk, "allowed__exact": 0})
+        )
+        return format_html(
+            '<table id="agent-denials">{}</table><p><a href="{}">all its denials</a></p>',
+            format_html_join(
+                "",
+                '<tr><td><a href="{}">{}:{}</a></td><td>{}</td><td>{}</td></tr>',
+                (
+                    (
+                        reverse("admin:egress_decision_change", args=[d.pk]),
+                        d.host,
+                        d.port,
+                        d.reason,
+                        d.decided_at,
+                    )
+                    for d in denied
+                ),
+            ),
+            everything,
+        )
+
+    @admin.display(description="Versions")
+    def versions(self, obj: Agent) -> str:
+        if obj.pk is None:
+            return "-"
+        url = reverse("admin:agents_agentversion_changelist") + f"?agent__id__exact={obj.pk}"
+        return format_html('<a href="{}">{} version(s): who changed what</a>', url, obj.version)
+
+
+class DecisionWithRunAdmin(DecisionAdmin):
+    """The decision log (egress) with the run each decision was made in: the run of its agent
+    going at that moment (an agent's runs never overlap). A decision made with a token issued
+    by hand while a run went is shown with that run too."""
+
+    list_display = [*DecisionAdmin.list_display[:2], "run", *DecisionAdmin.list_display[2:]]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [*super().get_readonly_fields(request, obj), "run"]
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        """The page's runs in one query."""
+        changelist = super().get_changelist_instance(request)
+        found = services.runs_at(
+            (d.agent_id, d.decided_at) for d in changelist.result_list if d.agent_id
+        )
+        for decision in changelist.result_list:
+            decision.run_then = found.get((decision.agent_id, decision.decided_at))
+        return changelist
+
+    @admin.display(description="Run")
+    def run(self, obj: Decision) -> str:
+        if hasattr(obj, "run_then"):  # the list's, found at once
+            return _run_link(obj.run_then)
+        if obj.agent_id is None:
+            return "-"
+        found = services.runs_at([(obj.agent_id, obj.decided_at)])
+        return _run_link(found.get((obj.agent_id, obj.decided_at)))
+
+
+class EgressTokenWithRunAdmin(EgressTokenAdmin):
+    """The egress tokens (egress) with the run each was issued to."""
+
+    list_display = [*EgressTokenAdmin.list_display[:3], "run", *EgressTokenAdmin.list_display[3:]]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [*super().get_readonly_fields(request, obj), "run"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return [*super().get_fields(request, obj), "run"]
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        changelist = super().get_changelist_instance(request)
+        tokens = [token.pk for token in changelist.result_list]
+        runs = {run.egress_token_id: run for run in Run.objects.filter(egress_token_id__in=tokens)}
+        for token in changelist.result_list:
+            token.run_of = runs.get(token.pk)
+        return changelist
+
+    @admin.display(description="Run")
+    def run(self, obj: EgressToken) -> str:
+        if hasattr(obj, "run_of"):  # the list's, found at once
+            return _run_link(obj.run_of)
+        return _run_link(Run.objects.filter(egress_token_id=obj.pk).first() if obj.pk else None)
+
+
+for model, extended in (
+    (Agent, AgentWithRunsAdmin),
+    (Decision, DecisionWithRunAdmin),
+    (EgressToken, EgressTokenWithRunAdmin),
+):
+    admin.site.unregister(model)
+    admin.site.register(model, extended)

@@ -108,6 +108,11 @@ class Run(models.Model):
     def finished(self) -> bool:
         return self.status in FINISHED
 
+    @property
+    def short_id(self) -> str:
+        """The id's first eight characters, as lists show it (a search finds the run by it)."""
+        return str(self.pk)[:8]
+
 
 class RunOutput(models.Model):
     """A piece of a running run's output, as its runner sent it, at its byte offset. The whole

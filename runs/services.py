@@ -4,12 +4,15 @@ Every status change goes through :func:`_move`, which records it in the run's hi
 to runners leave only after the transaction that decided them commits.
 """
 
+import shlex
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
@@ -298,6 +301,36 @@ def _command(run: Run) -> list[str]:
     """The agent's own command, else its workplace's (empty: the Claude runtime)."""
     own = (run.agent_version.config.get("sandbox") or {}).get("command")
     return list(own or _workplace(run).get("runtime_command") or [])
+
+
+def command_shown(run: Run) -> str:
+    """What the run's sandbox runs, as a shell line: its command, or the Claude runtime's."""
+    return shlex.join(_command(run) or DEFAULT_RUNTIME)
+
+
+def runs_at(moments: Iterable[tuple[int, datetime]]) -> dict[tuple[int, datetime], Run]:
+    """For each (agent id, moment), the run of that agent going then, where one was (runs of
+    one agent never overlap: one at a time uses its home); one query for them all."""
+    wanted = set(moments)
+    if not wanted:
+        return {}
+    first, last = min(m for _, m in wanted), max(m for _, m in wanted)
+    runs = (
+        Run.objects.filter(agent_id__in={a for a, _ in wanted}, started_at__lte=last)
+        .filter(Q(finished_at__isnull=True) | Q(finished_at__gte=first))
+        .order_by("started_at")
+    )
+    by_agent: dict[int, list[Run]] = {}
+    for run in runs:
+        by_agent.setdefault(run.agent_id, []).append(run)
+    found = {}
+    for agent_id, moment in wanted:
+        for run in by_agent.get(agent_id, []):
+            assert run.started_at is not None  # noqa: S101 - the query says so
+            if run.started_at <= moment and (run.finished_at is None or moment <= run.finished_at):
+                found[(agent_id, moment)] = run
+                break
+    return found
 
 
 def _default_runtime(run: Run) -> bool:
