@@ -6,6 +6,7 @@ Registered as the template library ``covey_dashboard`` (settings.TEMPLATES): cov
 sits above the apps, so it is the one place that may read all of them.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -50,15 +51,17 @@ def dashboard(context: dict[str, Any]) -> SafeString:
     """The dashboard's sections for the request's user, rendered in the admin's look."""
     user = context["request"].user
     now = timezone.now()
-    sections = [
-        pending_requests(user),
-        runs_now(user),
-        recently_failed(user, now),
-        budgets_near(user),
-        runners(user, now),
-        denials(user, now),
+    builders: list[tuple[Callable[[], Section], str]] = [
+        (lambda: pending_requests(user), "approvals.view_request"),
+        (lambda: runs_now(user), "runs.view_run"),
+        (lambda: recently_failed(user, now), "runs.view_run"),
+        (lambda: budgets_near(user), "budgets.view_budget"),
+        (lambda: runners(user, now), "runners.view_runner"),
+        (lambda: denials(user, now), "egress.view_decision"),
     ]
-    return render_to_string("admin/covey_dashboard.html", {"sections": sections})
+    # Each section needs the permission to view what it shows, as its list does.
+    shown = [build() for build, permission in builders if user.has_perm(permission)]
+    return render_to_string("admin/covey_dashboard.html", {"sections": shown})
 
 
 def _list(name: str, **filters: Any) -> str:

@@ -1,0 +1,140 @@
+"""The admin index's dashboard: what wants a person now, each section linked to its list, for
+the user's organisations only, and only what the user may view."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.utils import timezone
+
+from approvals import services as approvals
+from budgets.models import Budget, Spend
+from budgets.services import current_spend
+from egress.services import record_decisions
+from runners.models import Runner
+from runs import services as runs
+from runs.models import Run, RunStatus
+from tests.factories import AgentFactory, WorkplaceFactory, online_runner
+
+pytestmark = pytest.mark.django_db
+
+
+def denial(agent, host, at=None):
+    return {
+        "event": "decision",
+        "id": str(__import__("uuid").uuid4()),
+        "agent_id": agent.pk,
+        "username": "x",
+        "kind": "connect",
+        "host": host,
+        "port": 443,
+        "allowed": False,
+        "reason": "not-on-allowlist",
+        "at": (at or timezone.now()).timestamp(),
+    }
+
+
+def section(page: str, key: str) -> str:
+    start = page.index(f'id="dashboard-{key}"')
+    return page[start : page.index("</table>", start)]
+
+
+@pytest.fixture
+def busy(acme, globex, orders):
+    """Acme with something in every section; Globex with its own, which Acme never sees."""
+    builder = AgentFactory(organisation=acme, name="Builder")
+    quiet = AgentFactory(organisation=acme, name="Quiet")
+    workplace = WorkplaceFactory(organisation=acme)
+    builder_in = AgentFactory(organisation=acme, name="Packer", workplace=workplace)
+    approvals.file_package(builder_in, "apt", "jq", reason="to parse JSON")
+    going = runs.queue_run(builder, "build it")
+    failed = runs.queue_run(quiet, "test it")
+    Run.objects.filter(pk=failed.pk).update(
+        status=RunStatus.FAILED, status_detail="exit code 3", finished_at=timezone.now()
+    )
+    old = runs.queue_run(builder_in, "long ago")
+    Run.objects.filter(pk=old.pk).update(
+        status=RunStatus.FAILED, finished_at=timezone.now() - timedelta(days=2)
+    )
+    budget = Budget.objects.create(organisation=acme, agent=builder, amount=Decimal(10))
+    Spend.objects.filter(pk=current_spend(budget).pk).update(spent=Decimal("8.50"))
+    Budget.objects.create(organisation=acme, agent=quiet, amount=Decimal(10))  # nothing spent
+    online_runner(acme, "edge-1")
+    _, _ = online_runner(acme, "edge-2", paused=True)
+    record_decisions([denial(builder, "evil.example.test")])
+
+    theirs = AgentFactory(organisation=globex, name="Spy")
+    runs.queue_run(theirs, "their work")
+    online_runner(globex, "their-edge")
+    record_decisions([denial(theirs, "their.example.test")])
+    return {"going": going, "failed": failed, "old": old, "builder": builder}
+
+
+def test_it_shows_what_wants_a_person_each_linked_to_its_list(operator_client, busy):
+    page = operator_client.get("/admin/").content.decode()
+
+    requests = section(page, "requests")
+    assert "Pending requests (1)" in requests and "package apt jq" in requests
+    assert "/admin/approvals/request/?status__exact=pending" in requests
+
+    now = section(page, "runs-now")
+    assert busy["going"].short_id in now and "acme/builder" in now
+    assert f"/admin/runs/run/{busy['going'].pk}/change/" in now
+
+    failed = section(page, "failed")
+    assert "Failed in the last 24 hours (1)" in failed
+    assert busy["failed"].short_id in failed and "exit code 3" in failed
+    assert busy["old"].short_id not in failed  # two days ago is not recent
+    assert "/admin/runs/run/?status__exact=failed" in failed
+
+    budgets = section(page, "budgets")
+    assert "Near or over budget (1)" in budgets
+    assert "$8.50 of $10.00 this month (85 %)" in budgets and "acme/quiet" not in budgets
+
+    runners = section(page, "runners")
+    assert "edge-1" in runners and "online" in runners
+    assert "edge-2" in runners and "paused" in runners
+    assert "builtin" in runners and "never seen" in runners
+    # What wants a look comes first.
+    assert runners.index("paused") < runners.index("edge-1")
+
+    denials = section(page, "denials")
+    assert "evil.example.test:443" in denials and "not-on-allowlist" in denials
+    assert "/admin/egress/decision/?allowed__exact=0" in denials
+
+
+def test_a_member_sees_only_their_organisations_and_what_they_may_view(client, busy, alice):
+    alice.is_staff = True
+    alice.save()
+    alice.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_run", "view_decision", "view_runner"])
+    )
+    client.force_login(alice)
+    page = client.get("/admin/").content.decode()
+    assert "globex/spy" not in page and "their-edge" not in page
+    assert "their.example.test" not in page
+    assert "evil.example.test" in section(page, "denials")
+    assert "Runs now (1)" in section(page, "runs-now")
+    assert "Runners (3)" in section(page, "runners")  # edge-1, edge-2 and the built-in one
+    # No permission to view requests or budgets: those sections are not shown.
+    assert 'id="dashboard-requests"' not in page and 'id="dashboard-budgets"' not in page
+
+
+def test_a_runner_silent_too_long_is_stale_and_one_that_failed_its_probe_says_so(
+    operator_client, acme
+):
+    stale, _ = online_runner(acme, "edge-stale")
+    Runner.objects.filter(pk=stale.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+    hard, _ = online_runner(acme, "edge-hard")
+    Runner.objects.filter(pk=hard.pk).update(isolation="network")
+    runners = section(operator_client.get("/admin/").content.decode(), "runners")
+    assert "silent for 60 min" in runners
+    assert "not probed yet" in runners
+
+
+def test_an_empty_installation_says_nothing_waits(operator_client):
+    page = operator_client.get("/admin/").content.decode()
+    assert "Nothing waits for a decision." in page
+    assert "No run is going." in page
+    assert "Nothing was refused." in page
