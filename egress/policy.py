@@ -111,6 +111,22 @@ class Attempt:
         return replace(self, host=decision.host, port=decision.port)
 
 
+# What a runner asks the proxy, without a credential, to see that it answers (the probe
+# program's proxy-check, runners/probe/program.py, which cannot import this): a name that can
+# never be a destination (.invalid, RFC 6761). Its 407 is covey's own check, not an attempt of
+# anyone's, so the proxy does not log it.
+PROXY_CHECK = ("covey-proxy-check.invalid", 443)
+
+
+def is_proxy_check(decision: "Decision") -> bool:
+    """The refusal of a runner's proxy check (PROXY_CHECK, no credential at all)."""
+    return (
+        decision.code is Code.PROXY_AUTH
+        and not decision.username
+        and (decision.host, decision.port) == PROXY_CHECK
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     """The answer to one attempt, as far as its steps have gone. A refusal is final; an allow

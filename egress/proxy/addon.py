@@ -35,6 +35,7 @@ from egress.policy import (
     check_client_hello,
     check_request,
     hash_token,
+    is_proxy_check,
     parse_networks,
 )
 from egress.proxy import desk
@@ -436,8 +437,11 @@ class CoveyEgress:
         agent_id: int | None = None,
         address: str | None = None,
     ) -> str:
-        """Log a decision (who and where to from it unless given); its id."""
+        """Log a decision (who and where to from it unless given); its id. A runner's proxy
+        check is answered and not logged: it is covey's, not anyone's attempt."""
         decision_id = str(uuid.uuid4())
+        if is_proxy_check(decision):
+            return decision_id
         if agent_id is None and decision.agent is not None:
             agent_id = decision.agent.id
         self.log.add(

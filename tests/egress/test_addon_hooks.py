@@ -11,9 +11,10 @@ import time
 import pytest
 from mitmproxy.test import taddons, tflow, tutils
 
-from egress.policy import hash_token
+from egress.policy import PROXY_CHECK, hash_token
 from egress.proxy.addon import CoveyEgress
 from egress.proxy.feed import DecisionLog, PolicyFeed
+from tests.processes import ROOT
 
 TOKEN, LATE_TOKEN = "a" * 43, "b" * 43  # the shape of tokens covey issues
 
@@ -221,6 +222,28 @@ def test_every_decision_is_logged_with_who_where_and_why(proxy):
     )  # fmt: skip
     assert (anonymous["agent_id"], anonymous["username"], anonymous["kind"]) == (None, "", "http")
     assert anonymous["reason"] == "proxy-auth-required"
+
+
+def test_a_runners_proxy_check_is_answered_407_and_not_logged(proxy):
+    """Runners check the proxy answers (runners/probe/program.py, with no credential): that is
+    covey's own, not an attempt of anyone's; the same with a credential, or another name, is."""
+    check = connect("covey-proxy-check.invalid", credential=None)
+    run(proxy.http_connect(check))
+    assert check.response.status_code == 407
+    assert decisions(proxy) == []
+    run(
+        proxy.http_connect(
+            connect("covey-proxy-check.invalid", credential=basic(token="not-a-token"))
+        )
+    )
+    run(proxy.http_connect(connect("other.invalid", credential=None)))
+    assert [(d["host"], d["reason"]) for d in decisions(proxy)] == [
+        ("covey-proxy-check.invalid", "proxy-auth-required"),
+        ("other.invalid", "proxy-auth-required"),
+    ]
+    # The probe program sends exactly that name (it cannot import egress.policy).
+    program = (ROOT / "runners" / "probe" / "program.py").read_text()
+    assert f"CONNECT {PROXY_CHECK[0]}:{PROXY_CHECK[1]} HTTP/1.1" in program
 
 
 def test_tunnels_are_counted_while_open_and_their_close_is_logged(proxy):
