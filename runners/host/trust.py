@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runners.host.client import ControlPlaneError
 from runners.host.config import HostSettings
@@ -58,6 +58,7 @@ class ProxyCheck:
 
     problem: str  # "" when it answered
     at: float  # the host's clock (monotonic)
+    said: bool = False  # the problem was logged (so its end is news too)
 
 
 class Trust:
@@ -99,12 +100,22 @@ class Trust:
     def _proxy_for_launch(self, identity: Identity) -> str:
         """The proxy check for a launch (and at start): one that failed is tried again every
         PROXY_WAIT_STEP_SECONDS until the host's proxy_wait has passed (the checks' own time
-        included) before the launch is refused."""
-        problem = self.check_proxy(identity)
+        included) before the launch is refused. Only a problem still there then is logged: a
+        proxy a moment from listening is no news."""
+        problem = self.check_proxy(identity, warn=False)
         deadline = time.monotonic() + self.settings.proxy_wait  # checks' own time counts
         while problem and time.monotonic() + PROXY_WAIT_STEP_SECONDS <= deadline:
             time.sleep(PROXY_WAIT_STEP_SECONDS)
-            problem = self.check_proxy(identity, fresh=True)
+            problem = self.check_proxy(identity, fresh=True, warn=False)
+        if problem:
+            tell = False
+            with self._locks_lock:
+                check = self._proxy_checks.get(identity.id)
+                if check is not None and not check.said:
+                    self._proxy_checks[identity.id] = replace(check, said=True)
+                    tell = True
+            if tell:  # once, not for each launch it refuses
+                logger.warning("covey runner %s: %s", identity.name, problem)
         return problem
 
     # --- the egress probe (hard isolation) ---------------------------------------------------
@@ -236,10 +247,10 @@ class Trust:
         if identity.id in self._proxy_checks:
             self.check_proxy(identity)
 
-    def check_proxy(self, identity: Identity, *, fresh: bool = False) -> str:
+    def check_proxy(self, identity: Identity, *, fresh: bool = False, warn: bool = True) -> str:
         """'' when the proxy sandboxes are told of answered from a container on the sandbox
-        network, else what is wrong. The answer is kept PROXY_RECHECK_SECONDS when it failed,
-        PROXY_CHECK_EVERY_SECONDS when it passed."""
+        network, else what is wrong (logged, unless ``warn`` is False). The answer is kept
+        PROXY_RECHECK_SECONDS when it failed, PROXY_CHECK_EVERY_SECONDS when it passed."""
         if self.settings.isolation or not self.settings.proxy:
             return ""
         with self._locks_lock:
@@ -265,14 +276,16 @@ class Trust:
                 )
             except (EngineError, OSError) as exc:
                 problem = f"the egress proxy at {self.settings.proxy} could not be checked: {exc}"
-            self._proxy_checks[identity.id] = ProxyCheck(problem, self.clock())
+            said = bool(problem) and (warn or bool(last and last.said and last.problem))
+            self._proxy_checks[identity.id] = ProxyCheck(problem, self.clock(), said)
         if problem:
-            logger.warning("covey runner %s: %s", identity.name, problem)
+            if warn:
+                logger.warning("covey runner %s: %s", identity.name, problem)
         elif last is None or last.problem:
             logger.info(
                 "covey runner %s: sandboxes reach the egress proxy at %s%s",
                 identity.name,
                 self.settings.proxy,
-                " again" if last is not None else "",  # after a failed check
+                " again" if last is not None and last.said else "",  # after a failure said
             )
         return problem

@@ -533,7 +533,8 @@ def test_at_start_a_missing_default_image_is_named_for_each_runner(host):
     }
 
 
-def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path):
+def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path, caplog):
+    """Quietly: a proxy a moment from listening is no news; one that never answers is said."""
     answers = iter([(1, b"ConnectionRefusedError")])
 
     def proxy(spec):
@@ -543,5 +544,9 @@ def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path):
 
     starting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=5.0)
     assert starting.host.start_proxy_checks() == {1: ""}
+    assert "does not answer" not in caplog.text
+    assert "sandboxes reach the egress proxy at 172.17.0.1:3128" in caplog.text
     hurried = Host(tmp_path, proxy_check(1, b"ConnectionRefusedError"), proxy="172.17.0.1:3128")
     assert "does not answer" in hurried.host.start_proxy_checks()[1]  # proxy_wait 0: at once
+    assert "does not answer" in hurried.host.start_proxy_checks()[1]  # asked again: not said
+    assert caplog.text.count("does not answer") == 1
