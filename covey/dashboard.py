@@ -18,6 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
+from django.utils.text import Truncator
 
 from approvals.models import Request
 from approvals.models import Status as RequestStatus
@@ -64,6 +65,11 @@ def dashboard(context: dict[str, Any]) -> SafeString:
     return render_to_string("admin/covey_dashboard.html", {"sections": shown})
 
 
+def _short(text: str) -> str:
+    """A long text cut to fit a row (its page has it whole)."""
+    return Truncator(text).chars(90)
+
+
 def _list(name: str, **filters: Any) -> str:
     url = reverse(f"admin:{name}_changelist")
     return f"{url}?{urlencode(filters)}" if filters else url
@@ -78,7 +84,7 @@ def pending_requests(user: Any) -> Section:
     rows = [
         {
             "link": reverse("admin:approvals_request_decide", args=[r.pk]),
-            "cells": [r.agent, f"{r.kind} {r.thing}", r.created_at],
+            "cells": [r.agent, _short(f"{r.kind} {r.thing}"), r.created_at],
         }
         for r in pending.select_related("agent__organisation").order_by("-created_at")[:SHOWN]
     ]
@@ -113,7 +119,12 @@ def recently_failed(user: Any, now: Any) -> Section:
     rows = [
         {
             "link": _change("runs_run", run.pk),
-            "cells": [run.short_id, run.agent, run.status_detail or run.status, run.finished_at],
+            "cells": [
+                run.short_id,
+                run.agent,
+                _short(run.status_detail or run.status),
+                run.finished_at,
+            ],
         }
         for run in failed.select_related("agent__organisation").order_by("-finished_at")[:SHOWN]
     ]

@@ -263,7 +263,7 @@ class RunAdmin(admin.ModelAdmin):
             ),
         )
 
-    @admin.display(description="Output")
+    @admin.display(description="Output as text")
     def log_link(self, obj: Run) -> str:
         if obj.pk is None:
             return "-"
