@@ -196,6 +196,9 @@ COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS = env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDR
 COVEY_CONTROL_PLANE_URL = env.str("COVEY_CONTROL_PLANE_URL", default="http://127.0.0.1:8000")
 COVEY_RUNNER_TOKEN = env.str("COVEY_RUNNER_TOKEN", default="")
 
+# /metrics (Prometheus) answers only this bearer token; unset, it refuses everyone.
+COVEY_METRICS_TOKEN = env.str("COVEY_METRICS_TOKEN", default="")
+
 # The first superuser's password (`make run` generates and prints one when this is unset).
 COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")
 

@@ -1,5 +1,5 @@
-"""URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs, and /healthz and
-/readyz for whatever watches the process."""
+"""URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs, and /healthz,
+/readyz and /metrics for whatever watches the process."""
 
 from typing import Any
 
@@ -13,6 +13,7 @@ from agents.views import AgentViewSet
 from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
 from budgets.views import AgentUsageView, BudgetViewSet, ChargeViewSet
 from covey.health import healthz, readyz
+from covey.metrics import metrics
 from egress.views import DecisionViewSet, EgressTokenViewSet
 from homes.views import (
     HomeViewSet,
@@ -88,6 +89,7 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
+    path("metrics", metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

@@ -19,6 +19,7 @@ after authentication only; every other path is refused.
 import asyncio
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from budgets.gateway.anthropic import Messages
 from budgets.gateway.api import Api, Refused
+from budgets.gateway.metrics import Meters
 from budgets.gateway.openai import ChatCompletions, Responses
 from budgets.usage import EventStream, Usage
 
@@ -126,6 +128,7 @@ class GatewayConfig:
     connect_timeout: float = 10.0
     read_timeout: float = 600.0  # between two chunks of an answer
     total_timeout: float = 3600.0  # COVEY_GATEWAY_MAX_REQUEST_SECONDS: answer included
+    metrics_token: str = field(default="", repr=False)  # COVEY_METRICS_TOKEN: /metrics for it
 
 
 def token_of(headers: Mapping[str, str], api: Api) -> str:
@@ -173,10 +176,14 @@ class Gateway:
         }
         self.pool = ThreadPoolExecutor(config.threads, thread_name_prefix="covey-ledger")
         self.session: ClientSession | None = None
+        self.meters = Meters(config.metrics_token)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_request_bytes, middlewares=[self.meters.middleware]
+        )
         app.router.add_get("/healthz", self.health)
+        app.router.add_get("/metrics", self.meters.serve)
         for method, path, api, metered in ROUTES:
             app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
         app.router.add_route("*", "/{tail:.*}", self.unknown)
@@ -225,6 +232,7 @@ class Gateway:
         except Refused:
             raise
         except Exception:
+            self.meters.ledger_failures.inc()
             logger.exception("covey: the ledger failed")
             raise Refused(
                 503,
@@ -305,12 +313,14 @@ class Gateway:
         ]
         headers += [*api.credentials(key), ("Accept-Encoding", "identity")]
         path = request.path_qs.removeprefix(api.prefix)
+        sent = time.monotonic()
         try:
             upstream = await self.session.request(
                 request.method, self.upstreams[api.vendor] + path, data=raw, headers=headers
             )
         except (ClientError, TimeoutError, OSError) as exc:
             if hold is not None:
+                self.meters.settled.labels(api.vendor, "released").inc()
                 await self._quietly(self.ledger.release, hold)
             logger.warning("covey: request %s did not reach the vendor: %r", request_id, exc)
             return api.error(
@@ -319,6 +329,7 @@ class Gateway:
                 ),
                 request_id,
             )
+        self.meters.upstream.labels(api.vendor).observe(time.monotonic() - sent)
         ok = hold is not None and upstream.status == 200
         streamed = "text/event-stream" in upstream.headers.get("Content-Type", "")
         meter = api.meter() if ok and streamed else None
@@ -376,6 +387,7 @@ class Gateway:
         max_tokens: int,
     ) -> None:
         if status != 200:  # refused by the vendor: nothing was used
+            self.meters.settled.labels(api.vendor, "released").inc()
             await self._quietly(self.ledger.release, hold)
             return
         worst = Usage(cache_write_1h=len(raw), output=max_tokens)
@@ -391,6 +403,7 @@ class Gateway:
                 usage, model, outcome = worst, "", CUT_OFF
         else:
             usage, model, outcome = worst, "", CUT_OFF
+        self.meters.charged(api.vendor, usage, outcome)
         await self._quietly(self.ledger.settle, hold, usage, model=model, outcome=outcome)
 
     async def _quietly(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:

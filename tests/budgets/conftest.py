@@ -23,6 +23,7 @@ KEY = "sk-ant-api03-organisations-own-key-0123456789"
 MODEL = "claude-sonnet-4-5-20250929"
 OPENAI_KEY = "sk-proj-organisations-own-openai-key-0123456789"
 OPENAI_MODEL = "gpt-4.1"
+METRICS_TOKEN = "gateway-metrics-" + "m" * 24
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,11 @@ class Gateway:
 
 @contextmanager
 def start_gateway(
-    tmp_path: Path, vendor: FakeVendor, ca: TestCA, host: str = "127.0.0.1"
+    tmp_path: Path,
+    vendor: FakeVendor,
+    ca: TestCA,
+    host: str = "127.0.0.1",
+    metrics_token: str = METRICS_TOKEN,
 ) -> Iterator[Gateway]:
     """``manage.py model_gateway`` on ``host`` over the test database, to the fake vendor; the
     organisation's key must never be in its output."""
@@ -61,6 +66,7 @@ def start_gateway(
         "COVEY_OPENAI_UPSTREAM": vendor.url,
         "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
         "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
+        "COVEY_METRICS_TOKEN": metrics_token,
         "PYTHONUNBUFFERED": "1",
     }
     args = [sys.executable, "manage.py", "model_gateway", "--listen", f"{host}:{port}"]
@@ -77,6 +83,7 @@ def start_gateway(
         wait_for(up, 30, "the gateway answering", log)
         yield Gateway(url, log)
     assert KEY not in log.read_text(), "the key was logged"
+    assert not metrics_token or metrics_token not in log.read_text(), "its token was logged"
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ the budgets it stops at."""
 import asyncio
 import json
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from decimal import Decimal
 
@@ -12,11 +13,12 @@ import httpx
 import pytest
 from django.db import connection
 from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
 from budgets import services
 from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
-from tests.budgets.conftest import KEY, MODEL, start_gateway
+from tests.budgets.conftest import KEY, METRICS_TOKEN, MODEL, start_gateway
 from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory
 from tests.processes import wait_for
@@ -294,3 +296,50 @@ def test_the_ledger_gone_means_nothing_is_forwarded(gateway, vendor, agent):
     assert refused.json()["error"]["type"] == "api_error"
     assert len(vendor.seen) == count
     assert ask(gateway, token).status_code == 200
+
+
+def scrape(gateway, token=METRICS_TOKEN) -> dict[tuple[str, tuple], float]:
+    answer = httpx.get(f"{gateway.url}/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 200, answer.text
+    samples = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_its_metrics_count_requests_outcomes_and_tokens(gateway, vendor, agent):
+    assert httpx.get(f"{gateway.url}/metrics").status_code == 401
+    wrong = httpx.get(f"{gateway.url}/metrics", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "covey_" not in wrong.text
+
+    def get(samples, name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    before = scrape(gateway)
+    token = token_for(agent)
+    assert ask(gateway, token).status_code == 200
+    assert ask(gateway, token, "refuse").status_code == 400
+    assert ask(gateway, "not-a-token").status_code == 401
+    after = scrape(gateway)
+
+    def grew(name, **labels):
+        return get(after, name, **labels) - get(before, name, **labels)
+
+    route = "/v1/messages"
+    assert grew("covey_gateway_requests_total", route=route, code="200") == 1
+    assert grew("covey_gateway_requests_total", route=route, code="400") == 1
+    assert grew("covey_gateway_requests_total", route=route, code="401") == 1
+    assert grew("covey_gateway_settled_total", vendor="anthropic", outcome="complete") == 1
+    assert grew("covey_gateway_settled_total", vendor="anthropic", outcome="released") == 1
+    for kind, count in asdict(EXACT).items():  # what the fake vendor's plain answer says it used
+        assert grew("covey_gateway_tokens_total", vendor="anthropic", kind=kind) == count
+    assert grew("covey_gateway_upstream_seconds_count", vendor="anthropic") == 2
+    assert get(after, "covey_gateway_requests_in_flight") == 0
+
+
+def test_its_metrics_are_refused_to_all_when_no_token_is_set(tmp_path, vendor, ca, agent):
+    with start_gateway(tmp_path, vendor, ca, metrics_token="") as bare:
+        answer = httpx.get(f"{bare.url}/metrics", headers={"Authorization": "Bearer x"})
+    assert answer.status_code == 403
+    assert "COVEY_METRICS_TOKEN" in answer.json()["detail"]

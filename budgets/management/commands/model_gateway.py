@@ -49,6 +49,7 @@ class Command(BaseCommand):
             default_max_tokens=settings.COVEY_GATEWAY_DEFAULT_MAX_TOKENS,
             threads=settings.COVEY_GATEWAY_LEDGER_THREADS,
             total_timeout=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS,
+            metrics_token=settings.COVEY_METRICS_TOKEN,
         )
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         gateway = Gateway(DjangoLedger(), config)
