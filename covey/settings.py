@@ -215,6 +215,9 @@ COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int(
 # answer from the policy source is older than the grace period (fail closed).
 COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=_proxy.poll)
 COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=_proxy.grace)
+# Where a proxy answers /healthz, /readyz and /metrics (HOST:PORT; "": it does not), apart from
+# the port agents use.
+COVEY_EGRESS_STATUS_LISTEN = env.str("COVEY_EGRESS_STATUS_LISTEN", default="")
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
 

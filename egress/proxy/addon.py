@@ -81,6 +81,7 @@ class CoveyEgress:
         self.clock = clock
         self.clients: dict[str, ClientState] = {}
         self.tunnels_by_agent: Counter[int] = Counter()
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason) → how many
         self.open_tunnels = 0
         self.resolver = Resolver()
         self.allowed_private: list[IPNetwork] = []
@@ -444,13 +445,15 @@ class CoveyEgress:
             return decision_id
         if agent_id is None and decision.agent is not None:
             agent_id = decision.agent.id
+        kind = "http" if plain_http else "connect"
+        self.decisions[kind, str(decision.code)] += 1
         self.log.add(
             {
                 "event": "decision",
                 "id": decision_id,
                 "agent_id": agent_id,
                 "username": decision.username,
-                "kind": "http" if plain_http else "connect",
+                "kind": kind,
                 "host": decision.host,
                 "port": decision.port,
                 "address": address or decision.address,

@@ -18,6 +18,8 @@ class ProxyConfig:
     allowed_private_cidrs: tuple[str, ...] = ()  # COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS
     control_plane_url: str = ""  # COVEY_CONTROL_PLANE_URL (a proxy on a runner host)
     runner_token: str = field(default="", repr=False)  # COVEY_RUNNER_TOKEN
+    status_listen: str = ""  # COVEY_EGRESS_STATUS_LISTEN: HOST:PORT of /readyz, /metrics ("": none)
+    metrics_token: str = field(default="", repr=False)  # COVEY_METRICS_TOKEN
 
     @classmethod
     def from_environment(cls, environment: Mapping[str, str] | None = None) -> "ProxyConfig":
@@ -37,4 +39,6 @@ class ProxyConfig:
             allowed_private_cidrs=tuple(env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", default=[])),
             control_plane_url=env.str("COVEY_CONTROL_PLANE_URL", default=""),
             runner_token=env.str("COVEY_RUNNER_TOKEN", default=""),
+            status_listen=env.str("COVEY_EGRESS_STATUS_LISTEN", default=""),
+            metrics_token=env.str("COVEY_METRICS_TOKEN", default=""),
         )

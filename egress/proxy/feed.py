@@ -74,6 +74,12 @@ class PolicyFeed:
         """Wait until a first policy is loaded."""
         return self._ready.wait(timeout)
 
+    def age(self) -> float | None:
+        """Seconds since the source last answered (None: it never has)."""
+        if self._confirmed_at == float("-inf"):
+            return None
+        return max(0.0, self._clock() - self._confirmed_at)
+
     def current(self) -> Policy | None:
         """The policy to decide with, or None when it is too old to trust."""
         if self._clock() - self._confirmed_at > self._grace:
@@ -174,6 +180,11 @@ class DecisionLog:
         if len(self._events) == self._max_buffer:
             self.dropped += 1
         self._events.append(event)
+
+    @property
+    def waiting(self) -> int:
+        """Events queued and not yet written."""
+        return len(self._events)
 
     def start(self) -> None:
         """Start flushing."""

@@ -13,20 +13,21 @@ from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
+from egress.proxy.status import StatusServer
 
 
 class ProxyError(Exception):
     """The proxy cannot start as asked (a bad --listen, a port it cannot bind)."""
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """HOST:PORT (IPv6 in brackets) → (host, port)."""
+def parse_listen(value: str, what: str = "--listen") -> tuple[str, int]:
+    """HOST:PORT (IPv6 in brackets) → (host, port); ``what`` names it in the error."""
     try:
         host, port = split_host_port(value)
     except ValueError as exc:
-        raise ProxyError(f"--listen must be HOST:PORT: {exc}") from None
+        raise ProxyError(f"{what} must be HOST:PORT: {exc}") from None
     if not host:
-        raise ProxyError(f"--listen must be HOST:PORT, got {value!r}")
+        raise ProxyError(f"{what} must be HOST:PORT, got {value!r}")
     return host, port
 
 
@@ -54,11 +55,25 @@ def serve(
     feed = PolicyFeed(source, poll=config.poll, grace=config.grace)
     log = DecisionLog(sink)
     addon = CoveyEgress(feed, log, desk=desk)
+    status = None
+    if config.status_listen:
+        status_address = parse_listen(config.status_listen, "COVEY_EGRESS_STATUS_LISTEN")
+        try:
+            status = StatusServer(
+                status_address, addon, log, token=config.metrics_token, grace=config.grace
+            )
+        except OSError as exc:
+            raise ProxyError(
+                f"cannot listen on COVEY_EGRESS_STATUS_LISTEN {config.status_listen}: {exc}"
+            ) from None
+        status.start()
     feed.start()
     log.start()
     try:
-        asyncio.run(_serve(config, addon, host, port, name, where, say))
+        asyncio.run(_serve(config, addon, host, port, name, where, say, status))
     finally:
+        if status is not None:
+            status.stop()
         feed.stop()
         log.stop()
 
@@ -71,10 +86,12 @@ async def _serve(
     name: str,
     where: str,
     say: Callable[[str], None],
+    status: StatusServer | None,
 ) -> None:
     opts = options.Options()
     proxy = master.Master(opts)
-    announce = Announce(say, f"{host}:{port}", where)
+    status_line = f"; status at http://{config.status_listen}/" if status else ""
+    announce = Announce(say, f"{host}:{port}", where + status_line, status)
     proxy.addons.add(
         core.Core(),
         errorcheck.ErrorCheck(),
@@ -106,10 +123,18 @@ async def _serve(
 class Announce:
     """Says so once the proxy listens (an addon: mitmproxy calls ``running``)."""
 
-    def __init__(self, say: Callable[[str], None], listen: str, where: str) -> None:
-        self.say, self.listen, self.where = say, listen, where
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        listen: str,
+        where: str,
+        status: StatusServer | None = None,
+    ) -> None:
+        self.say, self.listen, self.where, self.status = say, listen, where, status
         self.announced = False
 
     def running(self) -> None:
         self.announced = True
+        if self.status is not None:
+            self.status.listening = True
         self.say(f"covey egress proxy listening on {self.listen}, policy from {self.where}")

@@ -46,7 +46,8 @@ SOURCES = {
     "egress/proxy/addon.py", "egress/proxy/answers.py", "egress/proxy/config.py",
     "egress/proxy/control_plane.py", "egress/proxy/desk.py", "egress/proxy/feed.py",
     "egress/proxy/layers.py", "egress/proxy/lookups.py", "egress/proxy/relay.py",
-    "egress/proxy/resolver.py", "egress/proxy/server.py", "egress/proxy/tunnels.py",
+    "egress/proxy/resolver.py", "egress/proxy/server.py", "egress/proxy/status.py",
+    "egress/proxy/tunnels.py",
 }  # fmt: skip
 
 # The dev group's own tools: none may be in an image.

@@ -47,6 +47,8 @@ class Command(BaseCommand):
             allowed_private_cidrs=tuple(settings.COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS),
             control_plane_url=settings.COVEY_CONTROL_PLANE_URL,
             runner_token=settings.COVEY_RUNNER_TOKEN,
+            status_listen=settings.COVEY_EGRESS_STATUS_LISTEN,
+            metrics_token=settings.COVEY_METRICS_TOKEN,
         )
         try:
             _, port = parse_listen(options["listen"])
