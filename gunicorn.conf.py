@@ -3,5 +3,22 @@ benches all start it in this folder, where gunicorn finds this file). Threads, b
 transfer holds its request for as long as it takes, and the runner streaming it needs another:
 with one request per worker, two downloads would stop the whole API."""
 
+import os
+
+import logs
+
 worker_class = "gthread"
 threads = 32  # a home transfer holds two (COVEY_HOME_TRANSFERS caps them at 8)
+
+# Its own lines (and, with --access-logfile, one per request) in COVEY_LOG_FORMAT, as covey's.
+if os.environ.get("COVEY_LOG_FORMAT", "text") == "json":
+    logconfig_dict = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"covey": logs.formatter_config("json")},
+        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "covey"}},
+        "loggers": {
+            name: {"handlers": ["console"], "level": "INFO", "propagate": False}
+            for name in ("gunicorn.error", "gunicorn.access")
+        },
+    }

@@ -1,11 +1,14 @@
 """The Celery application shared by the control plane and the runners."""
 
+import inspect
 import os
+from contextvars import Token
 from pathlib import Path
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task, signals
 
+import logs
 from covey import broker
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "covey.settings")
@@ -14,6 +17,29 @@ broker.install()  # filesystem:// whose messages appear whole (covey/broker.py)
 app = Celery("covey")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+# A task's lines carry its name and the ids among its arguments (a launch's run, an alert's
+# agent …); each task runs on one thread, from prerun to postrun.
+_bound: dict[str, Token[Any]] = {}
+
+
+@signals.task_prerun.connect
+def _bind_ids(
+    task_id: str, task: Task, args: tuple[Any, ...], kwargs: dict[str, Any], **_: Any
+) -> None:
+    try:
+        given = inspect.signature(task.run).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        given = {}
+    ids = {name: given[name] for name in logs.IDS if name in given}
+    _bound[task_id] = logs.bind(task=task.name, **ids)
+
+
+@signals.task_postrun.connect
+def _unbind_ids(task_id: str, **_: Any) -> None:
+    if (token := _bound.pop(task_id, None)) is not None:
+        logs.unbind(token)
 
 
 FOLDERS = ("data_folder_in", "data_folder_out", "processed_folder", "control_folder")

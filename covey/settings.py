@@ -8,6 +8,7 @@ from pathlib import Path
 
 import environ
 
+import logs
 from covey import var
 from egress.proxy.config import ProxyConfig
 
@@ -85,6 +86,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
+    "covey.middleware.LogIds",
 ]
 
 ROOT_URLCONF = "covey.urls"
@@ -123,10 +125,15 @@ STATIC_URL = "static/"
 # collectstatic fills it (make run; the control-plane image at build time, read-only after).
 STATIC_ROOT = Path(env.str("COVEY_STATIC_ROOT", default=str(VAR_DIR / "static")))
 
+# Log lines: "text", or one JSON object per line ("json"), with the run's and agent's ids on
+# those that concern one (logs/).
+COVEY_LOG_FORMAT = logs.check_format(env.str("COVEY_LOG_FORMAT", default="text"))
+logs.install()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"covey": logs.formatter_config(COVEY_LOG_FORMAT)},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "covey"}},
     "root": {"handlers": ["console"], "level": env.str("COVEY_LOG_LEVEL", default="INFO")},
     # One line per request to the control plane would drown a runner's own log.
     "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
@@ -175,6 +182,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         # It polls the folder; the default second would be most of a run's time to start.
         "polling_interval": 0.05,
     }
+# Celery's workers log through LOGGING above in JSON; in text, with Celery's own format.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = COVEY_LOG_FORMAT != "json"
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+import logs
 from budgets.gateway.anthropic import Messages
 from budgets.gateway.api import Api, Refused
 from budgets.gateway.metrics import Meters
@@ -244,11 +245,22 @@ class Gateway:
 
     async def handle(self, request: web.Request, *, api: Api, metered: bool) -> web.StreamResponse:
         request_id = uuid.uuid4().hex
+        with logs.bound(request_id=request_id):
+            try:
+                token = token_of(request.headers, api)
+                caller = self.ledger.known(token)  # vouched for moments ago: no thread, no I/O
+                if caller is None:
+                    caller = await self._ledger(self.ledger.authenticate, token)
+            except Refused as refused:
+                return self._refuse(api, refused, request_id)
+            # Every line about this request from here on names its agent and run.
+            with logs.bound(agent_id=caller.agent_id, run_id=caller.run_id):
+                return await self._handle(request, api, metered, request_id, caller)
+
+    async def _handle(
+        self, request: web.Request, api: Api, metered: bool, request_id: str, caller: Caller
+    ) -> web.StreamResponse:
         try:
-            token = token_of(request.headers, api)
-            caller = self.ledger.known(token)  # vouched for moments ago: no thread, no I/O
-            if caller is None:
-                caller = await self._ledger(self.ledger.authenticate, token)
             key = caller.keys.get(api.vendor)
             if key is None:
                 raise Refused(
@@ -280,10 +292,13 @@ class Gateway:
                     request_id=request_id,
                 )
         except Refused as refused:
-            level = logging.WARNING if refused.status >= 500 else logging.INFO
-            logger.log(level, "covey: refused request %s: %s", request_id, refused.message)
-            return api.error(refused, request_id)
+            return self._refuse(api, refused, request_id)
         return await self._forward(request, api, key, raw, hold, max_tokens, request_id)
+
+    def _refuse(self, api: Api, refused: Refused, request_id: str) -> web.Response:
+        level = logging.WARNING if refused.status >= 500 else logging.INFO
+        logger.log(level, "covey: refused request %s: %s", request_id, refused.message)
+        return api.error(refused, request_id)
 
     async def _read(self, request: web.Request) -> bytes:
         try:

@@ -6,11 +6,11 @@ rewrites it). The egress image runs this.
 """
 
 import argparse
-import logging
 import os
 import socket
 import sys
 
+import logs
 from egress.proxy.config import ProxyConfig
 from egress.proxy.control_plane import remote_source
 from egress.proxy.desk import Desk
@@ -27,11 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="", help="This proxy's name in the decision log.")
     parser.add_argument("--verbose", action="store_true", help="mitmproxy's own log too.")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("COVEY_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
     try:
+        logs.configure(
+            os.environ.get("COVEY_LOG_FORMAT", "text"), os.environ.get("COVEY_LOG_LEVEL", "INFO")
+        )
         config = ProxyConfig.from_environment()
         _, port = parse_listen(args.listen)
         source = remote_source(config, args.control_plane, args.runner_token, args.runner_config)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import logs
 from allowlists.entries import split_host_port
 from egress.environment import proxy_environment
 from egress.policy import hash_token
@@ -193,7 +194,8 @@ class RunnerHost:
                 return  # the same order twice, or the reconcile's relaunch: one is enough
             self._launching.add(run_id)
         try:
-            self._launch(identity, run_id)
+            with logs.bound(run_id=run_id, runner_id=runner_id):
+                self._launch(identity, run_id)
         finally:
             with self._launching_lock:
                 self._launching.discard(run_id)
@@ -204,6 +206,11 @@ class RunnerHost:
         if spec is None:
             logger.info("covey runner: run %s is no longer ours to start", run_id)
             return
+        with logs.bound(agent_id=spec.agent):
+            self._launch_spec(identity, run_id, spec)
+
+    def _launch_spec(self, identity: Identity, run_id: str, spec: LaunchSpec) -> None:
+        client = identity.client
         usage: HomeUsage | None = None
         services: tuple[ServiceRecord, ...] = ()
         try:
@@ -249,7 +256,8 @@ class RunnerHost:
     def cancel(self, runner_id: int, run_id: str) -> None:
         """Stop a run's sandbox; the watcher reports how it ended."""
         identity = self.identity(runner_id)
-        self.engine(identity).stop(run_id, timeout=STOP_GRACE_SECONDS)
+        with logs.bound(run_id=run_id, runner_id=runner_id):
+            self.engine(identity).stop(run_id, timeout=STOP_GRACE_SECONDS)
 
     def home(self, runner_id: int, operation: str) -> None:
         """Serve an operation on a home this host holds (on a pool of its own: a transfer never
@@ -537,6 +545,11 @@ class RunnerHost:
 
     def _finish(self, identity: Identity, sandbox: Sandbox) -> None:
         """Report an exited sandbox with its output, then remove it."""
+        ids = {"run_id": sandbox.run_id, "agent_id": sandbox.agent_id, "runner_id": identity.id}
+        with logs.bound(**ids):
+            self._report_end(identity, sandbox)
+
+    def _report_end(self, identity: Identity, sandbox: Sandbox) -> None:
         engine = self.engine(identity)
         client = identity.client
         run_id = sandbox.run_id
@@ -653,7 +666,8 @@ class RunnerHost:
             if self._homes.get(run_id) is not watched:
                 return  # it ended meanwhile
             watched.stopped_for = why
-        logger.info("covey runner: run %s: %s; stopping", run_id, why)
+        with logs.bound(run_id=run_id, runner_id=watched.runner_id):
+            logger.info("covey runner: run %s: %s; stopping", run_id, why)
         engine = self.engine(self.identity(watched.runner_id))
         engine.stop(run_id, timeout=QUOTA_STOP_GRACE_SECONDS)
 

@@ -52,6 +52,7 @@ def start_gateway(
     ca: TestCA,
     host: str = "127.0.0.1",
     metrics_token: str = METRICS_TOKEN,
+    **env_overrides: str,
 ) -> Iterator[Gateway]:
     """``manage.py model_gateway`` on ``host`` over the test database, to the fake vendor; the
     organisation's key must never be in its output."""
@@ -68,6 +69,7 @@ def start_gateway(
         "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
         "COVEY_METRICS_TOKEN": metrics_token,
         "PYTHONUNBUFFERED": "1",
+        **env_overrides,
     }
     args = [sys.executable, "manage.py", "model_gateway", "--listen", f"{host}:{port}"]
     with running(args, env, log) as process:

@@ -343,3 +343,18 @@ def test_its_metrics_are_refused_to_all_when_no_token_is_set(tmp_path, vendor, c
         answer = httpx.get(f"{bare.url}/metrics", headers={"Authorization": "Bearer x"})
     assert answer.status_code == 403
     assert "COVEY_METRICS_TOKEN" in answer.json()["detail"]
+
+
+def test_its_json_lines_name_the_agent_and_request_they_concern(tmp_path, vendor, ca, agent):
+    with start_gateway(tmp_path, vendor, ca, COVEY_LOG_FORMAT="json") as json_gateway:
+        refused = ask(json_gateway, token_for(agent), model="claude-unpriced-9")
+        assert refused.status_code == 400, refused.text
+        wait_for(lambda: "refused request" in json_gateway.output(), 5, "the refusal logged")
+        said = [line for line in json_gateway.output().splitlines() if line.strip()]
+    # Every line but the one that says where it listens (its output, not a log line) is JSON.
+    assert said[0].startswith("covey: model gateway on ")
+    written = [json.loads(line) for line in said[1:]]
+    (line,) = [line for line in written if "refused request" in line["message"]]
+    assert line["agent_id"] == agent.pk
+    assert line["request_id"] == refused.headers["X-Covey-Request-Id"]
+    assert line["level"] == "INFO" and line["logger"] == "budgets.gateway.server"

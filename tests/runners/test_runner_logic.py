@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+import logs
 from runners.host import runner as host_module
 from runners.host import trust
 from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
@@ -550,3 +551,13 @@ def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path, cap
     assert "does not answer" in hurried.host.start_proxy_checks()[1]  # proxy_wait 0: at once
     assert "does not answer" in hurried.host.start_proxy_checks()[1]  # asked again: not said
     assert caplog.text.count("does not answer") == 1
+
+
+def test_its_lines_about_a_run_carry_the_run_its_agent_and_runner(host, caplog):
+    logs.install()
+    with caplog.at_level("INFO", logger="runners.host.runner"):
+        host.order(spec(enforce=True))  # no proxy: refused, and said
+        host_module.logger.info("after the launch")
+    (refused,) = [r for r in caplog.records if "could not be built" in r.getMessage()]
+    assert logs.ids_of(refused) == {"run_id": RUN, "agent_id": 7, "runner_id": 1}
+    assert logs.ids_of(caplog.records[-1]) == {}

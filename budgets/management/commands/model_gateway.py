@@ -1,6 +1,5 @@
 """Run the model gateway in the foreground (budgets.gateway.server) over the database ledger."""
 
-import logging
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,7 +50,6 @@ class Command(BaseCommand):
             total_timeout=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS,
             metrics_token=settings.COVEY_METRICS_TOKEN,
         )
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         gateway = Gateway(DjangoLedger(), config)
         self.stdout.write(
             f"covey: model gateway on http://{host}:{port}/ to {config.upstream} (Anthropic)"
