@@ -38,10 +38,12 @@ LOCKED_DOWN = [
     "--security-opt",
     "no-new-privileges",
 ]
-# The image holds the proxy package and what it imports, nothing else (no Django project).
-APP = {"allowlists", "egress"}
+# The image holds the proxy package and what it imports (its log lines too), nothing else (no
+# Django project).
+APP = {"allowlists", "egress", "logs"}
 SOURCES = {
     "allowlists/__init__.py", "allowlists/entries.py", "egress/__init__.py", "egress/policy.py",
+    "logs/__init__.py",
     "egress/environment.py", "egress/proxy/__init__.py", "egress/proxy/__main__.py",
     "egress/proxy/addon.py", "egress/proxy/answers.py", "egress/proxy/config.py",
     "egress/proxy/control_plane.py", "egress/proxy/desk.py", "egress/proxy/feed.py",
