@@ -19,6 +19,7 @@ from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from covey.versions import VersionAdmin, VersionInline
+from organisations.admin import TenantScoped
 
 
 class AgentVersionInline(VersionInline):
@@ -84,7 +85,7 @@ class AgentForm(forms.ModelForm):
 
 
 @admin.register(Agent)
-class AgentAdmin(admin.ModelAdmin):
+class AgentAdmin(TenantScoped, admin.ModelAdmin):
     form = AgentForm
     list_display = [
         "name",

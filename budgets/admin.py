@@ -12,6 +12,7 @@ from agents.admin import AgentAdmin
 from agents.models import Agent
 from budgets import services
 from budgets.models import Budget, Charge, ModelKey, Price, Spend
+from organisations.admin import TenantScoped
 
 
 class SpendInline(admin.TabularInline):
@@ -66,7 +67,7 @@ class BudgetForm(forms.ModelForm):
 
 
 @admin.register(Budget)
-class BudgetAdmin(admin.ModelAdmin):
+class BudgetAdmin(TenantScoped, admin.ModelAdmin):
     form = BudgetForm
     list_display = ["__str__", "organisation", "amount", "period", "spent_now", "remaining_now"]
     list_filter = ["organisation", "period"]
@@ -145,7 +146,7 @@ class PriceAdmin(admin.ModelAdmin):
 
 
 @admin.register(Charge)
-class ChargeAdmin(admin.ModelAdmin):
+class ChargeAdmin(TenantScoped, admin.ModelAdmin):
     """The ledger: one row per model request, never changed."""
 
     list_display = [
@@ -199,7 +200,7 @@ class ModelKeyForm(forms.ModelForm):
 
 
 @admin.register(ModelKey)
-class ModelKeyAdmin(admin.ModelAdmin):
+class ModelKeyAdmin(TenantScoped, admin.ModelAdmin):
     """Organisations' keys at model vendors: written here, never read back."""
 
     form = ModelKeyForm

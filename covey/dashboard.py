@@ -107,8 +107,14 @@ def runs_now(user: Any) -> Section:
         }
         for run in going.select_related("agent__organisation").order_by("created_at")[:SHOWN]
     ]
+    unfinished = ",".join(status for status in RunStatus if status not in FINISHED)
     return Section(
-        "runs-now", "Runs now", going.count(), _list("runs_run"), rows, "No run is going."
+        "runs-now",
+        "Runs now",
+        going.count(),
+        _list("runs_run", status__in=unfinished),
+        rows,
+        "No run is going.",
     )
 
 
@@ -132,7 +138,11 @@ def recently_failed(user: Any, now: Any) -> Section:
         "failed",
         "Failed in the last 24 hours",
         failed.count(),
-        _list("runs_run", status__exact=RunStatus.FAILED),
+        _list(
+            "runs_run",
+            status__in=f"{RunStatus.FAILED},{RunStatus.TIMED_OUT}",
+            finished_at__gte=(now - RECENT).isoformat(),
+        ),
         rows,
         "No run failed.",
     )
@@ -140,7 +150,9 @@ def recently_failed(user: Any, now: Any) -> Section:
 
 def budgets_near(user: Any) -> Section:
     """Budgets at NEAR of their limit or more this period (spent and held), or used up."""
-    budgets = list(Budget.objects.for_user(user).select_related("agent", "organisation"))
+    budgets = list(
+        Budget.objects.for_user(user).select_related("agent__organisation", "organisation")
+    )
     spends = current_spends(budgets)
     near = []
     for budget in budgets:
@@ -218,7 +230,7 @@ def denials(user: Any, now: Any) -> Section:
         "denials",
         "Egress denials in the last 24 hours",
         refused.count(),
-        _list("egress_decision", allowed__exact=0),
+        _list("egress_decision", allowed__exact=0, decided_at__gte=(now - RECENT).isoformat()),
         rows,
         "Nothing was refused.",
     )

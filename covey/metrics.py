@@ -86,7 +86,8 @@ def runs(now: Any) -> Iterator[Metric]:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    """The q-quantile of sorted values (nearest rank above; NaN when there are none)."""
+    """The q-quantile of sorted values, interpolated between the two nearest (NaN when there
+    are none)."""
     if not values:
         return float("nan")
     if len(values) == 1:

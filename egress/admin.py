@@ -8,10 +8,11 @@ from django.http import HttpRequest
 
 from egress import services
 from egress.models import Decision, EgressToken
+from organisations.admin import TenantScoped
 
 
 @admin.register(EgressToken)
-class EgressTokenAdmin(admin.ModelAdmin):
+class EgressTokenAdmin(TenantScoped, admin.ModelAdmin):
     """Tokens are issued by runs and `manage.py egress_token`; here they are seen and revoked."""
 
     list_display = ["prefix", "agent", "purpose", "created_at", "expires_at", "revoked_at", "live"]
@@ -38,7 +39,7 @@ class EgressTokenAdmin(admin.ModelAdmin):
 
 
 @admin.register(Decision)
-class DecisionAdmin(admin.ModelAdmin):
+class DecisionAdmin(TenantScoped, admin.ModelAdmin):
     """The proxy's record: never edited, never deleted by hand (pruned by retention)."""
 
     list_display = [

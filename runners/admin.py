@@ -11,6 +11,7 @@ from django.utils.html import format_html
 
 from agents.admin import LabelsField
 from allowlists.entries import EntryError
+from organisations.admin import TenantScoped
 from runners import services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
 from runners.probe import service as probes
@@ -82,7 +83,7 @@ class RunnerForm(forms.ModelForm):
 
 
 @admin.register(Runner)
-class RunnerAdmin(admin.ModelAdmin):
+class RunnerAdmin(TenantScoped, admin.ModelAdmin):
     """Online means a heartbeat within COVEY_RUNNER_STALE_SECONDS; stale runners get no work.
     Under hard isolation a runner gets work only once its latest egress probe passed."""
 
@@ -168,7 +169,7 @@ class RunnerAdmin(admin.ModelAdmin):
 
 
 @admin.register(Probe)
-class ProbeAdmin(admin.ModelAdmin):
+class ProbeAdmin(TenantScoped, admin.ModelAdmin):
     """Egress probes: what a sandbox in each runner's shape could reach. Read-only."""
 
     list_display = ["created_at", "runner", "status_badge", "isolation", "agent", "reason"]
@@ -205,7 +206,7 @@ class ProbeAdmin(admin.ModelAdmin):
 
 
 @admin.register(RegistrationToken)
-class RegistrationTokenAdmin(admin.ModelAdmin):
+class RegistrationTokenAdmin(TenantScoped, admin.ModelAdmin):
     """Create one to register a runner host; the secret is shown once, after saving."""
 
     list_display = ["prefix", "organisation", "description", "created_at", "revoked_at"]

@@ -31,6 +31,7 @@ from budgets.models import Charge
 from budgets.services import dollars
 from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken
+from organisations.admin import TenantScoped
 from organisations.models import Role
 from organisations.roles import role_of
 from runs import output, services
@@ -68,7 +69,7 @@ class RunEventInline(admin.TabularInline):
 
 
 @admin.register(Run)
-class RunAdmin(admin.ModelAdmin):
+class RunAdmin(TenantScoped, admin.ModelAdmin):
     """What waits and what happened; runs are queued through the API, cancelled here."""
 
     list_display = [
@@ -329,7 +330,9 @@ class AgentWithRunsAdmin(AgentWithSpendAdmin):
         """The agent page's task box: queue a run and show it."""
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        agent = get_object_or_404(Agent.objects.select_related("organisation"), pk=object_id)
+        agent = get_object_or_404(
+            self.get_queryset(request).select_related("organisation"), pk=object_id
+        )
         if not self.has_view_permission(request, agent) or not _may_run(request, agent):
             raise PermissionDenied
         page = reverse("admin:agents_agent_change", args=[agent.pk])

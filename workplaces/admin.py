@@ -11,6 +11,7 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from covey.versions import VersionAdmin, VersionInline
+from organisations.admin import TenantScoped
 from workplaces import config, services
 from workplaces.models import WORKPLACE_FIELDS, Workplace, WorkplaceVersion
 
@@ -127,7 +128,7 @@ class WorkplaceVersionInline(VersionInline):
 
 
 @admin.register(Workplace)
-class WorkplaceAdmin(admin.ModelAdmin):
+class WorkplaceAdmin(TenantScoped, admin.ModelAdmin):
     form = WorkplaceForm
     list_display = ["name", "organisation", "image", "version", "service_names", "updated_at"]
     list_filter = ["organisation"]

@@ -13,8 +13,11 @@ register = template.Library()
 
 @register.simple_tag(takes_context=True)
 def pending_requests(context: dict[str, Any]) -> str:
-    """'3 pending requests', linked to them, for the user's organisations ('' when none)."""
+    """'3 pending requests', linked to them, for the user's organisations ('' when none, or
+    when the user may not view requests)."""
     user = context["request"].user
+    if not user.has_perm("approvals.view_request"):
+        return ""
     count = Request.objects.for_user(user).filter(status=Status.PENDING).count()
     if not count:
         return ""

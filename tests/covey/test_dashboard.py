@@ -86,7 +86,7 @@ def test_it_shows_what_wants_a_person_each_linked_to_its_list(operator_client, b
     assert "Failed in the last 24 hours (1)" in failed
     assert busy["failed"].short_id in failed and "exit code 3" in failed
     assert busy["old"].short_id not in failed  # two days ago is not recent
-    assert "/admin/runs/run/?status__exact=failed" in failed
+    assert "/admin/runs/run/?status__in=failed%2Ctimed_out&amp;finished_at__gte=" in failed
 
     budgets = section(page, "budgets")
     assert "Near or over budget (1)" in budgets
@@ -138,3 +138,51 @@ def test_an_empty_installation_says_nothing_waits(operator_client):
     assert "Nothing waits for a decision." in page
     assert "No run is going." in page
     assert "Nothing was refused." in page
+
+
+def test_the_pages_it_links_to_show_a_member_only_their_organisations(client, busy, alice, globex):
+    """Not the dashboard alone: every admin list and page a member reaches from it is scoped,
+    as the API is, and so are the actions on them."""
+    alice.is_staff = True
+    alice.save()
+    alice.user_permissions.add(
+        *Permission.objects.filter(
+            codename__in=[
+                "view_run", "change_run", "view_decision", "view_runner", "view_agent",
+                "view_egresstoken", "view_budget", "view_charge", "view_workplace",
+            ]
+        )
+    )  # fmt: skip
+    client.force_login(alice)
+    theirs = Run.objects.get(agent__organisation=globex)
+    for listing in (
+        "/admin/runs/run/", "/admin/egress/decision/", "/admin/runners/runner/",
+        "/admin/agents/agent/", "/admin/budgets/budget/",
+    ):  # fmt: skip
+        page = client.get(listing)
+        assert page.status_code == 200, listing
+        text = page.content.decode()
+        assert "Spy" not in text and "their-edge" not in text and "their.example" not in text
+    assert "Builder" in client.get("/admin/agents/agent/").content.decode()
+    # Their run, its output and its agent's page are not found for her.
+    assert client.get(f"/admin/runs/run/{theirs.pk}/change/").status_code == 302
+    assert client.get(f"/admin/runs/run/{theirs.pk}/log/").status_code in (302, 404)
+    assert client.get(f"/admin/agents/agent/{theirs.agent_id}/change/").status_code == 302
+    # An action posted with their run's id leaves it alone.
+    client.post(
+        "/admin/runs/run/",
+        {"action": "cancel_runs", "_selected_action": [str(theirs.pk)]},
+    )
+    theirs.refresh_from_db()
+    assert theirs.status == RunStatus.QUEUED and theirs.cancel_requested_at is None
+
+
+def test_its_links_lead_to_lists_of_what_it_counted(operator_client, busy):
+    timed_out = Run.objects.get(pk=busy["failed"].pk)
+    Run.objects.filter(pk=timed_out.pk).update(status=RunStatus.TIMED_OUT)
+    page = operator_client.get("/admin/").content.decode()
+    failed = section(page, "failed")
+    assert "Failed in the last 24 hours (1)" in failed
+    link = failed.split('href="', 1)[1].split('"', 1)[0].replace("&amp;", "&")
+    listed = operator_client.get(link).content.decode()
+    assert timed_out.short_id in listed and busy["old"].short_id not in listed
