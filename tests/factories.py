@@ -1,5 +1,8 @@
 """factory-boy factories; agents and organisations are made through the services."""
 
+import time
+import uuid
+
 import factory
 from django.contrib.auth import get_user_model
 from django.utils import timezone
@@ -57,6 +60,26 @@ class WorkplaceFactory(factory.Factory):
     @classmethod
     def _create(cls, model_class, organisation, name, image, **kwargs):
         return create_workplace(organisation, name, image, **kwargs)
+
+
+def decision_event(agent=None, **fields) -> dict:
+    """One decision as a proxy reports it (egress.services.record_decisions): an allowed
+    tunnel of ``agent`` unless ``fields`` say otherwise."""
+    return {
+        "event": "decision",
+        "id": str(uuid.uuid4()),
+        "agent_id": agent.pk if agent else None,
+        "username": "acme.builder",
+        "kind": "connect",
+        "host": "good.example",
+        "port": 443,
+        "address": "203.0.113.9",
+        "allowed": True,
+        "reason": "allowed",
+        "detail": "agent",
+        "at": time.time(),
+        **fields,
+    }
 
 
 def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:

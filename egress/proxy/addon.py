@@ -445,8 +445,8 @@ class CoveyEgress:
             return decision_id
         if agent_id is None and decision.agent is not None:
             agent_id = decision.agent.id
-        kind = "http" if plain_http else "connect"
-        self.decisions[kind, str(decision.code)] += 1
+        kind, reason = "http" if plain_http else "connect", str(decision.code)
+        self.decisions[kind, reason] += 1
         self.log.add(
             {
                 "event": "decision",
@@ -458,7 +458,7 @@ class CoveyEgress:
                 "port": decision.port,
                 "address": address or decision.address,
                 "allowed": decision.allowed,
-                "reason": str(decision.code),
+                "reason": reason,
                 "detail": ", ".join(decision.sources) if decision.allowed else decision.detail,
                 "at": self.clock(),
             }

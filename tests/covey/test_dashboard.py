@@ -15,24 +15,19 @@ from egress.services import record_decisions
 from runners.models import Runner
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory, WorkplaceFactory, online_runner
+from tests.factories import AgentFactory, WorkplaceFactory, decision_event, online_runner
 
 pytestmark = pytest.mark.django_db
 
 
 def denial(agent, host, at=None):
-    return {
-        "event": "decision",
-        "id": str(__import__("uuid").uuid4()),
-        "agent_id": agent.pk,
-        "username": "x",
-        "kind": "connect",
-        "host": host,
-        "port": 443,
-        "allowed": False,
-        "reason": "not-on-allowlist",
-        "at": (at or timezone.now()).timestamp(),
-    }
+    return decision_event(
+        agent,
+        host=host,
+        allowed=False,
+        reason="not-on-allowlist",
+        at=(at or timezone.now()).timestamp(),
+    )
 
 
 def section(page: str, key: str) -> str:

@@ -2,7 +2,6 @@
 Prometheus's text format, parsed back as a scraper reads it."""
 
 import math
-import uuid
 from datetime import timedelta
 from decimal import Decimal
 
@@ -20,7 +19,7 @@ from covey.metrics import _quantile
 from egress.services import record_decisions
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory, WorkplaceFactory, online_runner
+from tests.factories import AgentFactory, WorkplaceFactory, decision_event, online_runner
 
 pytestmark = pytest.mark.django_db
 
@@ -45,18 +44,7 @@ def scrape(client) -> dict[tuple[str, tuple], float]:
 
 
 def decision(agent, reason, at):
-    return {
-        "event": "decision",
-        "id": str(uuid.uuid4()),
-        "agent_id": agent.pk if agent else None,
-        "username": "x",
-        "kind": "connect",
-        "host": "somewhere.example.test",
-        "port": 443,
-        "allowed": reason == "allowed",
-        "reason": reason,
-        "at": at.timestamp(),
-    }
+    return decision_event(agent, allowed=reason == "allowed", reason=reason, at=at.timestamp())
 
 
 def test_without_the_setting_everyone_is_refused(client, settings):

@@ -1,7 +1,6 @@
 """Egress tokens and the decision log through the API, the commands and the admin."""
 
 import time
-import uuid
 from datetime import timedelta
 from io import StringIO
 
@@ -17,26 +16,9 @@ from egress.models import Decision, EgressToken
 from egress.policy import hash_token
 from egress.services import issue_token, prune_decisions, record_decisions
 from tests.factories import AgentFactory
+from tests.factories import decision_event as event
 
 pytestmark = pytest.mark.django_db
-
-
-def event(agent=None, **fields):
-    return {
-        "event": "decision",
-        "id": str(uuid.uuid4()),
-        "agent_id": agent.pk if agent else None,
-        "username": "acme.builder",
-        "kind": "connect",
-        "host": "good.example",
-        "port": 443,
-        "address": "203.0.113.9",
-        "allowed": True,
-        "reason": "allowed",
-        "detail": "agent",
-        "at": time.time(),
-        **fields,
-    }
 
 
 class TestTokenCommand:
