@@ -119,10 +119,13 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
-        no_saving = {"show_save": False, "show_save_and_continue": False}
-        return super().change_view(
-            request, object_id, form_url, {**(extra_context or {}), **no_saving}
-        )
+        run = self.get_object(request, object_id)
+        shown = {
+            "show_save": False,
+            "show_save_and_continue": False,
+            "may_cancel": run is not None and _may_run(request, run.agent),
+        }
+        return super().change_view(request, object_id, form_url, {**(extra_context or {}), **shown})
 
     def get_urls(self) -> list[Any]:
         log = self.admin_site.admin_view(self.log_view)
@@ -285,11 +288,20 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
 
     @admin.action(description="Cancel selected runs", permissions=["change"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
-        cancelled = 0
-        for run in queryset.exclude(status__in=FINISHED):
+        cancelled = refused = 0
+        for run in queryset.exclude(status__in=FINISHED).select_related("agent__organisation"):
+            if not _may_run(request, run.agent):
+                refused += 1
+                continue
             services.cancel(run, by=request.user)
             cancelled += 1
         self.message_user(request, f"{cancelled} run(s) cancelled or cancelling.", messages.SUCCESS)
+        if refused:
+            self.message_user(
+                request,
+                f"{refused} run(s) not cancelled: that takes the admin role in their organisation.",
+                messages.ERROR,
+            )
 
 
 def _may_run(request: HttpRequest, agent: Agent) -> bool:

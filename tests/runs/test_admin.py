@@ -95,7 +95,16 @@ def test_a_viewer_may_not_start_or_cancel_runs(client, acme, vera, orders):
         client.post(f"/admin/agents/agent/{agent.pk}/start-run/", {"task": "go"}).status_code == 403
     )
     run = runs.queue_run(agent, "theirs")
+    page = client.get(f"/admin/runs/run/{run.pk}/change/").content.decode()
+    assert "theirs" in page and 'id="cancel-run"' not in page
     assert client.post(f"/admin/runs/run/{run.pk}/cancel/").status_code == 403
+    # Nor through the list's action, which her change permission lets her see.
+    answer = client.post(
+        "/admin/runs/run/",
+        {"action": "cancel_runs", "_selected_action": [str(run.pk)]},
+        follow=True,
+    )
+    assert "1 run(s) not cancelled: that takes the admin role" in answer.content.decode()
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
 
 
