@@ -1,9 +1,11 @@
-# The covey control plane: one image for every role (web, worker, runner, proxy). Build it with
-# `make control-plane-image` (scripts/image control-plane), not `docker build .`: the script
-# makes the build context, with requirements/control-plane.txt (pyproject.toml's dependencies,
-# locked with hashes: no development or test tool) and their wheels, downloaded on the host,
-# under wheels/ (nothing is fetched during the build), and under src/ manage.py and the apps
-# (no tests, .git, .venv or var/).
+# The covey control plane: one image for every role, `docker run covey:latest ROLE` (web, the
+# default, worker, runner, proxy, gateway, migrate: covey/entrypoint.py says what each waits for
+# and runs; any other program runs as given). Build it with `make control-plane-image`
+# (scripts/image control-plane), not `docker build .`: the script makes the build context, with
+# requirements/control-plane.txt (pyproject.toml's dependencies, locked with hashes: no
+# development or test tool) and their wheels, downloaded on the host, under wheels/ (nothing is
+# fetched during the build), and under src/ manage.py and the apps (no tests, .git, .venv or
+# var/).
 #
 # BASE_IMAGE: any Debian-like image with python3 (3.12+, and its venv module) and useradd. The
 # default is the public slim Python image; `make control-plane-image` builds on the local
@@ -42,4 +44,5 @@ RUN DJANGO_SECRET_KEY=build-only COVEY_VAR_DIR=/tmp/build python manage.py colle
     && python -m compileall -q -x '^/app/manage\.py$' /app
 USER covey
 EXPOSE 8000
-CMD ["gunicorn", "covey.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3"]
+ENTRYPOINT ["python", "-m", "covey.entrypoint"]
+CMD ["web"]

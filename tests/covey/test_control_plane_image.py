@@ -4,6 +4,7 @@ development or test tool, run unprivileged. Containers carry a label unique to t
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -82,3 +83,51 @@ def test_its_checks_pass_with_a_production_configuration(run):
     result = run("python", "manage.py", "check", env=env)
     assert result.returncode == 0, result.stderr
     assert "System check identified no issues" in result.stdout
+
+
+def test_it_serves_the_web_role_by_default_migrated_with_its_first_admin(image):
+    label = f"covey.test={uuid.uuid4().hex}"
+    env = {"COVEY_ADMIN_PASSWORD": "given-not-shown"}
+    started = docker(
+        "run", "--detach", "--label", label, "--network", "none", "--cap-drop", "ALL",
+        *[f"--env={k}={v}" for k, v in env.items()], image,
+    )  # fmt: skip
+    container = started.stdout.strip()
+    ask = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/readyz').read())"
+    try:
+        for _ in range(60):
+            answer = docker("exec", container, "python", "-c", ask, check=False)
+            if answer.returncode == 0:
+                break
+            time.sleep(0.5)
+        assert '"status": "ready"' in answer.stdout, answer.stderr
+        top = docker("top", container, "-o", "pid,args").stdout
+        logs = docker("logs", container).stdout + docker("logs", container).stderr
+    finally:
+        stopped = docker("stop", "--time", "20", container, check=False)
+        code = docker("inspect", "--format", "{{.State.ExitCode}}", container).stdout.strip()
+        docker("rm", "--force", container, check=False)
+    assert stopped.returncode == 0 and code == "0"  # gunicorn is PID 1: it got the SIGTERM
+    assert "gunicorn covey.wsgi --bind 0.0.0.0:8000" in top
+    assert "Applying runners." in logs and "renewed the tokens of 0 runner(s)" in logs
+    assert "COVEY_ADMIN_PASSWORD" in logs and "given-not-shown" not in logs
+
+
+def test_a_role_says_which_database_it_waits_for_and_never_its_password(run):
+    env = {
+        "DATABASE_URL": "postgres://covey:s3cret-pw@127.0.0.1:9/covey",
+        "COVEY_WAIT_SECONDS": "1",
+    }
+    result = run("worker", env=env)
+    assert result.returncode == 1
+    assert "covey: worker: the database is not ready after 1 s" in result.stderr
+    assert "the database at 127.0.0.1:9 does not answer" in result.stderr
+    assert "s3cret-pw" not in result.stdout + result.stderr
+
+
+def test_the_migrate_role_migrates_and_exits_and_no_role_is_refused(run):
+    result = run("migrate")
+    assert result.returncode == 0, result.stderr
+    assert "Applying organisations." in result.stdout
+    refused = run("cook")
+    assert refused.returncode == 2 and "'cook' is no role" in refused.stderr

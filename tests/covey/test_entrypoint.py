@@ -1,0 +1,79 @@
+"""The image's entry point (covey/entrypoint.py): what each role becomes, what it waits for,
+and what it says when that does not come. The image itself runs it in
+test_control_plane_image.py."""
+
+import pytest
+
+from covey import entrypoint
+
+
+def test_each_role_becomes_its_program_with_the_settings_it_reads():
+    assert entrypoint.command("web", [], {}) == [
+        *["gunicorn", "covey.wsgi", "--bind", "0.0.0.0:8000", "--workers", "2"],
+        *["--access-logfile", "-", "--forwarded-allow-ips="],
+    ]
+    web = entrypoint.command(
+        "web",
+        ["--timeout", "60"],
+        {
+            "COVEY_BIND": "[::]:9000",
+            "COVEY_WEB_WORKERS": "5",
+            "COVEY_FORWARDED_ALLOW_IPS": "10.0.0.1",
+        },
+    )
+    assert web[3] == "[::]:9000" and web[5] == "5"
+    assert web[-3:] == ["--forwarded-allow-ips=10.0.0.1", "--timeout", "60"]
+    assert entrypoint.command("worker", [], {"COVEY_WORKER_CONCURRENCY": "4"}) == [
+        *["celery", "--app", "covey", "worker", "--beat", "--loglevel", "INFO"],
+        *["--concurrency", "4"],
+    ]
+    assert entrypoint.command("runner", [], {}) == ["python", "manage.py", "runner", "--builtin"]
+    assert entrypoint.command("runner", ["--config", "/r.json"], {})[-2:] == ["--config", "/r.json"]
+    assert entrypoint.command("proxy", [], {})[2:] == ["egress_proxy", "--listen", "0.0.0.0:3128"]
+    assert entrypoint.command("gateway", [], {"COVEY_MODEL_GATEWAY_LISTEN": "0.0.0.0:9"})[-1] == (
+        "0.0.0.0:9"
+    )
+    with pytest.raises(entrypoint.EntrypointError, match="no role 'cook'"):
+        entrypoint.command("cook", [], {})
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("postgres://covey:s3cret@db/covey", "postgres://covey:***@db/covey"),
+        ("amqp://u:p@[::1]:5672//", "amqp://u:***@[::1]:5672//"),
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("filesystem://", "filesystem://"),
+    ],
+)
+def test_a_url_is_shown_without_its_password(url, shown):
+    assert entrypoint.masked(url) == shown
+
+
+def test_waiting_says_what_it_waits_for_once_and_gives_up_with_the_last_reason(capsys):
+    answers = iter(["the database at db:5432 does not answer (refused)"] * 3 + [""])
+    entrypoint.wait("the database", lambda: next(answers), seconds=10, pause=0)
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        "covey: waiting for the database: the database at db:5432 does not answer (refused)",
+        "covey: the database is ready",
+    ]
+    with pytest.raises(entrypoint.EntrypointError) as raised:
+        entrypoint.wait("the broker", lambda: "the broker at redis://redis:6379/0 says no", 0, 0)
+    assert str(raised.value) == (
+        "the broker is not ready after 0 s: the broker at redis://redis:6379/0 says no"
+    )
+
+
+def test_a_word_that_is_no_role_nor_program_is_refused(capsys):
+    assert entrypoint.main(["cook"], {}) == 2
+    assert "'cook' is no role (web, worker, runner, proxy, gateway, migrate)" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.django_db
+def test_the_database_and_the_migrations_are_ready_in_the_tests_database():
+    assert entrypoint.database_answers() == ""
+    assert entrypoint.migrations_applied() == ""
