@@ -32,8 +32,11 @@ ENV PATH=/opt/covey/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
     PYTHONDONTWRITEBYTECODE=1 \
     COVEY_VAR_DIR=/var/lib/covey \
     COVEY_STATIC_ROOT=/app/static
+# /var/lib/covey/runners/builtin: where the web role leaves the built-in runners' identities for
+# the runner role (a volume shared by both in compose.yaml takes the folder's owner from here).
 RUN useradd --system --user-group --home-dir /var/lib/covey --create-home \
-        --shell /usr/sbin/nologin covey
+        --shell /usr/sbin/nologin covey \
+    && install -d -o covey -g covey /var/lib/covey/runners /var/lib/covey/runners/builtin
 COPY --from=venv /opt/covey /opt/covey
 WORKDIR /app
 COPY src/ /app/

@@ -14,7 +14,7 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services base-image test-debs egress-image control-plane-image workplace-image lock
+.PHONY: help venv run test lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
@@ -24,6 +24,7 @@ help:
 	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
 	@echo "make control-plane-image  build covey:latest, the control plane for every role (on covey-base)"
 	@echo "make workplace-image  build covey-workplace:latest, the default sandbox image with the Claude runtime"
+	@echo "make service-images  build covey-postgres and covey-redis for compose.yaml (Debian packages, no registry)"
 	@echo "make lock   lock pyproject.toml's dependencies into requirements/ (needs the package index)"
 
 # The virtualenv is brought to the lock (requirements/dev.txt: pyproject.toml's dependencies and
@@ -64,6 +65,11 @@ control-plane-image: venv base-image
 workplace-image: base-image
 	@scripts/workplace-image
 
+# compose.yaml's PostgreSQL and Redis where no registry is reachable: Debian's packages on the
+# local base; instant when up to date.
+service-images: base-image
+	@scripts/service-images
+
 lock: venv
 	@scripts/lock
 
@@ -77,7 +83,7 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py check --fail-level WARNING
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
-test: venv services base-image test-debs egress-image control-plane-image workplace-image lint check
+test: venv services base-image test-debs egress-image control-plane-image workplace-image service-images lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 format: venv
