@@ -17,8 +17,9 @@ gateway    the model gateway on COVEY_MODEL_GATEWAY_LISTEN (0.0.0.0:8002)
 migrate    applies the migrations and exits
 =========  ===============================================================================
 
-Anything else that names a program (``sh``, ``python manage.py shell``) runs as given. What
-cannot be reached is named by its address, never with its password.
+Every role but ``runner`` needs DJANGO_SECRET_KEY and COVEY_ENCRYPTION_KEYS given, the same in
+each container. Anything else that names a program (``sh``, ``python manage.py shell``) runs as
+given. What cannot be reached is named by its address, never with its password.
 """
 
 import os
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 ROLES = ("web", "worker", "runner", "proxy", "gateway", "migrate")
 MANAGE = ["python", "manage.py"]
+KEYS = ("DJANGO_SECRET_KEY", "COVEY_ENCRYPTION_KEYS")
 
 
 class EntrypointError(Exception):
@@ -143,8 +145,22 @@ def broker_answers() -> str:
     return ""
 
 
+def missing_keys(role: str, environ: dict[str, str]) -> list[str]:
+    """The keys a role that reads the database needs given. A container's generated ones
+    would differ from its neighbours' and go with it, and with the encryption key what it
+    encrypted (the organisations' model keys): refused rather than lost."""
+    if role == "runner":
+        return []
+    return [name for name in KEYS if not environ.get(name)]
+
+
 def prepare(role: str, environ: dict[str, str]) -> None:
     """What a role waits for and does before it becomes its program."""
+    if missing := missing_keys(role, environ):
+        raise EntrypointError(
+            f"{' and '.join(missing)} not set: every process of an installation needs the same"
+            " keys, made once (scripts/compose-env writes them into .env)"
+        )
     import django
 
     from covey import var

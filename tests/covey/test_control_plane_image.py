@@ -14,6 +14,11 @@ from packaging.utils import canonicalize_name
 from tests.locks import dev_only, locked
 
 IMAGE = "covey:latest"
+# The keys every role with the database is given (test-only values).
+KEYS = {
+    "DJANGO_SECRET_KEY": "a-test-only-secret-key-long-enough-for-the-deploy-check-0123456789",
+    "COVEY_ENCRYPTION_KEYS": "dGVzdC1vbmx5LWVuY3J5cHRpb24ta2V5LTMyLWJ5dGU=",
+}
 
 pytestmark = pytest.mark.docker
 
@@ -87,7 +92,7 @@ def test_its_checks_pass_with_a_production_configuration(run):
 
 def test_it_serves_the_web_role_by_default_migrated_with_its_first_admin(image):
     label = f"covey.test={uuid.uuid4().hex}"
-    env = {"COVEY_ADMIN_PASSWORD": "given-not-shown"}
+    env = {"COVEY_ADMIN_PASSWORD": "given-not-shown", **KEYS}
     started = docker(
         "run", "--detach", "--label", label, "--network", "none", "--cap-drop", "ALL",
         *[f"--env={k}={v}" for k, v in env.items()], image,
@@ -117,6 +122,7 @@ def test_a_role_says_which_database_it_waits_for_and_never_its_password(run):
     env = {
         "DATABASE_URL": "postgres://covey:s3cret-pw@127.0.0.1:9/covey",
         "COVEY_WAIT_SECONDS": "1",
+        **KEYS,
     }
     result = run("worker", env=env)
     assert result.returncode == 1
@@ -125,8 +131,11 @@ def test_a_role_says_which_database_it_waits_for_and_never_its_password(run):
     assert "s3cret-pw" not in result.stdout + result.stderr
 
 
-def test_the_migrate_role_migrates_and_exits_and_no_role_is_refused(run):
-    result = run("migrate")
+def test_the_migrate_role_needs_the_keys_migrates_and_exits_and_no_role_is_refused(run):
+    refused = run("migrate")
+    assert refused.returncode == 1
+    assert "DJANGO_SECRET_KEY and COVEY_ENCRYPTION_KEYS not set" in refused.stderr
+    result = run("migrate", env=KEYS)
     assert result.returncode == 0, result.stderr
     assert "Applying organisations." in result.stdout
     refused = run("cook")

@@ -77,3 +77,13 @@ def test_a_word_that_is_no_role_nor_program_is_refused(capsys):
 def test_the_database_and_the_migrations_are_ready_in_the_tests_database():
     assert entrypoint.database_answers() == ""
     assert entrypoint.migrations_applied() == ""
+
+
+def test_a_role_with_the_database_refuses_to_start_without_the_keys_given(capsys):
+    assert entrypoint.main(["worker"], {"DJANGO_SECRET_KEY": "k"}) == 1
+    assert capsys.readouterr().err == (
+        "covey: worker: COVEY_ENCRYPTION_KEYS not set: every process of an installation needs"
+        " the same keys, made once (scripts/compose-env writes them into .env)\n"
+    )
+    assert entrypoint.missing_keys("web", {}) == ["DJANGO_SECRET_KEY", "COVEY_ENCRYPTION_KEYS"]
+    assert entrypoint.missing_keys("runner", {}) == []
