@@ -1,7 +1,11 @@
 """`make run`'s script on embedded defaults: SQLite, a file-system broker, no servers."""
 
+import contextlib
+import http.server
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -10,10 +14,14 @@ from decimal import Decimal
 
 import httpx
 import pytest
+from dnslib.server import DNSLogger, DNSServer  # type: ignore[import-untyped]
 
+from runners.host.containers import isolation
 from runners.host.containers.engine import Engine
 from tests.budgets.conftest import KEY, ca, vendor  # noqa: F401 - fixtures
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
+from tests.runners.isolation_support import leftovers
+from tests.runners.world import OFF_LIST_NAME, UPSTREAM_NAME, OneName, Outside, Upstream, serve
 
 
 def fetch(url):
@@ -225,3 +233,85 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
         ).stdout.split()  # fmt: skip
         assert left == [], log.read_text()[-3000:]
     assert "removed 1 sandbox(es) at exit" in log.read_text()
+
+
+@pytest.mark.docker
+def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image):
+    """`COVEY_EGRESS_ISOLATION=network make run`: the script builds the egress image if it is
+    missing and has web listen where the runner's proxy container reaches it, so a run's only
+    exit is that proxy. The other settings here only stand in for the internet (the probe's
+    targets, the vendor it must reach, and the resolver and address that name it)."""
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        message = "network isolation needs root and iptables"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with contextlib.ExitStack() as resources:
+        host = Engine("address").bridge_address()
+        Upstream.body, Upstream.seen = f"hello from upstream {time.time_ns()}".encode(), []
+        upstream = http.server.ThreadingHTTPServer((host, 80), Upstream)
+        serve(resources, upstream)
+        quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda _message: None)
+        dns = DNSServer(OneName(UPSTREAM_NAME, host), address=host, port=0, logger=quiet)
+        dns.start_thread()
+        resources.callback(dns.stop)
+        outside = Outside(base_image)
+        resources.callback(outside.close)
+        port = free_port()
+        env = run_env(tmp_path, port) | {
+            "COVEY_EGRESS_ISOLATION": "network",
+            "COVEY_EGRESS_PROBE_ALLOWED": f"{UPSTREAM_NAME}:80",
+            "COVEY_EGRESS_PROBE_OFF_LIST": f"{OFF_LIST_NAME}:443",
+            "COVEY_EGRESS_NAMESERVERS": f"{host}@{dns.server.server_address[1]}",
+            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{host}/32",
+            **outside.targets(),
+        }
+        log = tmp_path / "run.log"
+        base = f"http://127.0.0.1:{port}"
+        names: list[str] = []
+
+        @resources.callback
+        def remove_isolation() -> None:  # the runner keeps its shape for its next start
+            for name in names:
+                isolation.teardown(name)
+                isolation.remove_rules(name)
+
+        with running([str(ROOT / "scripts" / "run")], env, log) as process:
+            wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 120, "the control plane", log)
+            with httpx.Client(base_url=base, timeout=10) as api:
+                token = subprocess.run(
+                    [str(VENV_BIN / "python"), "manage.py", "drf_create_token", "admin"],
+                    cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
+                ).stdout.split()[2]  # fmt: skip
+                api.headers["Authorization"] = f"Token {token}"
+                organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
+                assert "id" in organisation, organisation
+                found = re.compile(r"sandboxes on covey-internal-(\S+),")
+                wait_for(lambda: found.search(log.read_text()), 120, "the isolation shape", log)
+                names.append(found.search(log.read_text()).group(1))
+                wait_for(lambda: "egress probe passed" in log.read_text(), 120, "the probe", log)
+                script = (
+                    f'echo "via proxy: $(curl -sS --max-time 10 http://{UPSTREAM_NAME}/)";'
+                    f" curl -sS --noproxy '*' --connect-timeout 3 http://{host}/;"
+                    ' echo "direct: exit $?"'
+                )
+                agent = api.post(
+                    "/api/v1/agents/",
+                    json={"organisation": organisation["id"], "name": "Isolated",
+                          "runtime_command": ["sh", "-c", script],
+                          "allowlist": [f"{UPSTREAM_NAME}:80"]},
+                ).json()  # fmt: skip
+                assert "id" in agent, agent
+                run = api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "go"}).json()
+                deadline = time.monotonic() + 120
+                while run["status"] not in ("succeeded", "failed", "cancelled", "timed_out"):
+                    assert time.monotonic() < deadline, (run, log.read_text()[-4000:])
+                    assert process.poll() is None, log.read_text()[-4000:]
+                    time.sleep(0.5)
+                    run = api.get(f"/api/v1/runs/{run['id']}/").json()
+    assert run["status"] == "succeeded", json.dumps(run, indent=1)
+    assert f"via proxy: {Upstream.body.decode()}" in run["log_tail"], run["log_tail"]
+    # Dropped, not refused: the packets never got to the host.
+    assert "direct: exit 28" in run["log_tail"], run["log_tail"]
+    for name in names:
+        assert leftovers(name) == [], f"runner {name}'s isolation was left behind"
