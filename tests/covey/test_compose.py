@@ -88,6 +88,12 @@ def test_it_validates_and_says_which_secret_is_missing(tmp_path):
     runner = services["runner"]["environment"]
     assert "DATABASE_URL" not in runner and "DJANGO_SECRET_KEY" not in runner
     assert "COVEY_ENCRYPTION_KEYS" not in runner
+    # The first admin's password goes to the one service that makes the admin.
+    assert {
+        name
+        for name, service in services.items()
+        if "COVEY_ADMIN_PASSWORD" in service["environment"]
+    } == {"web"}
     # What sandboxes join holds the proxy and the gateway, never the database or the broker.
     on_sandboxes = {
         name for name, service in services.items() if "sandboxes" in (service.get("networks") or {})
