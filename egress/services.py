@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Count, Max, Prefetch, Q
+from django.db import connection, transaction
+from django.db.models import Prefetch, Q
 from django.utils import timezone
 
 from agents.models import Agent
@@ -62,19 +62,40 @@ def _scoped(queryset: Any, organisation_id: int | None, lookup: str) -> Any:
 
 
 def policy_fingerprint(organisation_id: int | None = None) -> str:
-    """A cheap value that changes whenever anything the policy depends on changes."""
-    agents = _scoped(Agent.objects.all(), organisation_id, "organisation_id").aggregate(
-        n=Count("id"), t=Max("updated_at")
+    """A cheap value that changes whenever anything the policy depends on changes: the count
+    and latest change of the agents, organisations, templates and tokens (in one query: every
+    proxy asks at every poll), the used-up budgets and the built-in destinations."""
+    q = connection.ops.quote_name
+    agent, org, template, token = (
+        q(model._meta.db_table) for model in (Agent, Organisation, AllowlistTemplate, EgressToken)
     )
-    orgs = _scoped(Organisation.objects.all(), organisation_id, "id").aggregate(
-        n=Count("id"), t=Max("updated_at")
+    scoped = organisation_id is not None
+    agents = f"FROM {agent}" + (f" WHERE {q('organisation_id')} = %s" if scoped else "")
+    orgs = f"FROM {org}" + (f" WHERE {q('id')} = %s" if scoped else "")
+    tokens = f"FROM {token}" + (
+        f" JOIN {agent} ON {agent}.{q('id')} = {token}.{q('agent_id')}"
+        f" WHERE {agent}.{q('organisation_id')} = %s"
+        if scoped
+        else ""
     )
-    templates = AllowlistTemplate.objects.aggregate(n=Count("id"), t=Max("updated_at"))
-    tokens = _scoped(EgressToken.objects.all(), organisation_id, "agent__organisation_id")
-    tokens_agg = tokens.aggregate(n=Count("id"), t=Max("created_at"), r=Max("revoked_at"))
+    parts = [
+        (f"COUNT(*) {agents}", 1),
+        (f"MAX({q('updated_at')}) {agents}", 1),
+        (f"COUNT(*) {orgs}", 1),
+        (f"MAX({q('updated_at')}) {orgs}", 1),
+        (f"COUNT(*) FROM {template}", 0),
+        (f"MAX({q('updated_at')}) FROM {template}", 0),
+        (f"COUNT(*) {tokens}", 1),
+        (f"MAX({token}.{q('created_at')}) {tokens}", 1),
+        (f"MAX({token}.{q('revoked_at')}) {tokens}", 1),
+    ]
+    sql = "SELECT " + ", ".join(f"(SELECT {part})" for part, _ in parts)
+    params = [organisation_id for _, takes_id in parts if scoped and takes_id]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        counted = cursor.fetchone()
     used_up = [sorted(ids) for ids in exhausted(organisation_id)]
-    parts = [agents, orgs, templates, tokens_agg, {"n": used_up}, {"n": built_in()}]
-    raw = "|".join(f"{p.get('n')}/{p.get('t')}/{p.get('r')}" for p in parts)
+    raw = "|".join(map(str, [*counted, used_up, built_in()]))
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
