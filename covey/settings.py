@@ -36,7 +36,15 @@ ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhos
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'covey.sqlite3'}")}
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+# A request keeps its thread's database connection for the next one (PostgreSQL: opening one
+# costs about as much as the request; bench/control_plane.py), checked before reuse; SQLite's
+# are opened afresh, as they cost nothing.
+_SQLITE = DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3"
+DATABASES["default"]["CONN_MAX_AGE"] = env.int(
+    "COVEY_DB_CONN_MAX_AGE", default=0 if _SQLITE else 60
+)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if _SQLITE:
     # Several processes write (web workers, the worker, the egress proxy): a transaction takes
     # the write lock when it begins and waits for it, instead of failing "database is locked"
     # when two writers meet halfway.
