@@ -89,6 +89,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     percentile,
     ratio,
     run_bench,
+    start_redis,
     step,
     verdict,
     wait_until,
@@ -259,28 +260,6 @@ def broker_env(env: dict[str, str], stack: Stack, redis_port: int | None) -> dic
     if stack.broker == "redis":
         return {**env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0"}
     return env  # unset: filesystem:// under COVEY_VAR_DIR/broker
-
-
-def start_redis(processes: Processes, work: Path) -> tuple[int, str]:
-    binary = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin")
-    if binary is None:
-        raise BenchError("redis-server is not installed (apt-get install redis-server)")
-    directory = work / "redis"
-    directory.mkdir()
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
-    args += ["no", "--dir", str(directory), "--daemonize", "no"]
-    process = processes.start("redis", args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    wait_until(
-        lambda: alive(process, "redis", processes) and accepts(port),
-        30,
-        "redis-server listening",
-        lambda: processes.log("redis"),
-    )
-    version = subprocess.run(  # noqa: S603 - the redis-server found above
-        [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout.split()
-    return port, next((v[2:] for v in version if v.startswith("v=")), "?")
 
 
 def start_control_plane(processes: Processes, env: dict[str, str], stack: Stack) -> None:

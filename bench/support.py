@@ -209,3 +209,27 @@ def django_here(env: dict[str, str], var_dir: Path) -> None:
     import django
 
     django.setup()
+
+
+def start_redis(processes: Processes, work: Path) -> tuple[int, str]:
+    """A redis-server of the bench's own on a loopback port, no persistence; its port and
+    version."""
+    binary = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin")
+    if binary is None:
+        raise BenchError("redis-server is not installed (apt-get install redis-server)")
+    directory = work / "redis"
+    directory.mkdir()
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+    args += ["no", "--dir", str(directory), "--daemonize", "no"]
+    process = processes.start("redis", args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    wait_until(
+        lambda: alive(process, "redis", processes) and accepts(port),
+        30,
+        "redis-server listening",
+        lambda: processes.log("redis"),
+    )
+    version = subprocess.run(  # noqa: S603 - the redis-server found above
+        [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.split()
+    return port, next((v[2:] for v in version if v.startswith("v=")), "?")

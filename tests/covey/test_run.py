@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from decimal import Decimal
 
 import httpx
@@ -52,6 +53,31 @@ def run_env(tmp_path, port: int, proxy: str = "") -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def admin_api(base: str, env: dict[str, str]) -> Iterator[tuple[httpx.Client, int]]:
+    """An API client as make run's admin (a token made with the script's settings), and the
+    organisation Acme it made."""
+    token = subprocess.run(
+        [str(VENV_BIN / "python"), "manage.py", "drf_create_token", "admin"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.split()[2]  # fmt: skip
+    headers = {"Authorization": f"Token {token}"}
+    with httpx.Client(base_url=base, timeout=10, headers=headers) as api:
+        organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
+        assert "id" in organisation, organisation
+        yield api, organisation["id"]
+
+
+def finished(api: httpx.Client, run: dict, process, log, deadline: float) -> dict:
+    """The run once it has ended (by ``deadline``, and while make run still runs)."""
+    while run["status"] not in ("succeeded", "failed", "cancelled", "timed_out"):
+        assert time.monotonic() < deadline, (run, log.read_text()[-4000:])
+        assert process.poll() is None, log.read_text()[-4000:]
+        time.sleep(0.5)
+        run = api.get(f"/api/v1/runs/{run['id']}/").json()
+    return run
+
+
 def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_password(tmp_path):
     port = free_port()
     env = run_env(tmp_path, port, f"127.0.0.1:{free_port()}")
@@ -92,14 +118,7 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
     base = f"http://127.0.0.1:{port}"
     with running([str(ROOT / "scripts" / "run")], env, log) as process:
         wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 120, "the control plane", log)
-        with httpx.Client(base_url=base, timeout=10) as api:
-            token = subprocess.run(
-                [str(VENV_BIN / "python"), "manage.py", "drf_create_token", "admin"],
-                cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
-            ).stdout.split()[2]  # fmt: skip
-            api.headers["Authorization"] = f"Token {token}"
-            organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
-            assert "id" in organisation, organisation
+        with admin_api(base, env) as (api, organisation):
             command = [
                 "sh",
                 "-c",
@@ -110,7 +129,7 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
             agents = [
                 api.post(
                     "/api/v1/agents/",
-                    json={"organisation": organisation["id"], "name": f"Builder {n}",
+                    json={"organisation": organisation, "name": f"Builder {n}",
                           "runtime_command": command},
                 ).json()
                 for n in range(RUNS)
@@ -123,16 +142,9 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
                 for agent in agents
             ]
             deadline = time.monotonic() + 120
-            finished = []
-            for run in queued:
-                while run["status"] not in ("succeeded", "failed", "cancelled", "timed_out"):
-                    assert time.monotonic() < deadline, (run, log.read_text()[-4000:])
-                    assert process.poll() is None, log.read_text()[-4000:]
-                    time.sleep(0.5)
-                    run = api.get(f"/api/v1/runs/{run['id']}/").json()
-                finished.append(run)
+            ended = [finished(api, run, process, log, deadline) for run in queued]
     assert "sandboxes reach the egress proxy at" in log.read_text()
-    for run in finished:
+    for run in ended:
         assert run["status"] == "succeeded", json.dumps(run, indent=1)
         assert run["runner"] == "builtin"
         assert f"proxy={host_address}:{env['COVEY_PROXY_PORT']}" in run["log_tail"]
@@ -278,14 +290,7 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
 
         with running([str(ROOT / "scripts" / "run")], env, log) as process:
             wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 120, "the control plane", log)
-            with httpx.Client(base_url=base, timeout=10) as api:
-                token = subprocess.run(
-                    [str(VENV_BIN / "python"), "manage.py", "drf_create_token", "admin"],
-                    cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
-                ).stdout.split()[2]  # fmt: skip
-                api.headers["Authorization"] = f"Token {token}"
-                organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
-                assert "id" in organisation, organisation
+            with admin_api(base, env) as (api, organisation):
                 found = re.compile(r"sandboxes on covey-internal-(\S+),")
                 wait_for(lambda: found.search(log.read_text()), 120, "the isolation shape", log)
                 names.append(found.search(log.read_text()).group(1))
@@ -297,18 +302,13 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
                 )
                 agent = api.post(
                     "/api/v1/agents/",
-                    json={"organisation": organisation["id"], "name": "Isolated",
+                    json={"organisation": organisation, "name": "Isolated",
                           "runtime_command": ["sh", "-c", script],
                           "allowlist": [f"{UPSTREAM_NAME}:80"]},
                 ).json()  # fmt: skip
                 assert "id" in agent, agent
                 run = api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "go"}).json()
-                deadline = time.monotonic() + 120
-                while run["status"] not in ("succeeded", "failed", "cancelled", "timed_out"):
-                    assert time.monotonic() < deadline, (run, log.read_text()[-4000:])
-                    assert process.poll() is None, log.read_text()[-4000:]
-                    time.sleep(0.5)
-                    run = api.get(f"/api/v1/runs/{run['id']}/").json()
+                run = finished(api, run, process, log, time.monotonic() + 120)
     assert run["status"] == "succeeded", json.dumps(run, indent=1)
     assert f"via proxy: {Upstream.body.decode()}" in run["log_tail"], run["log_tail"]
     # Dropped, not refused: the packets never got to the host.
