@@ -439,12 +439,17 @@ class RunnerHost:
         return missing
 
     def remove_sandboxes(self) -> int:
-        """Remove every sandbox of this host's runners, running or not, with its services (as
-        make run does at Ctrl-C: nothing of it is left behind); returns how many. Their runs
-        are found gone at the next start, and fail saying so."""
+        """Remove every sandbox of this host's runners, running or not, with its services, and
+        their probe and proxy-check containers (as make run does at Ctrl-C: nothing of it is
+        left behind); returns how many. Their runs are found gone at the next start, and fail
+        saying so."""
         removed = 0
-        for identity in list(self.identities.values()):
-            engine = self.engine(identity)
+        engines = [
+            (identity, engine)
+            for identity in list(self.identities.values())
+            for engine in (self.engine(identity), self.trust.probe_engine(identity))
+        ]
+        for identity, engine in engines:
             try:
                 sandboxes = engine.sandboxes()
             except EngineError as exc:

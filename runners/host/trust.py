@@ -161,7 +161,7 @@ class Trust:
             else:
                 try:
                     report = probing.run(
-                        self._probe_engine(identity),
+                        self.probe_engine(identity),
                         order,
                         self.settings.probe_targets,
                         self._where(identity),
@@ -223,7 +223,8 @@ class Trust:
         with self._locks_lock:
             return self._probe_locks.setdefault(identity.id, threading.Lock())
 
-    def _probe_engine(self, identity: Identity) -> Engine:
+    def probe_engine(self, identity: Identity) -> Engine:
+        """The engine of the runner's probe and proxy-check containers (a name of their own)."""
         with self._locks_lock:
             if identity.id not in self._probe_engines:
                 # Another name than the runner's: its sweep never takes a probe for a run.
@@ -264,7 +265,7 @@ class Trust:
                 return last.problem
             try:
                 problem = probing.check_proxy(
-                    self._probe_engine(identity),
+                    self.probe_engine(identity),
                     self.settings.check_image,
                     # Where sandboxes go; the proxy check needs no gateway (the probe does).
                     probing.Where(

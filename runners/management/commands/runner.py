@@ -4,6 +4,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from runners.probe import host as probing
 from runners.services import builtin_dir
 
 logger = logging.getLogger(__name__)
+STOP_WAIT_SECONDS = 3.0  # at exit, for the host's threads to finish what they are doing
 
 
 class Command(BaseCommand):
@@ -148,6 +150,11 @@ class Command(BaseCommand):
             self._work(queue, name, options["concurrency"])
         finally:
             host.stop()
+            # A heartbeat's proxy check, say, ends and removes its container (a few seconds
+            # at most: whatever is left then is removed below, or at the next start).
+            deadline = time.monotonic() + STOP_WAIT_SECONDS
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
             runner_host.set_current(None)
             if options["remove_sandboxes_at_exit"]:
                 removed = host.remove_sandboxes()
