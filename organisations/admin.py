@@ -13,7 +13,7 @@ from django.utils.html import format_html_join
 from simple_history.admin import SimpleHistoryAdmin
 
 from organisations import services, webhooks
-from organisations.models import Membership, Organisation, Webhook
+from organisations.models import Membership, Organisation, TenantQuerySet, Webhook
 
 
 def _when(moment: Any) -> str:
@@ -27,11 +27,33 @@ class TenantScoped:
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return super().get_queryset(request).for_user(request.user)  # type: ignore[misc]
 
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        """A choice of an organisation's row (its organisation, agent, runner, workplace)
+        offers the user's organisations' rows only: a plain one names every organisation's,
+        and a posted id of another's is not a valid choice."""
+        _scope_choices(self, db_field, request, kwargs)
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)  # type: ignore[misc]
+
+    def formfield_for_manytomany(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        _scope_choices(self, db_field, request, kwargs)
+        return super().formfield_for_manytomany(db_field, request, **kwargs)  # type: ignore[misc]
+
     def get_list_filter(self, request: HttpRequest) -> Any:
         """A filter by a related row offers only the rows the user's list refers to (a plain
         one would name every organisation's runners and agents)."""
         filters = super().get_list_filter(request)  # type: ignore[misc]
         return [_related_only(self.model, item) for item in filters]  # type: ignore[attr-defined]
+
+
+def _scope_choices(model_admin: Any, db_field: Any, request: HttpRequest, kwargs: Any) -> None:
+    if "queryset" in kwargs:
+        return
+    related = db_field.remote_field.model
+    queryset = model_admin.get_field_queryset(kwargs.get("using"), db_field, request)
+    if queryset is None:
+        queryset = related._default_manager.all()
+    if isinstance(queryset, TenantQuerySet):
+        kwargs["queryset"] = queryset.for_user(request.user)
 
 
 def _related_only(model: Any, item: Any) -> Any:

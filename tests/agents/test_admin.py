@@ -410,3 +410,30 @@ def test_runner_labels_are_typed_and_cleaned_as_an_agents_are(operator, acme):
     assert bad.status_code == 200
     runner.refresh_from_db()
     assert runner.labels == ["eu", "gpu"]
+
+
+def test_a_members_add_form_offers_only_their_organisations_rows(client, alice, acme, globex):
+    from django.contrib.auth.models import Permission
+
+    from tests.factories import WorkplaceFactory
+
+    alice.is_staff = True
+    alice.save()
+    alice.user_permissions.add(
+        *Permission.objects.filter(codename__in=["add_agent", "view_agent", "change_agent"])
+    )
+    WorkplaceFactory(organisation=acme, name="Our bench")
+    theirs = WorkplaceFactory(organisation=globex, name="Their lab")
+    client.force_login(alice)
+    page = client.get("/admin/agents/agent/add/").content.decode()
+    organisation_select = page.split('name="organisation"', 1)[1].split("</select>", 1)[0]
+    assert "Acme" in organisation_select and "Globex" not in organisation_select
+    assert "Our bench" in page and "Their lab" not in page
+    # Posting their ids anyway is refused as an invalid choice, and nothing is made.
+    answer = client.post(
+        "/admin/agents/agent/add/",
+        {"organisation": globex.pk, "name": "Mole", "slug": "mole", "workplace": theirs.pk},
+    )
+    assert answer.status_code == 200
+    assert "Select a valid choice" in answer.content.decode()
+    assert not Agent.objects.filter(name="Mole").exists()

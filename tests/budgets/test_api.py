@@ -136,16 +136,18 @@ def test_a_budget_is_set_in_the_admin_in_a_browser(page, acme, sonnet_price):  #
 
 
 @pytest.mark.django_db
-def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(client, acme, root):
+def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(
+    client, acme, alice, root
+):
     from django.contrib.auth.models import Permission
 
-    from tests.factories import UserFactory
-
-    carol = UserFactory(username="carol", is_staff=True)
-    carol.user_permissions.add(
+    # Even the organisation's own admin, with the permission to add budgets.
+    alice.is_staff = True
+    alice.save()
+    alice.user_permissions.add(
         *Permission.objects.filter(codename__in=["add_budget", "view_budget"])
     )
-    client.force_login(carol)
+    client.force_login(alice)
     form = {"organisation": acme.pk, "amount": "100", "period": "monthly", "thresholds": "[50]"}
     form |= {"spends-TOTAL_FORMS": "0", "spends-INITIAL_FORMS": "0"}
     refused = client.post("/admin/budgets/budget/add/", form)
