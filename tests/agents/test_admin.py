@@ -437,3 +437,25 @@ def test_a_members_add_form_offers_only_their_organisations_rows(client, alice, 
     assert answer.status_code == 200
     assert "Select a valid choice" in answer.content.decode()
     assert not Agent.objects.filter(name="Mole").exists()
+
+
+def test_a_member_sees_only_their_organisations_versions(client, alice, acme, globex):
+    from django.contrib.auth.models import Permission
+
+    alice.is_staff = True
+    alice.save()
+    alice.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_agentversion", "view_agent"])
+    )
+    ours = AgentFactory(organisation=acme, name="Builder")
+    theirs = AgentFactory(organisation=globex, name="Spy")
+    client.force_login(alice)
+    page = client.get("/admin/agents/agentversion/").content.decode()
+    assert "1 agent version" in page and str(ours) in page and str(theirs) not in page
+    assert "Globex" not in page  # nor in the filters
+    version = theirs.versions.get()
+    assert client.get(f"/admin/agents/agentversion/{version.pk}/change/").status_code == 302
+    titled = client.get(f"/admin/agents/agentversion/?agent__id__exact={theirs.pk}")
+    assert f"Versions of {theirs}" not in titled.content.decode()
+    mine = client.get(f"/admin/agents/agentversion/?agent__id__exact={ours.pk}")
+    assert f"Versions of {ours}" in mine.content.decode()
