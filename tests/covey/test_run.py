@@ -280,13 +280,24 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
         }
         log = tmp_path / "run.log"
         base = f"http://127.0.0.1:{port}"
-        names: list[str] = []
+        names: list[str] = []  # the built-in runners' (Demo's, then Acme's), as Docker names
+
+        def shapes() -> list[str]:
+            """The isolation shapes of this installation's runners (key: the first one's)."""
+            key = names[0].rsplit("-", 1)[1]
+            listed = subprocess.run(
+                ["docker", "network", "ls", "--filter", f"label={isolation.LABEL_ISOLATION}",
+                 "--format", f'{{{{.Label "{isolation.LABEL_ISOLATION}"}}}}'],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout.split()  # fmt: skip
+            return sorted({name for name in listed if name.endswith(f"-{key}")})
 
         @resources.callback
-        def remove_isolation() -> None:  # the runner keeps its shape for its next start
-            for name in names:
+        def remove_isolation() -> None:  # the runners keep their shapes for their next start
+            for name in shapes() if names else []:
                 isolation.teardown(name)
                 isolation.remove_rules(name)
+                names.append(name)
 
         with running([str(ROOT / "scripts" / "run")], env, log) as process:
             wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 120, "the control plane", log)
@@ -313,5 +324,6 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
     assert f"via proxy: {Upstream.body.decode()}" in run["log_tail"], run["log_tail"]
     # Dropped, not refused: the packets never got to the host.
     assert "direct: exit 28" in run["log_tail"], run["log_tail"]
+    assert len(set(names)) == 2, names  # Demo's runner's shape and Acme's
     for name in names:
         assert leftovers(name) == [], f"runner {name}'s isolation was left behind"
