@@ -187,7 +187,7 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(AgentVersion)
-class AgentVersionAdmin(VersionAdmin):
+class AgentVersionAdmin(TenantScoped, VersionAdmin):
     parent = "agent"
     list_display = ["agent", "number", "created_by", "created_at", "changes_shown"]
     list_filter = ["agent__organisation", "agent"]

@@ -149,10 +149,18 @@ AGENT_FIELDS = (
 )
 
 
+class AgentVersionQuerySet(TenantQuerySet):
+    """Versions, scoped as their agents."""
+
+    membership_lookup = "agent__organisation__memberships__user"
+
+
 class AgentVersion(Version):
     """One numbered configuration of an agent; rows are never changed once written."""
 
     agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="versions")
+
+    objects = AgentVersionQuerySet.as_manager()
 
     class Meta:
         ordering = ["agent_id", "-number"]

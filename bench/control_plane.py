@@ -56,8 +56,6 @@ from bench.support import (  # noqa: E402 - after the path is set
     OTHER_SETTINGS,
     BenchError,
     Processes,
-    accepts,
-    alive,
     django_here,
     free_port,
     percentile,
@@ -65,7 +63,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     run_bench,
     start_redis,
     step,
-    wait_until,
+    wait_listening,
 )
 
 RUNNERS = 50
@@ -120,12 +118,7 @@ def start_postgres(processes: Processes, work: Path) -> int:
     args += ["-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={data}"]
     args += ["-c", "fsync=off", "-c", "max_connections=200"]
     process = processes.start("postgres", args, {"PATH": "/usr/bin:/bin"})
-    wait_until(
-        lambda: alive(process, "postgres", processes) and accepts(port),
-        60,
-        "PostgreSQL listening",
-        lambda: processes.log("postgres"),
-    )
+    wait_listening(processes, process, "postgres", port, "PostgreSQL listening", 60)
     return port
 
 
@@ -186,12 +179,7 @@ def start_control_plane(processes: Processes, env: dict[str, str]) -> str:
     args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{port}"]
     args += ["--workers", str(GUNICORN_WORKERS)]
     process = processes.start("control-plane", args, env)
-    wait_until(
-        lambda: alive(process, "control-plane", processes) and accepts(port),
-        60,
-        "the control plane listening",
-        lambda: processes.log("control-plane"),
-    )
+    wait_listening(processes, process, "control-plane", port, "the control plane listening", 60)
     return f"http://127.0.0.1:{port}"
 
 

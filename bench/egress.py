@@ -80,6 +80,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     run_bench,
     step,
     verdict,
+    wait_listening,
     wait_until,
 )
 
@@ -498,12 +499,7 @@ def start_control_plane(processes: Processes, env: dict[str, str]) -> int:
     gunicorn = str(Path(sys.executable).parent / "gunicorn")
     args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", "1"]
     process = processes.start("control-plane", args, env)
-    wait_until(
-        lambda: alive(process, "control-plane", processes) and accepts(port),
-        60,
-        "the control plane listening",
-        lambda: processes.log("control-plane"),
-    )
+    wait_listening(processes, process, "control-plane", port, "the control plane listening", 60)
     return port
 
 

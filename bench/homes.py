@@ -94,7 +94,6 @@ from bench.runs import django_env, exceptions_logged, start_redis  # noqa: E402 
 from bench.support import (  # noqa: E402 - after the path is set
     BenchError,
     Processes,
-    accepts,
     alive,
     django_here,
     free_port,
@@ -103,6 +102,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     run_bench,
     step,
     verdict,
+    wait_listening,
     wait_until,
 )
 from runners.host.homes import Home  # noqa: E402 - after the path is set
@@ -233,11 +233,13 @@ def start_control_plane(
     stack.control_plane = processes.start(
         name, args, {**env, "COVEY_HOME_SPOOL": str(stack.spool(work))}
     )
-    wait_until(
-        lambda: alive(stack.control_plane, name, processes) and accepts(stack.port),
-        60,
+    wait_listening(
+        processes,
+        stack.control_plane,
+        name,
+        stack.port,
         f"the {stack.broker} control plane listening",
-        lambda: processes.log(name),
+        60,
     )
 
 

@@ -82,7 +82,6 @@ from bench.support import (  # noqa: E402 - after the path is set
     OTHER_SETTINGS,
     BenchError,
     Processes,
-    accepts,
     alive,
     django_here,
     free_port,
@@ -92,6 +91,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     start_redis,
     step,
     verdict,
+    wait_listening,
     wait_until,
 )
 from runners.host.identity import docker_name  # noqa: E402 - after the path is set
@@ -268,11 +268,8 @@ def start_control_plane(processes: Processes, env: dict[str, str], stack: Stack)
     args += ["--workers", str(GUNICORN_WORKERS)]
     name = f"control-plane-{stack.broker}"
     process = processes.start(name, args, env)
-    wait_until(
-        lambda: alive(process, name, processes) and accepts(stack.port),
-        60,
-        f"the {stack.broker} control plane listening",
-        lambda: processes.log(name),
+    wait_listening(
+        processes, process, name, stack.port, f"the {stack.broker} control plane listening", 60
     )
 
 

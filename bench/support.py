@@ -134,6 +134,24 @@ def alive(process: subprocess.Popen[bytes], name: str, processes: Processes) -> 
     return True
 
 
+def wait_listening(
+    processes: Processes,
+    process: subprocess.Popen[bytes],
+    name: str,
+    port: int,
+    what: str,
+    timeout: float = 60,
+) -> None:
+    """Wait until ``process`` (started as ``name``) accepts connections on loopback ``port``;
+    fail with the end of its log if it exits or does not within ``timeout``."""
+    wait_until(
+        lambda: alive(process, name, processes) and accepts(port),
+        timeout,
+        what,
+        lambda: processes.log(name),
+    )
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
@@ -223,12 +241,7 @@ def start_redis(processes: Processes, work: Path) -> tuple[int, str]:
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
     args += ["no", "--dir", str(directory), "--daemonize", "no"]
     process = processes.start("redis", args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    wait_until(
-        lambda: alive(process, "redis", processes) and accepts(port),
-        30,
-        "redis-server listening",
-        lambda: processes.log("redis"),
-    )
+    wait_listening(processes, process, "redis", port, "redis-server listening", 30)
     version = subprocess.run(  # noqa: S603 - the redis-server found above
         [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.split()

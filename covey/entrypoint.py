@@ -27,7 +27,6 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 ROLES = ("web", "worker", "runner", "proxy", "gateway", "migrate")
 MANAGE = ["python", "manage.py"]
@@ -70,19 +69,6 @@ def command(role: str, args: Sequence[str], environ: dict[str, str]) -> list[str
     raise EntrypointError(f"no role {role!r}")
 
 
-def masked(url: str) -> str:
-    """``url`` with its password replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def wait(what: str, ready: Callable[[], str], seconds: float, pause: float = 1.0) -> None:
     """Ask ``ready`` (which returns "" when ready, else why not) until it is, for ``seconds``
     at most; then fail with its last answer."""
@@ -102,26 +88,13 @@ def wait(what: str, ready: Callable[[], str], seconds: float, pause: float = 1.0
         time.sleep(pause)
 
 
-def database_answers() -> str:
-    from django.conf import settings
-    from django.db import Error, connection
-
-    try:
-        connection.ensure_connection()
-    except Error as exc:
-        connection.close()
-        where = settings.DATABASES["default"]
-        address = f"{where.get('HOST') or where.get('NAME')}:{where.get('PORT') or ''}"
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"the database at {address.rstrip(':')} does not answer ({reason})"
-    return ""
-
-
 def migrations_applied() -> str:
     from django.db import Error, connection
     from django.db.migrations.executor import MigrationExecutor
 
-    if why := database_answers():
+    from covey.health import database_problem
+
+    if why := database_problem():
         return why
     try:
         executor = MigrationExecutor(connection)
@@ -130,19 +103,6 @@ def migrations_applied() -> str:
         connection.close()
         return f"cannot read the applied migrations ({exc})"
     return f"{len(plan)} migration(s) not applied yet (the web role applies them)" if plan else ""
-
-
-def broker_answers() -> str:
-    from covey.celery import app
-
-    try:
-        with app.connection_for_write() as connection:
-            connection.ensure_connection(
-                max_retries=1, interval_start=0, interval_step=0, timeout=2.0
-            )
-    except Exception as exc:  # kombu raises its transports' own errors
-        return f"the broker at {app.connection_for_write().as_uri()} does not answer ({exc})"
-    return ""
 
 
 def missing_keys(role: str, environ: dict[str, str]) -> list[str]:
@@ -171,9 +131,11 @@ def prepare(role: str, environ: dict[str, str]) -> None:
     from django.core.management import call_command
     from django.db import connections
 
+    from covey.health import broker_problem, database_problem
+
     seconds = float(environ.get("COVEY_WAIT_SECONDS") or 60)
     if role in ("web", "migrate"):
-        wait("the database", database_answers, seconds)
+        wait("the database", database_problem, seconds)
         call_command("migrate", interactive=False, verbosity=1)
     if role == "web":
         call_command("ensure_admin")
@@ -181,7 +143,7 @@ def prepare(role: str, environ: dict[str, str]) -> None:
     if role in ("worker", "proxy", "gateway"):
         wait("the database", migrations_applied, seconds)
     if role in ("web", "worker", "runner"):
-        wait("the broker", broker_answers, seconds)
+        wait("the broker", broker_problem, seconds)
     connections.close_all()
 
 

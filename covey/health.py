@@ -38,31 +38,48 @@ def readyz(request: HttpRequest) -> JsonResponse:
     )
 
 
-def _database() -> str:
-    started = time.monotonic()
+def database_problem() -> str:
+    """'' when the database answers, else why not, naming its address (never its password):
+    for /readyz and for the image's roles waiting for it (covey/entrypoint.py)."""
     try:
         with connections["default"].cursor() as cursor:
             cursor.execute("SELECT 1")
             cursor.fetchone()
     except Error as exc:  # InterfaceError (a closed connection) too
+        connections["default"].close()  # the next question opens a new one
         settings = connections["default"].settings_dict
         where = f"{settings.get('HOST') or settings.get('NAME')}:{settings.get('PORT') or ''}"
-        logger.warning("readyz: the database at %s does not answer: %s", where, exc)
-        return "unreachable"
-    return "ok" if time.monotonic() - started < 10 else "slow"
+        return f"the database at {where.rstrip(':')} does not answer ({_first_line(exc)})"
+    return ""
 
 
-def _broker() -> str:
+def broker_problem() -> str:
+    """'' when the broker answers, else why not, naming its URL with the password masked."""
     try:
         with app.connection_for_write() as connection:
             connection.ensure_connection(
                 max_retries=1, interval_start=0, interval_step=0, timeout=BROKER_TIMEOUT
             )
     except Exception as exc:  # kombu raises its transports' own errors
-        logger.warning(
-            "readyz: the broker at %s does not answer: %s",
-            app.connection_for_write().as_uri(),  # the password masked
-            exc,
-        )
+        where = app.connection_for_write().as_uri()  # the password masked
+        return f"the broker at {where} does not answer ({_first_line(exc)})"
+    return ""
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().split("\n", 1)[0] or type(exc).__name__
+
+
+def _database() -> str:
+    started = time.monotonic()
+    if problem := database_problem():
+        logger.warning("readyz: %s", problem)
+        return "unreachable"
+    return "ok" if time.monotonic() - started < 10 else "slow"
+
+
+def _broker() -> str:
+    if problem := broker_problem():
+        logger.warning("readyz: %s", problem)
         return "unreachable"
     return "ok"

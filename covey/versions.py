@@ -176,22 +176,6 @@ class VersionAdmin(admin.ModelAdmin):
         "number", "created_by", "reason", "created_at", "changes_shown", "config_shown",
     ]  # fmt: skip
 
-    def get_queryset(self, request: HttpRequest) -> Any:
-        """The versions of the user's organisations' objects (every one for a superuser), as
-        their objects' own admin shows only those."""
-        queryset = super().get_queryset(request)
-        if request.user.is_superuser:
-            return queryset
-        return queryset.filter(**{f"{self.parent}__organisation__memberships__user": request.user})
-
-    def get_list_filter(self, request: HttpRequest) -> Any:
-        """Filters by a related row (the object, its organisation) offer only the rows the
-        list refers to."""
-        return [
-            (item, admin.RelatedOnlyFieldListFilter) if isinstance(item, str) else item
-            for item in super().get_list_filter(request)
-        ]
-
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return [self.parent, *self.readonly_fields]
 
@@ -211,6 +195,7 @@ class VersionAdmin(admin.ModelAdmin):
         parent_id = request.GET.get(f"{self.parent}__id__exact", "")
         model = self.model._meta.get_field(self.parent).related_model
         number = parent_id.isascii() and parent_id.isdigit()
+        # The object, when the user may see it (the tenant-scoped admins' queryset says).
         parents = model._default_manager.filter(
             pk__in=self.get_queryset(request).values(self.parent)
         )

@@ -4,6 +4,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.utils import NotRelationField, get_fields_from_path
 from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
@@ -57,11 +58,13 @@ def _scope_choices(model_admin: Any, db_field: Any, request: HttpRequest, kwargs
 
 
 def _related_only(model: Any, item: Any) -> Any:
-    if not isinstance(item, str) or "__" in item:
+    """A filter by a related row, directly or across relations (``agent__organisation``),
+    offers only the rows the list refers to."""
+    if not isinstance(item, str):
         return item
     try:
-        field = model._meta.get_field(item)
-    except FieldDoesNotExist:
+        field = get_fields_from_path(model, item)[-1]
+    except (FieldDoesNotExist, NotRelationField):
         return item
     return (item, admin.RelatedOnlyFieldListFilter) if field.is_relation else item
 

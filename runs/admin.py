@@ -119,13 +119,23 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
-        run = self.get_object(request, object_id)
-        shown = {
-            "show_save": False,
-            "show_save_and_continue": False,
-            "may_cancel": run is not None and _may_run(request, run.agent),
-        }
-        return super().change_view(request, object_id, form_url, {**(extra_context or {}), **shown})
+        no_saving = {"show_save": False, "show_save_and_continue": False}
+        return super().change_view(
+            request, object_id, form_url, {**(extra_context or {}), **no_saving}
+        )
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: Any,
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Run | None = None,
+    ) -> HttpResponse:
+        """The Cancel button is for who may cancel (the run the page already read)."""
+        context["may_cancel"] = obj is not None and _may_run(request, obj.agent)
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def get_urls(self) -> list[Any]:
         log = self.admin_site.admin_view(self.log_view)

@@ -167,7 +167,7 @@ class WorkplaceAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(WorkplaceVersion)
-class WorkplaceVersionAdmin(VersionAdmin):
+class WorkplaceVersionAdmin(TenantScoped, VersionAdmin):
     parent = "workplace"
     list_display = ["workplace", "number", "created_by", "created_at", "changes_shown"]
     list_filter = ["workplace__organisation", "workplace"]

@@ -71,10 +71,18 @@ class Workplace(models.Model):
 WORKPLACE_FIELDS = ("name", "description", "image", "packages", "services", "runtime_command")
 
 
+class WorkplaceVersionQuerySet(TenantQuerySet):
+    """Versions, scoped as their workplaces."""
+
+    membership_lookup = "workplace__organisation__memberships__user"
+
+
 class WorkplaceVersion(Version):
     """One numbered configuration of a workplace; rows are never changed once written."""
 
     workplace = models.ForeignKey(Workplace, on_delete=models.CASCADE, related_name="versions")
+
+    objects = WorkplaceVersionQuerySet.as_manager()
 
     class Meta:
         ordering = ["workplace_id", "-number"]

@@ -158,6 +158,7 @@ def test_the_pages_it_links_to_show_a_member_only_their_organisations(client, bu
         assert page.status_code == 200, listing
         text = page.content.decode()
         assert "Spy" not in text and "their-edge" not in text and "their.example" not in text
+        assert "Globex" not in text  # nor in a filter by organisation (agent__organisation)
     assert "Builder" in client.get("/admin/agents/agent/").content.decode()
     # Their run, its output and its agent's page are not found for her.
     assert client.get(f"/admin/runs/run/{theirs.pk}/change/").status_code == 302

@@ -3,6 +3,7 @@ the commands they start take the options they give (with this checkout standing 
 /opt/covey)."""
 
 import configparser
+import os
 import shlex
 import shutil
 import subprocess
@@ -30,6 +31,8 @@ def test_the_units_are_the_runner_and_its_proxy():
 @pytest.mark.parametrize("unit", UNITS, ids=lambda unit: unit.name)
 def test_systemd_accepts_the_unit(unit, tmp_path):
     if shutil.which("systemd-analyze") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("no systemd-analyze on this machine (Debian: the systemd package)")
         pytest.skip("no systemd-analyze on this machine")
     here = tmp_path / unit.name
     here.write_text(unit.read_text().replace(INSTALLED, str(ROOT)))
