@@ -206,6 +206,8 @@ class RunnerRequestsView(RunnerEndpoint):
     organisation and runs only; the credential's SHA-256 in ``X-Covey-Token-SHA256``, the
     filing as the body: egress/proxy/desk.py); answers what the agent is told."""
 
+    seen_as = "proxy"
+
     @extend_schema(request=DeskFiling, responses={201: DeskAnswer})
     def post(self, request: HttpRequest) -> Response:
         filing = request.data if isinstance(request.data, dict) else {}
@@ -217,6 +219,8 @@ class RunnerRequestsView(RunnerEndpoint):
 
 class RunnerRequestView(RunnerEndpoint):
     """A request's state, for the agent that asked (or one merged into it)."""
+
+    seen_as = "proxy"
 
     @extend_schema(responses={200: DeskAnswer})
     def get(self, request: HttpRequest, request_id: int) -> Response:

@@ -183,7 +183,8 @@ def budgets_near(user: Any) -> Section:
 
 
 def runner_state(runner: Runner, now: Any) -> str:
-    """'paused', 'probe failed', 'stale since …', 'never seen' or 'online'."""
+    """'paused', 'probe failed', 'stale since …', 'never seen', 'not ready: …'
+    or 'online'."""
     if runner.paused:
         return "paused"
     if not runner.trusted:  # hard isolation without a passed probe: it gets no work
@@ -193,6 +194,8 @@ def runner_state(runner: Runner, now: Any) -> str:
     if not runner.online:
         minutes = int((now - runner.last_seen_at).total_seconds() // 60)
         return f"stale: silent for {minutes} min"
+    if runner.host_ready is False:  # its host says why it cannot take work
+        return f"not ready: {runner.host_problem}"
     return "online"
 
 

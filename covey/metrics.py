@@ -10,7 +10,6 @@ The endpoint answers only a bearer token equal to COVEY_METRICS_TOKEN; without t
 refuses everyone (403), as the numbers name organisations, agents and runners.
 """
 
-import hmac
 import statistics
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,6 +33,7 @@ from budgets.services import current_spends
 from egress.models import Decision
 from runners.models import Runner
 from runs.models import Run, RunStatus
+from status import metrics_refusal
 
 WINDOW = timedelta(hours=1)  # the "last hour" families
 QUANTILES = (0.5, 0.9, 0.99)
@@ -185,6 +185,17 @@ def runners() -> Iterator[Metric]:
         "The runner's latest heartbeat (Unix time).",
         labels=labels,
     )
+    ready = GaugeMetricFamily(
+        "covey_runner_ready",
+        "1 when the runner's host said at its last heartbeat that it can take work (absent:"
+        " it has not said; its /readyz says why not).",
+        labels=labels,
+    )
+    proxy_seen = GaugeMetricFamily(
+        "covey_runner_proxy_last_seen_timestamp_seconds",
+        "When the runner's egress proxy last asked for its policy (Unix time).",
+        labels=labels,
+    )
     listed = Runner.objects.select_related("organisation", "last_probe")
     for runner in listed.order_by("organisation__slug", "name"):
         names = [runner.organisation.slug, runner.name]
@@ -193,7 +204,11 @@ def runners() -> Iterator[Metric]:
         trusted.add_metric(names, int(runner.trusted))
         if runner.last_seen_at is not None:
             seen.add_metric(names, runner.last_seen_at.timestamp())
-    yield from (online, paused, trusted, seen)
+        if runner.host_ready is not None:
+            ready.add_metric(names, int(runner.host_ready))
+        if runner.proxy_seen_at is not None:
+            proxy_seen.add_metric(names, runner.proxy_seen_at.timestamp())
+    yield from (online, paused, trusted, seen, ready, proxy_seen)
 
 
 def requests() -> Iterator[Metric]:
@@ -220,14 +235,8 @@ registry.register(ControlPlaneCollector())
 @require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
     """The families above in Prometheus's text format, for a bearer of COVEY_METRICS_TOKEN."""
-    expected = settings.COVEY_METRICS_TOKEN
-    if not expected:
-        return JsonResponse(
-            {"detail": "Metrics are off: set COVEY_METRICS_TOKEN and scrape with it."}, status=403
-        )
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
-        return JsonResponse(
-            {"detail": "Send the metrics token as 'Authorization: Bearer <token>'."}, status=401
-        )
+    authorization = request.headers.get("Authorization", "")
+    if refusal := metrics_refusal(authorization, settings.COVEY_METRICS_TOKEN):
+        code, detail = refusal
+        return JsonResponse({"detail": detail}, status=code)
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -262,6 +262,8 @@ COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "h
 COVEY_HOME_QUOTA_MB = env.int("COVEY_HOME_QUOTA_MB", default=10 * 1024)
 COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
 COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
+# HOST:PORT where a runner host answers /healthz, /readyz and /metrics ("": nowhere).
+COVEY_RUNNER_STATUS_LISTEN = env.str("COVEY_RUNNER_STATUS_LISTEN", default="")
 # Workplace images (read on the runner host): a sources.list file apt uses instead of the base
 # image's own sources while it installs a workplace's packages (an internal mirror; the image
 # keeps its own), and the Docker network the build runs on ("": Docker's default bridge; "host");

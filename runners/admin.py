@@ -65,12 +65,14 @@ RUNNER_FIELDS = (
     "online",
     "isolation",
     "trusted",
+    "host_status",
     "last_probe_status",
     "last_probe_lines",
     "token_prefix",
     "token_renewed_at",
     "created_at",
     "last_seen_at",
+    "proxy_seen_at",
 )
 
 
@@ -97,6 +99,7 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
         "online",
         "paused",
         "isolation",
+        "host_status",
         "last_probe_status",
         "last_seen_at",
     ]
@@ -117,6 +120,19 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
     @admin.display(description="What the last probe saw")
     def last_probe_lines(self, obj: Runner) -> str:
         return "-" if obj.last_probe is None else _lines(obj.last_probe)
+
+    @admin.display(description="Host", ordering="host_ready")
+    def host_status(self, obj: Runner) -> str:
+        # What the runner host said at its last heartbeat (its /readyz, bar the heartbeat).
+        if obj.host_ready is None:
+            return "-"
+        colour = PROBE_COLOURS[ProbeStatus.PASSED if obj.host_ready else ProbeStatus.FAILED]
+        return format_html(
+            '<span style="color: {}; font-weight: bold">{}</span>{}',
+            colour,
+            "ready" if obj.host_ready else "not ready",
+            "" if obj.host_ready else f": {obj.host_problem}",
+        )
 
     @admin.display(boolean=True, description="Gets work")
     def trusted(self, obj: Runner) -> bool:

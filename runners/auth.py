@@ -11,6 +11,8 @@ from rest_framework.views import APIView
 from runners.models import Runner
 from runners.services import runner_for_token
 
+SEEN_EVERY_SECONDS = 10  # a runner's calls mark it seen this often at most (one write each)
+
 
 class RunnerTokenAuthentication(authentication.BaseAuthentication):
     """Authenticates a runner; ``request.auth`` is the :class:`Runner`, the user anonymous."""
@@ -26,14 +28,22 @@ class RunnerTokenAuthentication(authentication.BaseAuthentication):
         runner = runner_for_token(header[1].decode(errors="replace"))
         if runner is None:
             raise exceptions.AuthenticationFailed("Unknown runner token.")
-        now = timezone.now()
-        if runner.last_seen_at is None or (now - runner.last_seen_at).total_seconds() > 10:
-            Runner.objects.filter(pk=runner.pk).update(last_seen_at=now)
-            runner.last_seen_at = now
+        view = request.parser_context.get("view") if request.parser_context else None
+        seen(runner, "proxy_seen_at" if getattr(view, "seen_as", "") == "proxy" else "last_seen_at")
         return AnonymousUser(), runner
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
+
+
+def seen(runner: Runner, field: str) -> None:
+    """Mark the runner's host (``last_seen_at``: what ``online`` reads) or its egress proxy
+    (``proxy_seen_at``) seen now; at most one write per 10 s each."""
+    now = timezone.now()
+    last = getattr(runner, field)
+    if last is None or (now - last).total_seconds() > SEEN_EVERY_SECONDS:
+        Runner.objects.filter(pk=runner.pk).update(**{field: now})
+        setattr(runner, field, now)
 
 
 class IsRunner(permissions.BasePermission):
@@ -44,7 +54,10 @@ class IsRunner(permissions.BasePermission):
 
 
 class RunnerEndpoint(APIView):
-    """An endpoint runners call with their runner token."""
+    """An endpoint runners call with their runner token. ``seen_as``: whose call it is, the
+    runner host's ("host": it is online) or its egress proxy's ("proxy")."""
+
+    seen_as = "host"
 
     authentication_classes = [RunnerTokenAuthentication]
     permission_classes = [IsRunner]

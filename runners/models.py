@@ -73,6 +73,25 @@ class Runner(models.Model):
         editable=False,
         help_text="What the runner host says it enforces: network (hard) or cooperative.",
     )
+    host_ready = models.BooleanField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="What the runner host said at its last heartbeat: whether it can take work"
+        " (empty: it has not said).",
+    )
+    host_problem = models.TextField(
+        blank=True,
+        editable=False,
+        help_text="Why it cannot, as the runner host said (Docker, isolation, probe, proxy).",
+    )
+    proxy_seen_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="When the runner's egress proxy last asked for its policy (remote runners'"
+        " own proxies, and the proxy containers of hard isolation).",
+    )
     last_probe = models.ForeignKey(
         "runners.Probe",
         on_delete=models.SET_NULL,

@@ -117,8 +117,12 @@ def set_paused(runner: Runner, paused: bool) -> Runner:
     return runner
 
 
-def heartbeat(runner: Runner) -> None:
-    """The runner is alive (its authentication marked it seen); place what waits for it."""
+def heartbeat(runner: Runner, problem: str | None = None) -> None:
+    """The runner is alive (its authentication marked it seen) and, when its host says,
+    whether it can take work (``problem``: '' when it can); place what waits for it."""
+    if problem is not None and (runner.host_ready, runner.host_problem) != (not problem, problem):
+        Runner.objects.filter(pk=runner.pk).update(host_ready=not problem, host_problem=problem)
+        runner.host_ready, runner.host_problem = not problem, problem
     if not runner.paused:
         available(runner)
 

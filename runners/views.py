@@ -30,7 +30,7 @@ from runners.messages import (
 from runners.models import Probe, Runner
 from runners.probe import service as probes
 from runners.probe.checks import Verdict
-from runners.protocol import ProbeStatusAnswer, RunnerInfo
+from runners.protocol import MAX_PROBLEM_CHARS, ProbeStatusAnswer, RunnerInfo
 
 
 class ProbeSerializer(serializers.ModelSerializer):
@@ -87,8 +87,11 @@ class RunnerSerializer(serializers.ModelSerializer):
             "isolation",
             "trusted",
             "last_probe",
+            "host_ready",
+            "host_problem",
             "created_at",
             "last_seen_at",
+            "proxy_seen_at",
         ]
         read_only_fields = fields
 
@@ -198,6 +201,19 @@ class RegisterRunnerView(APIView):
 
 class HeartbeatSerializer(serializers.Serializer):
     isolation = serializers.ChoiceField(choices=probes.ISOLATIONS, required=False)
+    ready = serializers.BooleanField(required=False)
+    problem = serializers.CharField(
+        required=False, allow_blank=True, max_length=MAX_PROBLEM_CHARS, trim_whitespace=False
+    )
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if ("ready" in data) != ("problem" in data):
+            raise serializers.ValidationError("Send 'ready' and 'problem' together, or neither.")
+        if "ready" in data and data["ready"] != (data["problem"] == ""):
+            raise serializers.ValidationError(
+                "'ready' is true exactly when 'problem' is empty (it says why not)."
+            )
+        return data
 
 
 class RunnerSelfView(RunnerEndpoint):
@@ -215,7 +231,7 @@ class RunnerSelfView(RunnerEndpoint):
         runner = self.runner(request)
         if isolation := serializer.validated_data.get("isolation"):
             probes.note_isolation(runner, isolation)
-        services.heartbeat(runner)
+        services.heartbeat(runner, serializer.validated_data.get("problem"))
         return Response(_me(runner))
 
 
@@ -319,6 +335,8 @@ class EgressPolicyView(RunnerEndpoint):
     Answers 304 when ``If-None-Match`` names the current generation.
     """
 
+    seen_as = "proxy"
+
     @extend_schema(
         responses={
             200: OpenApiResponse(
@@ -347,6 +365,8 @@ class DecisionIngestSerializer(serializers.Serializer):
 
 class DecisionIngestView(RunnerEndpoint):
     """For proxies on runners: store a batch of decisions in the log."""
+
+    seen_as = "proxy"
 
     @extend_schema(
         request=DecisionIngestSerializer,

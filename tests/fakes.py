@@ -52,6 +52,10 @@ class FakeEngine:
         self.parts: dict[str, list[ServiceRecord]] = {}  # runs' services, as started
         self.not_ready = ""  # a service of this name never becomes ready
         self.absent_images: set[str] = set()  # every other image is on this host
+        self.down = ""  # why the engine does not answer ("": it does)
+
+    def problem(self) -> str:
+        return self.down
 
     def missing_image(self, image: str) -> str:
         return f"image {image} is not on this host" if image in self.absent_images else ""
@@ -187,6 +191,7 @@ class FakeControlPlane:
     logs: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     output: dict[str, str] = field(default_factory=dict)
     heartbeats: int = 0
+    problems: list[str | None] = field(default_factory=list)  # what each heartbeat said
     unreachable: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Homes: orders to take, uploads' bytes, and what was answered or sent back.
@@ -268,9 +273,10 @@ class FakeControlPlane:
 
         yield chunks()
 
-    def heartbeat(self, isolation: str = "") -> RunnerInfo:
+    def heartbeat(self, isolation: str = "", problem: str | None = None) -> RunnerInfo:
         self._check()
         self.heartbeats += 1
+        self.problems.append(problem)
         return self.me()
 
     def me(self) -> RunnerInfo:

@@ -52,6 +52,18 @@ class DjangoLedger:
         self._callers: dict[str, tuple[float, datetime, Caller]] = {}
         self._prices: tuple[float, list[Price]] = (float("-inf"), [])
 
+    def problem(self) -> str:
+        """'' when the database answers, else 'unreachable' (why, with its address, goes to the
+        log for the people who run it, not to whoever asks /readyz)."""
+        try:
+            with _database(), connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except (OperationalError, InterfaceError) as exc:
+            where = connection.settings_dict.get("HOST") or connection.settings_dict.get("NAME")
+            logger.warning("readyz: the database at %s does not answer: %s", where, exc)
+            return "unreachable"
+        return ""
+
     def known(self, token: str) -> Caller | None:
         kept = self._callers.get(services.hash_token(token))
         if kept is None or self.clock() - kept[0] >= KEPT_SECONDS or kept[1] <= timezone.now():

@@ -1,7 +1,6 @@
 """The model gateway's Prometheus metrics, counted in its process (one registry per gateway)
 and served at its /metrics to a bearer of COVEY_METRICS_TOKEN. No Django."""
 
-import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import fields
 
@@ -10,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from budgets.usage import Usage
+from status import metrics_refusal
 
 # From a request sent to the vendor to its answer's headers (the first token of a stream).
 UPSTREAM_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
@@ -88,19 +88,9 @@ class Meters:
             self.requests.labels(route, str(code)).inc()
 
     async def serve(self, request: web.Request) -> web.Response:
-        if not self.token:
-            return web.json_response(
-                {"detail": "Metrics are off: set COVEY_METRICS_TOKEN and scrape with it."},
-                status=403,
-            )
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.encode(), self.token.encode()
-        ):
-            return web.json_response(
-                {"detail": "Send the metrics token as 'Authorization: Bearer <token>'."},
-                status=401,
-            )
+        if refusal := metrics_refusal(request.headers.get("Authorization", ""), self.token):
+            code, detail = refusal
+            return web.json_response({"detail": detail}, status=code)
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

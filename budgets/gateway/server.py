@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 COMPLETE, ERROR, CUT_OFF = "complete", "error", "cut-off"  # outcomes (budgets.models.Outcome)
 BUDGET_EXHAUSTED = "budget-exhausted"  # X-Covey-Deny-Reason
+READY_SECONDS = 5.0  # /readyz answers within this, whatever the ledger does
 MAX_KEPT = 16 * 1024 * 1024  # a plain answer longer than this is charged its worst case
 HOP_BY_HOP = frozenset(
     {
@@ -117,6 +118,10 @@ class Ledger(Protocol):
 
     def release(self, hold: Hold) -> None: ...
 
+    def problem(self) -> str:
+        """'' when the ledger can answer, else why not, naming no address (readiness)."""
+        ...
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -184,6 +189,7 @@ class Gateway:
             client_max_size=self.config.max_request_bytes, middlewares=[self.meters.middleware]
         )
         app.router.add_get("/healthz", self.health)
+        app.router.add_get("/readyz", self.readiness)
         app.router.add_get("/metrics", self.meters.serve)
         for method, path, api, metered in ROUTES:
             app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
@@ -212,6 +218,17 @@ class Gateway:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        """200 while the ledger answers (every metered request needs it), else 503."""
+        try:
+            problem = await asyncio.wait_for(self._ledger(self.ledger.problem), READY_SECONDS)
+        except TimeoutError:
+            problem = f"no answer in {READY_SECONDS:g} s"
+        return web.json_response(
+            {"status": "not ready" if problem else "ready", "checks": {"ledger": problem or "ok"}},
+            status=503 if problem else 200,
+        )
 
     async def unknown(self, request: web.Request) -> web.Response:
         api = CHAT if request.path.startswith(CHAT.prefix + "/") else ANTHROPIC

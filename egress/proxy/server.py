@@ -13,7 +13,7 @@ from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
-from egress.proxy.status import StatusServer
+from egress.proxy.status import ProxyStatus
 
 
 class ProxyError(Exception):
@@ -59,7 +59,7 @@ def serve(
     if config.status_listen:
         status_address = parse_listen(config.status_listen, "COVEY_EGRESS_STATUS_LISTEN")
         try:
-            status = StatusServer(
+            status = ProxyStatus(
                 status_address, addon, log, token=config.metrics_token, grace=config.grace
             )
         except OSError as exc:
@@ -86,7 +86,7 @@ async def _serve(
     name: str,
     where: str,
     say: Callable[[str], None],
-    status: StatusServer | None,
+    status: ProxyStatus | None,
 ) -> None:
     opts = options.Options()
     proxy = master.Master(opts)
@@ -128,7 +128,7 @@ class Announce:
         say: Callable[[str], None],
         listen: str,
         where: str,
-        status: StatusServer | None = None,
+        status: ProxyStatus | None = None,
     ) -> None:
         self.say, self.listen, self.where, self.status = say, listen, where, status
         self.announced = False

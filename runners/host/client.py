@@ -10,6 +10,7 @@ import httpx
 from runners.protocol import (
     FEATURES,
     HOME_ANSWER_HEADER,
+    MAX_PROBLEM_CHARS,
     OUTPUT_TOTAL_HEADER,
     ActiveRun,
     ActiveRuns,
@@ -72,10 +73,14 @@ class ControlPlaneClient:
         """Who this runner is (id, name, organisation, labels, paused, queue)."""
         return _answer(RunnerInfo, self._request("GET", "/api/v1/runner/"))
 
-    def heartbeat(self, isolation: str = "") -> RunnerInfo:
-        """Tell the control plane this runner is alive (and what it enforces: network or
-        cooperative); answers like :meth:`me`."""
-        body = {"isolation": isolation} if isolation else {}
+    def heartbeat(self, isolation: str = "", problem: str | None = None) -> RunnerInfo:
+        """Tell the control plane this runner is alive, what it enforces (network or
+        cooperative) and whether it can take work (``problem``: '' when it can, else why
+        not; None: not said); answers like :meth:`me`."""
+        body: dict[str, Any] = {"isolation": isolation} if isolation else {}
+        if problem is not None:
+            body["ready"] = not problem
+            body["problem"] = problem[:MAX_PROBLEM_CHARS]
         return _answer(RunnerInfo, self._request("POST", "/api/v1/runner/", json=body))
 
     def begin_probe(

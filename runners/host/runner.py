@@ -21,6 +21,7 @@ again while its last probe failed; until one passes it refuses every launch.
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -75,6 +76,11 @@ ENDED = frozenset({"exited", "dead", "removing"})  # Docker's states of a sandbo
 RELAUNCH_AFTER_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10
 WARN_EVERY_SECONDS = 60.0  # the same trouble comes back every poll: say it once a minute
+# A runner whose heartbeats go unanswered this long (and this many intervals) is not ready.
+HEARTBEAT_SILENCE_SECONDS = 30.0
+HEARTBEAT_SILENCE_TIMES = 3
+# The name of the engine that only asks Docker whether it answers (it owns no container).
+HOST_ENGINE_NAME = "covey-host"
 
 
 def docker_engine(name: str, installation: str, legacy: str) -> Engine:
@@ -122,6 +128,14 @@ class RunnerHost:
     _homes: dict[str, "Watched"] = field(default_factory=dict)
     _home_locks: HomeLocks = field(default_factory=HomeLocks)
     _builder: ImageBuilder | None = None
+    # Readiness: when the control plane last answered each runner's heartbeat (the clock's
+    # time), why it did not since, how often they are sent, and what asks Docker if it answers.
+    _heard: dict[int, float] = field(default_factory=dict)
+    _unheard: dict[int, str] = field(default_factory=dict)
+    heartbeat_every: float = 0.0
+    _docker: Engine | None = None
+    # Launches by runner and outcome (started, refused), for the host's /metrics.
+    launches: Counter[tuple[int, str]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.serving = HomeServer(
@@ -232,6 +246,7 @@ class RunnerHost:
             if isinstance(exc, ServiceNotReady):
                 services = (exc.record,)
             logger.warning("covey runner: run %s could not be built: %s", run_id, exc)
+            self._count(identity, "refused")
             self._forget(run_id)
             if isinstance(exc, BuildFailed) and exc.log:
                 client.put_log(run_id, f"covey: the workplace image could not be built\n{exc.log}")
@@ -248,6 +263,7 @@ class RunnerHost:
             services=tuple(self.engine(identity).services(run_id)) if spec.services else (),
         )
         client.report(run_id, running)
+        self._count(identity, "started")
         if sandbox.status in ("exited", "dead"):
             self._finish(identity, sandbox)  # it was done before this order came back
         else:
@@ -408,22 +424,74 @@ class RunnerHost:
             self._stop.wait(self.settings.poll)
 
     def heartbeats(self, interval: float) -> None:
-        """Until :meth:`stop`: tell the control plane each runner is alive."""
+        """Until :meth:`stop`: tell the control plane each runner is alive, and whether it can
+        take work (what stops it, if anything)."""
+        self.heartbeat_every = interval
         while not self._stop.is_set():
-            self.rescan()
-            for identity in list(self.identities.values()):
-                try:
-                    identity.client.heartbeat(self.settings.isolation_mode)
-                except ControlPlaneError as exc:
-                    logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
-                # Here, not in the watcher: a check runs a container, and the watcher must
-                # not wait for it.
-                self.trust.recheck_proxy(identity)
+            self.beat()
             self._stop.wait(interval)
+
+    def beat(self) -> None:
+        """One heartbeat of each runner, then the proxy checks that are due."""
+        self.rescan()
+        docker = self.docker_problem()  # one question for all: they share the engine
+        for identity in list(self.identities.values()):
+            problem = "; ".join(p for p in self.problems(identity, docker).values() if p)
+            try:
+                identity.client.heartbeat(self.settings.isolation_mode, problem)
+            except ControlPlaneError as exc:
+                self._unheard[identity.id] = str(exc)
+                logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
+            else:
+                self._heard[identity.id] = self.clock()
+                self._unheard.pop(identity.id, None)
+            # Here, not in the watcher: a check runs a container, and the watcher must not
+            # wait for it.
+            self.trust.recheck_proxy(identity)
 
     def stop(self) -> None:
         self._stop.set()
         self.serving.close()
+
+    # --- readiness ---------------------------------------------------------------------------
+
+    def docker_problem(self) -> str:
+        """'' when this host's Docker engine answers, else why not."""
+        try:
+            if self._docker is None:
+                self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
+            return self._docker.problem()
+        except EngineError as exc:
+            return str(exc)
+
+    def problems(self, identity: Identity, docker: str | None = None) -> dict[str, str]:
+        """What stops the runner taking work, by check ('' for each that holds): Docker
+        (``docker``: its answer, when just asked), its isolation shape (hard isolation), and
+        its egress probe (hard isolation) or proxy check (cooperative), as last seen."""
+        return {
+            "docker": self.docker_problem() if docker is None else docker,
+            "isolation": self.shapes.problem(identity),
+            "egress": self.trust.problem(identity),
+        }
+
+    def heartbeat_age(self, identity: Identity) -> float | None:
+        """Seconds since the control plane last answered the runner's heartbeat (None: never)."""
+        heard = self._heard.get(identity.id)
+        return None if heard is None else self.clock() - heard
+
+    def heartbeat_problem(self, identity: Identity) -> str:
+        """'' while the control plane answers the runner's heartbeats, else since when not."""
+        age = self.heartbeat_age(identity)
+        unheard = self._unheard.get(identity.id, "")
+        if age is None:
+            return f"no heartbeat answered yet{': ' + unheard if unheard else ''}"
+        if age > max(HEARTBEAT_SILENCE_TIMES * self.heartbeat_every, HEARTBEAT_SILENCE_SECONDS):
+            return f"the control plane has not answered a heartbeat for {age:.0f} s: {unheard}"
+        return ""
+
+    def _count(self, identity: Identity, outcome: str) -> None:
+        with self._launching_lock:
+            self.launches[identity.id, outcome] += 1
 
     def missing_default_image(self, image: str) -> dict[int, str]:
         """At start: runner id → why sandboxes of ``image`` (the default) cannot start here,

@@ -27,6 +27,7 @@ class Shapes:
         self._built: dict[int, Shape] = {}
         self._tokens: dict[int, str] = {}
         self._warned: dict[int, float] = {}
+        self._problems: dict[int, str] = {}  # why the last build or check failed
         # One build at a time: workers and the watcher must not make one runner's shape twice.
         self._lock = threading.Lock()
 
@@ -45,14 +46,25 @@ class Shapes:
         try:
             shape = self._build(identity, repin=repin)
         except IsolationError as exc:
+            self._problems[identity.id] = str(exc)
             last = self._warned.get(identity.id, -WARN_EVERY_SECONDS)
             if time.monotonic() - last >= WARN_EVERY_SECONDS:
                 self._warned[identity.id] = time.monotonic()
                 logger.warning("covey runner %s: isolation: %s", identity.name, exc)
             return None
+        self._problems.pop(identity.id, None)
         if self._warned.pop(identity.id, None) is not None:
             logger.info("covey runner %s: isolation is in place again", identity.name)
         return shape
+
+    def problem(self, identity: Identity) -> str:
+        """'' when the runner's shape stood at its last build or check, else what was wrong
+        (readiness: from what was last seen, without checking anew)."""
+        if not self.settings.isolation:
+            return ""
+        if identity.id not in self._built:
+            return self._problems.get(identity.id, "its isolation has not been built yet")
+        return self._problems.get(identity.id, "")
 
     def stale(self, identity: Identity) -> bool:
         """Built with a token the runner no longer has (renewed): its proxy polls policy with
@@ -78,7 +90,9 @@ class Shapes:
             else:
                 problems = self._preflight(identity, shape)
         if problems or shape is None:
-            raise IsolationError(f"isolation preflight failed: {'; '.join(problems)}")
+            self._problems[identity.id] = f"isolation preflight failed: {'; '.join(problems)}"
+            raise IsolationError(self._problems[identity.id])
+        self._problems.pop(identity.id, None)
         return shape
 
     def _build(self, identity: Identity, *, repin: bool = False) -> Shape:

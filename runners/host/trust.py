@@ -89,13 +89,34 @@ class Trust:
         """UntrustedError unless the runner may launch now (``proxied``: its sandbox is to be
         told of the proxy)."""
         if self.settings.isolation:
-            state = self._probes.get(identity.id)
-            if state is None:
-                raise UntrustedError("this runner has not passed an egress probe yet")
-            if not state.passed:
-                raise UntrustedError(f"this runner's last egress probe failed: {state.summary}")
+            if problem := self._probe_problem(identity):
+                raise UntrustedError(problem)
         elif proxied and (problem := self._proxy_for_launch(identity)):
             raise UntrustedError(problem)
+
+    def problem(self, identity: Identity) -> str:
+        """'' when the runner may take work as far as this host last saw, else why not; from
+        what the last probe or proxy check found, without checking anew (readiness)."""
+        if self.settings.isolation:
+            return self._probe_problem(identity)
+        if not self.settings.proxy:
+            return ""  # nothing to check: the runner host said so at start
+        check = self._proxy_checks.get(identity.id)
+        if check is None:
+            return f"the egress proxy at {self.settings.proxy} has not been checked yet"
+        return check.problem
+
+    def probe_state(self, identity: Identity) -> ProbeState | None:
+        """The runner's latest egress probe on this host (None: none yet)."""
+        return self._probes.get(identity.id)
+
+    def _probe_problem(self, identity: Identity) -> str:
+        state = self._probes.get(identity.id)
+        if state is None:
+            return "this runner has not passed an egress probe yet"
+        if not state.passed:
+            return f"this runner's last egress probe failed: {state.summary}"
+        return ""
 
     def _proxy_for_launch(self, identity: Identity) -> str:
         """The proxy check for a launch (and at start): one that failed is tried again every

@@ -16,6 +16,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from budgets import services
+from budgets.gateway import server as gateway_server
 from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
 from tests.budgets.conftest import KEY, METRICS_TOKEN, MODEL, start_gateway
@@ -358,3 +359,33 @@ def test_its_json_lines_name_the_agent_and_request_they_concern(tmp_path, vendor
     assert line["agent_id"] == agent.pk
     assert line["request_id"] == refused.headers["X-Covey-Request-Id"]
     assert line["level"] == "INFO" and line["logger"] == "budgets.gateway.server"
+
+
+def test_it_is_ready_while_its_ledger_answers(gateway):
+    assert httpx.get(f"{gateway.url}/healthz").json() == {"status": "ok"}
+    answer = httpx.get(f"{gateway.url}/readyz")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"status": "ready", "checks": {"ledger": "ok"}}
+
+
+class SilentLedger:
+    """A ledger whose database does not answer, or answers too late."""
+
+    def __init__(self, problem: str = "", wait: float = 0.0) -> None:
+        self.said, self.wait = problem, wait
+
+    def problem(self) -> str:
+        time.sleep(self.wait)
+        return self.said
+
+
+@pytest.mark.parametrize(
+    ("ledger", "says"),
+    [(SilentLedger("unreachable"), "unreachable"), (SilentLedger(wait=0.3), "no answer in 0.1 s")],
+)
+def test_it_is_not_ready_while_its_ledger_does_not_answer(ledger, says, monkeypatch):
+    monkeypatch.setattr(gateway_server, "READY_SECONDS", 0.1)
+    gateway = gateway_server.Gateway(ledger, gateway_server.GatewayConfig())
+    answer = asyncio.run(gateway.readiness(None))
+    assert answer.status == 503
+    assert json.loads(answer.body) == {"status": "not ready", "checks": {"ledger": says}}

@@ -68,10 +68,8 @@ def test_it_validates_and_says_which_secret_is_missing(tmp_path):
     assert validated.returncode == 0, validated.stderr
     services = yaml.safe_load(validated.stdout)["services"]
     assert set(services) == {"postgres", "redis", "web", "worker", "runner", "proxy", "gateway"}
-    # Health checks on each service but the runner, which serves no HTTP.
-    assert {name for name, service in services.items() if "healthcheck" in service} == (
-        set(services) - {"runner"}
-    )
+    # Health checks on each service.
+    assert {name for name, service in services.items() if "healthcheck" in service} == set(services)
 
     def mounts(service: dict) -> list[str]:
         return [

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from egress.proxy.addon import CoveyEgress
 from egress.proxy.feed import DecisionLog, PolicyFeed
-from egress.proxy.status import StatusServer
+from egress.proxy.status import ProxyStatus
 from tests.egress.conftest import connect, start_proxy
 from tests.egress.test_addon_hooks import TOKEN, Source, snapshot
 from tests.fakes import Clock
@@ -84,7 +84,7 @@ def hand_fed():
     feed = PolicyFeed(Source(snapshot("g1", TOKEN)), poll=60, grace=15, clock=clock)
     log = DecisionLog(lambda events: None)
     addon = CoveyEgress(feed, log)
-    status = StatusServer(("127.0.0.1", 0), addon, log, token="", grace=15)
+    status = ProxyStatus(("127.0.0.1", 0), addon, log, token="", grace=15)
     status.start()
     host, port = status.address
     yield feed, clock, status, f"http://{host}:{port}"

@@ -16,6 +16,7 @@ from uuid import uuid4
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from approvals import services as approvals
 from runners.host.containers.engine import Engine, SandboxSpec
@@ -289,18 +290,36 @@ def test_a_runner_whose_proxy_does_not_answer_refuses_launches_saying_why(
 ):
     """Sandboxes told of a proxy nothing answers at would fail every request silently: the
     runner checks from the sandbox network at start, refuses launches with a status that says
-    what is wrong, and takes work again once a later check passes (issue 9, item 1)."""
+    what is wrong, and takes work again once a later check passes (issue 9, item 1). Its
+    status listener and its heartbeats say the same meanwhile."""
     stack = Stack(tmp_path, base_image, COVEY_EGRESS_ENFORCE="true")
     address = Engine("address").bridge_address()
     port = free_port()
+    status = f"http://127.0.0.1:{free_port()}"
     proxy = None
     try:
         runner, config = stack.register(acme, "edge-1")
         agent = stack.agent(acme, "Quiet", ["sh", "-c", 'echo "proxy=$HTTPS_PROXY" | cut -d@ -f2'])
         # A launch would wait this long for the proxy to come up: not at all here.
-        env = {"COVEY_RUNNER_PROXY": f"{address}:{port}", "COVEY_RUNNER_PROXY_WAIT_SECONDS": "0"}
+        env = {
+            "COVEY_RUNNER_PROXY": f"{address}:{port}",
+            "COVEY_RUNNER_PROXY_WAIT_SECONDS": "0",
+            "COVEY_RUNNER_STATUS_LISTEN": status.removeprefix("http://"),
+            "COVEY_METRICS_TOKEN": "metrics-" + "m" * 24,
+        }
         with stack.runner(runner, config, **env) as process:
             assert "PROXY CHECK FAILED, launches are refused" in process.output()
+            assert f"status at {status}/" in process.output()
+            not_ready = httpx.get(f"{status}/readyz")
+            assert not_ready.status_code == 503
+            problem = not_ready.json()["runners"][str(runner.pk)]["checks"]["egress"]
+            assert f"the egress proxy at {address}:{port} does not answer" in problem
+
+            def said_so() -> bool:  # its next heartbeat
+                runner.refresh_from_db()
+                return runner.host_ready is False and problem in runner.host_problem
+
+            wait_for(said_so, 10, "the heartbeat saying why the runner is not ready")
             refused = stack.wait(run_services.queue_run(agent, "one"), *FINISHED)
             assert refused.status == RunStatus.FAILED
             assert f"the egress proxy at {address}:{port} does not answer" in (
@@ -315,6 +334,20 @@ def test_a_runner_whose_proxy_does_not_answer_refuses_launches_saying_why(
             assert f"sandboxes reach the egress proxy at {address}:{port} again" in (
                 process.output()
             )
+            assert httpx.get(f"{status}/readyz").status_code == 200
+            scraped = httpx.get(
+                f"{status}/metrics",
+                headers={"Authorization": f"Bearer {env['COVEY_METRICS_TOKEN']}"},
+            )
+            figures = {
+                (s.name, s.labels.get("outcome", "")): s.value
+                for family in text_string_to_metric_families(scraped.text)
+                for s in family.samples
+            }
+            assert figures["covey_runner_host_ready", ""] == 1
+            assert figures["covey_runner_host_launches_total", "refused"] == 1
+            assert figures["covey_runner_host_launches_total", "started"] == 1
+            wait_for(lambda: runner.refresh_from_db() or runner.host_ready, 10, "ready said")
     finally:
         if proxy is not None:
             proxy.close()

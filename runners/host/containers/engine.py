@@ -462,6 +462,14 @@ class Engine:
             **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
         }
 
+    def problem(self) -> str:
+        """'' when the Docker engine answers, else why not (readiness: a host's /readyz)."""
+        try:
+            self._client.ping()
+        except Exception as exc:  # the SDK's errors and requests' (a socket that is gone)
+            return f"the Docker engine does not answer: {exc}"
+        return ""
+
     def missing_image(self, image: str) -> str:
         """'' when ``image`` is on this host, else why a sandbox of it cannot start."""
         try:

@@ -11,13 +11,16 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from allowlists.entries import split_host_port
 from runners.host import runner as runner_host
+from runners.host import status
 from runners.host.client import ControlPlaneError
 from runners.host.containers import isolation
 from runners.host.identity import Identity
 from runners.models import BUILTIN_QUEUE
 from runners.probe import host as probing
 from runners.services import builtin_dir
+from status import StatusServer
 
 logger = logging.getLogger(__name__)
 STOP_WAIT_SECONDS = 3.0  # at exit, for the host's threads to finish what they are doing
@@ -131,6 +134,9 @@ class Command(BaseCommand):
                 f"covey runner {runner_id}: THE DEFAULT IMAGE IS MISSING, runs of agents without"
                 f" a workplace fail until it is here (COVEY_DEFAULT_IMAGE): {problem}"
             )
+        status_server = None
+        if settings.COVEY_RUNNER_STATUS_LISTEN:
+            status_server = self._status_server(host, settings.COVEY_RUNNER_STATUS_LISTEN)
         runner_host.set_current(host)
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),
@@ -144,12 +150,18 @@ class Command(BaseCommand):
         ]
         for thread in threads:
             thread.start()
+        if status_server is not None:
+            status_server.start()
+            where = "http://{}:{}/".format(*status_server.address)
+            self.stdout.write(f"covey runner {name}: status at {where} (healthz, readyz, metrics)")
         self.stdout.write(f"covey runner {name} taking orders from queue {queue}")
         self.stdout.flush()
         try:
             self._work(queue, name, options["concurrency"])
         finally:
             host.stop()
+            if status_server is not None:
+                status_server.stop()
             # A heartbeat's proxy check, say, ends and removes its container (a few seconds
             # at most: whatever is left then is removed below, or at the next start).
             deadline = time.monotonic() + STOP_WAIT_SECONDS
@@ -159,6 +171,20 @@ class Command(BaseCommand):
             if options["remove_sandboxes_at_exit"]:
                 removed = host.remove_sandboxes()
                 self.stdout.write(f"covey runner {name}: removed {removed} sandbox(es) at exit")
+
+    def _status_server(self, host: runner_host.RunnerHost, listen: str) -> StatusServer:
+        try:
+            address = split_host_port(listen)
+            if not address[0]:
+                raise ValueError("name the host")
+        except ValueError as exc:
+            raise CommandError(f"COVEY_RUNNER_STATUS_LISTEN must be HOST:PORT: {exc}") from None
+        try:
+            return status.status_server(host, address, settings.COVEY_METRICS_TOKEN)
+        except OSError as exc:
+            raise CommandError(
+                f"cannot listen on COVEY_RUNNER_STATUS_LISTEN {listen}: {exc}"
+            ) from None
 
     def _work(self, queue: str, name: str, concurrency: int) -> None:
         from covey.celery import app
