@@ -129,11 +129,17 @@ def prepare(role: str, environ: dict[str, str]) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "covey.settings")
     django.setup()
     from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
     from django.db import connections
 
     from covey.health import broker_problem, database_problem
 
     seconds = float(environ.get("COVEY_WAIT_SECONDS") or 60)
+    if role == "web":
+        try:  # covey's deployment checks (covey/checks.py), before anything is changed
+            call_command("check", deploy=True, tags=["covey"], fail_level="ERROR")
+        except SystemCheckError as exc:
+            raise EntrypointError(f"the settings are not fit to serve: {exc}") from None
     if role in ("web", "migrate"):
         wait("the database", database_problem, seconds)
         call_command("migrate", interactive=False, verbosity=1)

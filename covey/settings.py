@@ -82,6 +82,7 @@ INSTALLED_APPS = [
     "homes",
     "approvals",
     "budgets",
+    "covey",  # the project's own system checks (covey/checks.py)
 ]
 
 MIDDLEWARE = [

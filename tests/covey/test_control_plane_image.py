@@ -140,3 +140,11 @@ def test_the_migrate_role_needs_the_keys_migrates_and_exits_and_no_role_is_refus
     assert "Applying organisations." in result.stdout
     refused = run("cook")
     assert refused.returncode == 2 and "'cook' is no role" in refused.stderr
+
+
+def test_the_web_role_refuses_settings_unfit_to_serve_before_it_changes_anything(run):
+    refused = run("web", env={"DJANGO_DEBUG": "true", **KEYS})
+    assert refused.returncode == 1
+    assert "covey: web: the settings are not fit to serve" in refused.stderr
+    assert "(covey.E004) DJANGO_DEBUG is on" in refused.stderr
+    assert "Applying" not in refused.stdout  # nothing migrated

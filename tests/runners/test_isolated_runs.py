@@ -129,6 +129,12 @@ def test_a_runner_whose_isolation_cannot_be_built_gets_no_work(world, acme):
 
         wait_for(held, 30, "the run held back for the failed probe")
         assert not containers_of(runner)  # no sandbox was ever created
+
+        def said_why() -> bool:  # its heartbeats tell the control plane, for the admin
+            runner.refresh_from_db()
+            return runner.host_ready is False and f"image {missing}" in runner.host_problem
+
+        wait_for(said_why, 10, "the heartbeat saying why the runner is not ready")
         output = process.output()
     runner.refresh_from_db()
     assert run.status == RunStatus.QUEUED
@@ -136,7 +142,7 @@ def test_a_runner_whose_isolation_cannot_be_built_gets_no_work(world, acme):
     assert (runner.isolation, runner.trusted) == ("network", False)
     assert runner.last_probe.status == "error"
     # The runner kept running: it said so at start, once, and took no work.
-    assert "no isolation yet; launches are refused" in output
+    assert f"NO ISOLATION YET, launches are refused: image {missing} is not on this host" in output
     assert "egress probe FAILED: no work until one passes" in output
     assert output.count(f"isolation: image {missing} is not on this host") == 1, output
     run_services.cancel(run)

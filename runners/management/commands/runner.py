@@ -110,7 +110,8 @@ class Command(BaseCommand):
                 f"covey runner {runner_id}: sandboxes on {shape.internal_network},"
                 f" their proxy at {isolation.proxy_address(shape)}"
                 if shape is not None
-                else f"covey runner {runner_id}: no isolation yet; launches are refused"
+                else f"covey runner {runner_id}: NO ISOLATION YET, launches are refused:"
+                f" {host.shapes.problem(host.identity(runner_id))}"
             )
         for runner_id, problem in host.start_proxy_checks().items():
             # Loud, but the runner starts: it refuses launches until its proxy answers.
