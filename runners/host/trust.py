@@ -130,9 +130,10 @@ class Trust:
             problem = self.check_proxy(identity, fresh=True, warn=False)
         if problem:
             tell = False
-            with self._locks_lock:
+            # Under the lock checks write with: a check made meanwhile is not overwritten.
+            with self._proxy_check_lock(identity):
                 check = self._proxy_checks.get(identity.id)
-                if check is not None and not check.said:
+                if check is not None and check.problem and not check.said:
                     self._proxy_checks[identity.id] = replace(check, said=True)
                     tell = True
             if tell:  # once, not for each launch it refuses
@@ -240,6 +241,11 @@ class Trust:
             gateway=self.engine_of(identity).gateway(network),
         )
 
+    def _proxy_check_lock(self, identity: Identity) -> threading.Lock:
+        """One proxy check of a runner at a time; its answer is written under it."""
+        with self._locks_lock:
+            return self._proxy_check_locks.setdefault(identity.id, threading.Lock())
+
     def _probe_lock(self, identity: Identity) -> threading.Lock:
         with self._locks_lock:
             return self._probe_locks.setdefault(identity.id, threading.Lock())
@@ -275,9 +281,7 @@ class Trust:
         PROXY_RECHECK_SECONDS when it failed, PROXY_CHECK_EVERY_SECONDS when it passed."""
         if self.settings.isolation or not self.settings.proxy:
             return ""
-        with self._locks_lock:
-            lock = self._proxy_check_locks.setdefault(identity.id, threading.Lock())
-        with lock:
+        with self._proxy_check_lock(identity):
             last = self._proxy_checks.get(identity.id)
             again = PROXY_RECHECK_SECONDS if last and last.problem else PROXY_CHECK_EVERY_SECONDS
             # Launches waiting together share each fresh check (made under this lock).
