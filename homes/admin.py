@@ -159,7 +159,7 @@ class HomeAdmin(admin.ModelAdmin):
         agent = self._agent(request, pk)
         path = request.GET.get("path", "")
         try:
-            got = services.download(agent, path)
+            got = services.download(agent, path, wire=services.wire(request))
         except HomeProblem as exc:
             messages.error(request, exc.detail)
             return self._back(agent, _parent(path))

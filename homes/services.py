@@ -30,6 +30,7 @@ from urllib.parse import quote
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
+from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
@@ -479,28 +480,50 @@ def mark_end(end: Path, outcome: str) -> None:
     draft.replace(end)
 
 
-def follow(spooled: Path, *, position: "Position | None" = None) -> Iterator[bytes]:
+Wire = Callable[[Any, int, int], int]
+"""Puts ``count`` bytes of a file from ``offset`` on the wire without reading them into
+Python (``socket.sendfile``); the bytes sent."""
+
+
+def wire(request: HttpRequest) -> Wire | None:
+    """How a response of known length may send a spooled file's bytes without reading them:
+    ``sendfile`` on the connection's socket, under gunicorn (which hands it over as
+    ``gunicorn.socket`` and writes each chunk it is given at once, so bytes sent beside it go
+    out in order, after the headers the first chunk carried). Reading each chunk into Python
+    and writing it again was most of a download's cost. None under any other server."""
+    sock = request.META.get("gunicorn.socket")
+    return None if sock is None else sock.sendfile
+
+
+def follow(
+    spooled: Path, *, position: "Position | None" = None, wire: Wire | None = None
+) -> Iterator[bytes]:
     """A spool file's bytes as its writer fills it, until its end marker says it is whole;
     broken off (HomeProblem, so the reader sees a cut response) when the writer broke off or
-    stood still. ``position``: where to tell how far it has been read."""
+    stood still. ``position``: where to tell how far it has been read. ``wire``: how to send
+    bytes past the first chunk straight from the file (the first is yielded all the same: it
+    sends the response's headers before anything goes on the wire)."""
     end = end_of(spooled)
     with open(spooled, "rb", buffering=0) as file:
         read = told = 0
         idle_since = time.monotonic()
         delay = 0.001
         while True:
-            data = file.read(CHUNK)
-            if data:
-                read += len(data)
+            whole = end.exists()  # first: what was written before the marker is in the size
+            grown = os.fstat(file.fileno()).st_size - read
+            if grown > 0:
+                if wire is None or read == 0:
+                    data = os.pread(file.fileno(), min(CHUNK, grown), read)
+                    read += len(data)
+                    yield data
+                else:
+                    read += wire(file, read, min(grown, TELL_EVERY))
                 if position is not None and read - told >= TELL_EVERY:
                     position.tell(read)
                     told = read
-                yield data
                 idle_since, delay = time.monotonic(), 0.001
                 continue
-            if end.exists():
-                while data := file.read(CHUNK):
-                    yield data
+            if whole:
                 if end.read_text() != "whole":
                     raise HomeProblem(502, f"the stream broke off: {end.read_text()}")
                 return
@@ -521,7 +544,9 @@ class Download:
     chunks: Iterator[bytes]
 
 
-def download(agent: Agent, path: str) -> Download:
+def download(agent: Agent, path: str, *, wire: Wire | None = None) -> Download:
+    """A file or directory of the home as the runner sends it; ``wire``: see :func:`follow`
+    (a file's bytes only: an archive's length is not known, so the server frames it)."""
     op = wait(order(agent, HomeOp.READ, path=path), frozenset({OperationState.STREAMING}))
     if op.state == OperationState.ANSWERED and not download_path(op.pk).exists():
         answer_of(op)  # a refusal raises
@@ -529,10 +554,10 @@ def download(agent: Agent, path: str) -> Download:
     answer = answer_of(op)
     archive = answer.entry is None or answer.entry.type == "directory"
     size = None if archive or answer.entry is None else answer.entry.size
-    return Download(answer, archive, size, _tail(op))
+    return Download(answer, archive, size, _tail(op, None if size is None else wire))
 
 
-def _tail(op: HomeOperation) -> Iterator[bytes]:
+def _tail(op: HomeOperation, wire: Wire | None) -> Iterator[bytes]:
     """A download's bytes as the runner's stream fills its spool file, telling the runner how
     far they have been read; a stream still coming when its asker leaves is stopped."""
     spooled = download_path(op.pk)
@@ -540,7 +565,7 @@ def _tail(op: HomeOperation) -> Iterator[bytes]:
     position = Position(spooled, writer=True)
     whole = False
     try:
-        yield from follow(spooled, position=position)
+        yield from follow(spooled, position=position, wire=wire)
         whole = True
     finally:
         if not whole:

@@ -2,7 +2,9 @@
 home and given as ``?path=``), its audit, and the endpoints the runner holding it calls with its
 runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
 
+import io
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -63,6 +65,11 @@ def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes]
 
 
 def _read(request: HttpRequest, size: int) -> Iterator[bytes]:
+    body = _untouched(request, size)
+    if body is not None:
+        request._read_started = True  # type: ignore[attr-defined]  # read from the socket only
+        yield from _received(*body, size)
+        return
     left = size
     while left > 0:
         data = request.read(min(CHUNK, left))
@@ -70,6 +77,53 @@ def _read(request: HttpRequest, size: int) -> Iterator[bytes]:
             raise HomeProblem(400, f"the body ended {left} bytes short of its length")
         left -= len(data)
         yield data
+
+
+def _untouched(request: HttpRequest, size: int) -> tuple[socket.socket, Any] | None:
+    """The connection's socket and gunicorn's body of the request, when all ``size`` bytes of
+    the body are still on the socket: under gunicorn, a body of known length of which it has
+    read nothing yet (its buffers are empty: the client waited for 100 Continue, as curl and
+    runners do). Read straight from the socket, a body costs one copy a MiB; through
+    gunicorn's buffers it cost several, most of a transfer's time on the control plane
+    (measured). None otherwise: the body is read through the server. This leans on gunicorn's
+    request body (``Body`` over a ``LengthReader`` over the connection's unreader); a gunicorn
+    shaped otherwise is read the usual way (tests/homes/test_body.py checks the shape)."""
+    sock = request.META.get("gunicorn.socket")
+    stream = request.META.get("wsgi.input")
+    reader = getattr(stream, "reader", None)
+    if not isinstance(sock, socket.socket) or getattr(request, "_read_started", True):
+        return None
+    if getattr(reader, "length", None) != size or not hasattr(stream, "failed"):
+        return None
+    held = (getattr(stream, "buf", None), getattr(getattr(reader, "unreader", None), "buf", None))
+    if not all(isinstance(buffer, io.BytesIO) and not buffer.getvalue() for buffer in held):
+        return None
+    return sock, stream
+
+
+def _received(sock: socket.socket, stream: Any, size: int) -> Iterator[bytes]:
+    """A body of ``size`` bytes read from the connection a MiB at a time; then gunicorn's body
+    says it is all read (the connection may carry the next request). A body that ends short,
+    or whose sender stands still for IDLE_SECONDS, is broken off, and the connection closes
+    after the answer (where a next request would start is unknown)."""
+    said = sock.gettimeout()
+    sock.settimeout(services.IDLE_SECONDS)
+    left = size
+    try:
+        while left > 0:
+            data = sock.recv(min(CHUNK, left))
+            if not data:
+                raise HomeProblem(400, f"the body ended {left} bytes short of its length")
+            left -= len(data)
+            yield data
+    except TimeoutError:
+        raise HomeProblem(400, f"the body stood still for {services.IDLE_SECONDS:.0f} s") from None
+    finally:
+        sock.settimeout(said)
+        if left:
+            stream.failed = True
+        else:
+            stream.reader.length = 0
 
 
 DRAIN_MAX = 64 * CHUNK
@@ -84,6 +138,8 @@ def _drain(request: HttpRequest) -> None:
         return
     if raw <= 0 or raw > DRAIN_MAX:
         return
+    if getattr(request.META.get("wsgi.input"), "failed", False):
+        return  # broken off on the socket (_received): gunicorn closes the connection
     try:
         while request.read(CHUNK):
             pass
@@ -258,7 +314,7 @@ class HomeViewSet(viewsets.ViewSet):
         and lists it in covey-skipped.txt."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
-        got = services.download(agent, path)
+        got = services.download(agent, path, wire=services.wire(request._request))
         return services.download_headers(
             StreamingHttpResponse(got.chunks), path, archive=got.archive, size=got.size
         )
@@ -464,7 +520,8 @@ class RunnerHomeBodyView(RunnerHomeView):
             return Response({"detail": "the upload is gone"}, status=status.HTTP_410_GONE)
         size = HomeOrder.from_json(op.order).size
         response = StreamingHttpResponse(
-            services.follow(spooled), content_type="application/octet-stream"
+            services.follow(spooled, wire=services.wire(request._request)),
+            content_type="application/octet-stream",
         )
         response["Content-Length"] = str(size)  # a broken upload is a cut response
         return response

@@ -1,9 +1,16 @@
 """The one module a runner uses to speak HTTP to the control plane (with its runner token)."""
 
+import http.client
 import json
+import os
+import select
+import socket
+import ssl
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -60,6 +67,7 @@ class ControlPlaneClient:
             timeout=timeout,
             trust_env=False,  # never send the control plane's traffic through a proxy
         )
+        self._tls_context: ssl.SSLContext | None = None
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -187,37 +195,79 @@ class ControlPlaneClient:
         self, operation: str, answer: HomeAnswer, chunks: Iterable[bytes], size: int | None
     ) -> None:
         """A streamed answer (a download): ``answer`` in a header, the bytes as the body, with
-        a length when it is known beforehand."""
+        a length when it is known beforehand. A file's bytes (``chunks`` with a ``fileno``
+        and a length) go by ``sendfile``, never through Python."""
         headers = {
             HOME_ANSWER_HEADER: json.dumps(answer.to_json()),
             "Content-Type": "application/octet-stream",
+            # Its own connection, closed after: the body then goes with a 100 Continue from
+            # the control plane, which reads it straight from the socket (homes/views.py).
+            "Connection": "close",
         }
-        if size is not None:
-            headers["Content-Length"] = str(size)
-        self._request(
-            "PUT",
-            f"/api/v1/runner/home/{operation}/body/",
-            content=chunks,
-            headers=headers,
-            timeout=STREAM_TIMEOUT,
-            allow=(404, 409, 410),
-        )
+        url = f"{self.url}/api/v1/runner/home/{operation}/body/"
+        plain = urlsplit(url).scheme == "http"
+        if plain:
+            headers["Expect"] = "100-continue"
+        with self._transfer("PUT", url, headers, size) as connection:
+            if not plain or _continued(connection, "PUT", url):  # else refused before the body
+                _send_body(connection, url, chunks, size, sendfile=plain)
+            _response(connection, "PUT", url, allow=(404, 409, 410))
 
     @contextmanager
     def home_upload(self, operation: str) -> Iterator[Iterator[bytes]]:
-        """An upload's bytes, as they come from the control plane."""
-        path = f"/api/v1/runner/home/{operation}/body/"
+        """An upload's bytes, as they come from the control plane, read a MiB at a time
+        straight from the connection."""
+        url = f"{self.url}/api/v1/runner/home/{operation}/body/"
+        with self._transfer("GET", url, {}, None, body=False) as connection:
+            yield _chunks(_response(connection, "GET", url), url)
+
+    @contextmanager
+    def _transfer(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        size: int | None,
+        *,
+        body: bool = True,
+    ) -> Iterator[http.client.HTTPConnection]:
+        """A connection of its own for a transfer, its request line and headers sent (the
+        body is the caller's to send), closed after. httpx moves a body 64 KiB at a time
+        through its parser, which cost a runner more than the rest of a transfer together
+        (measured); ``http.client`` lets the bytes go by the MiB, or by ``sendfile``."""
+        where = urlsplit(url)
+        timeout = STREAM_TIMEOUT.read
+        connection: http.client.HTTPConnection
+        if where.scheme == "https":
+            connection = http.client.HTTPSConnection(
+                where.hostname or "", where.port, timeout=timeout, context=self._tls()
+            )
+        else:
+            connection = http.client.HTTPConnection(
+                where.hostname or "", where.port, timeout=timeout
+            )
         try:
-            with self._client.stream("GET", path, timeout=STREAM_TIMEOUT) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise ControlPlaneError(
-                        f"GET {self.url}{path}: {response.status_code} {response.text[:200]}",
-                        response.status_code,
-                    )
-                yield _chunks(response)
-        except httpx.HTTPError as exc:
-            raise ControlPlaneError(f"GET {self.url}{path}: {exc}") from exc
+            with _said(method, url):
+                connection.putrequest(method, where.path, skip_accept_encoding=True)
+                connection.putheader("Authorization", self._client.headers["Authorization"])
+                for name, value in headers.items():
+                    connection.putheader(name, value)
+                if body:
+                    if size is None:
+                        connection.putheader("Transfer-Encoding", "chunked")
+                    else:
+                        connection.putheader("Content-Length", str(size))
+                connection.endheaders()
+            yield connection
+        finally:
+            connection.close()
+
+    def _tls(self) -> ssl.SSLContext:
+        """What httpx verifies the control plane's certificate with, for a transfer's own
+        connection."""
+        if self._tls_context is None:
+            self._tls_context = httpx.create_ssl_context(trust_env=False)
+        return self._tls_context
 
     def _request(
         self, method: str, path: str, *, allow: tuple[int, ...] = (), **kwargs: Any
@@ -261,11 +311,114 @@ class ControlPlaneClient:
 STREAM_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
-def _chunks(response: httpx.Response) -> Iterator[bytes]:
+@runtime_checkable
+class Fileno(Protocol):
+    """A file's bytes that can be sent without reading them (``socket.sendfile``)."""
+
+    def fileno(self) -> int: ...
+
+
+def _send_body(
+    connection: http.client.HTTPConnection,
+    url: str,
+    chunks: Iterable[bytes],
+    size: int | None,
+    *,
+    sendfile: bool,
+) -> None:
+    """A request's body: a file by ``sendfile`` (when allowed: not through TLS), else its
+    chunks as they come, framed when no length was said (an empty chunk ends it)."""
+    if size is not None and isinstance(chunks, Fileno) and sendfile:
+        with os.fdopen(os.dup(chunks.fileno()), "rb", buffering=0) as file:
+            with _said("PUT", url):
+                sent = connection.sock.sendfile(file, 0, size)
+            if sent != size:
+                raise ControlPlaneError(f"PUT {url}: the file ended {size - sent} bytes short")
+        return
+    for data in chunks:  # (what goes wrong reading the home is not the network's)
+        if data:
+            with _said("PUT", url):
+                if size is None:
+                    connection.send(b"%x\r\n" % len(data))
+                connection.send(data)
+                if size is None:
+                    connection.send(b"\r\n")
+    if size is None:
+        with _said("PUT", url):
+            connection.send(b"0\r\n\r\n")
+
+
+INTERIM = (b"HTTP/1.1 100 ", b"HTTP/1.0 100 ")
+CONTINUE_SECONDS = 1.0  # how long a body waits for a 100 Continue before it goes anyway
+
+
+def _continued(connection: http.client.HTTPConnection, method: str, url: str) -> bool:
+    """After a request that expects 100 Continue (plain HTTP): True once the server said so
+    (the interim answer taken off the connection) or said nothing for CONTINUE_SECONDS (the
+    body goes anyway, as RFC 9110 lets a client); False when its final answer came instead
+    (left on the connection for getresponse)."""
+    sock = connection.sock
+    deadline = time.monotonic() + CONTINUE_SECONDS
+    with _said(method, url):
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([sock], [], [], left)[0]:
+                break
+            seen = sock.recv(1024, socket.MSG_PEEK)
+            if not seen:
+                return False  # closed: getresponse says so
+            if not any(seen.startswith(s) or s.startswith(seen) for s in INTERIM):
+                return False
+            end = seen.find(b"\r\n\r\n")
+            if end >= 0:
+                sock.recv(end + 4)  # the interim answer, and nothing of what follows
+                return True
+            time.sleep(0.001)  # the rest of the interim answer is on its way
+    return True
+
+
+@contextmanager
+def _said(method: str, url: str) -> Iterator[None]:
+    """A transfer's network failure as ControlPlaneError."""
     try:
-        yield from response.iter_raw()  # as they come: a set size is slower (measured)
-    except httpx.HTTPError as exc:
-        raise ControlPlaneError(f"the upload broke off: {exc}") from exc
+        yield
+    except (OSError, http.client.HTTPException) as exc:
+        raise ControlPlaneError(f"{method} {url}: {exc}") from exc
+
+
+def _response(
+    connection: http.client.HTTPConnection, method: str, url: str, *, allow: tuple[int, ...] = ()
+) -> http.client.HTTPResponse:
+    """The answer to a transfer (its body read, but a GET's); ControlPlaneError when it is a
+    refusal not in ``allow``."""
+    with _said(method, url):
+        response = connection.getresponse()
+        refused = response.status != 200 if method == "GET" else response.status >= 400
+        if refused and response.status not in allow:
+            said = response.read(200).decode(errors="replace")
+            raise ControlPlaneError(f"{method} {url}: {response.status} {said}", response.status)
+        if method != "GET":
+            response.read()
+    return response
+
+
+def _chunks(response: http.client.HTTPResponse, url: str) -> Iterator[bytes]:
+    """A response's body a MiB at a time; ControlPlaneError when it ends short of its length."""
+    left = response.length
+    while True:
+        try:
+            data = response.read(TRANSFER_CHUNK)
+        except (OSError, http.client.HTTPException) as exc:
+            raise ControlPlaneError(f"the upload broke off: GET {url}: {exc}") from exc
+        if not data:
+            break
+        if left is not None:
+            left -= len(data)
+        yield data
+    if left:
+        raise ControlPlaneError(f"the upload broke off: GET {url}: {left} bytes short")
+
+
+TRANSFER_CHUNK = 1024 * 1024
 
 
 def _answer[M: Message](kind: type[M], response: httpx.Response) -> M:
