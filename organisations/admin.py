@@ -1,6 +1,6 @@
 """Admin for organisations and their members, written for operators."""
 
-from typing import Any
+from typing import Any, cast
 
 from django import forms
 from django.contrib import admin, messages
@@ -14,7 +14,8 @@ from django.utils.html import format_html_join
 from simple_history.admin import SimpleHistoryAdmin
 
 from organisations import services, webhooks
-from organisations.models import Membership, Organisation, TenantQuerySet, Webhook
+from organisations.models import Membership, Organisation, Role, TenantQuerySet, Webhook
+from organisations.roles import role_of
 
 
 def _when(moment: Any) -> str:
@@ -104,10 +105,62 @@ class OrganisationForm(forms.ModelForm):
         return url
 
 
+def _administers(request: HttpRequest, organisation: Organisation | None) -> bool:
+    """Whether the user is an admin of the organisation (superusers are everywhere): who may
+    change it and its memberships, as in the API."""
+    return organisation is None or role_of(request.user, organisation) == Role.ADMIN
+
+
+class MembershipFormSet(forms.BaseInlineFormSet):
+    """An organisation's members as its page edits them: one that has an admin keeps one."""
+
+    creator: Any = None  # who is making the organisation (the service makes them its admin)
+
+    def clean(self) -> None:
+        super().clean()
+        roles: dict[Any, Any] = {}
+        if self.instance.pk:
+            found = Membership.objects.filter(organisation_id=self.instance.pk)
+            roles.update(found.values_list("user_id", "role"))
+        elif self.creator is not None:
+            roles[self.creator.pk] = Role.ADMIN
+        had_one = Role.ADMIN in roles.values()
+        for form in self.forms:
+            user = form.cleaned_data.get("user") if hasattr(form, "cleaned_data") else None
+            if user is None:
+                continue
+            if form.cleaned_data.get("DELETE"):
+                roles.pop(user.pk, None)
+            else:
+                if form.instance.pk and form.initial.get("user") not in (None, user.pk):
+                    roles.pop(form.initial["user"], None)  # the row now names someone else
+                roles[user.pk] = form.cleaned_data.get("role")
+        if had_one and Role.ADMIN not in roles.values():
+            raise ValidationError(services.LAST_ADMIN)
+
+
 class MembershipInline(admin.TabularInline):
+    """Members and their roles, changed by the organisation's admins through the same service
+    as the API (an organisation keeps at least one admin)."""
+
     model = Membership
+    formset = MembershipFormSet
     extra = 0
     autocomplete_fields = ["user"]
+
+    def get_formset(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
+        formset: Any = super().get_formset(request, obj, **kwargs)
+        formset.creator = request.user if obj is None else None
+        return formset
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return super().has_add_permission(request, obj) and _administers(request, obj)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return super().has_change_permission(request, obj) and _administers(request, obj)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return super().has_delete_permission(request, obj) and _administers(request, obj)
 
 
 @admin.register(Organisation)
@@ -199,22 +252,10 @@ class OrganisationAdmin(SimpleHistoryAdmin):
             )
 
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        if formset.model is not Membership or change:
+        if formset.model is not Membership:
             super().save_formset(request, form, formset, change)
             return
-        # A new organisation's creator is a member already (the service made them admin): a
-        # row for them in the inline sets their role instead of adding them twice.
-        for member in formset.save(commit=False):
-            existing = Membership.objects.filter(
-                organisation_id=member.organisation_id, user_id=member.user_id
-            ).first()
-            if existing is not None and existing.pk != member.pk:
-                existing.role = member.role
-                existing.save(update_fields=["role"])
-            else:
-                member.save()
-        for member in formset.deleted_objects:
-            member.delete()
+        save_members(formset, form.instance, request.user)
 
     def delete_model(self, request: HttpRequest, obj: Organisation) -> None:
         services.delete_organisation(obj, by=request.user)
@@ -224,7 +265,13 @@ class OrganisationAdmin(SimpleHistoryAdmin):
             services.delete_organisation(organisation, by=request.user)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
-        return super().get_queryset(request).annotate(agent_total=Count("agents"))
+        """The user's organisations (every one for a superuser), as the API's."""
+        mine = super().get_queryset(request).for_user(request.user)
+        return mine.annotate(agent_total=Count("agents"))
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Its admins change an organisation; its other members see it (as in the API)."""
+        return super().has_change_permission(request, obj) and _administers(request, obj)
 
     @admin.display(description="Base entries")
     def base_allowlist_size(self, obj: Organisation) -> int:
@@ -235,10 +282,119 @@ class OrganisationAdmin(SimpleHistoryAdmin):
         return int(obj.agent_total)
 
 
+def save_members(formset: Any, organisation: Organisation, by: Any) -> None:
+    """An organisation page's member rows, through the services (as the API): a new
+    organisation's creator is a member already (its admin), so a row naming them sets their
+    role; the admins' count is checked by the form set before, and by the services again, so
+    who becomes an admin is saved first."""
+    rows = sorted(formset.save(commit=False), key=lambda m: m.role != Role.ADMIN)
+    for member in rows:
+        existing = Membership.objects.filter(
+            organisation_id=organisation.pk, user_id=member.user_id
+        ).first()
+        if existing is not None:
+            if existing.role != member.role:
+                services.change_role(existing, member.role, by=by)
+            if member.pk and member.pk != existing.pk:  # the row now names someone else
+                services.remove_member(Membership.objects.get(pk=member.pk), by=by)
+        elif member.pk:
+            services.remove_member(Membership.objects.get(pk=member.pk), by=by)
+            services.add_member(organisation, member.user, member.role, by=by)
+        else:
+            services.add_member(organisation, member.user, member.role, by=by)
+    for member in formset.deleted_objects:
+        if Membership.objects.filter(pk=member.pk).exists():
+            services.remove_member(member, by=by)
+
+
+class MembershipForm(forms.ModelForm):
+    """A membership: who, where, in which role; an organisation keeps at least one admin."""
+
+    class Meta:
+        model = Membership
+        fields = ["organisation", "user", "role"]
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        before = self.instance
+        if before.pk and before.role == Role.ADMIN and data.get("role") != Role.ADMIN:
+            others = Membership.objects.filter(
+                organisation_id=before.organisation_id, role=Role.ADMIN
+            ).exclude(pk=before.pk)
+            if not others.exists():
+                raise ValidationError({"role": services.LAST_ADMIN})
+        return data
+
+
 @admin.register(Membership)
-class MembershipAdmin(SimpleHistoryAdmin):
+class MembershipAdmin(TenantScoped, SimpleHistoryAdmin):
+    """Who belongs to which of the user's organisations; their admins add, change and remove
+    members through the same services as the API."""
+
+    form = MembershipForm
     list_display = ["user", "organisation", "role"]
     list_filter = ["role", "organisation"]
     list_select_related = ["user", "organisation"]
     search_fields = ["user__username", "user__email", "organisation__name"]
     autocomplete_fields = ["user", "organisation"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return ["organisation", "user"] if obj is not None else []
+
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "organisation" and not request.user.is_superuser:
+            user_id = cast(int, request.user.pk)
+            admin_of = Membership.objects.filter(user_id=user_id, role=Role.ADMIN)
+            kwargs["queryset"] = Organisation.objects.filter(
+                pk__in=admin_of.values("organisation_id")
+            )
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        allowed = super().has_change_permission(request, obj)
+        return allowed and _administers(request, obj.organisation if obj else None)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Its organisation's admins remove a member, but not the last admin."""
+        allowed = super().has_delete_permission(request, obj)
+        if not allowed or obj is None:
+            return allowed
+        if not _administers(request, obj.organisation):
+            return False
+        last = obj.role == Role.ADMIN and not (
+            Membership.objects.filter(organisation_id=obj.organisation_id, role=Role.ADMIN)
+            .exclude(pk=obj.pk)
+            .exists()
+        )
+        return not last
+
+    def save_model(self, request: HttpRequest, obj: Membership, form: Any, change: bool) -> None:
+        if change:
+            services.change_role(obj, obj.role, by=request.user)
+        else:
+            made = services.add_member(obj.organisation, obj.user, obj.role, by=request.user)
+            obj.pk = made.pk
+            obj._state.adding = False
+
+    def delete_model(self, request: HttpRequest, obj: Membership) -> None:
+        services.remove_member(obj, by=request.user)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Membership]) -> None:
+        """The members chosen, one at a time; those the user may not remove (another's
+        organisation, its last admin) stay, and the user is told which."""
+        kept = []
+        for membership in queryset.select_related("organisation", "user"):
+            if not self.has_delete_permission(request, membership):
+                kept.append(str(membership))
+                continue
+            try:
+                services.remove_member(membership, by=request.user)
+            except ValidationError:
+                kept.append(str(membership))
+        if kept:
+            self.message_user(
+                request,
+                f"Not removed (an organisation keeps at least one admin, and only its admins"
+                f" remove members): {', '.join(kept)}.",
+                messages.ERROR,
+            )

@@ -87,6 +87,8 @@ class Membership(models.Model):
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.VIEWER)
     history = HistoricalRecords()
 
+    objects = TenantQuerySet.as_manager()
+
     class Meta:
         ordering = ["organisation_id", "user_id"]
         constraints = [

@@ -234,9 +234,12 @@ def test_an_organisation_added_in_the_admin_is_made_by_the_service(operator, roo
 
 
 def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(operator, root):
-    """A membership row for the creator sets their role instead of failing as a duplicate."""
+    """A membership row for the creator sets their role instead of failing as a duplicate
+    (another member is its admin: an organisation keeps one)."""
     from organisations.models import Membership, Organisation, Role
+    from tests.factories import UserFactory
 
+    lead = UserFactory(username="lead")
     response = operator.post(
         reverse("admin:organisations_organisation_add"),
         {
@@ -244,16 +247,17 @@ def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(o
             "slug": "umbrella",
             "base_allowlist": "api.anthropic.com",
             **EMPTY_MEMBERSHIPS,
-            "memberships-TOTAL_FORMS": "1",
+            "memberships-TOTAL_FORMS": "2",
             "memberships-0-user": root.pk,
             "memberships-0-role": Role.VIEWER,
+            "memberships-1-user": lead.pk,
+            "memberships-1-role": Role.ADMIN,
         },
     )
     assert response.status_code == 302, response.content.decode()[:2000]
     organisation = Organisation.objects.get(slug="umbrella")
-    assert list(Membership.objects.filter(organisation=organisation).values_list("role")) == [
-        (Role.VIEWER,)
-    ]
+    roles = Membership.objects.filter(organisation=organisation).values_list("user", "role")
+    assert dict(roles) == {root.pk: Role.VIEWER, lead.pk: Role.ADMIN}
 
 
 def test_a_bad_base_list_in_the_admin_is_a_form_error_and_makes_nothing(operator):
