@@ -17,9 +17,7 @@ def staff(client, user):
     what they may do is then their organisations' and roles' to say."""
     user.is_staff = True
     user.save()
-    user.user_permissions.add(
-        *Permission.objects.filter(content_type__app_label="organisations")
-    )
+    user.user_permissions.add(*Permission.objects.filter(content_type__app_label="organisations"))
     client.force_login(user)
     return client
 
