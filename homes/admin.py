@@ -23,7 +23,7 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from agents.models import Agent, size_text
-from homes import services
+from homes import services, wire
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
 from organisations.models import Role
@@ -156,10 +156,12 @@ class HomeAdmin(admin.ModelAdmin):
         return TemplateResponse(request, "admin/homes/browser.html", context)
 
     def download_view(self, request: HttpRequest, pk: int) -> HttpResponseBase:
+        if request.method != "GET":  # a HEAD too would order the whole transfer
+            return HttpResponseNotAllowed(["GET"])
         agent = self._agent(request, pk)
         path = request.GET.get("path", "")
         try:
-            got = services.download(agent, path, wire=services.wire(request))
+            got = services.download(agent, path, wire=wire.sender(request))
         except HomeProblem as exc:
             messages.error(request, exc.detail)
             return self._back(agent, _parent(path))

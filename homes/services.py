@@ -30,7 +30,6 @@ from urllib.parse import quote
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
-from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
@@ -485,24 +484,19 @@ Wire = Callable[[Any, int, int], int]
 Python (``socket.sendfile``); the bytes sent."""
 
 
-def wire(request: HttpRequest) -> Wire | None:
-    """How a response of known length may send a spooled file's bytes without reading them:
-    ``sendfile`` on the connection's socket, under gunicorn (which hands it over as
-    ``gunicorn.socket`` and writes each chunk it is given at once, so bytes sent beside it go
-    out in order, after the headers the first chunk carried). Reading each chunk into Python
-    and writing it again was most of a download's cost. None under any other server."""
-    sock = request.META.get("gunicorn.socket")
-    return None if sock is None else sock.sendfile
-
-
 def follow(
-    spooled: Path, *, position: "Position | None" = None, wire: Wire | None = None
+    spooled: Path,
+    *,
+    position: "Position | None" = None,
+    wire: Wire | None = None,
+    size: int | None = None,
 ) -> Iterator[bytes]:
     """A spool file's bytes as its writer fills it, until its end marker says it is whole;
     broken off (HomeProblem, so the reader sees a cut response) when the writer broke off or
     stood still. ``position``: where to tell how far it has been read. ``wire``: how to send
     bytes past the first chunk straight from the file (the first is yielded all the same: it
-    sends the response's headers before anything goes on the wire)."""
+    sends the response's headers before anything goes on the wire), never past ``size`` (the
+    length the response said: the server holds the chunks to it, not the wire)."""
     end = end_of(spooled)
     with open(spooled, "rb", buffering=0) as file:
         read = told = 0
@@ -517,7 +511,10 @@ def follow(
                     read += len(data)
                     yield data
                 else:
-                    read += wire(file, read, min(grown, TELL_EVERY))
+                    count = min(grown, TELL_EVERY, (size - read) if size is not None else grown)
+                    if count <= 0:
+                        raise HomeProblem(502, f"the stream holds more than its {size} bytes")
+                    read += wire(file, read, count)
                 if position is not None and read - told >= TELL_EVERY:
                     position.tell(read)
                     told = read
@@ -554,10 +551,10 @@ def download(agent: Agent, path: str, *, wire: Wire | None = None) -> Download:
     answer = answer_of(op)
     archive = answer.entry is None or answer.entry.type == "directory"
     size = None if archive or answer.entry is None else answer.entry.size
-    return Download(answer, archive, size, _tail(op, None if size is None else wire))
+    return Download(answer, archive, size, _tail(op, None if size is None else wire, size))
 
 
-def _tail(op: HomeOperation, wire: Wire | None) -> Iterator[bytes]:
+def _tail(op: HomeOperation, wire: Wire | None, size: int | None) -> Iterator[bytes]:
     """A download's bytes as the runner's stream fills its spool file, telling the runner how
     far they have been read; a stream still coming when its asker leaves is stopped."""
     spooled = download_path(op.pk)
@@ -565,7 +562,7 @@ def _tail(op: HomeOperation, wire: Wire | None) -> Iterator[bytes]:
     position = Position(spooled, writer=True)
     whole = False
     try:
-        yield from follow(spooled, position=position, wire=wire)
+        yield from follow(spooled, position=position, wire=wire, size=size)
         whole = True
     finally:
         if not whole:

@@ -2,9 +2,7 @@
 home and given as ``?path=``), its audit, and the endpoints the runner holding it calls with its
 runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
 
-import io
 import json
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from rest_framework.response import Response
 
 from agents.models import Agent, size_text
 from covey.pagination import BoundedPagination
-from homes import services
+from homes import services, wire
 from homes.models import HomeChange, HomeOperation, OperationState
 from homes.services import HomeProblem
 from organisations.models import Role
@@ -55,75 +53,13 @@ def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes]
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
             raise exceptions.ParseError("Content-Length: give a number of bytes")
         size = int(raw)
-        return (_read(request, size) if consume else iter(())), size
+        return (wire.read(request, size) if consume else iter(())), size
     if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
         "wsgi.input_terminated"
     ):
         stream = request.META["wsgi.input"]
         return iter(lambda: stream.read(CHUNK), b""), None
     raise exceptions.ParseError("give the body's length (Content-Length)")
-
-
-def _read(request: HttpRequest, size: int) -> Iterator[bytes]:
-    body = _untouched(request, size)
-    if body is not None:
-        request._read_started = True  # type: ignore[attr-defined]  # read from the socket only
-        yield from _received(*body, size)
-        return
-    left = size
-    while left > 0:
-        data = request.read(min(CHUNK, left))
-        if not data:
-            raise HomeProblem(400, f"the body ended {left} bytes short of its length")
-        left -= len(data)
-        yield data
-
-
-def _untouched(request: HttpRequest, size: int) -> tuple[socket.socket, Any] | None:
-    """The connection's socket and gunicorn's body of the request, when all ``size`` bytes of
-    the body are still on the socket: under gunicorn, a body of known length of which it has
-    read nothing yet (its buffers are empty: the client waited for 100 Continue, as curl and
-    runners do). Read straight from the socket, a body costs one copy a MiB; through
-    gunicorn's buffers it cost several, most of a transfer's time on the control plane
-    (measured). None otherwise: the body is read through the server. This leans on gunicorn's
-    request body (``Body`` over a ``LengthReader`` over the connection's unreader); a gunicorn
-    shaped otherwise is read the usual way (tests/homes/test_body.py checks the shape)."""
-    sock = request.META.get("gunicorn.socket")
-    stream = request.META.get("wsgi.input")
-    reader = getattr(stream, "reader", None)
-    if not isinstance(sock, socket.socket) or getattr(request, "_read_started", True):
-        return None
-    if getattr(reader, "length", None) != size or not hasattr(stream, "failed"):
-        return None
-    held = (getattr(stream, "buf", None), getattr(getattr(reader, "unreader", None), "buf", None))
-    if not all(isinstance(buffer, io.BytesIO) and not buffer.getvalue() for buffer in held):
-        return None
-    return sock, stream
-
-
-def _received(sock: socket.socket, stream: Any, size: int) -> Iterator[bytes]:
-    """A body of ``size`` bytes read from the connection a MiB at a time; then gunicorn's body
-    says it is all read (the connection may carry the next request). A body that ends short,
-    or whose sender stands still for IDLE_SECONDS, is broken off, and the connection closes
-    after the answer (where a next request would start is unknown)."""
-    said = sock.gettimeout()
-    sock.settimeout(services.IDLE_SECONDS)
-    left = size
-    try:
-        while left > 0:
-            data = sock.recv(min(CHUNK, left))
-            if not data:
-                raise HomeProblem(400, f"the body ended {left} bytes short of its length")
-            left -= len(data)
-            yield data
-    except TimeoutError:
-        raise HomeProblem(400, f"the body stood still for {services.IDLE_SECONDS:.0f} s") from None
-    finally:
-        sock.settimeout(said)
-        if left:
-            stream.failed = True
-        else:
-            stream.reader.length = 0
 
 
 DRAIN_MAX = 64 * CHUNK
@@ -139,7 +75,7 @@ def _drain(request: HttpRequest) -> None:
     if raw <= 0 or raw > DRAIN_MAX:
         return
     if getattr(request.META.get("wsgi.input"), "failed", False):
-        return  # broken off on the socket (_received): gunicorn closes the connection
+        return  # broken off, or read on the socket (homes/wire.py): gunicorn closes it
     try:
         while request.read(CHUNK):
             pass
@@ -314,7 +250,7 @@ class HomeViewSet(viewsets.ViewSet):
         and lists it in covey-skipped.txt."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
-        got = services.download(agent, path, wire=services.wire(request._request))
+        got = services.download(agent, path, wire=wire.sender(request._request))
         return services.download_headers(
             StreamingHttpResponse(got.chunks), path, archive=got.archive, size=got.size
         )
@@ -520,7 +456,7 @@ class RunnerHomeBodyView(RunnerHomeView):
             return Response({"detail": "the upload is gone"}, status=status.HTTP_410_GONE)
         size = HomeOrder.from_json(op.order).size
         response = StreamingHttpResponse(
-            services.follow(spooled, wire=services.wire(request._request)),
+            services.follow(spooled, wire=wire.sender(request._request), size=size),
             content_type="application/octet-stream",
         )
         response["Content-Length"] = str(size)  # a broken upload is a cut response

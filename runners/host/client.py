@@ -3,7 +3,7 @@
 import http.client
 import json
 import os
-import select
+import selectors
 import socket
 import ssl
 import time
@@ -236,18 +236,20 @@ class ControlPlaneClient:
         through its parser, which cost a runner more than the rest of a transfer together
         (measured); ``http.client`` lets the bytes go by the MiB, or by ``sendfile``."""
         where = urlsplit(url)
-        timeout = STREAM_TIMEOUT.read
+        connect = STREAM_TIMEOUT.connect
         connection: http.client.HTTPConnection
         if where.scheme == "https":
             connection = http.client.HTTPSConnection(
-                where.hostname or "", where.port, timeout=timeout, context=self._tls()
+                where.hostname or "", where.port, timeout=connect, context=self._tls()
             )
         else:
             connection = http.client.HTTPConnection(
-                where.hostname or "", where.port, timeout=timeout
+                where.hostname or "", where.port, timeout=connect
             )
         try:
             with _said(method, url):
+                connection.connect()
+                connection.sock.settimeout(STREAM_TIMEOUT.read)  # connected: now a pause's
                 connection.putrequest(method, where.path, skip_accept_encoding=True)
                 connection.putheader("Authorization", self._client.headers["Authorization"])
                 for name, value in headers.items():
@@ -328,7 +330,7 @@ def _send_body(
 ) -> None:
     """A request's body: a file by ``sendfile`` (when allowed: not through TLS), else its
     chunks as they come, framed when no length was said (an empty chunk ends it)."""
-    if size is not None and isinstance(chunks, Fileno) and sendfile:
+    if size and isinstance(chunks, Fileno) and sendfile:
         with os.fdopen(os.dup(chunks.fileno()), "rb", buffering=0) as file:
             with _said("PUT", url):
                 sent = connection.sock.sendfile(file, 0, size)
@@ -359,9 +361,10 @@ def _continued(connection: http.client.HTTPConnection, method: str, url: str) ->
     (left on the connection for getresponse)."""
     sock = connection.sock
     deadline = time.monotonic() + CONTINUE_SECONDS
-    with _said(method, url):
+    with _said(method, url), selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
-            if not select.select([sock], [], [], left)[0]:
+            if not selector.select(left):
                 break
             seen = sock.recv(1024, socket.MSG_PEEK)
             if not seen:

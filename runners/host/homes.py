@@ -228,8 +228,9 @@ class Home:
             raise HomeError(400, "the home is a directory: download it as an archive")
         with self._directory(parts[:-1]) as parent:
             fd = _open_file(parent, parts[-1], path)
+        stream = Stream(fd, os.fstat(fd).st_size, chunk)  # closes it, whatever comes next
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # read whole: a larger read-ahead
-        return Stream(fd, os.fstat(fd).st_size, chunk)
+        return stream
 
     def archive(self, path: str = "", *, chunk: int = CHUNK) -> "Archive":
         """A directory (or file) as a tar archive, streamed: made on a thread that waits while

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 import socket
+import ssl
 import threading
 import time
 
@@ -15,7 +16,7 @@ from django.core.handlers.wsgi import WSGIRequest
 from gunicorn.config import Config
 from gunicorn.http import RequestParser, wsgi
 
-from homes import services, views
+from homes import services, views, wire
 from homes.services import HomeProblem
 from runners.host.client import ControlPlaneClient, ControlPlaneError
 from runners.host.homes import Home
@@ -27,18 +28,21 @@ PUT = (
     b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n"
 )
 NEXT = b"GET /healthz HTTP/1.1\r\nHost: testserver\r\n\r\n"
+GET = b"GET /api/v1/agents/1/home/download/?path=x HTTP/1.1\r\nHost: testserver\r\n\r\n"
 
 
 class Served:
     """One request as gunicorn hands it to Django: parsed from a socket by gunicorn's parser,
-    its environ made by gunicorn (which says 100 Continue), and the client's end."""
+    its environ and response made by gunicorn (which says 100 Continue), and the client's end."""
 
     def __init__(self, head: bytes, early: bytes = b"") -> None:
         self.client, self.server = socket.socketpair()
         self.client.sendall(head + early)  # ``early``: body bytes sent without waiting
         self.parser = RequestParser(Config(), self.server, ("127.0.0.1", 1))
         request = next(self.parser)
-        _, environ = wsgi.create(request, self.server, ("127.0.0.1", 1), ("127.0.0.1", 2), Config())
+        self.response, environ = wsgi.create(
+            request, self.server, ("127.0.0.1", 1), ("127.0.0.1", 2), Config()
+        )
         self.request = WSGIRequest(environ)
 
     def close(self) -> None:
@@ -72,9 +76,9 @@ def send_later(sock: socket.socket, data: bytes) -> threading.Thread:
 def test_a_body_nothing_of_which_gunicorn_read_comes_straight_from_the_socket(served):
     one = served(PUT % len(BODY))
     assert one.client.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"  # gunicorn said it
-    assert views._untouched(one.request, len(BODY)) is not None
+    assert wire.untouched(one.request, len(BODY)) is not None
     sending = send_later(one.client, BODY + NEXT)  # the body, then a next request at once
-    assert b"".join(views._read(one.request, len(BODY))) == BODY
+    assert b"".join(wire.read(one.request, len(BODY))) == BODY
     sending.join()
     # gunicorn knows the body is read: the next request on the connection is whole.
     one.server.settimeout(2)  # (a drain that waits for bytes that never come fails)
@@ -85,9 +89,9 @@ def test_a_body_nothing_of_which_gunicorn_read_comes_straight_from_the_socket(se
 def test_a_body_gunicorn_began_to_read_is_read_through_gunicorn(served):
     early = BODY[:1000]  # sent with the head: gunicorn's first read holds it
     one = served(PUT % len(BODY), early)
-    assert views._untouched(one.request, len(BODY)) is None
+    assert wire.untouched(one.request, len(BODY)) is None
     sending = send_later(one.client, BODY[1000:])
-    assert b"".join(views._read(one.request, len(BODY))) == BODY
+    assert b"".join(wire.read(one.request, len(BODY))) == BODY
     sending.join()
 
 
@@ -95,7 +99,7 @@ def test_a_body_read_before_is_never_read_from_the_socket(served):
     one = served(PUT % 5)
     one.client.sendall(b"abcde")
     assert one.request.read(2) == b"ab"
-    assert views._untouched(one.request, 5) is None
+    assert wire.untouched(one.request, 5) is None
 
 
 def test_a_body_that_ends_short_on_the_socket_is_refused_and_its_connection_closes(served):
@@ -103,7 +107,7 @@ def test_a_body_that_ends_short_on_the_socket_is_refused_and_its_connection_clos
     one.client.sendall(BODY[:5000])
     one.client.shutdown(socket.SHUT_WR)
     with pytest.raises(HomeProblem, match=r"ended \d+ bytes short") as problem:
-        b"".join(views._read(one.request, len(BODY)))
+        b"".join(wire.read(one.request, len(BODY)))
     assert problem.value.status == 400
     one.server.settimeout(2)
     assert one.parser.finish_body() is False  # gunicorn closes it: where would the next start?
@@ -112,13 +116,76 @@ def test_a_body_that_ends_short_on_the_socket_is_refused_and_its_connection_clos
 def test_a_body_left_part_way_closes_its_connection(served):
     one = served(PUT % len(BODY))
     sending = send_later(one.client, BODY)
-    chunks = views._read(one.request, len(BODY))
+    chunks = wire.read(one.request, len(BODY))
     next(chunks)
     chunks.close()  # its reader stopped early (a refusal)
     one.server.settimeout(2)
     assert one.parser.finish_body() is False
     one.server.close()
     sending.join()
+
+
+def test_a_body_paused_part_way_is_not_drained_and_its_connection_closes(served):
+    one = served(PUT % len(BODY))
+    sending = send_later(one.client, BODY)
+    chunks = wire.read(one.request, len(BODY))
+    next(chunks)  # its reader failed here (a full spool disk), the generator left paused
+    started = time.monotonic()
+    views._drain(one.request)  # what a refusal does before it answers
+    assert time.monotonic() - started < 1  # it waited for bytes that never come: 60 s
+    one.server.settimeout(2)
+    assert one.parser.finish_body() is False
+    chunks.close()
+    one.server.close()
+    sending.join()
+
+
+def test_the_wire_goes_only_for_a_get_over_plain_http_1(served):
+    one = served(GET)
+    assert wire.sender(one.request) is not None
+    one.request.method = "HEAD"
+    assert wire.sender(one.request) is None  # its first chunk is dropped: no body may follow
+    one.request.method = "GET"
+    one.request.META["SERVER_PROTOCOL"] = "HTTP/2"
+    assert wire.sender(one.request) is None  # one socket for many streams
+    context = ssl.create_default_context()
+    plain = socket.socket()
+    with context.wrap_socket(plain, server_hostname="x", do_handshake_on_connect=False) as tls:
+        one.request.META |= {"SERVER_PROTOCOL": "HTTP/1.1", "gunicorn.socket": tls}
+        assert wire.sender(one.request) is None
+
+
+def test_gunicorns_response_and_the_wire_make_one_whole_answer(served, tmp_path):
+    one = served(GET)
+    spooled = tmp_path / "op.down"
+    spooled.write_bytes(BODY)
+    services.mark_end(services.end_of(spooled), "whole")
+    got = bytearray()
+
+    def receive() -> None:
+        one.client.settimeout(5)
+        while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < len(BODY):
+            got.extend(one.client.recv(1 << 20))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    one.response.start_response("200 OK", [("Content-Length", str(len(BODY)))])
+    send = wire.sender(one.request)
+    for chunk in services.follow(spooled, wire=send, size=len(BODY)):
+        one.response.write(chunk)  # what gunicorn does with each chunk it is given
+    one.response.close()
+    receiver.join(10)
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"Content-Length: %d" % len(BODY) in head
+    assert body == BODY
+
+
+def test_the_wire_never_sends_past_the_length_said(tmp_path):
+    spooled = tmp_path / "op.down"
+    spooled.write_bytes(BODY)
+    services.mark_end(services.end_of(spooled), "whole")
+    with pytest.raises(HomeProblem, match="holds more than its"):
+        list(services.follow(spooled, wire=lambda file, offset, count: count, size=1000))
 
 
 def test_a_spool_file_goes_by_the_wire_after_its_first_chunk_as_it_grows(tmp_path):
@@ -244,10 +311,19 @@ def test_a_runner_sends_the_body_anyway_when_no_answer_comes_in_a_second(server)
     assert one.got == BODY
 
 
-def test_a_file_goes_by_sendfile_whole(server, tmp_path):
+@pytest.mark.parametrize("data", [BODY, b""], ids=["a file", "an empty file"])
+def test_a_file_goes_by_sendfile_whole(server, tmp_path, monkeypatch, data):
+    sent = []
+    real = socket.socket.sendfile
+
+    def spy(sock, file, offset=0, count=None):
+        sent.append(count)
+        return real(sock, file, offset, count)
+
+    monkeypatch.setattr(socket.socket, "sendfile", spy)
     one = server(b"HTTP/1.1 100 Continue\r\n\r\n", NO_CONTENT)
     home = Home(tmp_path)
-    (tmp_path / "big.bin").write_bytes(BODY)
+    (tmp_path / "big.bin").write_bytes(data)
     stream = home.read("big.bin")
     client = ControlPlaneClient(f"http://127.0.0.1:{one.port}", "token")
     try:
@@ -256,7 +332,8 @@ def test_a_file_goes_by_sendfile_whole(server, tmp_path):
         stream.close()
         client.close()
     one.close()
-    assert one.got == BODY
+    assert one.got == data
+    assert sent == ([len(data)] if data else [])
 
 
 def test_a_large_write_is_whole_when_its_pages_went_to_disk_as_it_came(tmp_path):
