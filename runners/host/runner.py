@@ -436,6 +436,7 @@ class RunnerHost:
         self.rescan()
         docker = self.docker_problem()  # one question for all: they share the engine
         for identity in list(self.identities.values()):
+            self.shapes.look(identity)
             problem = "; ".join(p for p in self.problems(identity, docker).values() if p)
             try:
                 identity.client.heartbeat(self.settings.isolation_mode, problem)

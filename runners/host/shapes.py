@@ -28,6 +28,7 @@ class Shapes:
         self._tokens: dict[int, str] = {}
         self._warned: dict[int, float] = {}
         self._problems: dict[int, str] = {}  # why the last build or check failed
+        self._unready: dict[int, str] = {}  # what its proxy said at the last look (/readyz)
         # One build at a time: workers and the watcher must not make one runner's shape twice.
         self._lock = threading.Lock()
 
@@ -64,7 +65,25 @@ class Shapes:
             return ""
         if identity.id not in self._built:
             return self._problems.get(identity.id, "its isolation has not been built yet")
-        return self._problems.get(identity.id, "")
+        return self._problems.get(identity.id, "") or self._unready.get(identity.id, "")
+
+    def look(self, identity: Identity) -> None:
+        """Ask the runner's proxy whether it is ready (each heartbeat: a proxy whose policy
+        went stale shows in the runner's readiness, and so in the admin, before a launch
+        finds out); a change is logged once."""
+        shape = self._built.get(identity.id)
+        if not self.settings.isolation or shape is None:
+            return
+        try:
+            problem = isolation.proxy_readiness(shape)
+        except Exception as exc:  # the SDK's errors too: the look says so, the runner goes on
+            problem = f"the proxy could not be asked: {type(exc).__name__}: {exc}"
+        before = self._unready.get(identity.id, "")
+        if problem and not before:
+            logger.warning("covey runner %s: %s", identity.name, problem)
+        elif before and not problem:
+            logger.info("covey runner %s: the proxy is ready again", identity.name)
+        self._unready[identity.id] = problem
 
     def stale(self, identity: Identity) -> bool:
         """Built with a token the runner no longer has (renewed): its proxy polls policy with

@@ -289,6 +289,24 @@ def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
     assert run.log_tail == world.body
 
 
+def test_a_proxy_without_its_policy_makes_its_runner_not_ready_and_says_why(world, acme, settings):
+    settings.COVEY_BUILTIN_RUNNER = False
+    runner, config = world.register(acme, "isolated-blind")
+    environment = world.runner_env(
+        COVEY_RUNNER_PROXY_CONTROL_PLANE_URL="http://host.docker.internal:9",  # nothing there
+        COVEY_EGRESS_POLICY_GRACE="1",  # the proxy listens a second on, with no policy
+    )
+    with world.stack.runner(runner, config, **environment) as process:
+
+        def said() -> bool:
+            runner.refresh_from_db()
+            return runner.host_ready is False and "the proxy is not ready" in runner.host_problem
+
+        wait_for(said, 60, "the runner saying its proxy is not ready", process.log)
+    assert "(policy: none yet)" in runner.host_problem, runner.host_problem
+    assert process.output().count("the proxy is not ready (policy: none yet)") == 1  # said once
+
+
 def test_a_sandbox_asks_for_a_route_through_its_proxy_and_gets_it_live(world, acme, root):
     """Issue 12: under hard isolation the proxy is the only host a sandbox reaches, and it
     takes the sandbox's request (covey-request, through its desk, on to the control plane with

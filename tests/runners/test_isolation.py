@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -326,6 +327,13 @@ def test_ensure_shape_builds_both_networks_the_proxy_and_the_rules(shape, egress
     assert check_rules(shape) == []
     assert preflight(shape, shape.image_id, RUNNER) == []
     assert isolation.check_shape(RUNNER, shape.image_id) == []
+    # Its status answers this host on the outward side: alive, and not ready while its policy
+    # source (nowhere) has never answered.
+    status = isolation.proxy_outward_address(shape)
+    healthz = urllib.request.urlopen(f"http://{status}:{isolation.PROXY_STATUS_PORT}/healthz")
+    assert healthz.status == 200
+    said = isolation.proxy_readiness(shape)
+    assert said.startswith("the proxy is not ready (policy: "), said
     lines = firewall_lines(RUNNER)
     assert any(" INPUT " in line and f"-i {shape.bridge}" in line for line in lines), lines
     assert Engine(RUNNER).sandboxes() == []  # the proxy is not taken for a sandbox
@@ -384,6 +392,7 @@ def test_a_sandbox_reaches_the_proxy_and_nothing_else(shape, engine, tmp_path):
                 "sandbox_b": [b_ip["IPAddress"], 8080],
                 "outward_listener": [outward_ip, 8080],
                 "proxy_outward_side": [proxy[shape.outward_network]["IPAddress"], 3128],
+                "proxy_status": [shape.proxy_ip, isolation.PROXY_STATUS_PORT],
             },
             "dns": {"embedded_resolver": "127.0.0.11", "host_resolver": shape.gateway},
             "names": {"outside_name": "nonexistent.example", "proxy_name": shape.proxy_container},
@@ -414,7 +423,7 @@ def test_a_sandbox_reaches_the_proxy_and_nothing_else(shape, engine, tmp_path):
     # Nothing else: the host (three of its addresses), sandbox B, the outward side.
     closed = [
         "host_gateway", "host_outward_gateway", "host_docker0", "sandbox_b",
-        "outward_listener", "proxy_outward_side",
+        "outward_listener", "proxy_outward_side", "proxy_status",
     ]  # fmt: skip
     assert {name: seen[name] for name in closed if seen[name] == "open"} == {}, seen
     # No DNS for outside names: the embedded resolver does not answer them, the host's port 53

@@ -11,6 +11,7 @@ database). Needs root (the firewall).
 
 import contextlib
 import hashlib
+import http.client
 import ipaddress
 import json
 import re
@@ -30,6 +31,9 @@ from runners.host import firewall
 from runners.host.containers.engine import LABEL_RUNNER
 
 PROXY_PORT = 3128
+# The proxy's /healthz, /readyz and /metrics, on its networks (a sandbox reaches PROXY_PORT
+# only: the firewall drops the rest); the runner asks /readyz on the outward side.
+PROXY_STATUS_PORT = 9090
 DEFAULT_POOL = "10.213.0.0/16"
 # Labels. The proxy does not carry covey.runner: the engine treats every container with that
 # label as a sandbox (Engine.sandboxes), and the runner's reconcile would remove it.
@@ -211,6 +215,7 @@ def ensure_shape(
         **(environment or {}),
         "COVEY_CONTROL_PLANE_URL": control_plane_url,
         "COVEY_RUNNER_TOKEN": runner_token,
+        "COVEY_EGRESS_STATUS_LISTEN": f"0.0.0.0:{PROXY_STATUS_PORT}",
     }
     proxy = _ensure_proxy(client, shape, env)
     shape = replace(shape, proxy_container_id=proxy["Id"])
@@ -747,6 +752,38 @@ def _remove_proxy(client: docker.DockerClient, runner: str) -> None:
 def _outward_address(attrs: Mapping[str, Any], shape: Shape) -> str:
     networks = (attrs.get("NetworkSettings") or {}).get("Networks") or {}
     return str((networks.get(shape.outward_network) or {}).get("IPAddress") or "")
+
+
+def proxy_outward_address(shape: Shape, *, client: docker.DockerClient | None = None) -> str:
+    """The proxy's address on the runner's outward network, where this host reaches it
+    ('' when it has none: stopped, or gone)."""
+    attrs = _proxy(_client(client), shape.runner)
+    return _outward_address(attrs, shape) if attrs is not None else ""
+
+
+def proxy_readiness(shape: Shape, *, client: docker.DockerClient | None = None) -> str:
+    """'' when the proxy says it is ready (its /readyz: it listens, with a policy its source
+    confirmed within the grace period), else what it said or why it did not answer."""
+    address = proxy_outward_address(shape, client=client)
+    if not address:
+        return "the proxy has no address on its outward network (stopped?)"
+    connection = http.client.HTTPConnection(address, PROXY_STATUS_PORT, timeout=2)
+    try:
+        connection.request("GET", "/readyz")
+        response = connection.getresponse()
+        said = response.read(4096)
+    except (OSError, http.client.HTTPException) as exc:
+        return f"the proxy's /readyz did not answer ({address}:{PROXY_STATUS_PORT}): {exc}"
+    finally:
+        connection.close()
+    if response.status == 200:
+        return ""
+    try:
+        checks = json.loads(said)["checks"]
+        why = "; ".join(f"{name}: {answer}" for name, answer in checks.items() if answer != "ok")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        why = said[:200].decode(errors="replace")
+    return f"the proxy is not ready ({why or response.status})"
 
 
 def _listening(attrs: Mapping[str, Any], shape: Shape) -> bool:
