@@ -25,6 +25,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+import logs
 from egress.policy import (
     Attempt,
     Code,
@@ -358,7 +359,8 @@ class CoveyEgress:
             addresses = await self.resolver.resolve(allowed.host)
         except ResolutionError as exc:
             addresses = []
-            logger.info("covey: %s", exc)
+            with logs.bound(agent_id=allowed.agent.id if allowed.agent is not None else None):
+                logger.info("covey: %s", exc)
         return self._by_address(attempt, allowed, addresses)
 
     def _by_address(self, attempt: Attempt, allowed: Decision, addresses: list[str]) -> Decision:

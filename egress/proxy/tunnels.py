@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mitmproxy import ctx
 
+import logs
 from egress.policy import Attempt, Decision
 from egress.proxy.relay import Relay
 
@@ -90,6 +91,13 @@ def close_client(client_id: str, tunnel: Tunnel | None) -> int:
 
 
 async def hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) -> None:
+    """:func:`_hand_over`, its lines carrying the agent's id (this task's own)."""
+    agent = passthrough.tunnel.decision.agent
+    with logs.bound(agent_id=agent.id if agent is not None else None):
+        await _hand_over(passthrough, close)
+
+
+async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) -> None:
     """Dial the vetted address, send the client's first bytes, then give both sockets to a
     :class:`Relay`; ``close(client_id)`` ends the connection when that fails or the relay ends.
     Cancelled (by :meth:`Tunnel.discard`) when the client goes first.

@@ -2,6 +2,7 @@
 
 import contextlib
 import hashlib
+import json
 import os
 import secrets
 import socket
@@ -455,6 +456,29 @@ def test_a_full_proxy_answers_429_and_recovers(net, tmp_path, django_db_setup, w
         for answer in held:
             answer.sock.close()
         wait_for(lambda: connect(small, target, credentials).status == 200, 5, "a free slot")
+
+
+def test_its_lines_about_an_agents_connection_carry_the_agents_id(net, tmp_path, world):
+    agent, credentials = world
+    closed_port = free_port()  # nothing listens there: "could not reach" is logged
+    agent_services.update_agent(agent, allowlist=[*agent.allowlist, f"good.test:{closed_port}"])
+    with start_proxy(tmp_path, net, COVEY_LOG_FORMAT="json") as proxy:
+        proxy.sync()
+        answer = connect(proxy, f"good.test:{closed_port}", credentials)
+        assert answer.status == 200
+        tls = net.ca.client_context().wrap_socket(
+            answer.sock, server_hostname="good.test", do_handshake_on_connect=False
+        )
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            tls.do_handshake()
+
+        def said() -> list[dict]:
+            output = proxy.output().splitlines()
+            lines = [json.loads(line) for line in output if line.startswith("{")]
+            return [line for line in lines if "could not reach" in line["message"]]
+
+        wait_for(lambda: said(), 5, "the proxy saying it could not reach the upstream")
+    assert [line.get("agent_id") for line in said()] == [agent.pk]
 
 
 def test_it_fails_closed_when_the_database_is_gone(net, tmp_path, django_db_setup, world):
