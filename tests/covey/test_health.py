@@ -1,8 +1,10 @@
-"""/healthz and /readyz of the control plane's web process, answered to anyone."""
+"""/healthz and /readyz of the control plane's web process, answered to anyone; and its /metrics
+scraped from the real process."""
 
 import httpx
 import pytest
 from django.db import OperationalError, connections
+from prometheus_client.parser import text_string_to_metric_families
 
 from covey.celery import app
 from tests.egress.conftest import subprocess_database_url
@@ -56,9 +58,18 @@ def test_the_web_process_serves_them_without_a_session_or_token(tmp_path):
     """The real process (gunicorn), on a database it migrated (the test database), with a
     broker that does not answer: alive, and not ready, saying why."""
     broker = f"redis://127.0.0.1:{free_port()}/0"
-    with control_plane(tmp_path, subprocess_database_url(), CELERY_BROKER_URL=broker) as url:
+    token = "scrape-" + "x" * 24
+    with control_plane(
+        tmp_path, subprocess_database_url(), CELERY_BROKER_URL=broker, COVEY_METRICS_TOKEN=token
+    ) as url:
         assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
         ready = httpx.get(f"{url}/readyz", timeout=20)
+        # Its metrics, scraped as Prometheus does, parse, and read the database.
+        assert httpx.get(f"{url}/metrics").status_code in (401, 403)
+        scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert scraped.status_code == 200, scraped.text
+    families = {family.name for family in text_string_to_metric_families(scraped.text)}
+    assert {"covey_runs", "covey_run_oldest_queued_seconds", "covey_requests_pending"} <= families
     assert ready.status_code == 503
     assert ready.json() == {
         "status": "not ready",
