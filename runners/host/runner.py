@@ -228,6 +228,8 @@ class RunnerHost:
         usage: HomeUsage | None = None
         services: tuple[ServiceRecord, ...] = ()
         try:
+            if docker := self.docker_problem():  # say so at once, not what it stops first
+                raise EngineError(f"no sandbox can start on this host: {docker}")
             self.trust.require(identity, proxied=spec.egress.enforce)
             shape = self.shapes.checked(identity) if self.settings.isolation else None
             image = spec.image
@@ -513,12 +515,18 @@ class RunnerHost:
         left behind); returns how many. Their runs are found gone at the next start, and fail
         saying so."""
         removed = 0
-        engines = [
-            (identity, engine)
-            for identity in list(self.identities.values())
-            for engine in (self.engine(identity), self.trust.probe_engine(identity))
-        ]
-        for identity, engine in engines:
+        for identity in list(self.identities.values()):
+            try:
+                engines = (self.engine(identity), self.trust.probe_engine(identity))
+            except EngineError as exc:  # no Docker engine answers: nothing to remove from it
+                logger.warning("covey runner %s: sandboxes not removed: %s", identity.name, exc)
+                continue
+            removed += self._remove_sandboxes(identity, engines)
+        return removed
+
+    def _remove_sandboxes(self, identity: Identity, engines: tuple[Engine, ...]) -> int:
+        removed = 0
+        for engine in engines:
             try:
                 sandboxes = engine.sandboxes()
             except EngineError as exc:

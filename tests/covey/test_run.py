@@ -101,6 +101,42 @@ def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_passwo
     assert (tmp_path / "var" / "covey.sqlite3").exists()
 
 
+def test_run_without_a_docker_engine_says_so_once_and_serves_everything_but_sandboxes(tmp_path):
+    port = free_port()
+    env = run_env(tmp_path, port) | {"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    log = tmp_path / "run.log"
+    base = f"http://127.0.0.1:{port}"
+    with running([str(ROOT / "scripts" / "run")], env, log) as process:
+
+        def up():
+            assert process.poll() is None, log.read_text()
+            return fetch(f"{base}/admin/login/")[0] == 200
+
+        wait_for(up, 120, "the admin login page", log)
+        with admin_api(base, env) as (api, organisation):
+            agent = api.post(
+                "/api/v1/agents/",
+                json={"organisation": organisation, "name": "Idle", "runtime_command": ["true"]},
+            ).json()
+            run = api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "t"}).json()
+            assert "id" in run, run
+
+            def said() -> bool:
+                runner = api.get("/api/v1/runners/").json()["results"][0]
+                return runner["host_ready"] is False and "Docker" in runner["host_problem"]
+
+            wait_for(said, 60, "the built-in runner saying Docker does not answer", log)
+            run = finished(api, run, process, log, time.monotonic() + 30)
+            assert run["status"] == "failed", run
+            assert "no sandbox can start on this host: " in run["status_detail"], run
+            assert "Docker engine" in run["status_detail"], run
+            assert api.get("/api/v1/agents/").status_code == 200  # the rest goes on
+            assert process.poll() is None, log.read_text()[-4000:]
+    output = log.read_text()
+    assert output.count("covey: no Docker engine answers") == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]  # Ctrl-C included
+
+
 @pytest.mark.docker
 def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base_image):
     """Out of the box: an organisation gets a built-in runner, a run gets a sandbox whose
