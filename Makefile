@@ -14,11 +14,12 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
+.PHONY: help venv run test security-report lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
+	@echo "make security-report  run the reliability and security suites, write docs/security.md's table"
 	@echo "make lint   ruff, mypy and the import contracts only"
 	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
 	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
@@ -85,6 +86,11 @@ check: venv services
 
 test: venv services base-image test-debs egress-image control-plane-image workplace-image service-images lint check
 	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The reliability and security suites (the tests marked suite), and their table in
+# docs/security.md, written from their own output.
+security-report: venv services base-image test-debs egress-image control-plane-image workplace-image service-images
+	$(TEST_ENV) scripts/security-report $(PYTEST_ARGS)
 
 format: venv
 	$(VENV)/bin/ruff format .

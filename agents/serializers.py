@@ -101,7 +101,7 @@ class AgentVersionSerializer(serializers.ModelSerializer):
     """One version of an agent's configuration and what changed from the one before."""
 
     created_by: "serializers.SlugRelatedField[Any]" = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
+        slug_field="username", read_only=True, allow_null=True
     )
 
     class Meta:

@@ -406,10 +406,15 @@ def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
 
 
 def is_public(address: IPAddress) -> bool:
-    """True only for a globally routable unicast address (also for what it embeds)."""
+    """True only for a globally routable unicast address (also for what it embeds). An address
+    of NAT64's well-known prefix is as public as the IPv4 address it carries: that is where
+    its gateway connects (an IPv6-only host's DNS64 answers so for every IPv4-only name). The
+    local-use prefix is not: where it carries its IPv4 address is the operator's to say."""
     inner = embedded_ipv4(address)
     if inner is not None and not is_public(inner):
         return False
+    if inner is not None and address in _NAT64[0]:
+        return True
     if any(address in net for net in _NOT_PUBLIC if net.version == address.version):
         return False
     return address.is_global and not (

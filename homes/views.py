@@ -133,6 +133,15 @@ class HomeChangeSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class HomeChangePageSerializer(serializers.Serializer):
+    """A page of the audit (BoundedPagination's shape)."""
+
+    count = serializers.IntegerField()
+    next = serializers.URLField(allow_null=True)
+    previous = serializers.URLField(allow_null=True)
+    results = HomeChangeSerializer(many=True)
+
+
 class HomeSummarySerializer(serializers.Serializer):
     agent = serializers.IntegerField()
     runner = serializers.CharField(allow_null=True, help_text="Where the home is.")
@@ -356,7 +365,13 @@ class HomeViewSet(viewsets.ViewSet):
         found = services.space(agent, request.query_params.get("path", ""))
         return Response(HomeSpaceSerializer(found).data)
 
-    @extend_schema(responses=HomeChangeSerializer(many=True))
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("page", int, description="Which page (from 1)."),
+            OpenApiParameter("page_size", int, description="At most 500 a page (50 unless said)."),
+        ],
+        responses=HomeChangePageSerializer,
+    )
     def changes(self, request: Request, agent_id: int) -> Response:
         """Every change made to the home from outside, or refused: who, what, how much, when."""
         agent = self.agent(request, agent_id)

@@ -36,7 +36,7 @@ from runners.protocol import MAX_PROBLEM_CHARS, ProbeStatusAnswer, RunnerInfo
 class ProbeSerializer(serializers.ModelSerializer):
     """One egress probe of a runner, with one line per check."""
 
-    agent: serializers.Field = serializers.StringRelatedField()
+    agent: serializers.Field = serializers.StringRelatedField(allow_null=True)
     lines = serializers.SerializerMethodField()
 
     class Meta:
@@ -72,7 +72,7 @@ class RunnerSerializer(serializers.ModelSerializer):
     """A runner (its token is never shown again after registration). ``trusted``: it may get
     work; a runner under hard isolation is trusted only once its latest probe passed."""
 
-    last_probe = LastProbeSerializer(read_only=True)
+    last_probe = LastProbeSerializer(read_only=True, allow_null=True)
 
     class Meta:
         model = Runner

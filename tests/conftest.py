@@ -25,6 +25,8 @@ from covey import var
 from organisations.models import Membership, Role
 from tests.factories import OrganisationFactory, UserFactory
 
+pytest_plugins = ["tests.suites"]  # the reliability and security suites, counted
+
 IN_CI = os.environ.get("CI") == "true"
 
 
