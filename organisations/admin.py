@@ -11,10 +11,19 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html_join
+from rest_framework.authtoken.admin import TokenAdmin
+from rest_framework.authtoken.models import TokenProxy
 from simple_history.admin import SimpleHistoryAdmin
 
 from organisations import services, webhooks
-from organisations.models import Membership, Organisation, Role, TenantQuerySet, Webhook
+from organisations.models import (
+    ApiToken,
+    Membership,
+    Organisation,
+    Role,
+    TenantQuerySet,
+    Webhook,
+)
 from organisations.roles import role_of
 
 
@@ -397,4 +406,41 @@ class MembershipAdmin(TenantScoped, SimpleHistoryAdmin):
                 f"Not removed (an organisation keeps at least one admin, and only its admins"
                 f" remove members): {', '.join(kept)}.",
                 messages.ERROR,
+            )
+
+
+admin.site.unregister(TokenProxy)  # DRF's lists every key in full, to whoever may view tokens
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(TokenAdmin):
+    """Users' API tokens (``Authorization: Token …``): their first characters to recognise
+    them, in a list with no page per token (its key is its primary key, which the admin writes
+    into every link to it and every row's checkbox); the whole key once, after it is made.
+    A token is replaced with ``manage.py drf_create_token -r USER``."""
+
+    list_display = ("shown", "user", "created")
+    list_display_links = None
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and super().has_view_permission(request)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="Key")
+    def shown(self, obj: ApiToken) -> str:
+        return f"{obj.key[:4]}…"
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        if not change:
+            self.message_user(
+                request,
+                f"API token of {obj.user} (shown once; send it as 'Authorization: Token …'):"
+                f" {obj.key}",
+                messages.WARNING,
             )

@@ -6,6 +6,7 @@ from typing import Any
 from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
+from rest_framework.authtoken.models import Token
 from simple_history.models import HistoricalRecords
 
 from allowlists.entries import normalise_entries
@@ -97,6 +98,19 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} ({self.role}) in {self.organisation}"
+
+
+class ApiToken(Token):
+    """A user's API token as the admin shows it: named by its user and its first characters,
+    never by its key (DRF's token is named by its key, which the admin then writes in titles,
+    breadcrumbs and its log of changes)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"{self.user}'s API token {self.key[:4]}…"
 
 
 class Webhook(models.Model):
