@@ -75,7 +75,7 @@ class FileSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=services.MAX_REASON)
 
 
-class DecisionSerializer(serializers.Serializer):
+class RequestDecisionSerializer(serializers.Serializer):
     note = serializers.CharField(help_text="Why: kept on the record.")
     scope = serializers.ChoiceField(
         choices=Scope.choices,
@@ -129,11 +129,11 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
             )
         return Response(self._shown(filed), status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=DecisionSerializer, responses=RequestSerializer)
+    @extend_schema(request=RequestDecisionSerializer, responses=RequestSerializer)
     @action(detail=True, methods=["post"])
     def approve(self, request: HttpRequest, pk: str | None = None) -> Response:
         """Approve, with a note; for egress, where the entry goes and until when."""
-        decision = DecisionSerializer(data=request.data)
+        decision = RequestDecisionSerializer(data=request.data)
         decision.is_valid(raise_exception=True)
         data = decision.validated_data
         found = self.get_object()

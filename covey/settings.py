@@ -35,6 +35,20 @@ DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
+# Served over HTTPS (a deployment, behind a proxy that ends TLS): the session and CSRF cookies go
+# over HTTPS only and browsers are told to keep to HTTPS (HSTS). The redirect of plain HTTP is
+# apart: runners and proxies on the same host may reach web over plain HTTP on a private network.
+HTTPS = env.bool("DJANGO_HTTPS", default=False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SESSION_COOKIE_HTTPONLY = True
+SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=31_536_000 if HTTPS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=False)
+SECURE_SSL_REDIRECT = env.bool("DJANGO_SECURE_SSL_REDIRECT", default=False)
+if env.bool("DJANGO_BEHIND_TLS_PROXY", default=False):  # it sets X-Forwarded-Proto, and strips it
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+X_FRAME_OPTIONS = "DENY"
+
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'covey.sqlite3'}")}
 # A request keeps its thread's database connection for the next one (PostgreSQL: opening one
 # costs about as much as the request; bench/control_plane.py), checked before reuse; SQLite's
@@ -175,6 +189,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Choice sets that share a field name get names of their own (not a hash).
+    "ENUM_NAME_OVERRIDES": {
+        "RequestKindEnum": "approvals.models.Kind",
+        "RunStatusEnum": "runs.models.RunStatus",
+        "ProbeStatusEnum": "runners.models.ProbeStatus",
+    },
 }
 
 # --- Celery -------------------------------------------------------------------------------

@@ -234,14 +234,6 @@ class HomeViewSet(viewsets.ViewSet):
         answer = services.ask(agent, HomeOp.STAT, path=request.query_params.get("path", ""))
         return Response(HomeEntrySerializer(answer.entry).data)
 
-    @extend_schema(
-        parameters=[PATH],
-        responses={
-            (200, "application/octet-stream"): OpenApiTypes.BINARY,
-            (200, "application/x-tar"): OpenApiTypes.BINARY,
-            **PROBLEMS,
-        },
-    )
     @extend_schema(exclude=True)
     def download_head(self, request: Request, agent_id: int) -> HttpResponseBase:
         """What a download would be (its type, name and a file's length), without its bytes:
@@ -253,6 +245,14 @@ class HomeViewSet(viewsets.ViewSet):
         size = None if archive or entry is None else entry.size
         return services.download_headers(HttpResponse(), path, archive=archive, size=size)
 
+    @extend_schema(
+        parameters=[PATH],
+        responses={
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
+            (200, "application/x-tar"): OpenApiTypes.BINARY,
+            **PROBLEMS,
+        },
+    )
     def download(self, request: Request, agent_id: int) -> HttpResponseBase:
         """A file's bytes, or a directory (or the whole home) as a tar archive, streamed. An
         archive leaves out what it cannot vouch for (links, FIFOs, devices, hard-linked files)

@@ -4,6 +4,7 @@ from typing import Any
 
 from django.contrib.auth.models import AnonymousUser
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 from rest_framework.views import APIView
@@ -34,6 +35,21 @@ class RunnerTokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
+
+
+class RunnerTokenScheme(OpenApiAuthenticationExtension):
+    """The runner token in the API's schema (its endpoints say how they are called)."""
+
+    target_class = RunnerTokenAuthentication
+    name = "runnerToken"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "apiKey",
+            "in": "header",
+            "name": "Authorization",
+            "description": "'Runner <runner token>' (what runner_register saved)",
+        }
 
 
 def seen(runner: Runner, field: str) -> None:
