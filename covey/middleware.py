@@ -1,15 +1,20 @@
-"""The web process's lines about a run or an agent carry their ids (logs/): those its URL names
-(the runner API's /runs/<run_id>/…, an agent's /agents/<agent_id>/home/…), from the view until
-the response is closed, so the request's own warning (a 4xx, a 5xx) and the lines of a streamed
-answer carry them too."""
+"""The web process's own middleware. LogIds: the lines about a run or an agent carry their
+ids (logs/), those its URL names (the runner API's /runs/<run_id>/…, an agent's
+/agents/<agent_id>/home/…), from the view until the response is closed, so the request's own
+warning (a 4xx, a 5xx) and the lines of a streamed answer carry them too. DatabaseUnavailable:
+a 503 that says so when the database does not answer."""
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from django.core.signals import request_finished
-from django.http import HttpRequest, HttpResponseBase
+from django.db import InterfaceError, OperationalError
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 import logs
+
+logger = logging.getLogger(__name__)
 
 URL_IDS = ("run_id", "agent_id")
 
@@ -36,3 +41,42 @@ def _finished(**kwargs: Any) -> None:
 
 
 request_finished.connect(_finished, dispatch_uid="covey.middleware.log_ids")
+
+
+class DatabaseUnavailable:
+    """A request the database could not answer (it is down, restarting, or out of connections)
+    is answered 503 with Retry-After and a body that says so, not a 500: the client may try
+    again, and nothing was half-written (each write is one transaction). The next request
+    checks its connection before using it (CONN_HEALTH_CHECKS), so none of this needs a
+    restart once the database is back."""
+
+    RETRY_AFTER_SECONDS = 5
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        try:
+            return self.get_response(request)
+        except (OperationalError, InterfaceError) as exc:  # raised before any view ran
+            return self.process_exception(request, exc)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> Any:
+        if not isinstance(exception, OperationalError | InterfaceError):
+            return None
+        logger.warning(
+            "covey: the database did not answer %s %s: %s",
+            request.method,
+            request.path,
+            str(exception).splitlines()[0] if str(exception) else "",
+        )
+        detail = "the database does not answer; try again in a few seconds"
+        headers = {"Retry-After": str(self.RETRY_AFTER_SECONDS)}
+        if request.path.startswith("/api/"):
+            return JsonResponse({"detail": detail}, status=503, headers=headers)
+        return HttpResponse(
+            f"covey: {detail}.\n",
+            status=503,
+            headers=headers,
+            content_type="text/plain; charset=utf-8",
+        )

@@ -101,6 +101,7 @@ def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_passwo
     assert (tmp_path / "var" / "covey.sqlite3").exists()
 
 
+@pytest.mark.suite("faults")
 def test_run_without_a_docker_engine_says_so_once_and_serves_everything_but_sandboxes(tmp_path):
     port = free_port()
     env = run_env(tmp_path, port) | {"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}

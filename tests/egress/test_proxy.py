@@ -481,6 +481,7 @@ def test_its_lines_about_an_agents_connection_carry_the_agents_id(net, tmp_path,
     assert [line.get("agent_id") for line in said()] == [agent.pk]
 
 
+@pytest.mark.suite("faults")
 def test_it_fails_closed_when_the_database_is_gone(net, tmp_path, django_db_setup, world):
     _, credentials = world
     # A policy source that answers once, then never again: a proxy pointed at a port we close.

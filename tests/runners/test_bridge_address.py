@@ -10,6 +10,9 @@ import pytest
 
 from runners.host.containers.engine import Engine, EngineError, bridge_address
 
+# A host whose bridge reports no gateway, or has another address than Docker's usual one.
+pytestmark = pytest.mark.suite("faults")
+
 DEFAULT_BRIDGE = {
     "Name": "bridge",
     "Id": "0123456789abcdef",

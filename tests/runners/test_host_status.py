@@ -94,6 +94,7 @@ def test_what_stops_a_runner_goes_to_readyz_and_to_the_control_plane(served):
     assert scrape(url)["covey_runner_host_docker_up", {}] == 0
 
 
+@pytest.mark.suite("faults")
 def test_a_proxy_that_stopped_answering_makes_the_runner_not_ready(tmp_path):
     clock = Clock(1000.0)
     refused = proxy_check(1, b"ConnectionRefusedError: Connection refused")

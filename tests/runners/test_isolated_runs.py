@@ -289,6 +289,7 @@ def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
     assert run.log_tail == world.body
 
 
+@pytest.mark.suite("faults")
 def test_a_proxy_without_its_policy_makes_its_runner_not_ready_and_says_why(world, acme, settings):
     settings.COVEY_BUILTIN_RUNNER = False
     runner, config = world.register(acme, "isolated-blind")

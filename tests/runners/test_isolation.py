@@ -517,6 +517,7 @@ def test_services_share_the_isolated_namespace_and_no_other_sandbox_reaches_them
 # --- repair ---------------------------------------------------------------------------------
 
 
+@pytest.mark.suite("faults")
 @pytest.mark.docker
 def test_a_stopped_proxy_is_found_and_replaced(state, egress_image):
     docker("stop", "--time", "5", state.shape.proxy_container)
@@ -530,6 +531,7 @@ def test_a_stopped_proxy_is_found_and_replaced(state, egress_image):
     assert preflight(state.shape, state.shape.image_id, RUNNER) == []
 
 
+@pytest.mark.suite("faults")
 @pytest.mark.docker
 def test_a_removed_proxy_is_found_and_replaced(state, egress_image):
     old = state.shape.proxy_container_id

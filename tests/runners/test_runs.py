@@ -134,6 +134,7 @@ def test_the_home_survives_runs_and_nothing_else_does(stack, acme):
     assert agent.home_runner == runner
 
 
+@pytest.mark.suite("faults")
 def test_a_runner_killed_mid_launch_leaves_no_orphan_when_it_comes_back(stack, acme):
     runner, config = stack.register(acme, "edge-1")
     agent = stack.agent(acme, "Patient", ["sh", "-c", "sleep 2; echo done"])
