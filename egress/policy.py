@@ -19,7 +19,6 @@ The proxy addon, ``egress_explain`` and the tests call these same functions.
 """
 
 import base64
-import binascii
 import functools
 import hashlib
 import ipaddress
@@ -342,7 +341,7 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
         return None
     try:
         decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # not base64 (binascii.Error), not ASCII, or not UTF-8 once decoded
         return None
     username, colon, secret = decoded.partition(":")
     if not colon or not username or not secret:

@@ -46,7 +46,7 @@ from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.proxy.layers import ConnectRequest, choose_layer, peer
 from egress.proxy.lookups import TokenLookups
 from egress.proxy.resolver import ResolutionError, Resolver
-from egress.proxy.tunnels import ClientState, Tunnel, close_client
+from egress.proxy.tunnels import ClientState, Tunnel, close_client, reading_paused
 
 logger = logging.getLogger(__name__)
 
@@ -242,11 +242,12 @@ class CoveyEgress:
     async def covey_decide(self, request: ConnectRequest) -> None:
         """The :class:`~egress.proxy.layers.Connect` layer's question (a hook, so that
         resolving or a token's look-up may wait)."""
-        if isinstance(request.pending, LookUp):
-            await self._look_up(request.pending)
-            request.decision = await self.decide(request.attempt, client=None)
-        else:
-            request.decision = await self._resolved(request.attempt, request.pending)
+        with reading_paused(request.client_id):
+            if isinstance(request.pending, LookUp):
+                await self._look_up(request.pending)
+                request.decision = await self.decide(request.attempt, client=None)
+            else:
+                request.decision = await self._resolved(request.attempt, request.pending)
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Plain HTTP dials only the vetted address; tunnels never dial through mitmproxy
@@ -293,7 +294,8 @@ class CoveyEgress:
             plain_http=plain_http,
             problem=plain_http_problem(request) if plain_http else "",
         )
-        decision = await self.decide(attempt, client=peer(flow.client_conn))
+        with reading_paused(flow.client_conn.id):
+            decision = await self.decide(attempt, client=peer(flow.client_conn))
         if not decision.allowed:
             flow.response = refusal(decision)
             return

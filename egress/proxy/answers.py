@@ -9,6 +9,9 @@ from egress.policy import EXPLANATIONS, Code, Decision, status_of
 from egress.proxy.desk import command_for
 
 MAX_CLIENT_HELLO = 64 * 1024
+# A ClientHello fits in one record, a few at most; every piece of a tunnel's first bytes parses
+# all its records again, so thousands of tiny ones would cost the event loop seconds.
+MAX_CLIENT_HELLO_RECORDS = 64
 _NOT_TLS = "the tunnel did not start with a TLS ClientHello"
 
 
@@ -70,10 +73,26 @@ def read_client_hello(data: bytes) -> tuple[str, str] | None:
         return None if data in (b"", b"\x16", b"\x16\x03") else ("", _NOT_TLS)
     if not starts_like_tls_record(data):
         return "", _NOT_TLS
+    records, more = _first_records(data, MAX_CLIENT_HELLO_RECORDS)
     try:
-        hello = parse_client_hello(data)
+        hello = parse_client_hello(records)
     except ValueError:
         return "", "the tunnel did not start with a valid TLS ClientHello"
     if hello is None:
+        if more:
+            return "", "the ClientHello is split into too many records"
         return ("", "the ClientHello is too large") if len(data) > MAX_CLIENT_HELLO else None
     return hello.sni or "", ""
+
+
+def _first_records(data: bytes, count: int) -> tuple[bytes, bool]:
+    """The first ``count`` TLS records of ``data`` (all of it when it holds no more), and
+    whether bytes follow them."""
+    end = 0
+    for _ in range(count):
+        if end + 5 > len(data):
+            return data, False
+        end += 5 + int.from_bytes(data[end + 3 : end + 5])
+        if end >= len(data):
+            return data, False
+    return data[:end], True

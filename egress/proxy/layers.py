@@ -20,7 +20,7 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.context import Context
-from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.http import Http1Server, HTTPMode
 
 from egress.policy import Attempt, Code, Decision
 from egress.proxy.answers import refusal
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_HEAD = 64 * 1024  # a CONNECT request's head
+MAX_HEAD = 64 * 1024  # a request's head (and what a plain-HTTP client may send ahead)
 CONNECTED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 
@@ -42,6 +42,7 @@ class ConnectRequest:
 
     attempt: Attempt
     pending: "Decision | LookUp"
+    client_id: str  # the connection's: nothing more is read from it while it waits
     decision: Decision | None = None
 
 
@@ -102,7 +103,7 @@ class Connect(layer.Layer):
         if isinstance(first, Decision) and (not first.allowed or first.address is not None):
             decision = first  # refused, or allowed with its addresses checked
         else:  # it must wait (a name to resolve, a token to look up): a hook, the loop goes on
-            asked = ConnectRequest(attempt, first)
+            asked = ConnectRequest(attempt, first, self.context.client.id)
             yield CoveyDecideHook(asked)
             decision = asked.decision
         if decision is None or not decision.allowed:
@@ -131,10 +132,7 @@ class Connect(layer.Layer):
         yield from self.child.handle_event(events.DataReceived(self.context.client, data))
 
     def _answer(self, status: int, reason: str) -> layer.CommandGenerator[None]:
-        response = http.Response.make(
-            status, reason + "\n", {"Content-Type": "text/plain", "Connection": "close"}
-        )
-        yield commands.SendData(self.context.client, http1.assemble_response(response))
+        yield commands.SendData(self.context.client, answer(status, reason))
         yield from self._close()
 
     def _close(self) -> layer.CommandGenerator[None]:
@@ -146,6 +144,28 @@ class Connect(layer.Layer):
 
     def _done(self, event: events.Event) -> layer.CommandGenerator[None]:
         yield from ()
+
+
+class PlainHttp(layers.HttpLayer):
+    """mitmproxy's HTTP layer for a connection that opens with a plain proxy request, with a
+    bound on the client's bytes its HTTP/1 server holds unparsed: a request head (which it
+    would buffer without end) or what is sent ahead while a request is answered. It reads that
+    server's buffer and state, which a mitmproxy upgrade must check."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from super()._handle_event(event)
+        client = self.context.client
+        if not isinstance(event, events.DataReceived) or event.connection != client:
+            return
+        server = self.connections.get(client)
+        if not isinstance(server, Http1Server) or len(server.buf) <= MAX_HEAD:
+            return
+        if server.state == server.read_headers:
+            yield commands.SendData(client, answer(400, "the request head is too large"))
+        elif server.state != server.wait:
+            return  # a body, passed on as it comes
+        server.state = server.done
+        yield commands.CloseConnection(client)
 
 
 class Refuse(layer.Layer):
@@ -228,7 +248,7 @@ def choose_layer(egress: "CoveyEgress", nextlayer: layer.NextLayer) -> None:
         elif len(opening) < len(b"CONNECT ") and b"CONNECT ".startswith(opening):
             return  # wait for the request line
         else:  # a plain-HTTP proxy request (and whatever follows on the connection)
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.regular)
+            nextlayer.layer = PlainHttp(context, HTTPMode.regular)
         return
     tunnel = egress.tunnel_of(context.client.id)
     if tunnel is None or tunnel.started:
@@ -238,6 +258,14 @@ def choose_layer(egress: "CoveyEgress", nextlayer: layer.NextLayer) -> None:
     if checked is None:
         return  # wait for the rest of the ClientHello
     nextlayer.layer = Passthrough(context, egress, tunnel) if checked else Refuse(context)
+
+
+def answer(status: int, reason: str) -> bytes:
+    """A short plain-text answer after which the proxy closes the connection."""
+    response = http.Response.make(
+        status, reason + "\n", {"Content-Type": "text/plain", "Connection": "close"}
+    )
+    return http1.assemble_response(response)
 
 
 def peer(client: connection.Client) -> str:

@@ -2,14 +2,16 @@
 
 What covey touches of mitmproxy beyond its addon and layer API is here and only here: the
 connection handlers of its ``proxyserver`` addon, their transports and stream buffers, and
-cancelling a handler to close a client (the layers use mitmproxy's layer API, and the answers
-its ClientHello parser). A mitmproxy upgrade is checked against this file first.
+cancelling a handler to close a client (the layers use mitmproxy's layer API, the plain-HTTP
+layer its HTTP/1 server's buffer, and the answers its ClientHello parser). A mitmproxy upgrade
+is checked against this file first.
 """
 
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -108,6 +110,16 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
     """
     await asyncio.sleep(0)  # out of mitmproxy's event handling first
     client_id, tunnel = passthrough.context.client.id, passthrough.tunnel
+    handler = _handler(client_id)
+    streams = _streams(handler)
+    if streams is None:
+        close(client_id)
+        return
+    reader, writer = streams
+    transport = cast(asyncio.Transport, writer.transport)
+    # A client may send faster than any upstream answers a dial: what mitmproxy read meanwhile
+    # would pile up in memory, so the rest waits in the client's socket.
+    _pause(reader, writer)
     try:
         tunnel.upstream = await _dial(tunnel.address, tunnel.decision.port)
     except (OSError, TimeoutError) as exc:
@@ -115,25 +127,17 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
         close(client_id)
         return
     upstream = tunnel.upstream
-    handler = _handler(client_id)
-    io = handler.transports.get(handler.client) if handler else None
-    if io is None or not (
-        isinstance(io.writer, asyncio.StreamWriter) and isinstance(io.reader, asyncio.StreamReader)
-    ):
-        close(client_id)
-        return
-    transport = cast(asyncio.Transport, io.writer.transport)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + HANDOVER_SECONDS
     try:
         while True:
             if not passthrough.forwarding:
                 return  # closed meanwhile
-            transport.pause_reading()
+            _pause(reader, writer)
             if data := passthrough.take_early():
                 await loop.sock_sendall(upstream, data)
                 continue
-            if _quiet(io.reader, io.writer):
+            if _quiet(reader, writer):
                 break
             if loop.time() >= deadline:
                 logger.info("covey: tunnel %s did not go quiet; closing", client_id)
@@ -157,6 +161,37 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
         on_end=ended,
     )
     tunnel.relay.start()
+
+
+@contextmanager
+def reading_paused(client_id: str) -> Iterator[None]:
+    """Read nothing from a client while its connection waits (on a decision): mitmproxy queues
+    what arrives meanwhile for the waiting layer, without bound."""
+    streams = _streams(_handler(client_id))
+    if streams is not None:
+        _pause(*streams)
+    try:
+        yield
+    finally:
+        if streams is not None and not streams[1].transport.is_closing():
+            cast(asyncio.Transport, streams[1].transport).resume_reading()
+
+
+def _streams(handler: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A client connection's reader and writer (None once it has gone)."""
+    io = handler.transports.get(handler.client) if handler else None
+    if io is None or not (
+        isinstance(io.writer, asyncio.StreamWriter) and isinstance(io.reader, asyncio.StreamReader)
+    ):
+        return None
+    return io.reader, io.writer
+
+
+def _pause(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Stop reading a client until covey resumes it (the reader's own flow control, which
+    resumes a transport it paused once its buffer drains, no longer owns the pause)."""
+    cast(asyncio.Transport, writer.transport).pause_reading()
+    reader._paused = False  # type: ignore[attr-defined]
 
 
 async def _dial(address: str, port: int) -> socket.socket:

@@ -1,9 +1,28 @@
-"""Scratch exploration (to be replaced)."""
+"""Malformed and hostile traffic against the real proxy process (issue 15).
 
-import os
+Every test runs a proxy of its own (``start_proxy``), so the shared one of tests/egress never
+sees the attack, and watches that process with psutil: it answers (4xx) or closes, never
+crashes, its resident memory grows by less than RSS_BOUND during an attack, and a well-behaved
+client is still served; its CONNECT latency before and during the slowloris and the floods is
+noted for the report.
+
+The fixtures of tests/egress are not visible here (and a second session ``net`` would bind its
+plain upstream's port 80 again), so this module makes its outside world from the same
+netfixtures: good.test on the upstream, evil.test on the victim (a name claimed after the
+first ClientHello must never be dialled), a plain-HTTP upstream on port 80 of an address of its
+own, a port whose accept queue is full (a dial that never completes) and a mute nameserver.
+"""
+
+import base64
+import contextlib
+import random
+import select
 import socket
+import ssl
+import statistics
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +30,7 @@ import psutil
 import pytest
 
 from agents import services as agent_services
+from egress.proxy.answers import MAX_CLIENT_HELLO_RECORDS
 from egress.services import issue_token
 from tests.egress.conftest import (
     UPSTREAM,
@@ -33,76 +53,469 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 
-
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory) -> Iterator[Net]:
-    ca = TestCA(tmp_path_factory.mktemp("ca"))
-    with (
-        DnsServer() as dns,
-        Upstream(UPSTREAM, name="good", tls=ca.issue("good.test", "evil.test")) as tls,
-        Upstream(loopback_alias(5), name="plain") as plain,
-        Upstream(
-            VICTIM, name="victim", tls=ca.issue("good.test", "evil.test"), port=tls.port
-        ) as victim,
-    ):
-        dns.set("good.test", UPSTREAM)
-        dns.set("evil.test", VICTIM)
-        yield Net(ca, dns, tls, victim, plain)
+MiB = 2**20
+RSS_BOUND = 64 * MiB  # what an attack may add to the proxy's resident memory
+FLOOD = 256 * MiB  # what a flood offers; the proxy must stop taking it long before
+TAKEN = 32 * MiB  # the most a flood may get into the proxy (and the kernel's buffers)
+HELD = loopback_alias(15)  # the plain-HTTP upstream, on port 80 (tests/egress has 127.0.0.5:80)
+NAMES = ("good.test", "evil.test", "slow.test")
 
 
 @dataclass
-class Target:
+class Outside:
+    """The world the attacked proxies see."""
+
+    net: Net
+    blackhole: int  # a port on UPSTREAM whose accept queue is full: a dial there never ends
+    mute: str  # a nameserver (addr@port) that never answers
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[int]:
+    """A listening port that takes no more connections: its accept queue is full, so the kernel
+    drops every further SYN and a dial waits until it gives up."""
+    listener = socket.create_server((UPSTREAM, 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(2)]
+    try:
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex((UPSTREAM, port))
+        time.sleep(0.1)
+        with pytest.raises(TimeoutError):  # what makes the tests that use it mean something
+            socket.create_connection((UPSTREAM, port), timeout=0.5).close()
+        yield port
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory) -> Iterator[Outside]:
+    ca = TestCA(tmp_path_factory.mktemp("ca"))
+    with (
+        DnsServer() as dns,
+        Upstream(UPSTREAM, name="good", tls=ca.issue(*NAMES)) as tls,
+        Upstream(VICTIM, name="victim", tls=ca.issue(*NAMES), port=tls.port) as victim,
+        Upstream(HELD, name="plain", port=80) as plain,
+        blackhole() as slow_port,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as mute,
+    ):
+        dns.set("good.test", UPSTREAM)
+        dns.set("slow.test", UPSTREAM)
+        dns.set("evil.test", VICTIM)
+        dns.set("plain.test", HELD)
+        mute.bind(("127.0.0.1", 0))
+        yield Outside(Net(ca, dns, tls, victim, plain), slow_port, f"127.0.0.1@{mute.getsockname()[1]}")
+
+
+@dataclass
+class Attacked:
+    """A proxy of the test's own, the process it runs in, and an agent's credentials for it."""
+
     proxy: Proxy
     process: psutil.Process
     credentials: str
-    target: str
+    target: str  # good.test:<port>, on the agent's list
+
+    def alive(self) -> bool:
+        return self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE
+
+    def cpu_seconds(self) -> float:
+        times = self.process.cpu_times()
+        return times.user + times.system
 
 
 @pytest.fixture
-def hostile(outside, tmp_path, transactional_db) -> Iterator[Target]:
-    org = OrganisationFactory(name="Acme")
-    agent = agent_services.create_agent(org, "builder", allowlist=[f"good.test:{outside.tls.port}"])
-    _, credentials = issue_token(agent)
-    with start_proxy(tmp_path, outside) as proxy:
+def credentials(outside, transactional_db) -> str:
+    """An agent that may reach good.test and slow.test over TLS and plain.test:80."""
+    agent = agent_services.create_agent(
+        OrganisationFactory(name="Acme"),
+        "builder",
+        allowlist=[
+            f"good.test:{outside.net.tls.port}",
+            f"slow.test:{outside.blackhole}",
+            "plain.test:80",
+        ],
+    )
+    return issue_token(agent)[1]
+
+
+@contextlib.contextmanager
+def attacked(outside: Outside, tmp_path: Path, credentials: str, **env: str) -> Iterator[Attacked]:
+    """Run a proxy for the test; afterwards it must not have crashed or logged a traceback."""
+    outside.net.tls.reset()
+    outside.net.victim.reset()
+    env.setdefault("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", f"{UPSTREAM}/32,{HELD}/32")
+    with start_proxy(tmp_path, outside.net, **env) as proxy:
         proxy.sync()
-        me = psutil.Process()
-        found = [
-            p
-            for p in me.children(recursive=True)
-            if f"127.0.0.1:{proxy.port}" in " ".join(p.cmdline())
+        listen = f"127.0.0.1:{proxy.port}"
+        (process,) = [
+            child
+            for child in psutil.Process().children(recursive=True)
+            if "egress_proxy" in child.cmdline() and listen in child.cmdline()
         ]
-        assert len(found) == 1
-        yield Target(proxy, found[0], credentials, f"good.test:{outside.tls.port}")
+        target = f"good.test:{outside.net.tls.port}"
+        yield Attacked(proxy, process, credentials, target)
+        assert process.is_running() and process.status() != psutil.STATUS_ZOMBIE, proxy.output()
+        assert "Traceback" not in proxy.output(), proxy.output()
 
 
-def test_explore(hostile, outside):
-    p = hostile.proxy
-    print("rss", hostile.process.memory_info().rss >> 20)
-    for raw in [
-        os.urandom(300) + b"\r\n\r\n",
-        b"\x00" * 100,
-        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-        b"\r\n\r\n",
-        b"CONNECT\r\n\r\n",
-        b"CONNECT " + b"a" * 100000 + b":443 HTTP/1.1\r\n\r\n",
-        b"GET / HTTP/1.1\r\n\r\n",
-        b"CONNECT good.test:1 HTTP/1.1\r\nProxy-Authorization: Basic \xc3\xa9\r\n\r\n",
-        b"GET http://good.test/ HTTP/1.1\r\nHost: good.test\r\nProxy-Authorization: Basic \xc3\xa9\r\n\r\n",
-    ]:
-        t = time.monotonic()
-        sock = socket.create_connection(p.address, timeout=5)
+@pytest.fixture
+def hostile(outside, tmp_path, credentials) -> Iterator[Attacked]:
+    with attacked(outside, tmp_path, credentials) as proxy:
+        yield proxy
+
+
+class PeakRss:
+    """The peak of a process's resident memory over a block, sampled every 10 ms."""
+
+    def __init__(self, process: psutil.Process) -> None:
+        self.process = process
+        self.before = self.peak = process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            with contextlib.suppress(psutil.Error):
+                self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(psutil.Error):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def latencies(proxy: Attacked, count: int = 40) -> list[float]:
+    """Seconds each of ``count`` well-behaved CONNECTs (one after another) took to its 200."""
+    taken = []
+    for _ in range(count):
+        started = time.monotonic()
+        answer = connect(proxy.proxy, proxy.target, proxy.credentials)
+        assert answer.status == 200, answer
+        taken.append(time.monotonic() - started)
+        answer.sock.close()
+    return taken
+
+
+def p50_p95(taken: list[float]) -> tuple[float, float]:
+    """The median and the 95th percentile, in milliseconds."""
+    cuts = statistics.quantiles(taken, n=20)
+    return cuts[9] * 1000, cuts[18] * 1000
+
+
+def shown(taken: list[float]) -> str:
+    p50, p95 = p50_p95(taken)
+    return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms"
+
+
+def hurl(proxy: Proxy, raw: bytes) -> tuple[int, dict[str, str], bool]:
+    """Send ``raw`` (stopping once the proxy answers), read the answer; (status, headers,
+    whether the proxy then closed the connection). Status 0: no HTTP answer."""
+    sock = socket.create_connection(proxy.address, timeout=10)
+    with sock:
+        for start in range(0, len(raw), 16 * 1024):
+            try:
+                sock.sendall(raw[start : start + 16 * 1024])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if socket_readable(sock):
+                break
+        status, headers, _ = read_head(sock)
+        return status, headers, status != 200 and closed_by_peer(sock)
+
+
+def socket_readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def flood(sock: socket.socket, seconds: float, chunk: bytes = b"x" * 65536) -> int:
+    """Send ``chunk`` after ``chunk`` until FLOOD bytes, ``seconds``, or the peer stops taking
+    them (0.5 s blocked) or goes; how many bytes it took."""
+    sock.settimeout(0.5)
+    sent = 0
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(OSError):  # blocked (TimeoutError), or closed
+        while sent < FLOOD and time.monotonic() < deadline:
+            sock.sendall(chunk)
+            sent += len(chunk)
+    return sent
+
+
+def client_hello(net: Net, name: str) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO, bytes]:
+    """A TLS client for ``name`` in memory, with its first flight (one ClientHello record)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = net.ca.client_context().wrap_bio(incoming, outgoing, server_hostname=name)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    assert hello[0] == 0x16 and len(hello) == 5 + int.from_bytes(hello[3:5])  # one record
+    return tls, incoming, outgoing, hello
+
+
+def fetch_through(
+    sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO
+) -> bytes:
+    """Finish the handshake over ``sock`` (the ClientHello already sent), GET / and return
+    what came back once the upstream greeted us."""
+    while True:
         try:
-            sock.sendall(raw)
-            a = read_head(sock)
-            print(
-                repr(raw[:40]),
-                a[0],
-                a[1].get("x-covey-deny-reason"),
-                a[2][:80],
-                closed_by_peer(sock, 3),
-                time.monotonic() - t,
-            )
-        except Exception as e:
-            print(repr(raw[:40]), "EXC", e)
-    print(p.output()[-3000:])
-    print("rss", hostile.process.memory_info().rss >> 20)
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            sock.sendall(outgoing.read())
+            data = sock.recv(65536)
+            assert data, "the tunnel closed during the handshake"
+            incoming.write(data)
+    tls.write(b"GET / HTTP/1.1\r\nHost: good.test\r\nConnection: close\r\n\r\n")
+    sock.sendall(outgoing.read())
+    received = b""
+    while b"hello from good" not in received:
+        data = sock.recv(65536)
+        assert data, received
+        incoming.write(data)
+        with contextlib.suppress(ssl.SSLWantReadError):
+            while True:
+                received += tls.read(65536)
+    return received
+
+
+def in_records(record: bytes, size: int) -> list[bytes]:
+    """One TLS record's content framed again as records of ``size`` bytes (legal TLS)."""
+    content = record[5:]
+    pieces = [content[i : i + size] for i in range(0, len(content), size)]
+    return [record[:3] + len(piece).to_bytes(2) + piece for piece in pieces]
+
+
+def with_server_names(hello: bytes, *extensions: list[bytes]) -> bytes:
+    """``hello`` (one ClientHello record) with its SNI extension replaced by one server_name
+    extension per list given, each naming those hosts."""
+    message = hello[9:]  # past the record and handshake headers
+    at = 2 + 32  # version, random
+    at += 1 + message[at]  # session id
+    at += 2 + int.from_bytes(message[at : at + 2])  # cipher suites
+    at += 1 + message[at]  # compression methods
+    fixed, rest = message[:at], message[at + 2 :]
+    kept = []
+    while rest:
+        size = 4 + int.from_bytes(rest[2:4])
+        if rest[:2] != b"\x00\x00":
+            kept.append(rest[:size])
+        rest = rest[size:]
+    sni = []
+    for names in extensions:
+        entries = b"".join(b"\x00" + len(name).to_bytes(2) + name for name in names)
+        data = len(entries).to_bytes(2) + entries
+        sni.append(b"\x00\x00" + len(data).to_bytes(2) + data)
+    all_extensions = b"".join([*sni, *kept])
+    body = fixed + len(all_extensions).to_bytes(2) + all_extensions
+    handshake = b"\x01" + len(body).to_bytes(3) + body
+    return hello[:3] + len(handshake).to_bytes(2) + handshake
+
+
+@contextlib.contextmanager
+def attackers(count: int, attack: Callable[[threading.Event], None]) -> Iterator[None]:
+    """Run ``attack(stop)`` on ``count`` threads for the block."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=attack, args=(stop,), daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+
+
+def noted_growth(cases, what: str, rss: PeakRss) -> None:
+    cases.note(f"{what}: proxy RSS grew {rss.growth / MiB:.1f} MiB (bound {RSS_BOUND // MiB} MiB)")
+    assert rss.growth < RSS_BOUND, f"{what}: the proxy grew by {rss.growth / MiB:.0f} MiB"
+
+
+# --- garbage, oversized and broken heads -----------------------------------------------------
+
+
+def test_garbage_and_oversized_heads_are_answered_and_closed(hostile, outside, cases):
+    auth = f"Proxy-Authorization: {basic(hostile.credentials)}\r\n"
+    target = hostile.target
+    over = 200_000  # a head may take 64 KiB; mitmproxy reads 64 KiB at a time
+    junk = random.Random(15).randbytes(4096)
+    tls_hello = client_hello(outside.net, "good.test")[3]
+    table: list[tuple[str, bytes, int]] = [
+        ("random bytes", junk + b"\r\n\r\n", 400),
+        ("NUL bytes that never end a line", b"\x00" * over, 400),
+        ("an HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
+        ("a TLS ClientHello instead of a request", tls_hello + b"\x00" * over, 400),
+        ("CONNECT and nothing else", b"CONNECT\r\n\r\n", 400),
+        ("a CONNECT line of 100 KB", b"CONNECT " + b"a" * 100_000 + b":443 HTTP/1.1\r\n\r\n", 400),
+        ("a CONNECT line that never ends", b"CONNECT " + b"a" * over, 400),
+        ("a plain request line that never ends", b"GET http://" + b"a" * over, 400),
+        (
+            "a CONNECT head of 20 000 headers",
+            f"CONNECT {target} HTTP/1.1\r\n".encode() + b"X-A: b\r\n" * 20_000 + b"\r\n",
+            400,
+        ),
+        (
+            "a plain head of 20 000 headers",
+            b"GET http://plain.test/ HTTP/1.1\r\n" + b"X-A: b\r\n" * 20_000 + b"\r\n",
+            400,
+        ),
+        (
+            "a plain header of 200 KB",
+            b"GET http://plain.test/ HTTP/1.1\r\nX-A: " + b"a" * over + b"\r\n\r\n",
+            400,
+        ),
+        ("a plain header without a colon", b"GET http://plain.test/ HTTP/1.1\r\nbroken\r\n\r\n", 400),
+        (
+            "5 000 headers, no credentials",
+            f"CONNECT {target} HTTP/1.1\r\n".encode() + b"X-A: b\r\n" * 5_000 + b"\r\n",
+            407,
+        ),
+        (
+            "5 000 headers and the credentials",
+            f"CONNECT {target} HTTP/1.1\r\n{auth}".encode() + b"X-A: b\r\n" * 5_000 + b"\r\n",
+            200,
+        ),
+    ]
+    for what, raw, expected in table:
+        status, headers, closed = hurl(hostile.proxy, raw)
+        assert status == expected, (what, status, headers)
+        if expected != 200:
+            assert closed, f"{what}: answered {status} but left open"
+        assert hostile.alive(), what
+    cases.add(len(table))
+
+
+def test_broken_credentials_are_answered_407_on_both_paths(hostile, outside, cases):
+    username, secret = hostile.credentials.split(":", 1)
+    b64 = base64.b64encode
+    good = basic(hostile.credentials).encode()
+    values = [
+        b"Basic !!",  # not base64
+        b"Basic \xc3\xa9",  # UTF-8, not ASCII
+        b"Basic \xff\xfe",  # not even UTF-8
+        b"Basic " + b64(b"\xff\xfe:\xfd"),  # base64 of what is not UTF-8
+        b"Basic " + b64(username.encode() + b":\xed\xa0\x80"),  # a lone surrogate, as UTF-8
+        b"Basic " + b64(f"{username}:{secret}\u202e".encode()),  # a right-to-left mark more
+        b"Basic " + b64(b"no colon at all"),
+        b"Basic ====",
+        b"Basic",
+        b"Basic " + b"A" * 40_000,  # base64 of 30 000 zero bytes
+        good + b"\x00",
+        good + b"\r\nProxy-Authorization: " + good,  # twice: ambiguous
+        b"Bearer " + secret.encode(),
+    ]
+    requests = {
+        "CONNECT": f"CONNECT {hostile.target} HTTP/1.1\r\nHost: {hostile.target}\r\n".encode(),
+        "plain": b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n",
+    }
+    for kind, head in requests.items():
+        for value in values:
+            answer = send(hostile.proxy, head + b"Proxy-Authorization: " + value + b"\r\n\r\n")
+            assert (answer.status, answer.headers.get("x-covey-deny-reason")) == (
+                407,
+                "proxy-auth-required",
+            ), (kind, value[:40], answer)
+            answer.sock.close()
+            cases.add()
+    assert hostile.alive()
+    assert outside.net.plain.requests == [] and outside.net.tls.connections == 0
+    assert connect(hostile.proxy, hostile.target, hostile.credentials).status == 200
+
+
+# --- floods that must not fill the proxy's memory --------------------------------------------
+
+
+def test_endless_heads_are_cut_off_before_they_fill_memory(hostile, cases):
+    auth = f"Proxy-Authorization: {basic(hostile.credentials)}\r\n"
+    endless = {
+        "a plain header value": (b"GET http://plain.test/ HTTP/1.1\r\nX-A: ", b"a" * 65536),
+        "plain header lines": (b"GET http://plain.test/ HTTP/1.1\r\n", b"X-A: b\r\n" * 8192),
+        "a CONNECT header value": (f"CONNECT {hostile.target} HTTP/1.1\r\nX-A: ".encode(), b"a"),
+    }
+    with PeakRss(hostile.process) as rss:
+        for what, (start, more) in endless.items():
+            sock = socket.create_connection(hostile.proxy.address, timeout=10)
+            with sock:
+                sock.sendall(start)
+                taken = flood(sock, 10, more * (65536 // len(more)))
+                sock.settimeout(10)
+                assert read_head(sock)[0] == 400, what
+                assert closed_by_peer(sock), what
+            assert taken < TAKEN, f"{what}: the proxy took {taken / MiB:.0f} MiB of one head"
+            cases.add()
+        # A client that sends ahead while its answer streams to it (and does not read it).
+        sock = socket.create_connection(hostile.proxy.address, timeout=10)
+        with sock:
+            get = f"GET http://plain.test/bytes/{2**30} HTTP/1.1\r\nHost: plain.test\r\n{auth}\r\n"
+            sock.sendall(get.encode())
+            assert read_head(sock)[0] == 200
+            taken = flood(sock, 10)
+        assert taken < TAKEN, f"the proxy took {taken / MiB:.0f} MiB sent ahead"
+        cases.add()
+    assert hostile.alive()
+    noted_growth(cases, f"{len(endless) + 1} floods of up to {FLOOD // MiB} MiB", rss)
+
+
+def test_a_tunnel_cannot_pile_up_bytes_while_its_upstream_is_dialled(hostile, outside, cases):
+    """slow.test's port takes no connection: the dial waits, the client keeps sending."""
+    answer = connect(hostile.proxy, f"slow.test:{outside.blackhole}", hostile.credentials)
+    assert answer.status == 200
+    with answer.sock as sock, PeakRss(hostile.process) as rss:
+        sock.sendall(client_hello(outside.net, "slow.test")[3])
+        taken = flood(sock, 3, b"\x17\x03\x03\x40\x00" + b"x" * 16384)  # application data
+    cases.add()
+    assert taken < TAKEN, f"the proxy took {taken / MiB:.0f} MiB while it dialled"
+    assert hostile.alive()
+    assert connect(hostile.proxy, hostile.target, hostile.credentials).status == 200
+    noted_growth(cases, "a tunnel sending while its upstream is dialled", rss)
+
+
+def test_requests_waiting_on_a_slow_name_cannot_pile_up_bytes(
+    outside, tmp_path, credentials, cases
+):
+    """The nameserver never answers: each request waits for its decision (3 s) while the
+    client keeps sending."""
+    auth = f"Proxy-Authorization: {basic(credentials)}\r\n"
+    target = f"good.test:{outside.net.tls.port}"
+    heads = {
+        "a CONNECT": f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n",
+        "a plain request": (
+            f"POST http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n{auth}"
+            f"Content-Length: {FLOOD}\r\n\r\n"
+        ),
+    }
+    with attacked(outside, tmp_path, credentials, COVEY_EGRESS_NAMESERVERS=outside.mute) as proxy:
+        taken: dict[str, int] = {}
+        answers: dict[str, int] = {}
+
+        def attack(what: str, head: str) -> None:
+            with socket.create_connection(proxy.proxy.address, timeout=10) as sock:
+                sock.sendall(head.encode())
+                taken[what] = flood(sock, 2.5)
+                sock.settimeout(10)
+                answers[what] = read_head(sock)[0]
+
+        with PeakRss(proxy.process) as rss:
+            threads = [threading.Thread(target=attack, args=item) for item in heads.items()]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(20)
+        cases.add(len(heads))
+        assert answers == dict.fromkeys(heads, 502)  # unresolvable
+        for what, count in taken.items():
+            assert count < TAKEN, f"{what}: the proxy took {count / MiB:.0f} MiB while it waited"
+        assert proxy.alive()
+        noted_growth(cases, "requests sending while their name resolves", rss)
