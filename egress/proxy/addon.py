@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
+from mitmproxy.net.http import http1
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
@@ -46,7 +47,7 @@ from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.proxy.layers import ConnectRequest, choose_layer, peer
 from egress.proxy.lookups import TokenLookups
 from egress.proxy.resolver import ResolutionError, Resolver
-from egress.proxy.tunnels import ClientState, Tunnel, close_client, reading_paused
+from egress.proxy.tunnels import ClientState, Tunnel, answer_now, close_client, pause_reading
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class CoveyEgress:
                 or (length and (not length.isdigit() or int(length) > desk.MAX_BODY))
             ):
                 flow.response = desk.too_large()
+                self._answer_before_the_body(flow)
             return
         await self._decide_flow(flow, plain_http=True)
 
@@ -242,12 +244,16 @@ class CoveyEgress:
     async def covey_decide(self, request: ConnectRequest) -> None:
         """The :class:`~egress.proxy.layers.Connect` layer's question (a hook, so that
         resolving or a token's look-up may wait)."""
-        with reading_paused(request.client_id):
+        resume = pause_reading(request.client_id)
+        try:
             if isinstance(request.pending, LookUp):
                 await self._look_up(request.pending)
                 request.decision = await self.decide(request.attempt, client=None)
             else:
                 request.decision = await self._resolved(request.attempt, request.pending)
+        finally:
+            if request.decision is not None and request.decision.allowed:
+                resume()  # else the layer closes the connection
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Plain HTTP dials only the vetted address; tunnels never dial through mitmproxy
@@ -294,11 +300,16 @@ class CoveyEgress:
             plain_http=plain_http,
             problem=plain_http_problem(request) if plain_http else "",
         )
-        with reading_paused(flow.client_conn.id):
+        resume = pause_reading(flow.client_conn.id)
+        try:
             decision = await self.decide(attempt, client=peer(flow.client_conn))
-        if not decision.allowed:
-            flow.response = refusal(decision)
-            return
+            if not decision.allowed:
+                flow.response = refusal(decision)
+                self._answer_before_the_body(flow)
+                return
+        finally:
+            if flow.error is None:
+                resume()  # else killed: mitmproxy closes the connection
         del request.headers["Proxy-Authorization"]
         self.admit(flow.client_conn.id, attempt, decision)
         if plain_http:
@@ -310,6 +321,17 @@ class CoveyEgress:
             # gateway's) reaches the sandbox chunk by chunk.
             request.stream = True
             flow.metadata["covey_forwarded"] = True
+
+    def _answer_before_the_body(self, flow: http.HTTPFlow) -> None:
+        """Send ``flow.response`` now and close, when a body follows the request: mitmproxy
+        would read all of a body it will not forward before answering, and cannot answer at
+        all one it streams (past ``stream_large_bodies``)."""
+        assert flow.response is not None  # noqa: S101 - only called once there is one
+        if http1.expected_http_body_size(flow.request) == 0:
+            return
+        flow.response.headers["Connection"] = "close"
+        if answer_now(flow.client_conn.id, http1.assemble_response(flow.response)):
+            flow.kill()  # mitmproxy closes the connection without a word of its own
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("covey_forwarded") and flow.response is not None:

@@ -10,8 +10,7 @@ is checked against this file first.
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -163,18 +162,33 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
     tunnel.relay.start()
 
 
-@contextmanager
-def reading_paused(client_id: str) -> Iterator[None]:
-    """Read nothing from a client while its connection waits (on a decision): mitmproxy queues
-    what arrives meanwhile for the waiting layer, without bound."""
+def pause_reading(client_id: str) -> Callable[[], None]:
+    """Read nothing more from a client while its connection waits (on a decision): mitmproxy
+    queues what arrives meanwhile for the waiting layer, without bound. Returns what resumes
+    it; a connection that is to be closed is not resumed (a read waiting on mitmproxy when it
+    closes the connection would leave the socket open)."""
     streams = _streams(_handler(client_id))
-    if streams is not None:
-        _pause(*streams)
-    try:
-        yield
-    finally:
-        if streams is not None and not streams[1].transport.is_closing():
-            cast(asyncio.Transport, streams[1].transport).resume_reading()
+    if streams is None:
+        return lambda: None
+    reader, writer = streams
+    _pause(reader, writer)
+
+    def resume() -> None:
+        if not writer.transport.is_closing():
+            cast(asyncio.Transport, writer.transport).resume_reading()
+
+    return resume
+
+
+def answer_now(client_id: str, data: bytes) -> bool:
+    """Write ``data`` to a client at once, ahead of mitmproxy's layers, and close the
+    connection once it has left; False when the client has gone."""
+    streams = _streams(_handler(client_id))
+    if streams is None:
+        return False
+    streams[1].write(data)
+    streams[1].close()
+    return True
 
 
 def _streams(handler: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:

@@ -15,6 +15,7 @@ own, a port whose accept queue is full (a dial that never completes) and a mute 
 
 import base64
 import contextlib
+import itertools
 import random
 import select
 import socket
@@ -30,6 +31,7 @@ import psutil
 import pytest
 
 from agents import services as agent_services
+from egress.proxy import desk
 from egress.proxy.answers import MAX_CLIENT_HELLO_RECORDS
 from egress.services import issue_token
 from tests.egress.conftest import (
@@ -46,6 +48,7 @@ from tests.egress.conftest import (
 )
 from tests.factories import OrganisationFactory
 from tests.netfixtures import DnsServer, TestCA, Upstream, loopback_alias
+from tests.processes import wait_for
 
 pytestmark = [
     pytest.mark.suite("hostile-proxy"),
@@ -106,7 +109,9 @@ def outside(tmp_path_factory) -> Iterator[Outside]:
         dns.set("evil.test", VICTIM)
         dns.set("plain.test", HELD)
         mute.bind(("127.0.0.1", 0))
-        yield Outside(Net(ca, dns, tls, victim, plain), slow_port, f"127.0.0.1@{mute.getsockname()[1]}")
+        yield Outside(
+            Net(ca, dns, tls, victim, plain), slow_port, f"127.0.0.1@{mute.getsockname()[1]}"
+        )
 
 
 @dataclass
@@ -127,7 +132,7 @@ class Attacked:
 
 
 @pytest.fixture
-def credentials(outside, transactional_db) -> str:
+def credentials(outside, transactional_db):
     """An agent that may reach good.test and slow.test over TLS and plain.test:80."""
     agent = agent_services.create_agent(
         OrganisationFactory(name="Acme"),
@@ -232,7 +237,7 @@ def hurl(proxy: Proxy, raw: bytes) -> tuple[int, dict[str, str], bool]:
             if socket_readable(sock):
                 break
         status, headers, _ = read_head(sock)
-        return status, headers, status != 200 and closed_by_peer(sock)
+        return status, headers, status != 200 and closed_by_peer(sock, 10)
 
 
 def socket_readable(sock: socket.socket) -> bool:
@@ -376,7 +381,11 @@ def test_garbage_and_oversized_heads_are_answered_and_closed(hostile, outside, c
             b"GET http://plain.test/ HTTP/1.1\r\nX-A: " + b"a" * over + b"\r\n\r\n",
             400,
         ),
-        ("a plain header without a colon", b"GET http://plain.test/ HTTP/1.1\r\nbroken\r\n\r\n", 400),
+        (
+            "a plain header without a colon",
+            b"GET http://plain.test/ HTTP/1.1\r\nbroken\r\n\r\n",
+            400,
+        ),
         (
             "5 000 headers, no credentials",
             f"CONNECT {target} HTTP/1.1\r\n".encode() + b"X-A: b\r\n" * 5_000 + b"\r\n",
@@ -460,7 +469,10 @@ def test_endless_heads_are_cut_off_before_they_fill_memory(hostile, cases):
         with sock:
             get = f"GET http://plain.test/bytes/{2**30} HTTP/1.1\r\nHost: plain.test\r\n{auth}\r\n"
             sock.sendall(get.encode())
-            assert read_head(sock)[0] == 200
+            head = b""
+            while b"\r\n\r\n" not in head:  # its head only: the body is 1 GiB
+                head += sock.recv(1024)
+            assert head.startswith(b"HTTP/1.1 200 "), head
             taken = flood(sock, 10)
         assert taken < TAKEN, f"the proxy took {taken / MiB:.0f} MiB sent ahead"
         cases.add()
@@ -505,7 +517,8 @@ def test_requests_waiting_on_a_slow_name_cannot_pile_up_bytes(
                 sock.sendall(head.encode())
                 taken[what] = flood(sock, 2.5)
                 sock.settimeout(10)
-                answers[what] = read_head(sock)[0]
+                status = read_head(sock)[0]
+                answers[what] = status if closed_by_peer(sock) else -status
 
         with PeakRss(proxy.process) as rss:
             threads = [threading.Thread(target=attack, args=item) for item in heads.items()]
@@ -514,8 +527,212 @@ def test_requests_waiting_on_a_slow_name_cannot_pile_up_bytes(
             for thread in threads:
                 thread.join(20)
         cases.add(len(heads))
-        assert answers == dict.fromkeys(heads, 502)  # unresolvable
+        assert answers == dict.fromkeys(heads, 502)  # unresolvable, and closed
         for what, count in taken.items():
             assert count < TAKEN, f"{what}: the proxy took {count / MiB:.0f} MiB while it waited"
         assert proxy.alive()
         noted_growth(cases, "requests sending while their name resolves", rss)
+
+
+def test_a_refused_request_is_answered_before_its_body(hostile, cases):
+    """mitmproxy reads a body before it answers, and cannot answer one it streams (over 1 MB):
+    each chunk of such a body used to log a traceback, and the client waited for nothing."""
+    auth = f"Proxy-Authorization: {basic(hostile.credentials)}\r\n"
+    chunk = b"x" * 65536
+    bodies = {
+        "a long body": (f"Content-Length: {FLOOD}", chunk),
+        "a chunked body": ("Transfer-Encoding: chunked", b"10000\r\n" + chunk + b"\r\n"),
+    }
+    refused = {
+        "off the list": ("evil.test", auth, 403, "not-on-allowlist"),
+        "without credentials": ("plain.test", "", 407, "proxy-auth-required"),
+        "to the request desk": (desk.HOST, auth, 413, None),
+    }
+    for (what, (host, credentials, status, code)), (kind, (framing, piece)) in itertools.product(
+        refused.items(), bodies.items()
+    ):
+        with socket.create_connection(hostile.proxy.address, timeout=10) as sock:
+            head = f"POST http://{host}/ HTTP/1.1\r\nHost: {host}\r\n{credentials}{framing}\r\n\r\n"
+            sock.sendall(head.encode())
+            taken = flood(sock, 2, piece)
+            sock.settimeout(10)
+            answer, headers, _ = read_head(sock)
+            assert (answer, headers.get("x-covey-deny-reason")) == (status, code), (what, kind)
+            assert closed_by_peer(sock), (what, kind, hostile.proxy.output()[-5000:])
+        assert taken < TAKEN, f"{what}, {kind}: the proxy took {taken / MiB:.0f} MiB of it"
+        cases.add()
+    assert hostile.alive()
+    assert "has crashed" not in hostile.proxy.output()
+
+
+# --- slow clients and floods, with a well-behaved client measured meanwhile ------------------
+
+
+def test_slowloris_and_floods_leave_well_behaved_clients_served(hostile, cases):
+    before = latencies(hostile)
+    cases.note(f"good CONNECT latency before the attacks: {shown(before)}")
+    heads = [
+        f"CONNECT {hostile.target} HTTP/1.1\r\nX-A: ".encode(),
+        b"GET http://plain.test/ HTTP/1.1\r\nX-A: ",
+    ]
+    slow: list[socket.socket] = []
+    try:
+        with PeakRss(hostile.process) as rss:
+            for i in range(1000):
+                sock = socket.create_connection(hostile.proxy.address, timeout=10)
+                sock.sendall(heads[i % 2])
+                slow.append(sock)
+
+            def trickle(stop: threading.Event) -> None:
+                while not stop.is_set():  # a byte to every connection, every 0.5 s
+                    for sock in slow:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"a")
+                    stop.wait(0.5)
+
+            with attackers(1, trickle):
+                during = latencies(hostile)
+        cases.add(len(slow))
+        cases.note(f"... with {len(slow)} slowloris connections trickling: {shown(during)}")
+        noted_growth(cases, f"{len(slow)} slowloris connections", rss)
+    finally:
+        for sock in slow:
+            sock.close()
+
+    junk = random.Random(15).randbytes(2048)
+    opened = [0]
+
+    def garbage(stop: threading.Event) -> None:
+        while not stop.is_set():  # connect, send garbage, read the 400, again
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(hostile.proxy.address, timeout=5) as sock,
+            ):
+                sock.sendall(junk + b"\r\n\r\n")
+                sock.recv(1024)
+                opened[0] += 1
+
+    with PeakRss(hostile.process) as rss, attackers(2, garbage):
+        flooded = latencies(hostile)
+    cases.add(opened[0])
+    cases.note(f"... during a flood of garbage ({opened[0]} connections): {shown(flooded)}")
+    noted_growth(cases, "a flood of garbage connections", rss)
+    assert hostile.alive()
+    # Served, and not starved: a stalled event loop would take seconds.
+    for taken in (during, flooded):
+        assert p50_p95(taken)[1] < 500, shown(taken)
+
+
+# --- ClientHellos in pieces, and names claimed after the first one ---------------------------
+
+
+def test_a_client_hello_in_pieces_still_opens_the_tunnel(hostile, outside, cases):
+    """Legal TLS: one record in one-byte segments, and the message in many small records."""
+    net = outside.net
+    for pieces in ("one-byte segments", "16-byte records"):
+        answer = connect(hostile.proxy, hostile.target, hostile.credentials)
+        assert answer.status == 200
+        with answer.sock as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls, incoming, outgoing, hello = client_hello(net, "good.test")
+            if pieces == "one-byte segments":
+                parts = [hello[i : i + 1] for i in range(len(hello))]
+            else:
+                parts = in_records(hello, 16)
+                assert len(parts) < MAX_CLIENT_HELLO_RECORDS
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.001)
+            assert b"hello from good" in fetch_through(sock, tls, incoming, outgoing), pieces
+        cases.add()
+    assert net.tls.snis == ["good.test", "good.test"]
+    assert hostile.alive()
+
+
+def test_a_client_hello_in_thousands_of_records_is_cut_off(hostile, outside, cases):
+    """Each record the proxy receives parses all of them again: four tunnels sending one-byte
+    records of a ClientHello that claims 16 MB once took a core and 47 times the latency."""
+    before = latencies(hostile, 20)
+    message = b"\x01\xff\xff\xff\x03\x03" + bytes(20_000)
+    sent: list[int] = []
+
+    def tiny_records(stop: threading.Event) -> None:
+        answer = connect(hostile.proxy, hostile.target, hostile.credentials)
+        assert answer.status == 200
+        count = 0
+        with answer.sock as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with contextlib.suppress(OSError):
+                for byte in message:
+                    if stop.is_set():
+                        break
+                    sock.sendall(b"\x16\x03\x01\x00\x01" + bytes([byte]))
+                    count += 1
+                    time.sleep(0.002)
+        sent.append(count)
+
+    cpu = hostile.cpu_seconds()
+    with attackers(4, tiny_records):
+        during = latencies(hostile, 20)
+        wait_for(lambda: len(sent) == 4, 8, "the four tunnels cut off")
+    spent = hostile.cpu_seconds() - cpu
+    cases.add(len(sent))
+    cases.note(
+        f"good CONNECT latency {shown(before)} before, {shown(during)} while 4 tunnels sent"
+        f" one-byte records (cut off after {max(sent)}); the proxy spent {spent:.2f} s of CPU"
+    )
+    # Cut off after MAX_CLIENT_HELLO_RECORDS records (and what was in flight), not 64 KiB.
+    assert max(sent) < 10 * MAX_CLIENT_HELLO_RECORDS, sent
+    assert spent < 1.0, f"{spent:.1f} s of CPU"
+    assert outside.net.tls.connections == 0
+    assert hostile.alive()
+
+
+def test_names_claimed_after_the_first_client_hello_reach_only_the_vetted_upstream(
+    hostile, outside, cases
+):
+    """evil.test resolves to the victim: a proxy that dialled a later name would reach it."""
+    net = outside.net
+    good, evil = b"good.test", b"evil.test"
+
+    def tunnel() -> socket.socket:
+        answer = connect(hostile.proxy, hostile.target, hostile.credentials)
+        assert answer.status == 200
+        return answer.sock
+
+    # The first ClientHello decides; the bytes after it go, unread, to the vetted address.
+    hello = client_hello(net, "good.test")[3]
+    with tunnel() as sock:
+        sock.sendall(hello + client_hello(net, "evil.test")[3])
+        assert closed_by_peer(sock, 10)  # the upstream's TLS refuses the second one
+    cases.add()
+    # A ClientHello inside the established tunnel, after a whole handshake.
+    with tunnel() as sock:
+        tls, incoming, outgoing, first = client_hello(net, "good.test")
+        sock.sendall(first)
+        assert b"hello from good" in fetch_through(sock, tls, incoming, outgoing)
+        with contextlib.suppress(OSError):
+            sock.sendall(client_hello(net, "evil.test")[3])
+        assert closed_by_peer(sock, 10)
+    cases.add()
+    assert net.tls.connections == 2 and net.tls.snis == ["good.test", "good.test"]
+    # One ClientHello that names more than one host is no ClientHello for good.test.
+    refused = {
+        "two names in one extension": [[good, evil]],
+        "another name first": [[evil], [good]],
+        "a name with a NUL": [[good + b"\x00." + evil]],
+        "no name at all": [[]],
+    }
+    for what, extensions in refused.items():
+        with tunnel() as sock:
+            sock.sendall(with_server_names(hello, *extensions))
+            assert closed_by_peer(sock), what
+        cases.add()
+    assert net.tls.connections == 2, "a refused ClientHello reached an upstream"
+    # The same rewriting with good.test alone passes: the refusals above are about the names.
+    with tunnel() as sock:
+        sock.sendall(with_server_names(hello, [good]))
+        wait_for(lambda: net.tls.connections == 3, 5, "the rewritten ClientHello passing")
+    cases.add()
+    assert net.victim.connections == 0
+    assert hostile.alive()
