@@ -174,6 +174,7 @@ class ActiveRuns(Message):
 
 
 OVER_QUOTA = "home-over-quota"  # an exit's detail: stopped for it (then why, after ": ")
+DISK_FULL = "home-disk-full"  # an exit's detail: it failed with no room left under its home
 MAX_LISTED_CHANGES = 1000  # paths listed per kind in HomeChanges; the totals count them all
 
 

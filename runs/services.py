@@ -31,6 +31,7 @@ from egress.services import issue_token, revoke_tokens
 from runners import dispatch
 from runners.models import Runner
 from runners.protocol import (
+    DISK_FULL,
     FEATURE_WORKPLACES,
     FEATURES,
     OVER_QUOTA,
@@ -448,6 +449,10 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
         status, why = RunStatus.FAILED, f"stopped: {detail.removeprefix(f'{OVER_QUOTA}: ')}"
     elif state == ReportState.EXITED and exit_code == 0:
         status, why = RunStatus.SUCCEEDED, ""
+    elif state == ReportState.EXITED and detail.startswith(f"{DISK_FULL}: "):
+        where = f" on {run.runner.name}" if run.runner else ""
+        full = detail.removeprefix(f"{DISK_FULL}: ")
+        status, why = RunStatus.FAILED, f"exit code {exit_code}: {full}{where}: make room there"
     elif state == ReportState.EXITED and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):
         image = sandbox_image(run)
         status, why = (

@@ -19,6 +19,7 @@ again while its last probe failed; until one passes it refuses every launch.
 """
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -55,6 +56,7 @@ from runners.host.shapes import Shapes
 from runners.host.trust import Trust, UntrustedError
 from runners.probe import host as probing
 from runners.protocol import (
+    DISK_FULL,
     MAX_LISTED_CHANGES,
     OVER_QUOTA,
     HomeChanges,
@@ -641,13 +643,17 @@ class RunnerHost:
         with self._launching_lock:
             watched = self._homes.get(run_id)
         over = watched.stopped_for if watched else ""
+        detail = "timeout" if _ran_out(sandbox) else f"{OVER_QUOTA}: {over}" if over else ""
+        if not detail and sandbox.exit_code:
+            full = _disk_full(self._home_of(identity.id, sandbox.agent_id))
+            detail = f"{DISK_FULL}: {full}" if full else ""
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
             services = tuple(engine.services(run_id, logs=True))
             ended = RunReport(
                 ReportState.EXITED,
                 exit_code=sandbox.exit_code,
-                detail="timeout" if _ran_out(sandbox) else f"{OVER_QUOTA}: {over}" if over else "",
+                detail=detail,
                 started_at=sandbox.started_at,
                 finished_at=sandbox.finished_at,
                 changes=changed,
@@ -866,6 +872,24 @@ def _ran_out(sandbox: Sandbox) -> bool:
     if sandbox.timeout is None or sandbox.started_at is None or sandbox.finished_at is None:
         return False
     return (sandbox.finished_at - sandbox.started_at).total_seconds() >= sandbox.timeout
+
+
+DISK_FULL_BYTES = 1 << 20  # less room than this under a home that a failed run leaves: full
+
+
+def _disk_full(home: Path) -> str:
+    """Why a run that failed may have failed for its disk: the file system holding its home
+    has (almost) no room or no inodes left ('' when it has room, or cannot be asked)."""
+    try:
+        stats = os.statvfs(home)
+    except OSError:
+        return ""
+    free = stats.f_bavail * stats.f_frsize
+    if free < DISK_FULL_BYTES:
+        return f"the file system holding its home is full ({free} bytes free)"
+    if stats.f_files and not stats.f_favail:  # f_files 0: the file system sets no such limit
+        return "the file system holding its home has no inodes left"
+    return ""
 
 
 _current: RunnerHost | None = None

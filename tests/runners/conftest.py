@@ -13,6 +13,7 @@ import pytest
 
 from tests.runners import package_indexes
 from tests.runners.isolation_support import EGRESS_IMAGE, TAG, TEST_LABEL, docker, unavailable
+from tests.runners.stack import Stack
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +90,11 @@ def npm_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Index]:
     with package_indexes.serve(root, documents) as url:
         package_indexes.npm_registry(root, url, mark)
         yield Index(url, mark)
+
+
+@pytest.fixture
+def stack(tmp_path: Path, base_image: str) -> Iterator[Stack]:
+    """A control plane and the runner processes a test starts (tests.runners.stack)."""
+    built = Stack(tmp_path, base_image)
+    yield built
+    built.close()

@@ -39,13 +39,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def stack(tmp_path, base_image):
-    built = Stack(tmp_path, base_image)
-    yield built
-    built.close()
-
-
 def history(run: Run) -> list[str]:
     return list(run.events.values_list("status", flat=True))
 
