@@ -340,3 +340,41 @@ echo "after: $body (try $i)"
     after = re.search(r"after: (.*) \(try (\d+)\)", log)
     assert after is not None and after.group(1) == world.body, log
     assert int(after.group(2)) <= 10, log  # within a second of the answer
+
+
+@pytest.mark.suite("faults")
+def test_a_proxy_killed_mid_transfer_cuts_it_opens_nothing_and_comes_back(world, acme):
+    """The sandbox loses egress with its proxy and gains no path around it; the runner brings
+    the proxy back (its reconcile), at the same address, and new connections work."""
+    runner, config = world.register(acme, "isolated-cut")
+    proxy = isolation.proxy_container_name(docker_name(runner.pk, installation_key()))
+    script = f"""
+curl -sS --max-time 60 -o /dev/null http://{UPSTREAM_NAME}/slow; echo "cut: exit $?"
+curl -sS --noproxy '*' --connect-timeout 3 http://{world.host}/; echo "direct upstream: exit $?"
+for i in $(seq 90); do
+    out=$(curl -sS --max-time 3 http://{UPSTREAM_NAME}/ 2>/dev/null) && break; sleep 1
+done
+echo "after: $out"
+"""
+    agent = world.stack.agent(acme, "Cut", ["sh", "-c", script], allowlist=[f"{UPSTREAM_NAME}:80"])
+    with world.stack.runner(runner, config, **world.runner_env()):
+        before = json.loads(docker("inspect", proxy))[0]
+        run = run_services.queue_run(agent, "download")
+        wait_for(lambda: "/slow" in Upstream.seen, 60, "the transfer beginning")
+        docker("kill", proxy)
+        world.stack.wait(run, *FINISHED, timeout=150)
+        after = json.loads(docker("inspect", proxy))[0]
+    assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
+    log = run.log_tail
+    assert re.search(r"^cut: exit (18|52|56)$", log, re.M), log  # partial, empty, or reset
+    assert "direct upstream: exit 28" in log, log  # dropped: no path while the proxy is gone
+    assert f"after: {world.body}" in log, log
+    assert after["Id"] != before["Id"]
+    assert (
+        after["NetworkSettings"]["Networks"].keys() == before["NetworkSettings"]["Networks"].keys()
+    )
+    assert not containers_of(runner)
+
+
+def addresses(container: dict) -> dict[str, str]:
+    return {name: n["IPAddress"] for name, n in container["NetworkSettings"]["Networks"].items()}

@@ -15,6 +15,7 @@ import socket
 import socketserver
 import subprocess
 import threading
+import time
 from contextlib import ExitStack, closing, suppress
 from uuid import uuid4
 
@@ -137,12 +138,27 @@ class OneName(BaseResolver):
         return reply
 
 
+SLOW_CHUNK, SLOW_CHUNKS = b"x" * (100 << 10), 160
+
+
 class Upstream(http.server.BaseHTTPRequestHandler):
     body = b""
     seen: list[str] = []
 
     def do_GET(self) -> None:
         self.seen.append(self.headers.get("Host", ""))
+        if self.path == "/slow":  # 16 MB over some 16 s: a transfer to cut in the middle
+            self.seen.append("/slow")
+            self.send_response(200)
+            self.send_header("Content-Length", str(SLOW_CHUNKS * len(SLOW_CHUNK)))
+            self.end_headers()
+            for _ in range(SLOW_CHUNKS):
+                try:
+                    self.wfile.write(SLOW_CHUNK)
+                except OSError:
+                    return  # the other end went (the proxy, killed)
+                time.sleep(0.1)
+            return
         self.send_response(200)
         self.send_header("Content-Length", str(len(self.body)))
         self.end_headers()
