@@ -14,12 +14,13 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
 
-.PHONY: help venv run test security-report lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
+.PHONY: help venv run test security-report soak lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
 	@echo "make security-report  run the reliability and security suites, write docs/security.md's table"
+	@echo "make soak   the long load and soak runs (10,000 tunnels, 1,000 held for 10 min, 5 min of load)"
 	@echo "make lint   ruff, mypy and the import contracts only"
 	@echo "make base-image  build the covey-base:trixie Docker image from Debian packages (no registry)"
 	@echo "make egress-image  build covey-egress:latest, the egress proxy for runner hosts (on covey-base)"
@@ -91,6 +92,22 @@ test: venv services base-image test-debs egress-image control-plane-image workpl
 # docs/security.md, written from their own output.
 security-report: venv services base-image test-debs egress-image control-plane-image workplace-image service-images
 	$(TEST_ENV) scripts/security-report $(PYTEST_ARGS)
+
+# The long load and soak runs, which make test runs short: SOAK_TUNNELS tunnels open at once
+# through one proxy (it needs 2 open files per tunnel, and this process as many: ulimit -n of
+# 2 x SOAK_TUNNELS + 1024), SOAK_HELD tunnels carrying traffic for SOAK_SECONDS, and the load on
+# the runs API and the policy endpoint for LOAD_SECONDS. Prints their table; writes nothing.
+SOAK_TUNNELS ?= 10000
+SOAK_HELD ?= 1000
+SOAK_SECONDS ?= 600
+LOAD_SECONDS ?= 300
+SOAK_TESTS := tests/security/test_load.py \
+	tests/security/test_hostile_proxy.py::test_the_proxy_holds_thousands_of_open_tunnels_and_serves_the_next \
+	tests/security/test_hostile_proxy.py::test_tunnels_held_for_minutes_do_not_grow_the_proxy
+soak: venv services
+	$(TEST_ENV) COVEY_SOAK_TUNNELS=$(SOAK_TUNNELS) COVEY_SOAK_HELD_TUNNELS=$(SOAK_HELD) \
+		COVEY_SOAK_SECONDS=$(SOAK_SECONDS) COVEY_LOAD_SECONDS=$(LOAD_SECONDS) \
+		scripts/security-report --print $(SOAK_TESTS)
 
 format: venv
 	$(VENV)/bin/ruff format .

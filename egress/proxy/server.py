@@ -2,8 +2,10 @@
 
 import asyncio
 import logging
+import resource
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 
 from mitmproxy import master, options
 from mitmproxy.addons import core, errorcheck, proxyserver
@@ -31,6 +33,33 @@ def parse_listen(value: str, what: str = "--listen") -> tuple[str, int]:
     return host, port
 
 
+FILES_PER_TUNNEL = 2  # the agent's side and the upstream's
+SPARE_FILES = 256  # listeners, the resolver, the policy source, logs, connections being decided
+
+
+def within_open_files(config: ProxyConfig, say: Callable[[str], None]) -> ProxyConfig:
+    """Room for ``max_tunnels``: the soft limit of open files raised as far as the hard one
+    allows; where even that is too few, fewer tunnels, so that one too many is refused with 429
+    (capacity) rather than failing to be accepted at all (EMFILE), and a warning says so."""
+    needed = config.max_tunnels * FILES_PER_TUNNEL + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        soft = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return config
+    most = max(1, (soft - SPARE_FILES) // FILES_PER_TUNNEL)
+    say(
+        f"covey egress proxy: {config.max_tunnels} tunnels (COVEY_EGRESS_MAX_TUNNELS) need"
+        f" {needed} open files and this process may open {soft} (ulimit -n): holding at most"
+        f" {most}, more are refused with 429. Raise the limit (LimitNOFILE= under systemd,"
+        " ulimits: nofile in compose) or lower COVEY_EGRESS_MAX_TUNNELS."
+    )
+    return replace(
+        config, max_tunnels=most, max_tunnels_per_agent=min(config.max_tunnels_per_agent, most)
+    )
+
+
 def serve(
     config: ProxyConfig,
     listen: str,
@@ -47,6 +76,7 @@ def serve(
     ``sink`` until SIGTERM or SIGINT. ``say`` gets the line that announces it listens (what
     supervisors and tests wait for) and warnings; ``where`` names the policy source in it."""
     host, port = parse_listen(listen)
+    config = within_open_files(config, say)
     if not verbose:
         # One line per connection is mitmproxy's INFO, one per policy poll httpx's (four a
         # second); covey keeps its own decision log and says when the source fails.

@@ -117,6 +117,8 @@ def start_proxy(tmp_path: Path, net: Net, **env_overrides: str) -> Iterator[Prox
     }
     args = [sys.executable, "manage.py", "egress_proxy", "--listen", f"127.0.0.1:{port}"]
     args += env.pop("EXTRA_ARGS", "").split()
+    if files := env.pop("OPEN_FILES", ""):  # its ulimit -n (soft and hard)
+        args = ["prlimit", f"--nofile={files}:{files}", "--", *args]
     log = tmp_path / f"proxy-{port}.log"
     with running(args, env, log) as process:
         proxy = Proxy(port, log)

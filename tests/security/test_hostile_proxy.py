@@ -16,16 +16,20 @@ own, a port whose accept queue is full (a dial that never completes) and a mute 
 import base64
 import contextlib
 import itertools
+import os
 import random
+import resource
 import select
+import selectors
 import socket
 import ssl
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import psutil
 import pytest
@@ -736,3 +740,216 @@ def test_names_claimed_after_the_first_client_hello_reach_only_the_vetted_upstre
     cases.add()
     assert net.victim.connections == 0
     assert hostile.alive()
+
+
+# --- many tunnels, held -----------------------------------------------------------------------
+# `make soak` raises these to the issue's figures (10,000 tunnels at once; 1,000 for 10 min);
+# `make test` runs the short version.
+TUNNELS = int(os.environ.get("COVEY_SOAK_TUNNELS", "1000"))
+HELD_TUNNELS = int(os.environ.get("COVEY_SOAK_HELD_TUNNELS", "200"))
+HOLD_SECONDS = float(os.environ.get("COVEY_SOAK_SECONDS", "15"))
+PER_TUNNEL = 48 * 1024  # what one open tunnel may cost the proxy, at most
+SOAK_GROWTH = 16 * MiB  # what holding tunnels may add after the first round (a leak would)
+FILES = 2 * TUNNELS + 1024  # descriptors here: both ends of every tunnel (the proxy raises its own)
+
+
+class Echo(threading.Thread):
+    """A TCP server on UPSTREAM that holds any number of connections on one thread (a thread
+    per connection would not hold 10,000) and sends back what it gets."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server((UPSTREAM, 0), backlog=4096)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.open = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self.selector.select(0.1):
+                sock = cast(socket.socket, key.fileobj)
+                if sock is self.listener:
+                    with contextlib.suppress(BlockingIOError):
+                        client, _ = sock.accept()
+                        client.setblocking(True)
+                        self.selector.register(client, selectors.EVENT_READ)
+                        self.open += 1
+                    continue
+                try:
+                    data = sock.recv(65536)
+                    if data:
+                        sock.sendall(data)
+                        continue
+                except OSError:
+                    pass
+                self.selector.unregister(sock)
+                sock.close()
+                self.open -= 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self.join(5)
+        for key in list(self.selector.get_map().values()):
+            cast(socket.socket, key.fileobj).close()
+        self.selector.close()
+
+
+@pytest.fixture
+def many_files() -> Iterator[None]:
+    """Room for both ends of every tunnel here (the proxy raises its own limit as far as its
+    hard limit lets it, egress.proxy.server.within_open_files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max(soft, FILES)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(hard, wanted)))
+    except (ValueError, OSError) as exc:
+        pytest.fail(f"{TUNNELS} tunnels need {wanted} open files (ulimit -n), not {soft}: {exc}")
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def tunnelled(outside, tmp_path, many_files):
+    """A proxy whose limits of open tunnels are above what the tests open, and an agent that
+    may reach the echo server through it."""
+    echo = Echo()
+    echo.start()
+    agent = agent_services.create_agent(
+        OrganisationFactory(name="Tunnels"), "holder", allowlist=[f"good.test:{echo.port}"]
+    )
+    credentials = issue_token(agent)[1]
+    try:
+        limits = {
+            "COVEY_EGRESS_MAX_TUNNELS": str(TUNNELS + 100),
+            "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT": str(TUNNELS + 100),
+        }
+        with attacked(outside, tmp_path, credentials, **limits) as proxy:
+            yield replace(proxy, target=f"good.test:{echo.port}"), echo
+    finally:
+        echo.close()
+
+
+def open_tunnel(proxy: Attacked, hello: bytes) -> socket.socket:
+    """CONNECT, then the ClientHello, which must come back from the far end: a whole tunnel."""
+    answer = connect(proxy.proxy, proxy.target, proxy.credentials)
+    assert answer.status == 200, answer
+    answer.sock.sendall(hello)
+    assert recv_exactly(answer.sock, len(hello)) == hello
+    return answer.sock
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "the tunnel closed"
+        data += chunk
+    return data
+
+
+@pytest.mark.suite("load")
+def test_the_proxy_holds_thousands_of_open_tunnels_and_serves_the_next(tunnelled, outside, cases):
+    proxy, echo = tunnelled
+    hello = client_hello(outside.net, "good.test")[3]
+    quiet = latencies(proxy)
+    tunnels: list[socket.socket] = []
+    started = time.monotonic()
+    try:
+        with PeakRss(proxy.process) as rss:
+            for _ in range(TUNNELS):
+                tunnels.append(open_tunnel(proxy, hello))
+            opened = time.monotonic() - started
+            wait_for(lambda: echo.open == TUNNELS, 10, "every tunnel reaching the far end")
+            loaded = latencies(proxy)
+            for sock in tunnels[:: max(1, TUNNELS // 100)]:  # a sample still carries bytes
+                sock.sendall(b"ping")
+                assert recv_exactly(sock, 4) == b"ping"
+        cases.add(TUNNELS)
+    finally:
+        for sock in tunnels:
+            sock.close()
+    assert proxy.alive()
+    assert rss.growth < TUNNELS * PER_TUNNEL, rss.growth
+    wait_for(lambda: echo.open == 0, 30, "the proxy closing the far ends")
+    cases.note(
+        f"{TUNNELS:,} tunnels open at once (opened in {opened:.1f} s, one after another):"
+        f" proxy RSS +{rss.growth / MiB:.1f} MiB ({rss.growth / TUNNELS / 1024:.1f} KiB each);"
+        f" a new CONNECT {shown(quiet)} before, {shown(loaded)} with them open"
+    )
+
+
+@pytest.mark.suite("load")
+def test_tunnels_held_for_minutes_do_not_grow_the_proxy(tunnelled, outside, cases):
+    proxy, echo = tunnelled
+    hello = client_hello(outside.net, "good.test")[3]
+    tunnels = [open_tunnel(proxy, hello) for _ in range(HELD_TUNNELS)]
+    try:
+        rounds, samples = 0, []
+        deadline = time.monotonic() + HOLD_SECONDS
+        while time.monotonic() < deadline:
+            for sock in tunnels:  # every tunnel carries a little, every round
+                sock.sendall(b"ping")
+                assert recv_exactly(sock, 4) == b"ping"
+            rounds += 1
+            samples.append(proxy.process.memory_info().rss)
+            time.sleep(1)
+        cases.add(HELD_TUNNELS * rounds)
+    finally:
+        for sock in tunnels:
+            sock.close()
+    assert proxy.alive()
+    wait_for(lambda: echo.open == 0, 30, "the proxy closing the far ends")
+    growth = max(samples) - samples[0]
+    assert growth < SOAK_GROWTH, [s // MiB for s in samples]
+    cases.note(
+        f"{HELD_TUNNELS:,} tunnels held {HOLD_SECONDS:.0f} s ({rounds} rounds of a ping each):"
+        f" proxy RSS {samples[0] / MiB:.1f} MiB after the first round, at most"
+        f" +{growth / MiB:.1f} MiB after"
+    )
+
+
+@pytest.mark.suite("load")
+def test_a_proxy_short_of_open_files_holds_what_fits_and_refuses_the_rest_with_429(
+    outside, tmp_path, cases
+):
+    """4,000 tunnels (the default) need 8,256 descriptors: with 400, the proxy says so at
+    start and holds 72; the 73rd is refused with 429 (capacity), not left unaccepted."""
+    echo = Echo()
+    echo.start()
+    agent = agent_services.create_agent(
+        OrganisationFactory(name="Short"), "holder", allowlist=[f"good.test:{echo.port}"]
+    )
+    credentials = issue_token(agent)[1]
+    limits = {"OPEN_FILES": "400", "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT": "4000"}
+    hello = client_hello(outside.net, "good.test")[3]
+    tunnels = []
+    try:
+        with attacked(outside, tmp_path, credentials, **limits) as short:
+            assert (
+                "this process may open 400 (ulimit -n): holding at most 72" in short.proxy.output()
+            )
+            proxy = replace(short, target=f"good.test:{echo.port}")
+            tunnels = [open_tunnel(proxy, hello) for _ in range(72)]
+            answer = connect(proxy.proxy, proxy.target, proxy.credentials)
+            answer.sock.close()
+            assert (answer.status, answer.headers["x-covey-deny-reason"]) == (429, "capacity")
+            tunnels.pop().close()
+            wait_for(lambda: echo.open == 71, 10, "the proxy closing a tunnel's far end")
+            wait_for(lambda: _opens(proxy, hello), 10, "a tunnel opening again below the limit")
+            cases.add(74)
+    finally:
+        for sock in tunnels:
+            sock.close()
+        echo.close()
+
+
+def _opens(proxy: Attacked, hello: bytes) -> bool:
+    answer = connect(proxy.proxy, proxy.target, proxy.credentials)
+    with answer.sock:
+        if answer.status != 200:
+            return False
+        answer.sock.sendall(hello)
+        return recv_exactly(answer.sock, len(hello)) == hello
