@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,18 +79,23 @@ def finished(api: httpx.Client, run: dict, process, log, deadline: float) -> dic
     return run
 
 
+def serving(base: str, process: subprocess.Popen, log: Path) -> None:
+    """Wait for make run's admin login page (failing at once, with its log, if it exits)."""
+
+    def up() -> bool:
+        assert process.poll() is None, log.read_text()
+        return fetch(f"{base}/admin/login/")[0] == 200
+
+    wait_for(up, 120, "the admin login page", log)
+
+
 def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_password(tmp_path):
     port = free_port()
     env = run_env(tmp_path, port, f"127.0.0.1:{free_port()}")
     log = tmp_path / "run.log"
     base = f"http://127.0.0.1:{port}"
     with running([str(ROOT / "scripts" / "run")], env, log) as process:
-
-        def up():
-            assert process.poll() is None, log.read_text()
-            return fetch(f"{base}/admin/login/")[0] == 200
-
-        wait_for(up, 120, "the admin login page", log)
+        serving(base, process, log)
         status, schema = fetch(f"{base}/api/v1/schema/")
         assert status == 200
         assert b"/api/v1/agents/" in schema
@@ -108,12 +114,7 @@ def test_run_without_a_docker_engine_says_so_once_and_serves_everything_but_sand
     log = tmp_path / "run.log"
     base = f"http://127.0.0.1:{port}"
     with running([str(ROOT / "scripts" / "run")], env, log) as process:
-
-        def up():
-            assert process.poll() is None, log.read_text()
-            return fetch(f"{base}/admin/login/")[0] == 200
-
-        wait_for(up, 120, "the admin login page", log)
+        serving(base, process, log)
         with admin_api(base, env) as (api, organisation):
             agent = api.post(
                 "/api/v1/agents/",

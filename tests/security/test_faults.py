@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.control_plane import pg_binaries as bench_pg_binaries
+from bench.support import BenchError
 from tests.processes import ROOT, VENV_BIN, control_plane, free_port, wait_for
 
 pytestmark = [pytest.mark.suite("faults"), pytest.mark.redis]
@@ -31,13 +33,10 @@ DOWN_SECONDS = 10
 
 
 def pg_binaries() -> Path:
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if found:
-        return found[-1].parent
-    initdb = shutil.which("initdb")
-    if initdb is None:
-        pytest.fail("no PostgreSQL server programs (make services installs them)")
-    return Path(initdb).parent
+    try:
+        return bench_pg_binaries()
+    except BenchError as exc:
+        pytest.fail(str(exc))
 
 
 class Postgres:
