@@ -2,14 +2,16 @@
 ids (logs/), those its URL names (the runner API's /runs/<run_id>/…, an agent's
 /agents/<agent_id>/home/…), from the view until the response is closed, so the request's own
 warning (a 4xx, a 5xx) and the lines of a streamed answer carry them too. DatabaseUnavailable:
-a 503 that says so when the database does not answer."""
+a 503 that says so when the database does not answer. ValueRefused: a 400 that says which
+value the database would not take (a NUL character, a time zone offset past what PostgreSQL
+knows), where a validator let it through."""
 
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from django.core.signals import request_finished
-from django.db import InterfaceError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 import logs
@@ -79,4 +81,31 @@ class DatabaseUnavailable:
             status=503,
             headers=headers,
             content_type="text/plain; charset=utf-8",
+        )
+
+
+class ValueRefused:
+    """A value the database refused to store or compare (``DataError``: a NUL character in
+    text, a time zone offset beyond ±15:59, a number out of its column's range) came from the
+    request, past a validator that let it through: 400 with the database's reason, not a 500.
+    The request's transaction was rolled back, so nothing was half-written."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> Any:
+        if not isinstance(exception, DataError):
+            return None
+        reason = str(exception).splitlines()[0] if str(exception) else "a value out of range"
+        logger.warning(
+            "covey: the database refused a value of %s %s: %s", request.method, request.path, reason
+        )
+        detail = f"the database cannot take a value of this request: {reason}"
+        if request.path.startswith("/api/"):
+            return JsonResponse({"detail": detail}, status=400)
+        return HttpResponse(
+            f"covey: {detail}.\n", status=400, content_type="text/plain; charset=utf-8"
         )

@@ -111,6 +111,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
     "covey.middleware.LogIds",
+    "covey.middleware.ValueRefused",  # last: the views' own exceptions
 ]
 
 ROOT_URLCONF = "covey.urls"
