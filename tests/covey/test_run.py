@@ -49,6 +49,7 @@ def run_env(tmp_path, port: int, proxy: str = "") -> dict[str, str]:
         "COVEY_VAR_DIR": str(tmp_path / "var"),
         "COVEY_BIND": f"127.0.0.1:{port}",
         **({"COVEY_PROXY_LISTEN": proxy} if proxy else {"COVEY_PROXY_PORT": str(free_port())}),
+        "COVEY_MODEL_GATEWAY_PORT": str(free_port()),  # never the 8002 of someone's make run
         "PATH": f"{VENV_BIN}:{env['PATH']}",
         "PYTHONUNBUFFERED": "1",
     }

@@ -61,4 +61,7 @@ class Command(BaseCommand):
                 gateway.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=5
             )
         except OSError as exc:
-            raise CommandError(f"cannot listen on {host}:{port}: {exc}") from None
+            raise CommandError(
+                f"cannot listen on {host}:{port}: {exc} (another port: --listen, or"
+                " COVEY_MODEL_GATEWAY_PORT under make run)"
+            ) from None
