@@ -121,6 +121,9 @@ class RunnerHost:
     serving: HomeServer = field(init=False)  # homes to people outside
     _engines: dict[int, Engine] = field(default_factory=dict)
     _timed_out: set[str] = field(default_factory=set)  # stopped for their time: stop once
+    # Runs whose sandboxes remove_sandboxes() took away (run id -> when, as UTC text): the
+    # next start says so of them, rather than that their sandbox vanished.
+    removed_at_exit: dict[str, str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _last_reconcile: dict[int, float] = field(default_factory=dict)
     # Runs being launched right now: the reconcile leaves them alone.
@@ -541,6 +544,9 @@ class RunnerHost:
                     logger.warning("covey runner: sandbox of run %s: %s", sandbox.run_id, exc)
                     continue
                 logger.info("covey runner: removed the sandbox of run %s", sandbox.run_id)
+                if engine is engines[0]:  # a run's (the others: probes and proxy checks)
+                    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                    self.removed_at_exit[sandbox.run_id] = when
                 removed += 1
         return removed
 
@@ -610,7 +616,13 @@ class RunnerHost:
             if run.status == "running":
                 # The list of sandboxes came first: one launched since is not in it. Ask again.
                 if engine.get(run_id) is None:
-                    gone = RunReport(ReportState.VANISHED, detail=f"no sandbox on {identity.name}")
+                    when = self.removed_at_exit.pop(run_id, "")
+                    detail = (
+                        f"removed when {identity.name} stopped, {when}"
+                        if when
+                        else f"no sandbox on {identity.name}"
+                    )
+                    gone = RunReport(ReportState.VANISHED, detail=detail)
                     client.report(run_id, gone)
                     self._forget(run_id)
             elif run.waited >= RELAUNCH_AFTER_SECONDS and not run.cancel:

@@ -527,6 +527,11 @@ def test_at_exit_make_runs_runner_removes_every_sandbox_running_or_not(host):
     checks.add("proxy-check-0123456789ab", status="running")
     assert host.host.remove_sandboxes() == 3
     assert host.engine.sandboxes() == [] and checks.sandboxes() == []
+    # The next start says what became of their runs (the proxy check was no run).
+    assert host.host.removed_at_exit.keys() == {RUN, "0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a99"}
+    host.control.active[RUN] = ActiveRun(RUN, "running", False, 10.0, 0)
+    host.host.reconcile(host.identity)
+    assert host.control.reports[-1][1].detail.startswith("removed when edge-1 stopped, 20")
 
 
 def test_at_start_a_missing_default_image_is_named_for_each_runner(host):

@@ -1,5 +1,6 @@
 """Run this host as a runner: take orders from the queue, build sandboxes, watch, report."""
 
+import json
 import logging
 import os
 import socket
@@ -99,6 +100,12 @@ class Command(BaseCommand):
                 raise CommandError(f"the control plane refuses this runner: {exc}") from None
             host = runner_host.RunnerHost({identity.id: identity}, host_settings)
             queue, name = me.queue, identity.name
+        # Runs whose sandboxes the last stop removed (--remove-sandboxes-at-exit): said so of
+        # them at the first reconcile, rather than that their sandbox vanished.
+        removed_note = Path(settings.VAR_DIR) / f"runner-{name}-removed-at-exit.json"
+        if removed_note.exists():
+            host.removed_at_exit.update(json.loads(removed_note.read_text() or "{}"))
+            removed_note.unlink()
         if not host_settings.isolation and not host_settings.proxy:
             self.stdout.write(
                 f"covey runner {name}: no egress proxy for sandboxes (COVEY_RUNNER_PROXY is not"
@@ -172,6 +179,8 @@ class Command(BaseCommand):
             if options["remove_sandboxes_at_exit"]:
                 removed = host.remove_sandboxes()
                 self.stdout.write(f"covey runner {name}: removed {removed} sandbox(es) at exit")
+                if host.removed_at_exit:
+                    removed_note.write_text(json.dumps(host.removed_at_exit))
 
     def _status_server(self, host: runner_host.RunnerHost, listen: str) -> StatusServer:
         try:
