@@ -63,6 +63,7 @@ class AgentForm(forms.ModelForm):
     )
     runtime_command = CommandField(
         required=False,
+        initial=list,  # a new agent's box shows [] (the Claude runtime), not null
         help_text='A JSON list of arguments, e.g. ["sh", "-c", "make test"]; empty: the Claude'
         " runtime on the task.",
     )

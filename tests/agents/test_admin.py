@@ -433,6 +433,8 @@ def test_a_members_add_form_offers_only_their_organisations_rows(client, alice, 
     organisation_select = page.split('name="organisation"', 1)[1].split("</select>", 1)[0]
     assert "Acme" in organisation_select and "Globex" not in organisation_select
     assert "Our bench" in page and "Their lab" not in page
+    command_box = page.split('name="runtime_command"', 1)[1].split("</textarea>", 1)[0]
+    assert command_box.endswith(">[]") or command_box.endswith(">\n[]"), command_box
     # Posting their ids anyway is refused as an invalid choice, and nothing is made.
     answer = client.post(
         "/admin/agents/agent/add/",
