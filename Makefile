@@ -94,8 +94,8 @@ security-report: venv services base-image test-debs egress-image control-plane-i
 	$(TEST_ENV) scripts/security-report $(PYTEST_ARGS)
 
 # The long load and soak runs, which make test runs short: SOAK_TUNNELS tunnels open at once
-# through one proxy (it needs 2 open files per tunnel, and this process as many: ulimit -n of
-# 2 x SOAK_TUNNELS + 1024), SOAK_HELD tunnels carrying traffic for SOAK_SECONDS, and the load on
+# through one proxy (it needs 4 open files per tunnel, ulimit -n of 4 x (SOAK_TUNNELS + 100)
+# + 256, and this process 2 x SOAK_TUNNELS + 1024), SOAK_HELD tunnels carrying traffic for SOAK_SECONDS, and the load on
 # the runs API and the policy endpoint for LOAD_SECONDS. Prints their table; writes nothing.
 SOAK_TUNNELS ?= 10000
 SOAK_HELD ?= 1000

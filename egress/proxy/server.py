@@ -33,7 +33,9 @@ def parse_listen(value: str, what: str = "--listen") -> tuple[str, int]:
     return host, port
 
 
-FILES_PER_TUNNEL = 2  # the agent's side and the upstream's
+# The agent's side and the upstream's, each twice: the relay works on duplicates of the
+# sockets mitmproxy's transports hold (egress.proxy.relay).
+FILES_PER_TUNNEL = 4
 SPARE_FILES = 256  # listeners, the resolver, the policy source, logs, connections being decided
 
 

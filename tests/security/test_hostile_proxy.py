@@ -750,7 +750,7 @@ HELD_TUNNELS = int(os.environ.get("COVEY_SOAK_HELD_TUNNELS", "200"))
 HOLD_SECONDS = float(os.environ.get("COVEY_SOAK_SECONDS", "15"))
 PER_TUNNEL = 48 * 1024  # what one open tunnel may cost the proxy, at most
 SOAK_GROWTH = 16 * MiB  # what holding tunnels may add after the first round (a leak would)
-FILES = 2 * TUNNELS + 1024  # descriptors here: both ends of every tunnel (the proxy raises its own)
+FILES = 2 * TUNNELS + 1024  # descriptors here: both ends of every tunnel (the proxy, its own)
 
 
 class Echo(threading.Thread):
@@ -863,6 +863,7 @@ def test_the_proxy_holds_thousands_of_open_tunnels_and_serves_the_next(tunnelled
                 tunnels.append(open_tunnel(proxy, hello))
             opened = time.monotonic() - started
             wait_for(lambda: echo.open == TUNNELS, 10, "every tunnel reaching the far end")
+            files = proxy.process.num_fds()
             loaded = latencies(proxy)
             for sock in tunnels[:: max(1, TUNNELS // 100)]:  # a sample still carries bytes
                 sock.sendall(b"ping")
@@ -876,7 +877,8 @@ def test_the_proxy_holds_thousands_of_open_tunnels_and_serves_the_next(tunnelled
     wait_for(lambda: echo.open == 0, 30, "the proxy closing the far ends")
     cases.note(
         f"{TUNNELS:,} tunnels open at once (opened in {opened:.1f} s, one after another):"
-        f" proxy RSS +{rss.growth / MiB:.1f} MiB ({rss.growth / TUNNELS / 1024:.1f} KiB each);"
+        f" proxy RSS +{rss.growth / MiB:.1f} MiB ({rss.growth / TUNNELS / 1024:.1f} KiB each),"
+        f" {files:,} open files;"
         f" a new CONNECT {shown(quiet)} before, {shown(loaded)} with them open"
     )
 
@@ -915,8 +917,8 @@ def test_tunnels_held_for_minutes_do_not_grow_the_proxy(tunnelled, outside, case
 def test_a_proxy_short_of_open_files_holds_what_fits_and_refuses_the_rest_with_429(
     outside, tmp_path, cases
 ):
-    """4,000 tunnels (the default) need 8,256 descriptors: with 400, the proxy says so at
-    start and holds 72; the 73rd is refused with 429 (capacity), not left unaccepted."""
+    """4,000 tunnels (the default) need 16,256 descriptors: with 400, the proxy says so at
+    start and holds 36; the 37th is refused with 429 (capacity), not left unaccepted."""
     echo = Echo()
     echo.start()
     agent = agent_services.create_agent(
@@ -929,17 +931,17 @@ def test_a_proxy_short_of_open_files_holds_what_fits_and_refuses_the_rest_with_4
     try:
         with attacked(outside, tmp_path, credentials, **limits) as short:
             assert (
-                "this process may open 400 (ulimit -n): holding at most 72" in short.proxy.output()
+                "this process may open 400 (ulimit -n): holding at most 36" in short.proxy.output()
             )
             proxy = replace(short, target=f"good.test:{echo.port}")
-            tunnels = [open_tunnel(proxy, hello) for _ in range(72)]
+            tunnels = [open_tunnel(proxy, hello) for _ in range(36)]
             answer = connect(proxy.proxy, proxy.target, proxy.credentials)
             answer.sock.close()
             assert (answer.status, answer.headers["x-covey-deny-reason"]) == (429, "capacity")
             tunnels.pop().close()
-            wait_for(lambda: echo.open == 71, 10, "the proxy closing a tunnel's far end")
+            wait_for(lambda: echo.open == 35, 10, "the proxy closing a tunnel's far end")
             wait_for(lambda: _opens(proxy, hello), 10, "a tunnel opening again below the limit")
-            cases.add(74)
+            cases.add(38)
     finally:
         for sock in tunnels:
             sock.close()
