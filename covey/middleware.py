@@ -73,15 +73,7 @@ class DatabaseUnavailable:
             str(exception).splitlines()[0] if str(exception) else "",
         )
         detail = "the database does not answer; try again in a few seconds"
-        headers = {"Retry-After": str(self.RETRY_AFTER_SECONDS)}
-        if request.path.startswith("/api/"):
-            return JsonResponse({"detail": detail}, status=503, headers=headers)
-        return HttpResponse(
-            f"covey: {detail}.\n",
-            status=503,
-            headers=headers,
-            content_type="text/plain; charset=utf-8",
-        )
+        return _said(request, 503, detail, {"Retry-After": str(self.RETRY_AFTER_SECONDS)})
 
 
 class ValueRefused:
@@ -103,9 +95,18 @@ class ValueRefused:
         logger.warning(
             "covey: the database refused a value of %s %s: %s", request.method, request.path, reason
         )
-        detail = f"the database cannot take a value of this request: {reason}"
-        if request.path.startswith("/api/"):
-            return JsonResponse({"detail": detail}, status=400)
-        return HttpResponse(
-            f"covey: {detail}.\n", status=400, content_type="text/plain; charset=utf-8"
-        )
+        return _said(request, 400, f"the database cannot take a value of this request: {reason}")
+
+
+def _said(
+    request: HttpRequest, status: int, detail: str, headers: dict[str, str] | None = None
+) -> HttpResponse:
+    """An answer that says why: JSON like the API's own errors under /api/, plain text else."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": detail}, status=status, headers=headers)
+    return HttpResponse(
+        f"covey: {detail}.\n",
+        status=status,
+        headers=headers,
+        content_type="text/plain; charset=utf-8",
+    )
