@@ -251,6 +251,9 @@ COVEY_EGRESS_MAX_TUNNELS = env.int("COVEY_EGRESS_MAX_TUNNELS", default=_proxy.ma
 COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int(
     "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=_proxy.max_tunnels_per_agent
 )
+# A client connection that has not sent a whole request head this many seconds after it opened
+# (or after its last plain request was answered) is closed: slow clients cannot hold the proxy.
+COVEY_EGRESS_HEAD_TIMEOUT = env.float("COVEY_EGRESS_HEAD_TIMEOUT", default=_proxy.head_timeout)
 # The proxy checks for policy changes this often, and refuses everything once its last good
 # answer from the policy source is older than the grace period (fail closed).
 COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=_proxy.poll)

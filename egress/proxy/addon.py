@@ -42,6 +42,7 @@ from egress.policy import (
 )
 from egress.proxy import desk
 from egress.proxy.answers import plain_http_problem, read_client_hello, refusal
+from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.proxy.layers import ConnectRequest, choose_layer, peer
@@ -85,6 +86,10 @@ class CoveyEgress:
         self.tunnels_by_agent: Counter[int] = Counter()
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason) → how many
         self.open_tunnels = 0
+        # client id → since when (monotonic) the proxy waits for its next request head: from
+        # the connection's start, and after each plain request's answer
+        self.heads: dict[str, float] = {}
+        self.slow_closed = 0  # connections closed because their head did not come in time
         self.resolver = Resolver()
         self.allowed_private: list[IPNetwork] = []
         self._watch: asyncio.Task[None] | None = None
@@ -109,10 +114,18 @@ class CoveyEgress:
             "Non-public networks the proxy may still connect to.",
         )
         loader.add_option("covey_proxy_name", str, "", "Name of this proxy in the decision log.")
+        loader.add_option(
+            "covey_head_seconds",
+            float,
+            ProxyConfig.head_timeout,
+            "Seconds a client may take to send a request head before it is disconnected.",
+        )
 
     def configure(self, updated: set[str]) -> None:
         if min(ctx.options.covey_max_tunnels, ctx.options.covey_max_tunnels_per_agent) < 1:
             raise exceptions.OptionsError("covey tunnel limits must be at least 1")
+        if not ctx.options.covey_head_seconds > 0:
+            raise exceptions.OptionsError("covey_head_seconds must be more than 0")
         if "covey_allowed_private_cidrs" in updated:
             try:
                 self.allowed_private = parse_networks(ctx.options.covey_allowed_private_cidrs)
@@ -134,10 +147,23 @@ class CoveyEgress:
             self._watch.cancel()
 
     async def _watch_tunnels(self) -> None:
-        """Once a second, close open tunnels the current policy would no longer allow."""
+        """Once a second, close open tunnels the current policy would no longer allow, and
+        connections whose request head is overdue."""
         while True:
             await asyncio.sleep(TUNNEL_RECHECK_SECONDS)
             self.enforce(self.feed.current())
+            self.close_slow(time.monotonic() - ctx.options.covey_head_seconds)
+
+    def close_slow(self, before: float) -> int:
+        """Close every connection that has waited since ``before`` to send a request head (a
+        slow client holds a connection and a file without being anyone's tunnel yet)."""
+        closed = 0
+        for client_id, since in list(self.heads.items()):
+            if since < before:
+                del self.heads[client_id]
+                closed += self.close_client(client_id)
+        self.slow_closed += closed
+        return closed
 
     def enforce(self, policy: Policy | None) -> int:
         """Close every open tunnel that ``policy`` refuses (all of them when it is None)."""
@@ -164,12 +190,32 @@ class CoveyEgress:
 
     # --- hooks -------------------------------------------------------------------------------
 
+    def client_connected(self, client: connection.Client) -> None:
+        self.heads[client.id] = time.monotonic()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._await_next_head(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._await_next_head(flow)
+
+    def head_came(self, client_id: str) -> None:
+        """A request head is read whole: no more waiting for one on this connection."""
+        self.heads.pop(client_id, None)
+
+    def _await_next_head(self, flow: http.HTTPFlow) -> None:
+        """A plain request is answered: the connection's next head is waited for anew."""
+        if flow.request.method != "CONNECT" and flow.client_conn.connected:
+            self.heads[flow.client_conn.id] = time.monotonic()
+
     async def http_connect(self, flow: http.HTTPFlow) -> None:
+        self.head_came(flow.client_conn.id)
         if flow.response is not None or flow.error is not None:
             return
         await self._decide_flow(flow, plain_http=False)
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self.head_came(flow.client_conn.id)
         if flow.response is not None or flow.error is not None:
             return
         if flow.request.method == "CONNECT":
@@ -269,6 +315,7 @@ class CoveyEgress:
         data.server.address = (vetted, address[1])
 
     def client_disconnected(self, client: connection.Client) -> None:
+        self.heads.pop(client.id, None)
         state = self.clients.pop(client.id, None)
         if state is None or state.tunnel is None:
             return

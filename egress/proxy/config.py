@@ -14,6 +14,7 @@ class ProxyConfig:
     grace: float = 15.0  # COVEY_EGRESS_POLICY_GRACE: trust in the last policy once it is gone
     max_tunnels: int = 4000  # COVEY_EGRESS_MAX_TUNNELS
     max_tunnels_per_agent: int = 500  # COVEY_EGRESS_MAX_TUNNELS_PER_AGENT
+    head_timeout: float = 60.0  # COVEY_EGRESS_HEAD_TIMEOUT: seconds a client has to send a head
     nameservers: tuple[str, ...] = ()  # COVEY_EGRESS_NAMESERVERS: addr or addr@port
     allowed_private_cidrs: tuple[str, ...] = ()  # COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS
     control_plane_url: str = ""  # COVEY_CONTROL_PLANE_URL (a proxy on a runner host)
@@ -35,6 +36,7 @@ class ProxyConfig:
             max_tunnels_per_agent=env.int(
                 "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=default.max_tunnels_per_agent
             ),
+            head_timeout=env.float("COVEY_EGRESS_HEAD_TIMEOUT", default=default.head_timeout),
             nameservers=tuple(env.list("COVEY_EGRESS_NAMESERVERS", default=[])),
             allowed_private_cidrs=tuple(env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", default=[])),
             control_plane_url=env.str("COVEY_CONTROL_PLANE_URL", default=""),

@@ -89,6 +89,7 @@ class Connect(layer.Layer):
                 yield from self._answer(400, "the request head is too large")
             return
         head, self.buffer = self.buffer[:end], self.buffer[end + 4 :]
+        self.egress.head_came(self.context.client.id)
         try:
             request = http1.read_request_head(head.split(b"\r\n"))
         except ValueError as exc:

@@ -138,6 +138,7 @@ async def _serve(
         stream_large_bodies="1m",
         covey_max_tunnels=config.max_tunnels,
         covey_max_tunnels_per_agent=config.max_tunnels_per_agent,
+        covey_head_seconds=config.head_timeout,
         covey_nameservers=list(config.nameservers),
         covey_allowed_private_cidrs=list(config.allowed_private_cidrs),
         covey_proxy_name=name,

@@ -62,6 +62,12 @@ class ProxyCollector(Collector):
             value=self.addon.feed.failures,
         )
         yield CounterMetricFamily(
+            "covey_egress_slow_clients_closed",
+            "Connections closed because their request head did not come within"
+            " COVEY_EGRESS_HEAD_TIMEOUT.",
+            value=self.addon.slow_closed,
+        )
+        yield CounterMetricFamily(
             "covey_egress_decisions_written",
             "Decisions written to the decision log.",
             value=self.log.written,

@@ -627,6 +627,52 @@ def test_slowloris_and_floods_leave_well_behaved_clients_served(hostile, cases):
         assert p50_p95(taken)[1] < 500, shown(taken)
 
 
+def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credentials, cases):
+    """Slow clients are served meanwhile (above); they do not keep their connections either:
+    a head not whole COVEY_EGRESS_HEAD_TIMEOUT after the connection opened (or after its last
+    plain request was answered) closes it. A tunnel, its head read, is not timed."""
+    timeout = 2.0
+    with attacked(outside, tmp_path, credentials, COVEY_EGRESS_HEAD_TIMEOUT=str(timeout)) as bad:
+        tunnel = connect(bad.proxy, bad.target, bad.credentials)
+        assert tunnel.status == 200
+        tls, incoming, outgoing, hello = client_hello(outside.net, "good.test")
+        plain = socket.create_connection(bad.proxy.address, timeout=10)
+        auth = basic(bad.credentials)
+        plain.sendall(
+            f"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n"
+            f"Proxy-Authorization: {auth}\r\n\r\n".encode()
+        )
+        assert read_head(plain)[0] == 200
+        trickles = {
+            "a silent connection": b"",
+            "a CONNECT head a byte at a time": f"CONNECT {bad.target} HTTP/1.1\r\n".encode(),
+            "a plain head a byte at a time": b"GET http://plain.test/ HTTP/1.1\r\n",
+        }
+        slow = {what: socket.create_connection(bad.proxy.address) for what in trickles}
+        started = time.monotonic()
+        for i in range(int(timeout * 10)):  # a byte every 0.1 s, never a whole head
+            for what, sock in slow.items():
+                if i < len(trickles[what]):
+                    sock.sendall(trickles[what][i : i + 1])
+            time.sleep(0.1)
+        for what, sock in slow.items():
+            with sock:
+                assert closed_by_peer(sock, timeout + 3), what
+                cases.add()
+        # The plain connection's next head did not come in time either; the tunnel lives on.
+        assert closed_by_peer(plain, 3), "an idle keep-alive connection"
+        closed = time.monotonic() - started
+        with tunnel.sock as sock:
+            sock.sendall(hello)
+            assert b"hello from good" in fetch_through(sock, tls, incoming, outgoing)
+        cases.add(2)
+        cases.note(
+            f"COVEY_EGRESS_HEAD_TIMEOUT={timeout:g}: silent, trickling and idle keep-alive"
+            f" connections closed within {closed:.1f} s; a tunnel opened before them still works"
+        )
+        assert closed < timeout + 3
+
+
 # --- ClientHellos in pieces, and names claimed after the first one ---------------------------
 
 

@@ -43,6 +43,7 @@ class Command(BaseCommand):
             grace=settings.COVEY_EGRESS_POLICY_GRACE,
             max_tunnels=settings.COVEY_EGRESS_MAX_TUNNELS,
             max_tunnels_per_agent=settings.COVEY_EGRESS_MAX_TUNNELS_PER_AGENT,
+            head_timeout=settings.COVEY_EGRESS_HEAD_TIMEOUT,
             nameservers=tuple(settings.COVEY_EGRESS_NAMESERVERS),
             allowed_private_cidrs=tuple(settings.COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS),
             control_plane_url=settings.COVEY_CONTROL_PLANE_URL,
