@@ -1,13 +1,16 @@
-"""Admin for egress tokens (listed, revocable) and the decision log (read-only)."""
+"""Admin for egress tokens (listed, revocable), the decision log and the proxies' sessions that
+say what the log lacks (read-only)."""
 
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.db.models import F, Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.html import format_html
 
 from egress import services
-from egress.models import Decision, EgressToken
+from egress.models import Decision, EgressToken, ProxySession
 from organisations.admin import TenantScoped
 
 
@@ -54,6 +57,73 @@ class DecisionAdmin(TenantScoped, admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return [f.name for f in Decision._meta.fields]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        """Says so when the log is not whole: a proxy's session admits a gap."""
+        gaps = with_gaps(ProxySession.objects.for_user(request.user)).count()
+        if gaps and request.method == "GET":
+            link = reverse("admin:egress_proxysession_changelist") + "?gap=yes"
+            self.message_user(
+                request,
+                format_html(
+                    'This log is not whole: <a href="{}">{} proxy session(s)</a> admit decisions'
+                    " missing from it.",
+                    link,
+                    gaps,
+                ),
+                messages.WARNING,
+            )
+        return super().changelist_view(request, extra_context)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+def with_gaps(sessions: QuerySet[ProxySession]) -> QuerySet[ProxySession]:
+    """The sessions whose decisions the log does not all have."""
+    return sessions.filter(Q(end=ProxySession.End.LOST) | Q(made__gt=F("recorded")))
+
+
+class GapFilter(admin.SimpleListFilter):
+    title = "gap in the log"
+    parameter_name = "gap"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "admitted"), ("no", "none")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return with_gaps(queryset)
+        if self.value() == "no":
+            return queryset.exclude(pk__in=with_gaps(queryset).values("pk"))
+        return queryset
+
+
+@admin.register(ProxySession)
+class ProxySessionAdmin(TenantScoped, admin.ModelAdmin):
+    """Each proxy process's life: how many decisions it made, how many are in the log, and
+    what the log admits it lacks. Written by the proxies, never by hand."""
+
+    list_display = [
+        "proxy", "organisation", "started_at", "ended_at", "end", "made", "recorded", "gap",
+    ]  # fmt: skip
+    list_filter = [GapFilter, "end", "organisation", "started_at"]
+    list_select_related = ["organisation"]
+    search_fields = ["proxy", "boot"]
+    date_hierarchy = "started_at"
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in ProxySession._meta.fields] + ["gap"]
+
+    @admin.display(description="Not in the log")
+    def gap(self, obj: ProxySession) -> str:
+        return obj.gap or "-"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -100,3 +100,69 @@ class Decision(models.Model):
     def __str__(self) -> str:
         verdict = "allow" if self.allowed else f"deny ({self.reason})"
         return f"{verdict} {self.host}:{self.port}"
+
+
+class ProxySessionQuerySet(TenantQuerySet):
+    """Proxy sessions, scoped by the organisation whose runner ran the proxy (the control
+    plane's own proxies: superusers only)."""
+
+
+class ProxySession(models.Model):
+    """One life of an egress proxy process, from its start to its stop, and how much of what it
+    decided reached the log: the log never has a gap it does not admit.
+
+    The proxy numbers its decisions. A clean stop says how many it made; one that ends without
+    (killed, crashed, its last batches unwritten) is found out when the same proxy starts
+    again, and what it decided after its last recorded decision is then admitted as unknown.
+    """
+
+    class End(models.TextChoices):
+        RUNNING = "running", "running"
+        STOPPED = "stopped", "stopped cleanly"
+        LOST = "lost", "ended without a clean stop"
+
+    boot = models.CharField(max_length=32, unique=True, help_text="The process's own random id.")
+    proxy = models.CharField(max_length=100, help_text="Which proxy (as in the decision log).")
+    organisation = models.ForeignKey(
+        "organisations.Organisation",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="+",
+        help_text="Whose runner ran it (empty: the control plane's own proxy).",
+    )
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end = models.CharField(max_length=8, choices=End.choices, default=End.RUNNING)
+    made = models.PositiveBigIntegerField(
+        default=0, help_text="Decisions it made, as far as it said (all of them once stopped)."
+    )
+    recorded = models.PositiveBigIntegerField(default=0, help_text="Of those, in the log.")
+
+    objects = ProxySessionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["proxy", "organisation", "end"])]
+
+    def __str__(self) -> str:
+        return f"{self.proxy} from {self.started_at:%Y-%m-%d %H:%M:%S}"
+
+    @property
+    def missing(self) -> int:
+        """Decisions it said it made that are not in the log (dropped, or never written)."""
+        return max(0, self.made - self.recorded)
+
+    @property
+    def gap(self) -> str:
+        """What the log lacks of this proxy's decisions, in words ('' when nothing)."""
+        said = []
+        if self.missing:
+            said.append(f"{self.missing} of its {self.made} decisions are not in the log")
+        if self.end == self.End.LOST:
+            said.append(
+                f"it ended without a clean stop: any decisions after no. {self.made} are unknown"
+                if self.made
+                else "it ended without a clean stop: any decisions it made are unknown"
+            )
+        return "; ".join(said)

@@ -15,7 +15,7 @@ from django.utils import timezone
 from agents.models import Agent
 from agents.services import effective_allowlist
 from budgets.services import exhausted, gateway_destination
-from egress.models import Decision, EgressToken
+from egress.models import Decision, EgressToken, ProxySession
 from egress.policy import hash_token
 from organisations.models import Organisation
 from templates.models import AllowlistTemplate
@@ -153,17 +153,27 @@ def built_in() -> list[dict[str, Any]]:
 def record_decisions(
     events: Iterable[Mapping[str, Any]], *, proxy: str = "", organisation_id: int | None = None
 ) -> int:
-    """Store decision events from a proxy: new decisions, then tunnel closes. Returns count.
+    """Store decision events from a proxy: its start, new decisions, tunnel closes, its stop.
+    Returns how many events.
 
-    Events are ``{"event": "decision", ...}`` or ``{"event": "close", "id", "bytes_up", ...}``.
-    Agent ids that no longer exist (or, with ``organisation_id``, belong to another
-    organisation) are kept as unidentified rows; a runner cannot write into another
-    organisation's log.
+    Events are ``{"event": "decision", ...}``, ``{"event": "close", "id", "bytes_up", ...}``,
+    and ``{"event": "start" | "stop", "boot", "at"}`` (a stop with ``seq``: how many it made);
+    a decision carries its proxy's ``boot`` and its number there (``seq``), which keep the
+    proxy's :class:`ProxySession` (a proxy of before them sends neither: no session). Agent ids
+    that no longer exist (or, with ``organisation_id``, belong to another organisation) are
+    kept as unidentified rows; a runner cannot write into another organisation's log.
     """
     decisions: list[Mapping[str, Any]] = []
     closes: list[Mapping[str, Any]] = []
+    marks: list[Mapping[str, Any]] = []
     for event in events:
-        (closes if event.get("event") == "close" else decisions).append(event)
+        kind = event.get("event")
+        if kind == "close":
+            closes.append(event)
+        elif kind in ("start", "stop"):
+            marks.append(event)
+        else:
+            decisions.append(event)
     agents = _scoped(
         Agent.objects.filter(pk__in={e.get("agent_id") for e in decisions}),
         organisation_id,
@@ -187,7 +197,17 @@ def record_decisions(
         )
         for e in decisions
     }
+    numbered = {uuid.UUID(str(e["id"])): _numbered(e) for e in decisions if "boot" in e}
     with transaction.atomic():
+        # The sessions first, locked: a batch sent again meanwhile waits, then finds this
+        # one's decisions stored and counts none twice.
+        sessions = _Sessions(proxy[:100], organisation_id)
+        for boot, at in sorted({(_numbered(m)[0], _time(m["at"])) for m in marks}):
+            sessions.lock(boot, at)
+        for pk, (boot, _) in sorted(numbered.items(), key=lambda item: item[1]):
+            sessions.lock(boot, rows[pk].decided_at)
+        for mark in (m for m in marks if m["event"] == "start"):
+            sessions.started(_numbered(mark)[0], _time(mark["at"]))
         # A batch sent again (its first answer was lost) finds its decisions already stored.
         for pk in Decision.objects.filter(pk__in=rows).values_list("pk", flat=True):
             del rows[pk]
@@ -199,6 +219,8 @@ def record_decisions(
             row.bytes_up, row.bytes_down = int(e["bytes_up"]), int(e["bytes_down"])
             row.closed_at = _time(e["at"])
         Decision.objects.bulk_create(rows.values(), ignore_conflicts=True)
+        for pk, (boot, seq) in numbered.items():
+            sessions.decided(boot, seq, new=pk in rows)
         if later:
             scope = _scoped(Decision.objects.all(), organisation_id, "agent__organisation_id")
             mine = set(scope.filter(pk__in=later).values_list("pk", flat=True))
@@ -207,7 +229,66 @@ def record_decisions(
                 ["bytes_up", "bytes_down", "closed_at"],
                 batch_size=500,
             )
-    return len(decisions) + len(closes)
+        for mark in (m for m in marks if m["event"] == "stop"):
+            sessions.stopped(*_numbered(mark), _time(mark["at"]))
+        sessions.save()
+    return len(decisions) + len(closes) + len(marks)
+
+
+def _numbered(event: Mapping[str, Any]) -> tuple[str, int]:
+    """(the proxy's boot, the event's number there) of an event."""
+    boot = str(event["boot"])
+    if not (0 < len(boot) <= 32 and boot.isalnum()):
+        raise ValueError(f"a proxy's boot is up to 32 letters and digits, not {boot!r}")
+    return boot, int(event.get("seq", 0))
+
+
+class _Sessions:
+    """The sessions one batch touches (of one proxy: an organisation's runner's, or the control
+    plane's own), locked first, counted in memory and saved at the end of the transaction."""
+
+    def __init__(self, proxy: str, organisation_id: int | None) -> None:
+        self.proxy, self.organisation_id = proxy, organisation_id
+        self.locked: dict[str, ProxySession | None] = {}
+
+    def lock(self, boot: str, at: datetime) -> None:
+        """Lock the boot's session, made if new (None: another proxy's, not the sender's)."""
+        if boot in self.locked:
+            return
+        session, _ = ProxySession.objects.select_for_update().get_or_create(
+            boot=boot,
+            defaults={
+                "proxy": self.proxy,
+                "organisation_id": self.organisation_id,
+                "started_at": at,
+            },
+        )
+        mine = (session.proxy, session.organisation_id) == (self.proxy, self.organisation_id)
+        self.locked[boot] = session if mine else None
+
+    def started(self, boot: str, at: datetime) -> None:
+        """The proxy started: its sessions still running ended without a word."""
+        if self.locked.get(boot) is None:
+            return
+        owner = {"organisation_id": self.organisation_id}  # None: the control plane's (IS NULL)
+        ProxySession.objects.filter(
+            proxy=self.proxy, end=ProxySession.End.RUNNING, **owner
+        ).exclude(boot=boot).update(end=ProxySession.End.LOST, ended_at=at)
+
+    def decided(self, boot: str, seq: int, *, new: bool) -> None:
+        if session := self.locked.get(boot):
+            session.made = max(session.made, seq)
+            session.recorded += new
+
+    def stopped(self, boot: str, seq: int, at: datetime) -> None:
+        if session := self.locked.get(boot):
+            session.made = max(session.made, seq)
+            session.end, session.ended_at = ProxySession.End.STOPPED, at
+
+    def save(self) -> None:
+        for session in self.locked.values():
+            if session is not None:
+                session.save()
 
 
 def prune_decisions(now: datetime | None = None) -> int:
@@ -215,6 +296,8 @@ def prune_decisions(now: datetime | None = None) -> int:
     now = now or timezone.now()
     cutoff = now - timedelta(days=settings.COVEY_EGRESS_DECISION_RETENTION_DAYS)
     deleted, _ = Decision.objects.filter(Q(decided_at__lt=cutoff)).delete()
+    # A session's counts go with its decisions (a running one, never heard to end, stays).
+    ProxySession.objects.filter(ended_at__lt=cutoff).delete()
     return deleted
 
 

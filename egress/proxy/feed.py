@@ -7,6 +7,7 @@ serves a proxy that reads the database and one that asks the control plane over 
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -161,6 +162,11 @@ class DecisionLog:
 
     The connection path only appends to a deque. When the sink fails, events are kept and
     retried; past ``max_buffer`` the oldest are dropped and counted.
+
+    Each decision is numbered within this log's ``boot`` (a random id of the process's life),
+    between a ``start`` event and, once everything before it is written, a ``stop`` event that
+    says how many there were: the control plane tells from them what its log is missing
+    (egress.models.ProxySession), whether dropped here or lost with a killed process.
     """
 
     def __init__(
@@ -174,9 +180,14 @@ class DecisionLog:
         self._thread = threading.Thread(target=self._run, name="covey-decisions", daemon=True)
         self.dropped = 0
         self.written = 0
+        self.boot = uuid.uuid4().hex
+        self.made = 0  # decisions numbered so far
 
     def add(self, event: dict[str, Any]) -> None:
-        """Queue one event (never blocks, never does I/O)."""
+        """Queue one event (never blocks, never does I/O); a decision gets its number."""
+        if event.get("event") == "decision":
+            self.made += 1
+            event["boot"], event["seq"] = self.boot, self.made
         if len(self._events) == self._max_buffer:
             self.dropped += 1
         self._events.append(event)
@@ -187,16 +198,25 @@ class DecisionLog:
         return len(self._events)
 
     def start(self) -> None:
-        """Start flushing."""
+        """Say this proxy started (at once, so that even a life too short for one batch is
+        known), and start flushing."""
+        started = {"event": "start", "boot": self.boot, "at": time.time()}
+        try:
+            self._sink([started])
+        except Exception as exc:  # sent with the first batch instead
+            logger.warning("covey: could not write the egress proxy's start: %s", exc)
+            self._events.appendleft(started)
         self._thread.start()
 
     def stop(self) -> None:
-        """Flush what is left and stop."""
+        """Flush what is left and stop: the stop event goes last, and only when all before it
+        is written (else the control plane admits the gap when this proxy starts again)."""
         self._stop.set()
         self._thread.join(timeout=10)
         try:
             while self._events:
                 self.flush()
+            self._sink([{"event": "stop", "boot": self.boot, "seq": self.made, "at": time.time()}])
         except Exception:
             logger.warning("covey: %d egress decisions were not written", len(self._events))
 

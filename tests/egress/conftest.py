@@ -8,6 +8,7 @@ import base64
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -78,9 +79,10 @@ def subprocess_database_url() -> str:
 class Proxy:
     """A running ``manage.py egress_proxy``."""
 
-    def __init__(self, port: int, log: Path) -> None:
+    def __init__(self, port: int, log: Path, process: subprocess.Popen | None = None) -> None:
         self.port = port
         self.log = log
+        self.process = process
 
     @property
     def address(self) -> tuple[str, int]:
@@ -121,7 +123,7 @@ def start_proxy(tmp_path: Path, net: Net, **env_overrides: str) -> Iterator[Prox
         args = ["prlimit", f"--nofile={files}:{files}", "--", *args]
     log = tmp_path / f"proxy-{port}.log"
     with running(args, env, log) as process:
-        proxy = Proxy(port, log)
+        proxy = Proxy(port, log, process)
 
         def listening() -> bool:
             assert process.poll() is None, proxy.output()

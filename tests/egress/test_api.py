@@ -12,7 +12,7 @@ from django.test import override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from egress.models import Decision, EgressToken
+from egress.models import Decision, EgressToken, ProxySession
 from egress.policy import hash_token
 from egress.services import issue_token, prune_decisions, record_decisions
 from tests.factories import AgentFactory
@@ -208,3 +208,77 @@ class TestDecisionBatches:
         closed = {"event": "close", "id": theirs["id"], "bytes_up": 1, "bytes_down": 1, "at": 1.0}
         record_decisions([theirs, closed], organisation_id=acme.pk)
         assert Decision.objects.get().closed_at is None
+
+
+class TestProxySessions:
+    """What the log admits it lacks: egress.models.ProxySession, from the proxies' numbers."""
+
+    @staticmethod
+    def numbered(boot: str, seq: int, agent) -> dict:
+        return event(agent, boot=boot, seq=seq)
+
+    @staticmethod
+    def mark(kind: str, boot: str, **fields) -> dict:
+        return {"event": kind, "boot": boot, "at": time.time(), **fields}
+
+    def test_a_clean_life_is_whole(self, acme):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([self.mark("start", "a1")], proxy="p")
+        batch = [self.numbered("a1", n, agent) for n in (1, 2, 3)]
+        record_decisions(batch, proxy="p")
+        record_decisions(batch, proxy="p")  # sent again: counted once
+        record_decisions([self.mark("stop", "a1", seq=3)], proxy="p")
+        session = ProxySession.objects.get()
+        assert (session.end, session.made, session.recorded, session.gap) == ("stopped", 3, 3, "")
+
+    def test_numbers_it_never_sent_are_admitted(self, acme):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([self.mark("start", "b1"), self.numbered("b1", 1, agent)], proxy="p")
+        record_decisions([self.numbered("b1", 4, agent)], proxy="p")  # 2 and 3 were dropped
+        record_decisions([self.mark("stop", "b1", seq=6)], proxy="p")  # 5 and 6 never came
+        session = ProxySession.objects.get()
+        assert (session.made, session.recorded, session.missing) == (6, 2, 4)
+        assert session.gap == "4 of its 6 decisions are not in the log"
+
+    def test_a_life_without_a_stop_is_admitted_when_the_proxy_starts_again(self, acme, globex):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([self.mark("start", "c1"), self.numbered("c1", 1, agent)], proxy="p")
+        record_decisions([self.mark("start", "g1")], proxy="p", organisation_id=globex.pk)
+        record_decisions([self.mark("start", "c2")], proxy="p")
+        killed, others = ProxySession.objects.get(boot="c1"), ProxySession.objects.get(boot="g1")
+        assert killed.end == "lost" and killed.ended_at is not None
+        assert killed.gap == (
+            "it ended without a clean stop: any decisions after no. 1 are unknown"
+        )
+        assert others.end == "running"  # another organisation's proxy of the same name
+
+    def test_a_runner_cannot_count_for_another_proxys_life(self, acme, globex):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([self.mark("start", "d1")], proxy="edge", organisation_id=acme.pk)
+        record_decisions(
+            [self.numbered("d1", 9, agent), self.mark("stop", "d1", seq=9)],
+            proxy="edge",
+            organisation_id=globex.pk,
+        )
+        session = ProxySession.objects.get()
+        assert (session.end, session.made, session.recorded) == ("running", 0, 0)
+
+    @pytest.mark.parametrize("boot", ["", "x" * 33, "../a", 7.5])
+    def test_a_malformed_boot_is_refused_and_nothing_is_written(self, acme, boot):
+        agent = AgentFactory(organisation=acme)
+        with pytest.raises(ValueError, match="boot"):
+            record_decisions([self.numbered(str(boot), 1, agent)], proxy="p")
+        assert not Decision.objects.exists() and not ProxySession.objects.exists()
+
+    def test_the_decision_log_says_when_it_is_not_whole(self, operator_client, acme):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([self.mark("start", "e1"), self.numbered("e1", 2, agent)], proxy="p")
+        page = operator_client.get(reverse("admin:egress_decision_changelist"))
+        assert b"This log is not whole" in page.content
+        listed = operator_client.get(
+            reverse("admin:egress_proxysession_changelist"), {"gap": "yes"}
+        )
+        assert b"1 of its 2 decisions are not in the log" in listed.content
+        record_decisions([self.numbered("e1", 1, agent)], proxy="p")
+        page = operator_client.get(reverse("admin:egress_decision_changelist"))
+        assert b"This log is not whole" not in page.content

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import secrets
+import signal
 import socket
 import ssl
 import subprocess
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from agents import services as agent_services
-from egress.models import Decision
+from egress.models import Decision, ProxySession
 from egress.services import issue_token, revoke_tokens
 from organisations import services as organisation_services
 from tests.egress.conftest import (
@@ -479,6 +480,66 @@ def test_its_lines_about_an_agents_connection_carry_the_agents_id(net, tmp_path,
 
         wait_for(lambda: said(), 5, "the proxy saying it could not reach the upstream")
     assert [line.get("agent_id") for line in said()] == [agent.pk]
+
+
+@pytest.mark.suite("faults")
+def test_a_killed_proxy_leaves_no_gap_in_the_log_it_does_not_admit(net, tmp_path, world, cases):
+    """Decisions are written in batches, so a proxy killed between two loses the last ones:
+    its next start admits that (egress.models.ProxySession); a clean stop writes all and says
+    how many. Every refusal a client saw is in the log or inside an admitted gap."""
+    _, credentials = world
+    name = f"gap-{secrets.token_hex(4)}"
+
+    def refused(proxy, count: int) -> int:
+        seen = 0
+        for i in range(count):
+            answer = connect(proxy, f"off-list-{i}.test:443", credentials)
+            assert answer.status == 403, answer
+            answer.sock.close()
+            seen += 1
+        return seen
+
+    def session(proxy_name: str, position: int) -> ProxySession:
+        return ProxySession.objects.filter(proxy=proxy_name).order_by("started_at")[position]
+
+    def logged() -> int:
+        return Decision.objects.filter(proxy=name).count()
+
+    with start_proxy(tmp_path, net, EXTRA_ARGS=f"--name {name}") as first:
+        first.sync()
+        seen = refused(first, 100)
+        wait_for(lambda: logged() == seen, 10, "the first batches written")
+        seen += refused(first, 100)
+        assert first.process is not None
+        os.killpg(first.process.pid, signal.SIGKILL)  # no stop, no last flush
+        first.process.wait()
+    with start_proxy(tmp_path, net, EXTRA_ARGS=f"--name {name}") as second:
+        second.sync()
+        wait_for(
+            lambda: ProxySession.objects.filter(proxy=name).count() == 2,
+            10,
+            "the second session",
+            second.log,
+        )
+        killed = session(name, 0)
+        assert killed.end == ProxySession.End.LOST and killed.ended_at is not None
+        # What is in the log is what it counts; the rest of what clients saw is after it.
+        assert killed.recorded == logged() == killed.made <= seen
+        assert killed.made >= 100
+        assert f"decisions after no. {killed.made} are unknown" in killed.gap
+        cases.add()
+        cases.note(
+            f"proxy killed after {seen} refusals: {killed.recorded} in the log,"
+            f" {seen - killed.recorded} admitted as unknown (after no. {killed.made})"
+        )
+        before = logged()
+        seen_second = refused(second, 50)
+    # The block's end stopped it cleanly (SIGTERM): all of it written, and said so.
+    stopped = session(name, 1)
+    assert stopped.end == ProxySession.End.STOPPED, stopped.gap
+    assert stopped.made == stopped.recorded == seen_second == logged() - before
+    assert stopped.gap == ""
+    cases.add()
 
 
 @pytest.mark.suite("faults")
