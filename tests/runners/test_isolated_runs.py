@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 
 from approvals import services as approvals
 from approvals.models import Request, Status
-from egress.models import EgressToken
+from egress.models import Decision, EgressToken, ProxySession
 from runners.host.containers import isolation
 from runners.host.identity import docker_name
 from runners.services import installation_key, renew_runner_tokens
@@ -345,7 +345,8 @@ echo "after: $body (try $i)"
 @pytest.mark.suite("faults")
 def test_a_proxy_killed_mid_transfer_cuts_it_opens_nothing_and_comes_back(world, acme):
     """The sandbox loses egress with its proxy and gains no path around it; the runner brings
-    the proxy back (its reconcile), at the same address, and new connections work."""
+    the proxy back (its reconcile), at the same address, and new connections work. The log
+    admits what the killed proxy had not written yet."""
     runner, config = world.register(acme, "isolated-cut")
     proxy = isolation.proxy_container_name(docker_name(runner.pk, installation_key()))
     script = f"""
@@ -374,6 +375,11 @@ echo "after: $out"
         after["NetworkSettings"]["Networks"].keys() == before["NetworkSettings"]["Networks"].keys()
     )
     assert not containers_of(runner)
+    sessions = ProxySession.objects.filter(proxy=runner.name, organisation=acme)
+    lives = [(s.end, s.made, s.recorded) for s in sessions.order_by("started_at")]
+    assert len(lives) >= 2 and lives[0][0] == ProxySession.End.LOST, lives
+    assert "ended without a clean stop" in sessions.order_by("started_at")[0].gap
+    assert sum(s.recorded for s in sessions) == Decision.objects.filter(proxy=runner.name).count()
 
 
 def addresses(container: dict) -> dict[str, str]:
