@@ -120,10 +120,15 @@ class Runner(models.Model):
 
     @property
     def trusted(self) -> bool:
-        """Under hard isolation, only once its latest egress probe passed."""
+        """Under hard isolation, only once its latest egress probe passed, and while its host
+        does not say it cannot take work (what it proved went, say, with its Docker engine)."""
         if self.isolation != ISOLATION_NETWORK:
             return True
-        return self.last_probe is not None and self.last_probe.status == ProbeStatus.PASSED
+        return (
+            self.last_probe is not None
+            and self.last_probe.status == ProbeStatus.PASSED
+            and self.host_ready is not False
+        )
 
     def untrusted_reason(self) -> str:
         """Why a hard-isolation runner gets no work ('' when it does)."""
@@ -132,8 +137,10 @@ class Runner(models.Model):
         probe = self.last_probe
         if probe is None:
             return "has not passed an egress probe yet"
-        when = probe.finished_at.strftime("%Y-%m-%d %H:%M:%S %Z") if probe.finished_at else ""
-        return f"failed its egress probe at {when}: {probe.summary}"
+        if probe.status != ProbeStatus.PASSED:
+            when = probe.finished_at.strftime("%Y-%m-%d %H:%M:%S %Z") if probe.finished_at else ""
+            return f"failed its egress probe at {when}: {probe.summary}"
+        return f"cannot take work now: {self.host_problem}"
 
     @property
     def online(self) -> bool:

@@ -175,6 +175,7 @@ class ActiveRuns(Message):
 
 OVER_QUOTA = "home-over-quota"  # an exit's detail: stopped for it (then why, after ": ")
 DISK_FULL = "home-disk-full"  # an exit's detail: it failed with no room left under its home
+ENGINE_RESTARTED = "docker-engine-restarted"  # an exit's detail: it ended with the engine
 MAX_LISTED_CHANGES = 1000  # paths listed per kind in HomeChanges; the totals count them all
 
 

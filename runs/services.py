@@ -32,6 +32,7 @@ from runners import dispatch
 from runners.models import Runner
 from runners.protocol import (
     DISK_FULL,
+    ENGINE_RESTARTED,
     FEATURE_WORKPLACES,
     FEATURES,
     OVER_QUOTA,
@@ -453,6 +454,13 @@ def report(run_id: str, runner: Runner, seen: RunReport) -> Run | None:
         where = f" on {run.runner.name}" if run.runner else ""
         full = detail.removeprefix(f"{DISK_FULL}: ")
         status, why = RunStatus.FAILED, f"exit code {exit_code}: {full}{where}: make room there"
+    elif state == ReportState.EXITED and detail == ENGINE_RESTARTED:
+        where = f" on {run.runner.name}" if run.runner else ""
+        status, why = (
+            RunStatus.FAILED,
+            f"exit code {exit_code}: the Docker engine{where} stopped during the run, and its"
+            " sandbox with it",
+        )
     elif state == ReportState.EXITED and exit_code == NO_RUNTIME_EXIT and _default_runtime(run):
         image = sandbox_image(run)
         status, why = (

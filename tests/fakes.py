@@ -57,6 +57,12 @@ class FakeEngine:
     def problem(self) -> str:
         return self.down
 
+    def open_events(self) -> "Held":
+        if self.down:
+            raise EngineError(self.down)
+        self.held = Held()
+        return self.held
+
     def missing_image(self, image: str) -> str:
         return f"image {image} is not on this host" if image in self.absent_images else ""
 
@@ -150,6 +156,22 @@ class FakeEngine:
 
     def remove_services(self, run_id: str) -> None:
         self.parts.pop(run_id, None)
+
+
+class Held:
+    """An engine's event stream, held open until the engine goes (``end``) or it is closed."""
+
+    def __init__(self) -> None:
+        self._ended = threading.Event()
+
+    def __iter__(self) -> Iterator[dict]:
+        self._ended.wait()
+        return iter(())
+
+    def end(self) -> None:
+        self._ended.set()
+
+    close = end
 
 
 class FakeBuilder:

@@ -16,8 +16,14 @@ sandboxes go on its internal network, whose only exit is its proxy container
 checked before every launch; a launch it cannot vouch for is refused (fail closed), never run
 without it. Each runner is also probed (runners/probe/host.py) when it starts, on order, and
 again while its last probe failed; until one passes it refuses every launch.
+
+A stream of the Docker engine's events is held open: when it ends, the engine stopped, and what
+was proved of each runner went with it. No runner takes work until the engine is back, its
+shape is rebuilt and a new probe passed (or, at the cooperative level, its proxy answered);
+sandboxes the engine took with it are reported as such.
 """
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,6 +63,7 @@ from runners.host.trust import Trust, UntrustedError
 from runners.probe import host as probing
 from runners.protocol import (
     DISK_FULL,
+    ENGINE_RESTARTED,
     MAX_LISTED_CHANGES,
     OVER_QUOTA,
     HomeChanges,
@@ -83,6 +90,10 @@ HEARTBEAT_SILENCE_SECONDS = 30.0
 HEARTBEAT_SILENCE_TIMES = 3
 # The name of the engine that only asks Docker whether it answers (it owns no container).
 HOST_ENGINE_NAME = "covey-host"
+ENGINE_RETRY_SECONDS = 1.0  # while the Docker engine is gone: how often to ask for it again
+# A sandbox that ended this long before the engine was seen gone, or after (until it was back),
+# ended with the engine: an engine stops its containers before and after it closes its API.
+ENGINE_STOP_SECONDS = 30.0
 
 
 def docker_engine(name: str, installation: str, legacy: str) -> Engine:
@@ -139,6 +150,10 @@ class RunnerHost:
     _unheard: dict[int, str] = field(default_factory=dict)
     heartbeat_every: float = 0.0
     _docker: Engine | None = None
+    # The Docker engine's outages seen here (UTC; the end None while it lasts), the last few,
+    # and the event stream held open to see the next (closed at stop).
+    outages: list[tuple[datetime, datetime | None]] = field(default_factory=list)
+    _held: Any = None
     # Launches by runner and outcome (started, refused), for the host's /metrics.
     launches: Counter[tuple[int, str]] = field(default_factory=Counter)
 
@@ -460,6 +475,78 @@ class RunnerHost:
     def stop(self) -> None:
         self._stop.set()
         self.serving.close()
+        held = self._held
+        if held is not None:
+            with contextlib.suppress(Exception):
+                held.close()
+
+    # --- the Docker engine going and coming back -------------------------------------------
+
+    def watch_engine(self) -> None:
+        """Until :meth:`stop`: hold a stream of the Docker engine's events open. It ends when
+        the engine stops (or restarts): :meth:`engine_lost`; once the engine answers again,
+        :meth:`engine_back`, before the runners take work again."""
+        gone = False
+        while not self._stop.is_set():
+            try:
+                if self._docker is None:
+                    self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
+                self._held = self._docker.open_events()
+            except EngineError as exc:
+                if not gone:
+                    self.engine_lost(str(exc))
+                    gone = True
+                self._stop.wait(ENGINE_RETRY_SECONDS)
+                continue
+            if gone:
+                self.engine_back()
+                gone = False
+            with contextlib.suppress(Exception):  # ended, or broken: the engine went either way
+                for _ in self._held:
+                    pass
+            if not self._stop.is_set():
+                self.engine_lost("its event stream ended")
+                gone = True
+
+    def engine_lost(self, why: str) -> None:
+        """The Docker engine went away: whatever this host proved of its runners' egress went
+        with it (the proxy, the networks, the firewall's place in the chains may come back
+        otherwise). No runner takes work until the engine is back and proved again."""
+        now = datetime.now(UTC)
+        self.outages = [*self.outages[-9:], (now, None)]
+        logger.warning(
+            "covey runner: the Docker engine went away (%s): no launches until it is back, its"
+            " isolation rebuilt and proved again",
+            why,
+        )
+        when = f"{now:%Y-%m-%d %H:%M:%S} UTC"
+        for identity in list(self.identities.values()):
+            level = "a new egress probe passes" if self.settings.isolation else "its proxy answers"
+            self.trust.distrust(
+                identity,
+                f"the Docker engine went away at {when}: no work until it is back and {level}",
+            )
+
+    def engine_back(self) -> None:
+        """The Docker engine answers again: rebuild each runner's shape (hard isolation), then
+        prove it: a probe (hard isolation) or a proxy check (cooperative)."""
+        if self.outages and self.outages[-1][1] is None:
+            self.outages[-1] = (self.outages[-1][0], datetime.now(UTC))
+        logger.info("covey runner: the Docker engine is back; rebuilding isolation, proving it")
+        for identity in list(self.identities.values()):
+            self.shapes.ensure(identity)
+            self.trust.prove_again(identity, "the Docker engine restarted")
+
+    def _ended_with_the_engine(self, sandbox: Sandbox) -> bool:
+        """Did the sandbox end while the engine was going away (stopped with it)?"""
+        ended = sandbox.finished_at
+        if ended is None:
+            return False
+        slack = timedelta(seconds=ENGINE_STOP_SECONDS)
+        return any(
+            gone - slack <= ended <= (back or datetime.now(UTC)) + slack
+            for gone, back in self.outages
+        )
 
     # --- readiness ---------------------------------------------------------------------------
 
@@ -659,6 +746,8 @@ class RunnerHost:
         if not detail and sandbox.exit_code:
             full = _disk_full(self._home_of(identity.id, sandbox.agent_id))
             detail = f"{DISK_FULL}: {full}" if full else ""
+        if not detail and sandbox.exit_code and self._ended_with_the_engine(sandbox):
+            detail = ENGINE_RESTARTED
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
             services = tuple(engine.services(run_id, logs=True))

@@ -83,6 +83,9 @@ class Trust:
         self._probe_engines: dict[int, Engine] = {}
         self._locks_lock = threading.Lock()  # makes the per-runner locks and engines
         self._proxy_checks: dict[int, ProxyCheck] = {}
+        # Runners whose proof this host no longer holds (the Docker engine restarted): why,
+        # until a new probe passes (hard isolation) or their proxy answers (cooperative).
+        self._distrusted: dict[int, str] = {}
         self._proxy_check_locks: dict[int, threading.Lock] = {}
 
     def require(self, identity: Identity, *, proxied: bool) -> None:
@@ -101,6 +104,8 @@ class Trust:
             return self._probe_problem(identity)
         if not self.settings.proxy:
             return ""  # nothing to check: the runner host said so at start
+        if why := self._distrusted.get(identity.id):
+            return why
         check = self._proxy_checks.get(identity.id)
         if check is None:
             return f"the egress proxy at {self.settings.proxy} has not been checked yet"
@@ -110,7 +115,27 @@ class Trust:
         """The runner's latest egress probe on this host (None: none yet)."""
         return self._probes.get(identity.id)
 
+    def distrust(self, identity: Identity, why: str) -> None:
+        """Forget what this host proved of the runner's egress (its Docker engine restarted,
+        and with it the proxy, the networks, the firewall's place): no work until a new probe
+        passes (hard isolation) or its proxy answers again (cooperative)."""
+        self._distrusted[identity.id] = why
+        with self._proxy_check_lock(identity):
+            if identity.id in self._proxy_checks:  # the next check is made afresh
+                self._proxy_checks[identity.id] = ProxyCheck(why, float("-inf"), said=True)
+
+    def prove_again(self, identity: Identity, reason: str) -> None:
+        """After :meth:`distrust`: probe the runner (hard isolation) or check its proxy."""
+        if self.settings.isolation:
+            self._probe_safely(identity, None, reason)
+        elif self.settings.proxy:
+            self.check_proxy(identity, fresh=True)
+        else:
+            self._distrusted.pop(identity.id, None)  # nothing to prove: no proxy to reach
+
     def _probe_problem(self, identity: Identity) -> str:
+        if why := self._distrusted.get(identity.id):
+            return why
         state = self._probes.get(identity.id)
         if state is None:
             return "this runner has not passed an egress probe yet"
@@ -196,6 +221,8 @@ class Trust:
                 )
             summary = report.summary
             self._probes[identity.id] = ProbeState(report.passed, self.clock(), summary)
+            if report.passed:
+                self._distrusted.pop(identity.id, None)
         level = logging.INFO if report.passed else logging.WARNING
         logger.log(
             level,
@@ -218,7 +245,7 @@ class Trust:
             logger.warning("covey runner %s: egress probe: %s", identity.name, exc)
             with self._probe_lock(identity):
                 state = self._probes.get(identity.id)
-                if state is None or not state.passed:
+                if state is None or not state.passed or identity.id in self._distrusted:
                     summary = f"the probe could not run: {exc}"
                     self._probes[identity.id] = ProbeState(
                         False, self.clock(), summary, retry=UNREPORTED_RETRY_SECONDS
@@ -304,6 +331,8 @@ class Trust:
                 problem = f"the egress proxy at {self.settings.proxy} could not be checked: {exc}"
             said = bool(problem) and (warn or bool(last and last.said and last.problem))
             self._proxy_checks[identity.id] = ProxyCheck(problem, self.clock(), said)
+            if not problem:
+                self._distrusted.pop(identity.id, None)
         if problem:
             if warn:
                 logger.warning("covey runner %s: %s", identity.name, problem)

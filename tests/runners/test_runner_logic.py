@@ -12,7 +12,12 @@ import pytest
 import logs
 from runners.host import runner as host_module
 from runners.host import trust
-from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
+from runners.host.runner import (
+    HOST_ENGINE_NAME,
+    RELAUNCH_AFTER_SECONDS,
+    HostSettings,
+    RunnerHost,
+)
 from runners.protocol import (
     ActiveRun,
     EgressGrant,
@@ -154,6 +159,60 @@ def test_a_failed_proxy_check_is_repeated_soon_and_a_passed_one_seldom(tmp_path)
     now[0] += 1
     checked.host.trust.recheck_proxy(checked.identity)
     assert checks() == 3
+
+
+def test_a_docker_engine_that_restarts_stops_work_until_it_is_back_and_proved(tmp_path):
+    """The runner holds the engine's event stream: when it ends, no launch is taken until the
+    engine answers and the proxy is proved again; a sandbox stopped with the engine is
+    reported as such (the hard-isolation case, with its probe, runs for real in
+    test_isolated_runs.py)."""
+    down = [""]
+
+    def proxy(launch):
+        if "proxy-check" not in launch.command:
+            return None
+        return (1, b"ConnectionRefusedError: the engine is gone") if down[0] else (0, b"407")
+
+    checked = Host(tmp_path, proxy, proxy="172.17.0.1:3128")
+    assert checked.host.start_proxy_checks() == {1: ""}
+    checked.order(spec(enforce=True))
+    watcher = threading.Thread(target=checked.host.watch_engine, daemon=True)
+    watcher.start()
+    try:
+        wait(lambda: getattr(checked.engines.get(HOST_ENGINE_NAME), "held", None) is not None)
+        docker = checked.engines[HOST_ENGINE_NAME]
+        for engine in checked.engines.values():
+            engine.down = down[0] = "the Docker engine does not answer: restarting"
+        checked.engine.exit(RUN, 143)  # the engine stops its containers
+        docker.held.end()
+        wait(lambda: checked.host.trust.problem(checked.identity) != "")
+        assert "the Docker engine went away at" in checked.host.problems(checked.identity)["egress"]
+        later = spec(run="0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a12", enforce=True)
+        checked.order(later)  # the launch's own proxy check fails while the engine is gone
+        assert checked.control.states(later.run) == ["built"]
+        checked.host.sweep(checked.identity)
+        ended = [seen for run, seen in checked.control.reports if run == RUN][-1]
+        assert (ended.state, ended.exit_code, ended.detail) == (
+            ReportState.EXITED, 143, "docker-engine-restarted",
+        )  # fmt: skip
+        for engine in checked.engines.values():
+            engine.down = down[0] = ""
+        wait(lambda: checked.host.outages[-1][1] is not None)
+        wait(lambda: checked.host.trust.problem(checked.identity) == "")
+        again = spec(run="0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a13", enforce=True)
+        checked.order(again)
+        assert checked.control.states(again.run) == ["running"]
+    finally:
+        checked.host.stop()
+        watcher.join(5)
+    assert not watcher.is_alive()
+
+
+def wait(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "it did not happen in time"
+        time.sleep(0.01)
 
 
 def test_an_engine_refusal_is_reported_as_built_with_its_reason(host):

@@ -462,6 +462,16 @@ class Engine:
             **({"sysctls": dict(spec.sysctls)} if spec.sysctls else {}),
         }
 
+    def open_events(self) -> Iterator[Any]:
+        """A stream of the engine's own events, held open: iterating it ends (or raises) when
+        the engine stops or restarts. Close it to let go. EngineError when the engine does not
+        answer."""
+        try:
+            stream: Iterator[Any] = self._client.events(decode=True, filters={"type": "daemon"})
+        except Exception as exc:  # the SDK's errors and requests' (a socket that is gone)
+            raise EngineError(f"the Docker engine does not answer: {exc}") from exc
+        return stream
+
     def problem(self) -> str:
         """'' when the Docker engine answers, else why not (readiness: a host's /readyz)."""
         try:

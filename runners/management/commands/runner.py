@@ -149,6 +149,7 @@ class Command(BaseCommand):
         threads = [
             threading.Thread(target=host.watch, name="covey-watch", daemon=True),
             threading.Thread(target=host.quotas, name="covey-quotas", daemon=True),
+            threading.Thread(target=host.watch_engine, name="covey-engine", daemon=True),
             threading.Thread(
                 target=host.heartbeats,
                 args=(settings.COVEY_RUNNER_HEARTBEAT_SECONDS,),
