@@ -187,7 +187,7 @@ def record_decisions(
             username=str(e.get("username", ""))[:200],
             kind=e["kind"],
             host=str(e["host"])[:255],
-            port=int(e["port"]),
+            port=_whole(e["port"], 65535),
             address=e.get("address") or None,
             allowed=bool(e["allowed"]),
             reason=str(e["reason"])[:32],
@@ -216,7 +216,7 @@ def record_decisions(
         for e in closes:
             pk = uuid.UUID(str(e["id"]))
             row = rows.get(pk) or later.setdefault(pk, Decision(pk=pk))
-            row.bytes_up, row.bytes_down = int(e["bytes_up"]), int(e["bytes_down"])
+            row.bytes_up, row.bytes_down = _whole(e["bytes_up"]), _whole(e["bytes_down"])
             row.closed_at = _time(e["at"])
         Decision.objects.bulk_create(rows.values(), ignore_conflicts=True)
         for pk, (boot, seq) in numbered.items():
@@ -240,7 +240,15 @@ def _numbered(event: Mapping[str, Any]) -> tuple[str, int]:
     boot = str(event["boot"])
     if not (0 < len(boot) <= 32 and boot.isalnum()):
         raise ValueError(f"a proxy's boot is up to 32 letters and digits, not {boot!r}")
-    return boot, int(event.get("seq", 0))
+    return boot, _whole(event.get("seq", 0))
+
+
+def _whole(value: Any, most: int = 2**63 - 1) -> int:
+    """A count or port from an event: a whole number from 0 to ``most`` (a column's bounds)."""
+    number = int(value)
+    if not 0 <= number <= most:
+        raise ValueError(f"{number} is not between 0 and {most}")
+    return number
 
 
 class _Sessions:
@@ -302,4 +310,7 @@ def prune_decisions(now: datetime | None = None) -> int:
 
 
 def _time(value: Any) -> datetime:
-    return datetime.fromtimestamp(float(value), tz=UTC)
+    try:
+        return datetime.fromtimestamp(float(value), tz=UTC)
+    except OverflowError:
+        raise ValueError(f"{value!r} is no time") from None

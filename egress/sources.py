@@ -52,10 +52,14 @@ class DatabaseSink:
         self.proxy = proxy
 
     def __call__(self, events: list[dict[str, Any]]) -> None:
+        from egress.proxy.feed import Refused
         from egress.services import record_decisions
 
-        with _brief_transaction():
-            record_decisions(events, proxy=self.proxy)
+        try:
+            with _brief_transaction():
+                record_decisions(events, proxy=self.proxy)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # malformed: for good
+            raise Refused(repr(exc)) from exc
 
 
 # The request desk on the control-plane host (egress/proxy/desk.py) files through the database:

@@ -16,6 +16,7 @@ import httpx
 
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from egress.proxy.config import ProxyConfig
+from egress.proxy.feed import Refused
 
 
 class RunnerFile:
@@ -72,10 +73,13 @@ class ControlPlaneSource:
         return data
 
     def post_decisions(self, events: list[dict[str, Any]]) -> None:
-        """Send a batch of decision events to the control plane's log."""
+        """Send a batch of decision events to the control plane's log (:class:`Refused`: it
+        answered 400, they are malformed to it, and sending them again would not help)."""
         response = self._client.post(
             "/api/v1/egress/decisions/", json={"events": events}, headers=self._headers()
         )
+        if response.status_code == 400:
+            raise Refused(f"400 {response.text[:300]}")
         response.raise_for_status()
 
     def file_request(

@@ -24,6 +24,12 @@ PolicySource = Callable[[str | None], Mapping[str, Any] | None]
 DecisionSink = Callable[[list[dict[str, Any]]], None]
 
 
+class Refused(Exception):
+    """A sink's receiver answered that it will never take these events (a malformed batch, or
+    a control plane of before the events' kind), as opposed to that it cannot take them now:
+    they are dropped, not retried, so that they never hold up the events behind them."""
+
+
 class PolicyFeed:
     """Keeps the current :class:`Policy` fresh by polling a source in a thread.
 
@@ -182,6 +188,8 @@ class DecisionLog:
         self.written = 0
         self.boot = uuid.uuid4().hex
         self.made = 0  # decisions numbered so far
+        self._started_at = time.time()
+        self._start_owed = True
 
     def add(self, event: dict[str, Any]) -> None:
         """Queue one event (never blocks, never does I/O); a decision gets its number."""
@@ -200,12 +208,11 @@ class DecisionLog:
     def start(self) -> None:
         """Say this proxy started (at once, so that even a life too short for one batch is
         known), and start flushing."""
-        started = {"event": "start", "boot": self.boot, "at": time.time()}
+        self._started_at = time.time()
         try:
-            self._sink([started])
-        except Exception as exc:  # sent with the first batch instead
+            self._say_started()
+        except Exception as exc:  # said again before the first batch
             logger.warning("covey: could not write the egress proxy's start: %s", exc)
-            self._events.appendleft(started)
         self._thread.start()
 
     def stop(self) -> None:
@@ -214,14 +221,38 @@ class DecisionLog:
         self._stop.set()
         self._thread.join(timeout=10)
         try:
+            self._say_started()
             while self._events:
                 self.flush()
-            self._sink([{"event": "stop", "boot": self.boot, "seq": self.made, "at": time.time()}])
+            self._mark({"event": "stop", "boot": self.boot, "seq": self.made, "at": time.time()})
         except Exception:
             logger.warning("covey: %d egress decisions were not written", len(self._events))
 
+    def _say_started(self) -> None:
+        """Write the start event, once; it is owed (kept apart from the buffer, which may drop
+        events) until written or refused."""
+        if not self._start_owed:
+            return
+        self._mark({"event": "start", "boot": self.boot, "at": self._started_at})
+        self._start_owed = False
+
+    def _mark(self, event: dict[str, Any]) -> None:
+        """Write a start or stop event on its own: a control plane of before sessions refuses
+        them, and then the decisions go on without (it keeps no session to write them in)."""
+        try:
+            self._sink([event])
+        except Refused as exc:
+            logger.warning(
+                "covey: the control plane refused this proxy's %s (%s): it keeps no record of "
+                "the proxy's sessions, so a gap in its decision log will not be admitted",
+                event["event"],
+                exc,
+            )
+
     def flush(self) -> None:
-        """Write everything queued so far; on failure the events go back to the front."""
+        """Write everything queued so far; on failure the events go back to the front, unless
+        the receiver refused them for good (then they are dropped and counted)."""
+        self._say_started()
         batch: list[dict[str, Any]] = []
         while self._events and len(batch) < 5000:
             batch.append(self._events.popleft())
@@ -229,6 +260,10 @@ class DecisionLog:
             return
         try:
             self._sink(batch)
+        except Refused as exc:
+            self.dropped += len(batch)
+            logger.error("covey: %d egress decisions were refused and dropped: %s", len(batch), exc)
+            return
         except Exception as exc:
             logger.warning("covey: could not write %d egress decisions: %s", len(batch), exc)
             self._events.extendleft(reversed(batch))
@@ -238,7 +273,8 @@ class DecisionLog:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
+                self._say_started()
                 while self._events:
                     self.flush()
             except Exception:  # noqa: S112 - logged in flush; retried next round
-                continue
+                logger.debug("decision log write failure", exc_info=True)

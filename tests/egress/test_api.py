@@ -270,6 +270,16 @@ class TestProxySessions:
             record_decisions([self.numbered(str(boot), 1, agent)], proxy="p")
         assert not Decision.objects.exists() and not ProxySession.objects.exists()
 
+    @pytest.mark.parametrize(
+        "fields",
+        [{"at": 1e20}, {"at": float("nan")}, {"seq": 2**63}, {"seq": -1}, {"port": 70000}],
+    )
+    def test_numbers_out_of_bounds_are_refused_and_nothing_is_written(self, acme, fields):
+        agent = AgentFactory(organisation=acme)
+        with pytest.raises(ValueError):
+            record_decisions([{**self.numbered("f1", 1, agent), **fields}], proxy="p")
+        assert not Decision.objects.exists() and not ProxySession.objects.exists()
+
     def test_the_decision_log_says_when_it_is_not_whole(self, operator_client, acme):
         agent = AgentFactory(organisation=acme)
         record_decisions([self.mark("start", "e1"), self.numbered("e1", 2, agent)], proxy="p")

@@ -7,7 +7,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
-from egress.proxy.feed import DecisionLog, PolicyFeed
+from egress.proxy.feed import DecisionLog, PolicyFeed, Refused
 from egress.proxy.lookups import TokenLookups
 
 
@@ -264,3 +264,59 @@ def test_a_log_that_cannot_write_everything_never_says_it_stopped():
     log.stop()  # the decision is not written: no stop, so the gap is admitted at the next start
     assert [e["event"] for e in written] == ["start"]
     assert log.waiting == 1
+
+
+def test_a_control_plane_of_before_sessions_refuses_the_marks_and_gets_the_decisions():
+    written: list[dict] = []
+
+    def old_control_plane(events: list[dict]) -> None:  # as record_decisions was: no kind, 400
+        if any("kind" not in e for e in events):
+            raise Refused("400 malformed event: KeyError('kind')")
+        written.extend(events)
+
+    log = DecisionLog(old_control_plane, interval=3600)
+    log.start()
+    log.add({"event": "decision", "kind": "connect", "host": "a.test"})
+    log.flush()  # not held up behind a start the control plane will never take
+    log.stop()
+    assert [(e["host"], e["seq"]) for e in written] == [("a.test", 1)]
+    assert (log.waiting, log.dropped) == (0, 0)
+
+
+def test_a_batch_refused_for_good_is_dropped_and_counted_not_retried_forever():
+    written: list[dict] = []
+
+    def sink(events: list[dict]) -> None:
+        if any(e.get("host") == "bad" for e in events):
+            raise Refused("400 malformed")
+        written.extend(events)
+
+    log = DecisionLog(sink, interval=3600)
+    log.start()
+    log.add({"event": "decision", "host": "bad"})
+    log.flush()
+    log.add({"event": "decision", "host": "good"})
+    log.stop()
+    assert [e.get("host") for e in written] == [None, "good", None]  # start, good, stop
+    assert log.dropped == 1 and written[-1]["seq"] == 2  # the control plane admits no. 1 missing
+
+
+def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():
+    written: list[dict] = []
+    up = False
+
+    def sink(events: list[dict]) -> None:
+        if not up:
+            raise OSError("the control plane is not there yet")
+        written.extend(events)
+
+    log = DecisionLog(sink, interval=3600, max_buffer=2)
+    log.start()
+    for host in ("a", "b", "c"):
+        log.add({"event": "decision", "host": host})
+    up = True
+    log.stop()
+    assert [(e["event"], e.get("seq")) for e in written] == [
+        ("start", None), ("decision", 2), ("decision", 3), ("stop", 3),
+    ]  # fmt: skip
+    assert log.dropped == 1
