@@ -154,6 +154,7 @@ class RunnerHost:
     # and the event stream held open to see the next (closed at stop).
     outages: list[tuple[datetime, datetime | None]] = field(default_factory=list)
     _held: Any = None
+    _beat_now: threading.Event = field(default_factory=threading.Event)  # a heartbeat at once
     # Launches by runner and outcome (started, refused), for the host's /metrics.
     launches: Counter[tuple[int, str]] = field(default_factory=Counter)
 
@@ -450,8 +451,9 @@ class RunnerHost:
         take work (what stops it, if anything)."""
         self.heartbeat_every = interval
         while not self._stop.is_set():
+            self._beat_now.clear()
             self.beat()
-            self._stop.wait(interval)
+            self._beat_now.wait(interval)
 
     def beat(self) -> None:
         """One heartbeat of each runner, then the proxy checks that are due."""
@@ -474,6 +476,7 @@ class RunnerHost:
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat_now.set()
         self.serving.close()
         held = self._held
         if held is not None:
@@ -489,24 +492,41 @@ class RunnerHost:
         gone = False
         while not self._stop.is_set():
             try:
-                if self._docker is None:
-                    self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
-                self._held = self._docker.open_events()
-            except EngineError as exc:
-                if not gone:
-                    self.engine_lost(str(exc))
-                    gone = True
-                self._stop.wait(ENGINE_RETRY_SECONDS)
-                continue
-            if gone:
-                self.engine_back()
-                gone = False
-            with contextlib.suppress(Exception):  # ended, or broken: the engine went either way
-                for _ in self._held:
-                    pass
-            if not self._stop.is_set():
-                self.engine_lost("its event stream ended")
+                gone = self._watch_once(gone)
+            except Exception:
+                # A defect (engine_back's rebuild, say): said, and tried again; the runners
+                # stay distrusted meanwhile, so no work is taken on what was not proved.
+                logger.exception("covey runner: watching the Docker engine failed")
                 gone = True
+            # After a stream that ended or an engine that did not answer: not at once again
+            # (an engine going down may answer a moment more, or refuse the stream).
+            self._stop.wait(ENGINE_RETRY_SECONDS)
+
+    def _watch_once(self, gone: bool) -> bool:
+        """Hold the engine's event stream until it ends; whether the engine is gone after."""
+        try:
+            if self._docker is None:
+                self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
+            self._held = self._docker.open_events()
+            problem = self._docker.problem()  # the stream may be an error the SDK let through
+        except EngineError as exc:
+            problem = str(exc)
+        if problem:
+            if self._held is not None:
+                with contextlib.suppress(Exception):
+                    self._held.close()
+            if not gone:
+                self.engine_lost(problem)
+            return True
+        if gone:
+            self.engine_back()
+        with contextlib.suppress(Exception):  # ended, or broken: the engine went either way
+            for _ in self._held:
+                pass
+        if self._stop.is_set():
+            return False
+        self.engine_lost("its event stream ended")
+        return True
 
     def engine_lost(self, why: str) -> None:
         """The Docker engine went away: whatever this host proved of its runners' egress went
@@ -526,6 +546,7 @@ class RunnerHost:
                 identity,
                 f"the Docker engine went away at {when}: no work until it is back and {level}",
             )
+        self._beat_now.set()  # the control plane places no run here meanwhile
 
     def engine_back(self) -> None:
         """The Docker engine answers again: rebuild each runner's shape (hard isolation), then
@@ -536,15 +557,17 @@ class RunnerHost:
         for identity in list(self.identities.values()):
             self.shapes.ensure(identity)
             self.trust.prove_again(identity, "the Docker engine restarted")
+        self._beat_now.set()  # work again, as soon as the control plane hears it
 
     def _ended_with_the_engine(self, sandbox: Sandbox) -> bool:
         """Did the sandbox end while the engine was going away (stopped with it)?"""
-        ended = sandbox.finished_at
+        began, ended = sandbox.started_at, sandbox.finished_at
         if ended is None:
             return False
         slack = timedelta(seconds=ENGINE_STOP_SECONDS)
         return any(
             gone - slack <= ended <= (back or datetime.now(UTC)) + slack
+            and (began is None or began < gone)  # a sandbox started after cannot have been
             for gone, back in self.outages
         )
 

@@ -86,6 +86,9 @@ class Trust:
         # Runners whose proof this host no longer holds (the Docker engine restarted): why,
         # until a new probe passes (hard isolation) or their proxy answers (cooperative).
         self._distrusted: dict[int, str] = {}
+        # How often each was distrusted: a proof begun before the latest distrust proves
+        # nothing of what came after it (the engine went while it ran).
+        self._distrusts: dict[int, int] = {}
         self._proxy_check_locks: dict[int, threading.Lock] = {}
 
     def require(self, identity: Identity, *, proxied: bool) -> None:
@@ -119,6 +122,7 @@ class Trust:
         """Forget what this host proved of the runner's egress (its Docker engine restarted,
         and with it the proxy, the networks, the firewall's place): no work until a new probe
         passes (hard isolation) or its proxy answers again (cooperative)."""
+        self._distrusts[identity.id] = self._distrusts.get(identity.id, 0) + 1
         self._distrusted[identity.id] = why
         with self._proxy_check_lock(identity):
             if identity.id in self._proxy_checks:  # the next check is made afresh
@@ -132,6 +136,12 @@ class Trust:
             self.check_proxy(identity, fresh=True)
         else:
             self._distrusted.pop(identity.id, None)  # nothing to prove: no proxy to reach
+
+    def _proved(self, identity: Identity, since: int) -> None:
+        """A proof begun when the runner had been distrusted ``since`` times passed: trusted
+        again, unless it was distrusted meanwhile."""
+        if self._distrusts.get(identity.id, 0) == since:
+            self._distrusted.pop(identity.id, None)
 
     def _probe_problem(self, identity: Identity) -> str:
         if why := self._distrusted.get(identity.id):
@@ -198,6 +208,7 @@ class Trust:
         """Run an egress probe (the one the control plane ordered, or a new one) in the
         runner's real shape and report it; None when the order is no longer ours."""
         with self._probe_lock(identity):
+            since = self._distrusts.get(identity.id, 0)
             client = identity.client
             order = client.begin_probe(probe_id, self.settings.isolation_mode, reason)
             if order is None:
@@ -222,7 +233,7 @@ class Trust:
             summary = report.summary
             self._probes[identity.id] = ProbeState(report.passed, self.clock(), summary)
             if report.passed:
-                self._distrusted.pop(identity.id, None)
+                self._proved(identity, since)
         level = logging.INFO if report.passed else logging.WARNING
         logger.log(
             level,
@@ -315,6 +326,7 @@ class Trust:
             again = PROXY_WAIT_STEP_SECONDS if fresh else again
             if last is not None and self.clock() - last.at < again:
                 return last.problem
+            since = self._distrusts.get(identity.id, 0)
             try:
                 problem = probing.check_proxy(
                     self.probe_engine(identity),
@@ -332,7 +344,7 @@ class Trust:
             said = bool(problem) and (warn or bool(last and last.said and last.problem))
             self._proxy_checks[identity.id] = ProxyCheck(problem, self.clock(), said)
             if not problem:
-                self._distrusted.pop(identity.id, None)
+                self._proved(identity, since)
         if problem:
             if warn:
                 logger.warning("covey runner %s: %s", identity.name, problem)

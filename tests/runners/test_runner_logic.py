@@ -208,6 +208,87 @@ def test_a_docker_engine_that_restarts_stops_work_until_it_is_back_and_proved(tm
     assert not watcher.is_alive()
 
 
+def test_an_engine_that_answers_the_stream_with_an_error_is_not_taken_for_back(
+    tmp_path, monkeypatch
+):
+    """The SDK hands back an event stream even when the engine answers it with an error (one
+    going down): that is no engine back, and the watcher does not spin on it."""
+    from tests.fakes import Held
+
+    monkeypatch.setattr(host_module, "ENGINE_RETRY_SECONDS", 0.02)
+    checked = Host(tmp_path, proxy="172.17.0.1:3128")
+    docker = checked.host.make_engine(HOST_ENGINE_NAME, "", "")
+    ended = Held()
+    ended.end()
+    docker.open_events = lambda: ended  # type: ignore[method-assign]
+    docker.down = "500 Server Error: the daemon is shutting down"
+    watcher = threading.Thread(target=checked.host.watch_engine, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(0.5)  # some 25 rounds
+        assert [back for _, back in checked.host.outages] == [None]  # lost once, never back
+        assert "the Docker engine went away" in checked.host.trust.problem(checked.identity)
+    finally:
+        checked.host.stop()
+        watcher.join(5)
+    assert not watcher.is_alive()
+
+
+def test_a_runner_whose_engine_goes_tells_the_control_plane_at_once(tmp_path):
+    checked = Host(tmp_path, proxy="172.17.0.1:3128")
+    beating = threading.Thread(target=checked.host.heartbeats, args=(3600,), daemon=True)
+    beating.start()
+    try:
+        wait(lambda: checked.control.heartbeats == 1)
+        checked.host.engine_lost("its event stream ended")
+        wait(lambda: checked.control.heartbeats == 2)  # not an hour later
+        assert "the Docker engine went away" in checked.control.problems[-1]
+    finally:
+        checked.host.stop()
+        beating.join(5)
+
+
+def test_a_probe_begun_before_the_engine_went_proves_nothing_after(tmp_path, monkeypatch):
+    """A probe that passes, but began before the engine went away, does not lift the distrust
+    (it proved the shape of before)."""
+    from runners.probe import checks
+    from runners.protocol import ProbePlan
+
+    began, finish = threading.Event(), threading.Event()
+
+    def probe(*args, **kwargs):
+        began.set()
+        finish.wait(5)
+        ok = checks.Result("direct", "203.0.113.9:443", checks.Verdict.OK, "refused")
+        return trust.probing.Report([ok])
+
+    monkeypatch.setattr(trust.probing, "run", probe)
+    checked = Host(tmp_path, isolation=True)
+    client = checked.identity.client
+    client.begin_probe = lambda *args, **kwargs: ProbePlan("p-1")  # type: ignore[method-assign]
+    client.report_probe = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    monkeypatch.setattr(trust.Trust, "_where", lambda self, identity: None)
+    probing = threading.Thread(target=checked.host.trust.probe, args=(checked.identity,))
+    probing.start()
+    assert began.wait(5)
+    checked.host.engine_lost("its event stream ended")
+    finish.set()
+    probing.join(5)
+    assert checked.host.trust.probe_state(checked.identity).passed
+    assert "the Docker engine went away" in checked.host.trust.problem(checked.identity)
+
+
+def test_only_a_sandbox_running_when_the_engine_went_is_said_to_have_stopped_with_it(host):
+    gone = datetime.now(UTC) - timedelta(minutes=5)
+    host.host.outages = [(gone, gone + timedelta(seconds=20))]
+    host.order(spec())
+    sandbox = host.engine.sandboxes_by_run[RUN]
+    stopped = replace(sandbox, started_at=gone - timedelta(minutes=1), finished_at=gone)
+    after = replace(sandbox, started_at=gone + timedelta(seconds=25), finished_at=gone + timedelta(seconds=30))
+    assert host.host._ended_with_the_engine(stopped)
+    assert not host.host._ended_with_the_engine(after)  # failed on its own, just after
+
+
 def wait(condition, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
