@@ -187,7 +187,7 @@ def runner_state(runner: Runner, now: Any) -> str:
     or 'online'."""
     if runner.paused:
         return "paused"
-    if not runner.trusted:  # hard isolation without a passed probe: it gets no work
+    if not runner.probe_passed:  # hard isolation without a passed probe: it gets no work
         return "probe failed" if runner.last_probe is not None else "not probed yet"
     if runner.last_seen_at is None:
         return "never seen"

@@ -201,7 +201,7 @@ def runners() -> Iterator[Metric]:
         names = [runner.organisation.slug, runner.name]
         online.add_metric(names, int(runner.online))
         paused.add_metric(names, int(runner.paused))
-        trusted.add_metric(names, int(runner.trusted))
+        trusted.add_metric(names, int(runner.probe_passed))
         if runner.last_seen_at is not None:
             seen.add_metric(names, runner.last_seen_at.timestamp())
         if runner.host_ready is not None:

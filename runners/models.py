@@ -119,16 +119,19 @@ class Runner(models.Model):
         return BUILTIN_QUEUE if self.builtin else f"runner.{self.pk}"
 
     @property
+    def probe_passed(self) -> bool:
+        """Not under hard isolation, or its latest egress probe passed."""
+        if self.isolation != ISOLATION_NETWORK:
+            return True
+        return self.last_probe is not None and self.last_probe.status == ProbeStatus.PASSED
+
+    @property
     def trusted(self) -> bool:
         """Under hard isolation, only once its latest egress probe passed, and while its host
         does not say it cannot take work (what it proved went, say, with its Docker engine)."""
         if self.isolation != ISOLATION_NETWORK:
             return True
-        return (
-            self.last_probe is not None
-            and self.last_probe.status == ProbeStatus.PASSED
-            and self.host_ready is not False
-        )
+        return self.probe_passed and self.host_ready is not False
 
     def untrusted_reason(self) -> str:
         """Why a hard-isolation runner gets no work ('' when it does)."""

@@ -121,3 +121,30 @@ def test_the_control_planes_metrics_say_which_runners_are_ready(edge, client, se
     assert ready == {"edge-1": 0}  # the built-in runner's host has not said
     seen = samples["covey_runner_proxy_last_seen_timestamp_seconds", "edge-1"]
     assert abs(seen - timezone.now().timestamp()) < 60
+
+
+def test_a_proved_runner_whose_host_cannot_take_work_is_not_said_to_have_failed_its_probe(
+    edge, operator_client, client, settings
+):
+    """Hard isolation, a probe passed, then the host's engine went: no work for it, and what
+    people see says why (not ready), not that its probe failed."""
+    from runners.models import Probe, ProbeStatus
+
+    runner, runner_client = edge
+    probe = Probe.objects.create(runner=runner, status=ProbeStatus.PASSED, isolation="network")
+    Runner.objects.filter(pk=runner.pk).update(isolation="network", last_probe=probe)
+    beat(runner_client, isolation="network", ready=False, problem=PROBLEM)
+    runner.refresh_from_db()
+    assert runner.probe_passed and not runner.trusted
+    assert runner.untrusted_reason() == f"cannot take work now: {PROBLEM}"
+    dashboard = operator_client.get("/admin/").content.decode()
+    assert f"not ready: {PROBLEM}" in dashboard and "probe failed" not in dashboard
+    settings.COVEY_METRICS_TOKEN = token = "scrape-" + "t" * 32
+    answer = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}").content.decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(answer)
+        for sample in family.samples
+        if sample.labels.get("runner") == "edge-1"
+    }
+    assert (samples["covey_runner_probe_passed"], samples["covey_runner_ready"]) == (1, 0)
