@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import ipaddress
 import json
+import os
 import socket
 import socketserver
 import ssl
@@ -488,6 +491,34 @@ class _HTTPServer(_TrackedThreads, ThreadingHTTPServer):
             self.upstream._error(error)
 
 
+WEBSOCKET_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def websocket_frame(payload: bytes, *, mask: bool) -> bytes:
+    """One final text frame of under 126 bytes (a client's is masked)."""
+    if len(payload) >= 126:
+        raise ValueError("only short frames")
+    if not mask:
+        return bytes([0x81, len(payload)]) + payload
+    key = os.urandom(4)
+    masked = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+    return bytes([0x81, 0x80 | len(payload)]) + key + masked
+
+
+def read_websocket_frame(stream: Any) -> bytes | None:
+    """The payload of one short frame read from a file-like ``stream``; None at a close frame
+    or the end of the stream."""
+    head = stream.read(2)
+    if len(head) < 2 or head[0] & 0x0F == 0x8:
+        return None
+    length = head[1] & 0x7F
+    if length >= 126:
+        raise ValueError("only short frames")
+    key = stream.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+    payload = stream.read(length)
+    return bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+
+
 class _Handler(BaseHTTPRequestHandler):
     """Routes: ``/`` hello, ``/bytes/<n>`` n streamed bytes, ``/echo`` the request as JSON."""
 
@@ -538,8 +569,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps(echo).encode(), "application/json")
         elif route.startswith("/bytes/"):
             self._send_bytes(route.removeprefix("/bytes/"))
+        elif route == "/websocket" and self.headers.get("Upgrade", "").lower() == "websocket":
+            self._echo_websocket()
         else:
             self._send(404, b"not found", "text/plain; charset=utf-8")
+
+    def _echo_websocket(self) -> None:
+        """Upgrade to a WebSocket (RFC 6455) and send back each short text frame, until the
+        client closes."""
+        key = self.headers.get("Sec-WebSocket-Key", "")
+        accept = base64.b64encode(hashlib.sha1((key + WEBSOCKET_GUID).encode()).digest())
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept.decode())
+        self.end_headers()
+        self.wfile.flush()
+        self.close_connection = True
+        while True:
+            try:
+                payload = read_websocket_frame(self.rfile)
+            except (OSError, ValueError):
+                return
+            if payload is None:
+                return
+            self.wfile.write(websocket_frame(payload, mask=False))
+            self.wfile.flush()
 
     def _read_body(self) -> bytes:
         """Read a Content-Length body; close after the response if the body cannot be framed."""

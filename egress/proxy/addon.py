@@ -204,8 +204,10 @@ class CoveyEgress:
         self.heads.pop(client_id, None)
 
     def _await_next_head(self, flow: http.HTTPFlow) -> None:
-        """A plain request is answered: the connection's next head is waited for anew."""
-        if flow.request.method != "CONNECT" and flow.client_conn.connected:
+        """A plain request is answered: the connection's next head is waited for anew (not
+        after an upgrade to a WebSocket: no head comes on it again)."""
+        upgraded = flow.response is not None and flow.response.status_code == 101
+        if flow.request.method != "CONNECT" and not upgraded and flow.client_conn.connected:
             self.heads[flow.client_conn.id] = time.monotonic()
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
