@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agents import services as agent_services
-from egress.models import Decision
+from egress.models import Decision, ProxySession
 from egress.services import issue_token
 from runners.host.client import ControlPlaneClient
 from runners.services import create_registration_token
@@ -244,3 +244,10 @@ def test_the_proxy_enforces_the_control_planes_policy_without_a_database(
                 15,
                 "the decision in the control plane's log",
             )
+            # As the runner replaces its proxy: docker stop (SIGTERM) lets it write what it
+            # decided and say it stopped, so its life in the log ends whole.
+            docker("stop", "--time", "20", proxy.name)
+            (session,) = ProxySession.objects.filter(proxy="edge-1")
+            assert (session.end, session.gap) == (ProxySession.End.STOPPED, ""), proxy.output()
+            decided = Decision.objects.filter(proxy="edge-1").count()
+            assert session.made == session.recorded == decided >= 3

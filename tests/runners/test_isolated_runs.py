@@ -287,6 +287,12 @@ def test_a_renewed_token_reaches_the_proxy_container(world, acme, settings):
     assert json.loads(docker("inspect", proxy))[0]["Id"] != before
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, run.log_tail)
     assert run.log_tail == world.body
+    # The replaced proxy's life in the log ended, and is admitted not whole: it was stopped
+    # (as tests/egress/test_egress_image.py's is, whole), but its token had been renewed
+    # already, so what it had left to write could not be.
+    sessions = ProxySession.objects.filter(proxy=runner.name, organisation=acme)
+    lives = [(s.end, s.gap) for s in sessions.order_by("started_at")]
+    assert len(lives) >= 2 and lives[0][0] == ProxySession.End.LOST and lives[0][1], lives
 
 
 @pytest.mark.suite("faults")

@@ -34,6 +34,7 @@ PROXY_PORT = 3128
 # The proxy's /healthz, /readyz and /metrics, on its networks (a sandbox reaches PROXY_PORT
 # only: the firewall drops the rest); the runner asks /readyz on the outward side.
 PROXY_STATUS_PORT = 9090
+PROXY_STOP_SECONDS = 10  # a proxy being replaced or torn down has this long to write its log
 DEFAULT_POOL = "10.213.0.0/16"
 # Labels. The proxy does not carry covey.runner: the engine treats every container with that
 # label as a sandbox (Engine.sandboxes), and the runner's reconcile would remove it.
@@ -741,6 +742,10 @@ def _remove_proxy(client: docker.DockerClient, runner: str) -> None:
             f"a container named {proxy_container_name(runner)} exists and covey did not make it"
         )
     try:
+        # Stopped first (SIGTERM): the proxy writes what it decided and says it stopped, so its
+        # session in the decision log ends whole, not lost. Killed after PROXY_STOP_SECONDS.
+        if (attrs.get("State") or {}).get("Running"):
+            client.api.stop(attrs["Id"], timeout=PROXY_STOP_SECONDS)
         client.api.remove_container(attrs["Id"], force=True)
     except NotFound:
         pass

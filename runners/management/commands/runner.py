@@ -223,10 +223,13 @@ class Command(BaseCommand):
 def proxy_environment() -> dict[str, str]:
     """What the proxy container takes from this host's settings: it resolves and connects
     from here, so where it asks for names and which private ranges it may reach are the
-    runner host's to say, as is how long it trusts a policy whose source went silent; and the
-    token its /metrics answers (on its status port, which
-    sandboxes cannot reach)."""
-    environment = {"COVEY_EGRESS_POLICY_GRACE": f"{settings.COVEY_EGRESS_POLICY_GRACE:g}"}
+    runner host's to say, as is how long it trusts a policy whose source went silent and how
+    long a client has to send a request head; and the token its /metrics answers (on its
+    status port, which sandboxes cannot reach)."""
+    environment = {
+        "COVEY_EGRESS_POLICY_GRACE": f"{settings.COVEY_EGRESS_POLICY_GRACE:g}",
+        "COVEY_EGRESS_HEAD_TIMEOUT": f"{settings.COVEY_EGRESS_HEAD_TIMEOUT:g}",
+    }
     for name in ("COVEY_EGRESS_NAMESERVERS", "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS"):
         if values := getattr(settings, name):
             environment[name] = ",".join(values)
