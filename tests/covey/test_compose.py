@@ -218,8 +218,8 @@ def test_it_comes_up_and_runs_an_agent_end_to_end(project):
         deadline = time.monotonic() + 30
         while True:
             decisions = api.get("/api/v1/egress-decisions/", params={"agent": agent["id"]})
-            hosts = {(d["host"], d["allowed"]) for d in decisions.json()["results"]}
-            if ("not-on-the-list.test", False) in hosts:
+            hosts = {(d["host"], d["allowed"], d["proxy"]) for d in decisions.json()["results"]}
+            if ("not-on-the-list.test", False, "proxy") in hosts:  # its name, not its host's
                 break
             assert time.monotonic() < deadline, (decisions.json(), up.logs())
             time.sleep(0.5)

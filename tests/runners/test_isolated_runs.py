@@ -21,7 +21,7 @@ from runners.host.containers import isolation
 from runners.host.identity import docker_name
 from runners.services import installation_key, renew_runner_tokens
 from runs import services as run_services
-from runs.models import FINISHED, RunStatus
+from runs.models import FINISHED, Run, RunStatus
 from tests.processes import wait_for
 from tests.runners.stack import containers_of, docker
 from tests.runners.world import (
@@ -149,11 +149,19 @@ def test_a_runner_whose_isolation_cannot_be_built_gets_no_work(world, acme):
 
 
 def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
+    """Another container takes the proxy's name: the runner says it cannot take work, and the
+    control plane holds the run; a launch sent anyway (placed a moment before the host said
+    so) is refused by the runner's preflight before any sandbox is built."""
+    from django.utils import timezone
+
+    from runners import dispatch
+
     runner, config = world.register(acme, "isolated-4")
     name = docker_name(runner.pk, installation_key())
     proxy = isolation.proxy_container_name(name)
     agent = world.stack.agent(acme, "Refused", ["echo", "must not run"])
-    with world.stack.runner(runner, config, **world.runner_env()):
+    why = f"a container named {proxy} exists and covey did not make it"
+    with world.stack.runner(runner, config, **world.runner_env()) as process:
         runner.refresh_from_db()
         assert runner.trusted, runner.last_probe and runner.last_probe.summary
 
@@ -170,7 +178,21 @@ def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
 
         wait_for(taken, 30, "another container under the proxy's name")
         try:
-            run = world.stack.wait(run_services.queue_run(agent, "nope"), *FINISHED, timeout=60)
+
+            def said() -> bool:  # its proxy does not answer; or, once it tried, why not
+                runner.refresh_from_db()
+                return runner.host_ready is False
+
+            wait_for(said, 30, "the runner saying it cannot take work", process.log)
+            held = run_services.queue_run(agent, "held")
+            held.refresh_from_db()
+            assert held.status == RunStatus.QUEUED, held.status
+            assert f"{runner.name} cannot take work now: " in held.status_detail
+            Run.objects.filter(pk=held.pk).update(
+                status=RunStatus.PLACED, runner=runner, placed_at=timezone.now()
+            )
+            dispatch.send_launch(runner, str(held.pk))
+            run = world.stack.wait(held, *FINISHED, timeout=60)
             assert not containers_of(runner)
         finally:
             docker("rm", "--force", proxy)
@@ -178,7 +200,7 @@ def test_a_launch_the_preflight_cannot_vouch_for_is_refused(world, acme):
     assert run.status_detail.startswith(
         "the sandbox could not be built: isolation preflight failed: "
     ), run.status_detail
-    assert f"a container named {proxy} exists and covey did not make it" in run.status_detail
+    assert why in run.status_detail
     assert "must not run" not in run.log_tail
 
 
