@@ -578,7 +578,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Upgrade to a WebSocket (RFC 6455) and send back each short text frame, until the
         client closes."""
         key = self.headers.get("Sec-WebSocket-Key", "")
-        accept = base64.b64encode(hashlib.sha1((key + WEBSOCKET_GUID).encode()).digest())
+        accept = base64.b64encode(
+            hashlib.sha1((key + WEBSOCKET_GUID).encode(), usedforsecurity=False).digest()
+        )
         self.send_response(101)
         self.send_header("Upgrade", "websocket")
         self.send_header("Connection", "Upgrade")

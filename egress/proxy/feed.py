@@ -276,5 +276,5 @@ class DecisionLog:
                 self._say_started()
                 while self._events:
                     self.flush()
-            except Exception:  # noqa: S112 - logged in flush; retried next round
+            except Exception:  # logged in flush; retried next round
                 logger.debug("decision log write failure", exc_info=True)

@@ -220,7 +220,7 @@ def test_an_engine_that_answers_the_stream_with_an_error_is_not_taken_for_back(
     docker = checked.host.make_engine(HOST_ENGINE_NAME, "", "")
     ended = Held()
     ended.end()
-    docker.open_events = lambda: ended  # type: ignore[method-assign]
+    docker.open_events = lambda: ended
     docker.down = "500 Server Error: the daemon is shutting down"
     watcher = threading.Thread(target=checked.host.watch_engine, daemon=True)
     watcher.start()
@@ -265,8 +265,8 @@ def test_a_probe_begun_before_the_engine_went_proves_nothing_after(tmp_path, mon
     monkeypatch.setattr(trust.probing, "run", probe)
     checked = Host(tmp_path, isolation=True)
     client = checked.identity.client
-    client.begin_probe = lambda *args, **kwargs: ProbePlan("p-1")  # type: ignore[method-assign]
-    client.report_probe = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    client.begin_probe = lambda *args, **kwargs: ProbePlan("p-1")
+    client.report_probe = lambda *args, **kwargs: None
     monkeypatch.setattr(trust.Trust, "_where", lambda self, identity: None)
     probing = threading.Thread(target=checked.host.trust.probe, args=(checked.identity,))
     probing.start()
@@ -284,7 +284,8 @@ def test_only_a_sandbox_running_when_the_engine_went_is_said_to_have_stopped_wit
     host.order(spec())
     sandbox = host.engine.sandboxes_by_run[RUN]
     stopped = replace(sandbox, started_at=gone - timedelta(minutes=1), finished_at=gone)
-    after = replace(sandbox, started_at=gone + timedelta(seconds=25), finished_at=gone + timedelta(seconds=30))
+    later = gone + timedelta(seconds=25)
+    after = replace(sandbox, started_at=later, finished_at=later + timedelta(seconds=5))
     assert host.host._ended_with_the_engine(stopped)
     assert not host.host._ended_with_the_engine(after)  # failed on its own, just after
 
