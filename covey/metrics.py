@@ -176,8 +176,8 @@ def runners() -> Iterator[Metric]:
     paused = GaugeMetricFamily("covey_runner_paused", "1 when the runner is paused.", labels=labels)
     trusted = GaugeMetricFamily(
         "covey_runner_probe_passed",
-        "1 when the runner may take work: not under hard isolation, or its latest egress probe"
-        " passed.",
+        "1 when the runner is not under hard isolation, or its latest egress probe passed (it"
+        " takes work when its host is also ready: covey_runner_ready).",
         labels=labels,
     )
     seen = GaugeMetricFamily(

@@ -184,14 +184,14 @@ def record_decisions(
         uuid.UUID(str(e["id"])): Decision(
             id=uuid.UUID(str(e["id"])),
             agent_id=e.get("agent_id") if e.get("agent_id") in known else None,
-            username=str(e.get("username", ""))[:200],
+            username=_text(e.get("username", ""), 200),
             kind=e["kind"],
-            host=str(e["host"])[:255],
+            host=_text(e["host"], 255),
             port=_whole(e["port"], 65535),
             address=e.get("address") or None,
             allowed=bool(e["allowed"]),
-            reason=str(e["reason"])[:32],
-            detail=str(e.get("detail", "")),
+            reason=_text(e["reason"], 32),
+            detail=_text(e.get("detail", "")),
             decided_at=_time(e["at"]),
             proxy=proxy[:100],
         )
@@ -245,7 +245,10 @@ def _numbered(event: Mapping[str, Any]) -> tuple[str, int]:
 
 def _whole(value: Any, most: int = 2**63 - 1) -> int:
     """A count or port from an event: a whole number from 0 to ``most`` (a column's bounds)."""
-    number = int(value)
+    try:
+        number = int(value)
+    except OverflowError:  # JSON's 1e400 is an infinite float
+        raise ValueError(f"{value!r} is not a whole number") from None
     if not 0 <= number <= most:
         raise ValueError(f"{number} is not between 0 and {most}")
     return number
@@ -307,6 +310,12 @@ def prune_decisions(now: datetime | None = None) -> int:
     # A session's counts go with its decisions (a running one, never heard to end, stays).
     ProxySession.objects.filter(ended_at__lt=cutoff).delete()
     return deleted
+
+
+def _text(value: Any, most: int | None = None) -> str:
+    """Text from an event, as PostgreSQL keeps it: no NUL (a sandbox may put one in the user
+    name of its credentials), at most ``most`` characters."""
+    return str(value).replace("\x00", "")[:most]
 
 
 def _time(value: Any) -> datetime:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DataError, connection, transaction
 
 # The proxy never waits on a lock: a batch or a refresh that would wait is retried next round,
 # and a migration or bulk delete in the control plane is never stuck behind (or deadlocked
@@ -58,7 +58,7 @@ class DatabaseSink:
         try:
             with _brief_transaction():
                 record_decisions(events, proxy=self.proxy)
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # malformed: for good
+        except (KeyError, TypeError, ValueError, DataError) as exc:  # malformed: for good
             raise Refused(repr(exc)) from exc
 
 

@@ -166,17 +166,20 @@ class CoveyEgress:
         return closed
 
     def enforce(self, policy: Policy | None) -> int:
-        """Close every open tunnel that ``policy`` refuses (all of them when it is None)."""
+        """Close every open tunnel, and every plain connection upgraded to a WebSocket, that
+        ``policy`` refuses (all of them when it is None)."""
         closed = 0
         for client_id, state in list(self.clients.items()):
-            tunnel = state.tunnel
-            if tunnel is None:
-                continue
-            again = check_request(policy, tunnel.attempt, self.clock())
-            if again.allowed:
-                continue
-            self._record(again, False, agent_id=tunnel.agent_id, address=tunnel.address)
-            closed += self.close_client(client_id)
+            if (tunnel := state.tunnel) is not None:
+                again = check_request(policy, tunnel.attempt, self.clock())
+                if not again.allowed:
+                    self._record(again, False, agent_id=tunnel.agent_id, address=tunnel.address)
+                    closed += self.close_client(client_id)
+            elif state.upgraded is not None:
+                again = check_request(policy, state.upgraded, self.clock())
+                if not again.allowed:
+                    self._record(again, True, agent_id=state.upgraded_agent)
+                    closed += self.close_client(client_id)
         return closed
 
     def close_client(self, client_id: str) -> int:
@@ -204,11 +207,21 @@ class CoveyEgress:
         self.heads.pop(client_id, None)
 
     def _await_next_head(self, flow: http.HTTPFlow) -> None:
-        """A plain request is answered: the connection's next head is waited for anew (not
-        after an upgrade to a WebSocket: no head comes on it again)."""
-        upgraded = flow.response is not None and flow.response.status_code == 101
-        if flow.request.method != "CONNECT" and not upgraded and flow.client_conn.connected:
-            self.heads[flow.client_conn.id] = time.monotonic()
+        """A plain request is answered: the connection's next head is waited for anew. Not
+        after an upgrade to a WebSocket, which no head follows: the connection is checked
+        against the policy from then on, as a tunnel is (:meth:`enforce`)."""
+        if flow.request.method == "CONNECT" or not flow.client_conn.connected:
+            return
+        client_id = flow.client_conn.id
+        if flow.response is None or flow.response.status_code != 101:
+            self.heads[client_id] = time.monotonic()
+            return
+        state = self.clients.get(client_id)
+        allowed = flow.metadata.get("covey_allowed")
+        if state is None or allowed is None:  # nothing covey allowed: fail closed
+            self.close_client(client_id)
+            return
+        state.upgraded, state.upgraded_agent = allowed
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         self.head_came(flow.client_conn.id)
@@ -362,6 +375,8 @@ class CoveyEgress:
         del request.headers["Proxy-Authorization"]
         self.admit(flow.client_conn.id, attempt, decision)
         if plain_http:
+            assert decision.agent is not None  # noqa: S101 - admitted
+            flow.metadata["covey_allowed"] = (attempt.to(decision), decision.agent.id)
             host, port = decision.host, decision.port
             request.host = host  # one canonical host for URL, Host header and dial
             shown = f"[{host}]" if ":" in host else host  # a built-in may be an IPv6 address

@@ -4,6 +4,7 @@ No Django and no mitmproxy here: the sources and sinks are plain callables, so t
 serves a proxy that reads the database and one that asks the control plane over HTTP.
 """
 
+import contextlib
 import logging
 import threading
 import time
@@ -190,6 +191,7 @@ class DecisionLog:
         self.made = 0  # decisions numbered so far
         self._started_at = time.time()
         self._start_owed = True
+        self._start_warned = float("-inf")
 
     def add(self, event: dict[str, Any]) -> None:
         """Queue one event (never blocks, never does I/O); a decision gets its number."""
@@ -209,10 +211,8 @@ class DecisionLog:
         """Say this proxy started (at once, so that even a life too short for one batch is
         known), and start flushing."""
         self._started_at = time.time()
-        try:
+        with contextlib.suppress(Exception):  # said; written before the first batch
             self._say_started()
-        except Exception as exc:  # said again before the first batch
-            logger.warning("covey: could not write the egress proxy's start: %s", exc)
         self._thread.start()
 
     def stop(self) -> None:
@@ -233,7 +233,13 @@ class DecisionLog:
         events) until written or refused."""
         if not self._start_owed:
             return
-        self._mark({"event": "start", "boot": self.boot, "at": self._started_at})
+        try:
+            self._mark({"event": "start", "boot": self.boot, "at": self._started_at})
+        except Exception as exc:  # said once, then every 30 s: tried again each round
+            if time.monotonic() - self._start_warned >= 30:
+                self._start_warned = time.monotonic()
+                logger.warning("covey: could not write the egress proxy's start: %s", exc)
+            raise
         self._start_owed = False
 
     def _mark(self, event: dict[str, Any]) -> None:
@@ -250,25 +256,31 @@ class DecisionLog:
             )
 
     def flush(self) -> None:
-        """Write everything queued so far; on failure the events go back to the front, unless
-        the receiver refused them for good (then they are dropped and counted)."""
+        """Write everything queued so far; on failure the events not written go back to the
+        front. Events the receiver refuses for good are found by halving the batch, and only
+        they are dropped (and counted): one malformed event never costs the others."""
         self._say_started()
         batch: list[dict[str, Any]] = []
         while self._events and len(batch) < 5000:
             batch.append(self._events.popleft())
-        if not batch:
-            return
-        try:
-            self._sink(batch)
-        except Refused as exc:
-            self.dropped += len(batch)
-            logger.error("covey: %d egress decisions were refused and dropped: %s", len(batch), exc)
-            return
-        except Exception as exc:
-            logger.warning("covey: could not write %d egress decisions: %s", len(batch), exc)
-            self._events.extendleft(reversed(batch))
-            raise
-        self.written += len(batch)
+        parts = [batch] if batch else []
+        while parts:
+            part = parts.pop(0)
+            try:
+                self._sink(part)
+            except Refused as exc:
+                if len(part) > 1:
+                    parts[:0] = [part[: len(part) // 2], part[len(part) // 2 :]]
+                    continue
+                self.dropped += 1
+                logger.error("covey: an egress event was refused and dropped: %s", exc)
+                continue
+            except Exception as exc:
+                rest = [event for unwritten in (part, *parts) for event in unwritten]
+                logger.warning("covey: could not write %d egress decisions: %s", len(rest), exc)
+                self._events.extendleft(reversed(rest))
+                raise
+            self.written += len(part)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

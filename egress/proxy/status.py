@@ -74,7 +74,8 @@ class ProxyCollector(Collector):
         )
         yield CounterMetricFamily(
             "covey_egress_decisions_dropped",
-            "Decisions dropped unwritten (the log's buffer was full while its sink failed).",
+            "Events dropped unwritten: the log's buffer was full while its sink failed, or the"
+            " control plane refused them as malformed.",
             value=self.log.dropped,
         )
         yield GaugeMetricFamily(

@@ -451,9 +451,9 @@ class RunnerHost:
         take work (what stops it, if anything)."""
         self.heartbeat_every = interval
         while not self._stop.is_set():
-            self._beat_now.clear()
             self.beat()
             self._beat_now.wait(interval)
+            self._beat_now.clear()  # after: a wake during the beat, or stop(), is not missed
 
     def beat(self) -> None:
         """One heartbeat of each runner, then the proxy checks that are due."""
@@ -519,7 +519,12 @@ class RunnerHost:
                 self.engine_lost(problem)
             return True
         if gone:
-            self.engine_back()
+            try:
+                self.engine_back()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self._held.close()
+                raise
         with contextlib.suppress(Exception):  # ended, or broken: the engine went either way
             for _ in self._held:
                 pass

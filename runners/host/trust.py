@@ -89,6 +89,7 @@ class Trust:
         # How often each was distrusted: a proof begun before the latest distrust proves
         # nothing of what came after it (the engine went while it ran).
         self._distrusts: dict[int, int] = {}
+        self._distrust_lock = threading.Lock()
         self._proxy_check_locks: dict[int, threading.Lock] = {}
 
     def require(self, identity: Identity, *, proxied: bool) -> None:
@@ -122,8 +123,9 @@ class Trust:
         """Forget what this host proved of the runner's egress (its Docker engine restarted,
         and with it the proxy, the networks, the firewall's place): no work until a new probe
         passes (hard isolation) or its proxy answers again (cooperative)."""
-        self._distrusts[identity.id] = self._distrusts.get(identity.id, 0) + 1
-        self._distrusted[identity.id] = why
+        with self._distrust_lock:
+            self._distrusts[identity.id] = self._distrusts.get(identity.id, 0) + 1
+            self._distrusted[identity.id] = why
         with self._proxy_check_lock(identity):
             if identity.id in self._proxy_checks:  # the next check is made afresh
                 self._proxy_checks[identity.id] = ProxyCheck(why, float("-inf"), said=True)
@@ -135,13 +137,15 @@ class Trust:
         elif self.settings.proxy:
             self.check_proxy(identity, fresh=True)
         else:
-            self._distrusted.pop(identity.id, None)  # nothing to prove: no proxy to reach
+            with self._distrust_lock:  # nothing to prove: no proxy to reach
+                self._distrusted.pop(identity.id, None)
 
     def _proved(self, identity: Identity, since: int) -> None:
         """A proof begun when the runner had been distrusted ``since`` times passed: trusted
         again, unless it was distrusted meanwhile."""
-        if self._distrusts.get(identity.id, 0) == since:
-            self._distrusted.pop(identity.id, None)
+        with self._distrust_lock:
+            if self._distrusts.get(identity.id, 0) == since:
+                self._distrusted.pop(identity.id, None)
 
     def _probe_problem(self, identity: Identity) -> str:
         if why := self._distrusted.get(identity.id):

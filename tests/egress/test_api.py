@@ -272,13 +272,26 @@ class TestProxySessions:
 
     @pytest.mark.parametrize(
         "fields",
-        [{"at": 1e20}, {"at": float("nan")}, {"seq": 2**63}, {"seq": -1}, {"port": 70000}],
+        [
+            {"at": 1e20},
+            {"at": float("nan")},
+            {"seq": 2**63},
+            {"seq": -1},
+            {"seq": float("inf")},  # JSON's 1e400
+            {"port": 70000},
+            {"port": float("inf")},
+        ],
     )
     def test_numbers_out_of_bounds_are_refused_and_nothing_is_written(self, acme, fields):
         agent = AgentFactory(organisation=acme)
         with pytest.raises(ValueError):
             record_decisions([{**self.numbered("f1", 1, agent), **fields}], proxy="p")
         assert not Decision.objects.exists() and not ProxySession.objects.exists()
+
+    def test_a_nul_a_sandbox_put_in_its_user_name_is_not_kept_and_fails_nothing(self, acme):
+        agent = AgentFactory(organisation=acme)
+        record_decisions([{**self.numbered("n1", 1, agent), "username": "ev\x00il"}], proxy="p")
+        assert Decision.objects.get().username == "evil"
 
     def test_the_decision_log_says_when_it_is_not_whole(self, operator_client, acme):
         agent = AgentFactory(organisation=acme)

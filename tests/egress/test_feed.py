@@ -283,22 +283,50 @@ def test_a_control_plane_of_before_sessions_refuses_the_marks_and_gets_the_decis
     assert (log.waiting, log.dropped) == (0, 0)
 
 
-def test_a_batch_refused_for_good_is_dropped_and_counted_not_retried_forever():
+def test_only_the_events_refused_for_good_are_dropped_and_the_rest_written():
     written: list[dict] = []
+    asked = [0]
 
     def sink(events: list[dict]) -> None:
+        asked[0] += 1
         if any(e.get("host") == "bad" for e in events):
             raise Refused("400 malformed")
         written.extend(events)
 
     log = DecisionLog(sink, interval=3600)
     log.start()
-    log.add({"event": "decision", "host": "bad"})
+    hosts = [f"h{n}" for n in range(64)]
+    hosts[37] = "bad"
+    for host in hosts:
+        log.add({"event": "decision", "host": host})
     log.flush()
-    log.add({"event": "decision", "host": "good"})
     log.stop()
-    assert [e.get("host") for e in written] == [None, "good", None]  # start, good, stop
-    assert log.dropped == 1 and written[-1]["seq"] == 2  # the control plane admits no. 1 missing
+    assert [e["host"] for e in written if e["event"] == "decision"] == [
+        h for h in hosts if h != "bad"
+    ]  # the others, in order
+    assert log.dropped == 1 and written[-1]["seq"] == 64  # the control plane admits no. 38
+    assert asked[0] <= 2 + 2 * 6 + 1  # start, halving 64 down to one, stop
+
+
+def test_a_failure_while_halving_puts_back_what_was_not_written():
+    written: list[dict] = []
+    up = [True]
+
+    def sink(events: list[dict]) -> None:
+        if any(e.get("host") == "bad" for e in events):
+            up[0] = False  # and then the control plane goes away
+            raise Refused("400 malformed")
+        if not up[0]:
+            raise OSError("gone")
+        written.extend(events)
+
+    log = DecisionLog(sink, interval=3600)
+    for host in ("a", "b", "bad", "c"):
+        log.add({"event": "decision", "host": host})
+    with pytest.raises(OSError):
+        log.flush()
+    assert log.waiting == 4 and [e["event"] for e in written] == ["start"]
+    assert log.dropped == 0  # nothing lost: all of it is tried again
 
 
 def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():

@@ -1,5 +1,6 @@
 """The real proxy command, real clients, upstreams and DNS made by the tests (DESIGN.md §3)."""
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -416,6 +417,37 @@ def test_open_tunnels_are_closed_when_the_policy_no_longer_allows_them(proxy, ne
     wait_for(
         lambda: Decision.objects.filter(agent=agent, allowed=False).exists(), 10, "the cut logged"
     )
+
+
+@pytest.mark.parametrize("change", ["disable", "revoke", "remove-entry"])
+def test_an_open_websocket_is_closed_when_the_policy_no_longer_allows_it(proxy, net, world, change):
+    """A plain request upgraded to a WebSocket is a channel both ways, as a tunnel is: it is
+    held to the policy from then on (and never to the head deadline)."""
+    from tests.netfixtures import read_websocket_frame, websocket_frame
+
+    agent, credentials = world
+    sock = socket.create_connection(proxy.address, timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET http://plain.test/websocket HTTP/1.1\r\nHost: plain.test\r\n"
+        f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nProxy-Authorization: {basic(credentials)}\r\n\r\n".encode()
+    )
+    assert read_head(sock)[0] == 101
+    frames = sock.makefile("rb")
+    sock.sendall(websocket_frame(b"hello", mask=True))
+    assert read_websocket_frame(frames) == b"hello"
+    if change == "disable":
+        agent_services.update_agent(agent, enabled=False)
+    elif change == "revoke":
+        revoke_tokens(agent.tokens.all())
+    else:
+        agent_services.update_agent(agent, allowlist=[f"good.test:{net.tls.port}"])
+    started = time.monotonic()
+    assert closed_by_peer(sock, timeout=5)
+    assert time.monotonic() - started < 2.5  # the next policy poll plus the next check
+    refused = Decision.objects.filter(agent=agent, allowed=False, host="plain.test", kind="http")
+    wait_for(refused.exists, 10, "the cut logged")
 
 
 def test_an_allowlist_change_is_enforced_within_a_second(proxy, net, world):

@@ -650,9 +650,6 @@ def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credent
             f"Proxy-Authorization: {auth}\r\n\r\n".encode()
         )
         assert read_head(plain)[0] == 200
-        refused = socket.create_connection(bad.proxy.address, timeout=10)
-        refused.sendall(f"CONNECT {bad.target} HTTP/1.1\r\nHost: {bad.target}\r\n\r\n".encode())
-        assert read_head(refused)[0] == 407  # no credentials: refused, and then idle
         websocket = socket.create_connection(bad.proxy.address, timeout=10)
         websocket.sendall(
             f"GET http://plain.test/websocket HTTP/1.1\r\nHost: plain.test\r\n"
@@ -679,7 +676,6 @@ def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credent
                 cases.add()
         # The plain connection's next head did not come in time either; the tunnel lives on.
         assert closed_by_peer(plain, 3), "an idle keep-alive connection"
-        assert closed_by_peer(refused, 3), "an idle connection after a refused CONNECT"
         closed = time.monotonic() - started
         with tunnel.sock as sock:
             sock.sendall(hello)
@@ -687,11 +683,11 @@ def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credent
         with websocket:  # an upgraded connection is no longer waiting for a head
             websocket.sendall(websocket_frame(b"still here", mask=True))
             assert read_websocket_frame(websocket.makefile("rb")) == b"still here"
-        cases.add(4)
+        cases.add(3)
         cases.note(
             f"COVEY_EGRESS_HEAD_TIMEOUT={timeout:g}: silent, trickling and idle keep-alive"
-            f" connections, and one idle after a refused CONNECT, closed within {closed:.1f} s;"
-            " a tunnel and a WebSocket opened before them still work"
+            f" connections closed within {closed:.1f} s; a tunnel and a WebSocket opened before"
+            " them still work"
         )
         assert closed < timeout + 3
 
