@@ -485,3 +485,39 @@ def test_a_bad_spec_is_refused_before_anything_is_made(
 
     assert engine.sandboxes() == []
     assert not (tmp_path / "homes").exists()
+
+
+def test_an_event_stream_the_engine_refuses_is_no_stream(monkeypatch):
+    """What a socket proxy in front of Docker may do: answer pings and refuse the event
+    stream. The SDK hands the refusal back as a stream that raises only when read; the engine
+    says so at once instead (the runner's watcher would take it for an engine come back)."""
+    import http.server
+    import json
+    import threading
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body = 200, b"OK"
+            if "/events" in self.path:
+                status, body = 403, json.dumps({"message": "events are forbidden here"}).encode()
+            elif self.path.endswith("/version"):
+                body = json.dumps({"ApiVersion": "1.41", "Version": "26.1.5"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            monkeypatch.setenv("DOCKER_HOST", f"tcp://127.0.0.1:{server.server_address[1]}")
+            engine = Engine("refused")
+            assert engine.problem() == ""  # it answers pings
+            with pytest.raises(EngineError, match="refuses its event stream: 403"):
+                engine.open_events()
+        finally:
+            server.shutdown()

@@ -470,6 +470,14 @@ class Engine:
             stream: Iterator[Any] = self._client.events(decode=True, filters={"type": "daemon"})
         except Exception as exc:  # the SDK's errors and requests' (a socket that is gone)
             raise EngineError(f"the Docker engine does not answer: {exc}") from exc
+        # The SDK hands back an error answer as a stream too (it raises only when read): an
+        # engine going down, or a socket proxy that forbids events while it lets pings by.
+        response = getattr(stream, "_response", None)
+        if response is not None and response.status_code >= 400:
+            said = f"{response.status_code} {response.text[:200]}"
+            with contextlib.suppress(Exception):
+                stream.close()  # type: ignore[attr-defined]
+            raise EngineError(f"the Docker engine refuses its event stream: {said}")
         return stream
 
     def problem(self) -> str:
