@@ -150,6 +150,11 @@ def built_in() -> list[dict[str, Any]]:
     return [{"host": gateway[0], "port": gateway[1], "name": "model gateway"}]
 
 
+# What record_decisions raises for events it cannot store (malformed: sending them again would
+# not help); PostgreSQL's refusals (DataError) come besides, at the end of the transaction.
+MALFORMED = (KeyError, TypeError, ValueError)
+
+
 def record_decisions(
     events: Iterable[Mapping[str, Any]], *, proxy: str = "", organisation_id: int | None = None
 ) -> int:

@@ -53,12 +53,12 @@ class DatabaseSink:
 
     def __call__(self, events: list[dict[str, Any]]) -> None:
         from egress.proxy.feed import Refused
-        from egress.services import record_decisions
+        from egress.services import MALFORMED, record_decisions
 
         try:
             with _brief_transaction():
                 record_decisions(events, proxy=self.proxy)
-        except (KeyError, TypeError, ValueError, DataError) as exc:  # malformed: for good
+        except (*MALFORMED, DataError) as exc:  # for good: sending them again would not help
             raise Refused(repr(exc)) from exc
 
 

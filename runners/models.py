@@ -129,9 +129,9 @@ class Runner(models.Model):
     def trusted(self) -> bool:
         """Under hard isolation, only once its latest egress probe passed, and while its host
         does not say it cannot take work (what it proved went, say, with its Docker engine)."""
-        if self.isolation != ISOLATION_NETWORK:
-            return True
-        return self.probe_passed and self.host_ready is not False
+        return self.probe_passed and (
+            self.isolation != ISOLATION_NETWORK or self.host_ready is not False
+        )
 
     def untrusted_reason(self) -> str:
         """Why a hard-isolation runner gets no work ('' when it does)."""

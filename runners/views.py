@@ -382,6 +382,6 @@ class DecisionIngestView(RunnerEndpoint):
                 proxy=runner.name,
                 organisation_id=runner.organisation_id,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except egress.MALFORMED as exc:
             raise serializers.ValidationError({"events": [f"malformed event: {exc!r}"]}) from None
         return Response({"recorded": count}, status=status.HTTP_201_CREATED)

@@ -171,15 +171,15 @@ class CoveyEgress:
         closed = 0
         for client_id, state in list(self.clients.items()):
             if (tunnel := state.tunnel) is not None:
-                again = check_request(policy, tunnel.attempt, self.clock())
-                if not again.allowed:
-                    self._record(again, False, agent_id=tunnel.agent_id, address=tunnel.address)
-                    closed += self.close_client(client_id)
+                attempt, agent_id, address = tunnel.attempt, tunnel.agent_id, tunnel.address
             elif state.upgraded is not None:
-                again = check_request(policy, state.upgraded, self.clock())
-                if not again.allowed:
-                    self._record(again, True, agent_id=state.upgraded_agent)
-                    closed += self.close_client(client_id)
+                (attempt, agent_id), address = state.upgraded, None
+            else:
+                continue
+            again = check_request(policy, attempt, self.clock())
+            if not again.allowed:
+                self._record(again, attempt.plain_http, agent_id=agent_id, address=address)
+                closed += self.close_client(client_id)
         return closed
 
     def close_client(self, client_id: str) -> int:
@@ -221,7 +221,8 @@ class CoveyEgress:
         if state is None or allowed is None:  # nothing covey allowed: fail closed
             self.close_client(client_id)
             return
-        state.upgraded, state.upgraded_agent = allowed
+        attempt, decision = allowed
+        state.upgraded = (attempt.to(decision), decision.agent.id)
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         self.head_came(flow.client_conn.id)
@@ -375,8 +376,7 @@ class CoveyEgress:
         del request.headers["Proxy-Authorization"]
         self.admit(flow.client_conn.id, attempt, decision)
         if plain_http:
-            assert decision.agent is not None  # noqa: S101 - admitted
-            flow.metadata["covey_allowed"] = (attempt.to(decision), decision.agent.id)
+            flow.metadata["covey_allowed"] = (attempt, decision)  # should it be upgraded
             host, port = decision.host, decision.port
             request.host = host  # one canonical host for URL, Host header and dial
             shown = f"[{host}]" if ":" in host else host  # a built-in may be an IPv6 address

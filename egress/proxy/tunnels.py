@@ -76,9 +76,9 @@ class ClientState:
     tunnel: Tunnel | None = None
     # plain HTTP: (host, port) as mitmproxy will dial it → the vetted address
     pinned: dict[tuple[str, int], str] = field(default_factory=dict)
-    # plain HTTP upgraded (101, a WebSocket): the allowed attempt, checked again as a tunnel's
-    upgraded: Attempt | None = None
-    upgraded_agent: int | None = None
+    # plain HTTP upgraded (101, a WebSocket): the allowed attempt, checked again as a tunnel's,
+    # and its agent's id
+    upgraded: tuple[Attempt, int] | None = None
 
 
 def close_client(client_id: str, tunnel: Tunnel | None) -> int:

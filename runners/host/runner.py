@@ -507,16 +507,10 @@ class RunnerHost:
         try:
             if self._docker is None:
                 self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
-            self._held = self._docker.open_events()
-            problem = self._docker.problem()  # the stream may be an error the SDK let through
+            self._held = self._docker.open_events()  # an error answer too is an EngineError
         except EngineError as exc:
-            problem = str(exc)
-        if problem:
-            if self._held is not None:
-                with contextlib.suppress(Exception):
-                    self._held.close()
             if not gone:
-                self.engine_lost(problem)
+                self.engine_lost(str(exc))
             return True
         if gone:
             try:
