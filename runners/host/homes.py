@@ -774,7 +774,7 @@ def _add_tree(tar: tarfile.TarFile, top: int, base: str) -> list[tuple[str, str]
     info = tarfile.TarInfo(base)
     info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(os.fstat(top).st_mtime)
     tar.addfile(info)
-    for dirfd, here, name, st in _walk(top, left_out, descend=_usable_path):
+    for dirfd, here, name, st in _walk(top, left_out, descend=_usable_path, went=left_out):
         path = f"{here}/{name}" if here else name
         if not _usable_name(name):
             left_out(path, "a name that cannot be given back as a path")
@@ -842,18 +842,21 @@ def _walk(
     top: int,
     problem: Callable[[str, str], None],
     descend: Callable[[str], bool] = lambda path: True,
+    went: Callable[[str, str], None] | None = None,
 ) -> Iterator[tuple[int, str, str, os.stat_result]]:
     """Everything below the directory ``top``, depth first in name order: (descriptor of its
     directory, that directory's path, its name, what it is, not following a link).
 
     Each directory is opened from the one above with O_NOFOLLOW, O_DIRECTORY, O_NONBLOCK and
-    O_NOCTTY, and must still be what was listed: a link, a FIFO or a device swapped in is never
-    opened, let alone followed. At most MAX_DEPTH descriptors are open at once. What cannot be
-    walked (too deep, unreadable, changed meanwhile) is told to ``problem(path, why)``;
-    ``descend(path)`` says whether to go into a directory at all."""
-    stack: list[tuple[int, str, list[tuple[str, os.stat_result]] | None]] = [
-        (os.dup(top), "", None)
-    ]
+    O_NOCTTY: a link, a FIFO or a device swapped in is never opened, let alone followed, and
+    what is opened is a directory in the home (the one there now, when it was made again). At
+    most MAX_DEPTH descriptors are open at once. A tree that changes while it is walked is
+    walked as it is found: a directory that went (or became something else) between its
+    listing and its opening is not there, and is told to ``went(path, why)`` (an archive says
+    so), not to ``problem``. What cannot be walked for another reason (too deep, out of
+    descriptors, unreadable) is told to ``problem(path, why)``; ``descend(path)`` says
+    whether to go into a directory at all."""
+    stack: list[tuple[int, str, list[str] | None]] = [(os.dup(top), "", None)]
     try:
         while stack:
             fd, here, pending = stack[-1]
@@ -862,6 +865,8 @@ def _walk(
                 stack[-1] = (fd, here, pending)
                 try:
                     listed = sorted(os.listdir(fd))
+                except FileNotFoundError:  # removed since it was opened: nothing is in it
+                    listed = []
                 except OSError as exc:
                     problem(here or ".", exc.strerror or str(exc))
                     listed = []
@@ -876,13 +881,13 @@ def _walk(
                         continue
                     yield fd, here, name, st
                     if stat.S_ISDIR(st.st_mode) and descend(path):
-                        pending.append((name, st))
+                        pending.append(name)
                 pending.reverse()  # taken from the end, in name order
             if not pending:
                 stack.pop()
                 os.close(fd)
                 continue
-            name, listed_as = pending.pop()
+            name = pending.pop()
             path = f"{here}/{name}" if here else name
             if len(stack) > MAX_DEPTH:
                 problem(path, f"more than {MAX_DEPTH} directories deep: not walked")
@@ -890,17 +895,14 @@ def _walk(
             try:
                 child = os.open(name, _WALK_DIRECTORY, dir_fd=fd)
             except OSError as exc:
-                problem(
-                    path,
-                    "it is no longer a directory"
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else exc.strerror or str(exc),
-                )
-                continue
-            opened = os.fstat(child)
-            if (opened.st_dev, opened.st_ino) != (listed_as.st_dev, listed_as.st_ino):
-                os.close(child)
-                problem(path, "it changed while it was walked")
+                if exc.errno == errno.ENOENT:
+                    if went is not None:
+                        went(path, "it went while it was walked")
+                elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    if went is not None:
+                        went(path, "it is no longer a directory (not followed)")
+                else:  # out of descriptors, unreadable: it is there and cannot be measured
+                    problem(path, exc.strerror or str(exc))
                 continue
             stack.append((child, path, None))
     finally:

@@ -7,15 +7,20 @@ import contextlib
 import io
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from runners.host import homes
+from runners.host import runner as runner_module
 from runners.host.homes import SKIPPED_FILE, UPLOAD_PREFIX, Home, HomeError, changes, names
+from tests.runners.test_runner_logic import RUN, Host, spec
 
 SECRET = b"outside the home"
 
@@ -41,6 +46,36 @@ def home(tmp_path) -> Home:
 
 def read(home: Home, path: str) -> bytes:
     return b"".join(home.read(path))
+
+
+CHURN = """
+import os, shutil, sys
+build, count = sys.argv[1], 0
+while True:
+    for n in range(50):
+        target = os.path.join(build, f"obj{n}")
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(os.path.join(target, "deps"))
+        with open(os.path.join(target, "main.o"), "wb") as file:
+            file.write(b"x" * 100)
+        count += 1
+        if count % 100 == 0:
+            with open(os.path.join(build, "..", "made"), "w") as file:
+                file.write(str(count))
+"""
+
+
+@contextlib.contextmanager
+def churning(build: Path):
+    """A build that removes and makes its directories again as fast as it can, in a process of
+    its own (it races the walk on another core); yields how many directories it has made."""
+    made = build.parent / "made"
+    process = subprocess.Popen([sys.executable, "-c", CHURN, str(build)])
+    try:
+        yield lambda: int(made.read_text() or 0) if made.exists() else 0
+    finally:
+        process.kill()
+        process.wait()
 
 
 class TestPaths:
@@ -417,6 +452,76 @@ class TestWalks:
         assert "more than 128 directories deep" in skipped
         with pytest.raises(HomeError, match="more than 128 directories deep"):
             home.delete("d")
+
+    def test_a_build_remaking_its_directories_is_measured_whole_and_never_stopped(
+        self, home, tmp_path
+    ):
+        """A compiler's build/ removed and made again, hundreds of directories a second, while
+        the runner watches the home's quota: what vanished between its listing and its opening
+        is simply not there, so every walk is whole and the run goes on. It churns for
+        COVEY_TEST_CHURN_SECONDS (3 here; 60 to watch it for the minute the issue asked)."""
+        seconds = float(os.environ.get("COVEY_TEST_CHURN_SECONDS", "3"))
+        build = home.root / "build"
+        build.mkdir()
+        now = [0.0]
+        watched = Host(tmp_path, clock=lambda: now[0])
+        watched.order(replace(spec(), home_quota_bytes=1024 * 1024 * 1024))
+        assert watched.control.states(RUN) == ["running"]
+        walks, unwhole = 0, []
+        with churning(build) as rounds:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                usage = home.usage()
+                manifest = home.manifest()
+                walks += 1
+                if not usage.whole or not manifest.whole:
+                    unwhole.append(usage.problems[:1] or manifest.problems[:1])
+                now[0] += runner_module.HOME_CHECK_SECONDS
+                watched.host.watch_quotas()  # the runner's own check, on the same home
+                assert watched.engine.stopped == [], unwhole
+            made = rounds()
+        assert made > 100 * seconds, f"the build made only {made} directories"
+        assert walks > 10 and unwhole == []
+
+    def test_a_directory_swapped_for_a_link_out_is_never_counted_nor_read(self, home, outside):
+        """The hostile swap: between a walk's listing and its opening of a directory, the agent
+        puts a link out of the home in its place. Whatever the timing, nothing outside is
+        counted, listed or read (the link is not there as a directory: it is not walked)."""
+        huge = outside / "huge.bin"
+        with open(huge, "wb") as file:
+            file.truncate(1 << 40)  # a terabyte (sparse) that would show in any count
+        real = home.root / "flip"
+        real.mkdir()
+        (real / "inside").write_bytes(b"inside")
+        parked = home.root / "parked"
+        stop = threading.Event()
+
+        def flip() -> None:
+            while not stop.is_set():
+                link = home.root / "flip.link"
+                link.symlink_to(outside)
+                os.rename(real, parked)
+                os.rename(link, real)  # now flip -> outside
+                os.unlink(real)
+                os.rename(parked, real)  # and back
+
+        flipper = threading.Thread(target=flip)
+        flipper.start()
+        walks = 0
+        try:
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                usage = home.usage()
+                assert usage.bytes < 1 << 30 and usage.whole
+                manifest = home.manifest()
+                assert not [p for p in manifest.entries if "huge" in p or "secret" in p]
+                archive = b"".join(home.archive(""))
+                assert SECRET not in archive and b"huge.bin" not in archive
+                walks += 1
+        finally:
+            stop.set()
+            flipper.join()
+        assert walks > 10
 
     def test_names_that_print_alike_are_never_one_in_a_manifest(self, home):
         (home.root / "a\x01").write_text("control")
