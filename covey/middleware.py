@@ -4,17 +4,20 @@ ids (logs/), those its URL names (the runner API's /runs/<run_id>/…, an agent'
 warning (a 4xx, a 5xx) and the lines of a streamed answer carry them too. DatabaseUnavailable:
 a 503 that says so when the database does not answer. ValueRefused: a 400 that says which
 value the database would not take (a NUL character, a time zone offset past what PostgreSQL
-knows), where a validator let it through."""
+knows), where a validator let it through. AdminRefusals: the admin's 403 is a page in the
+admin's style that says which role would do."""
 
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from django.core.signals import request_finished
 from django.db import DataError, InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 import logs
+from covey.admin_site import refused_page
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,22 @@ class ValueRefused:
             "covey: the database refused a value of %s %s: %s", request.method, request.path, reason
         )
         return _said(request, 400, f"the database cannot take a value of this request: {reason}")
+
+
+class AdminRefusals:
+    """A refusal in the admin (PermissionDenied) is covey's styled 403 page saying why, and
+    one warning line in the log, not Django's bare page and a traceback."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> Any:
+        if not isinstance(exception, PermissionDenied) or not request.path.startswith("/admin/"):
+            return None
+        return refused_page(request, str(exception)).render()
 
 
 def _said(

@@ -1,11 +1,15 @@
 """Admin for organisations and their members, written for operators."""
 
+from contextlib import contextmanager
 from typing import Any, cast
 
 from django import forms
+from django.apps import apps
 from django.contrib import admin, messages
-from django.contrib.admin.utils import NotRelationField, get_fields_from_path
-from django.core.exceptions import FieldDoesNotExist, ValidationError
+from django.contrib.admin.exceptions import NotRegistered
+from django.contrib.admin.utils import NotRelationField, get_fields_from_path, unquote
+from django.contrib.auth import get_user_model
+from django.core.exceptions import FieldDoesNotExist, PermissionDenied, ValidationError
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
@@ -24,19 +28,126 @@ from organisations.models import (
     TenantQuerySet,
     Webhook,
 )
-from organisations.roles import role_of
+from organisations.roles import (
+    RANK,
+    has_role_somewhere,
+    is_member,
+    organisation_of,
+    role_of,
+    roles_said,
+)
 
 
 def _when(moment: Any) -> str:
     return f"{timezone.localtime(moment):%Y-%m-%d %H:%M:%S %Z}"
 
 
-class TenantScoped:
+DOING = {"add": "Adding", "change": "Changing", "delete": "Deleting", "view": "Reading"}
+
+
+class RoleRefusals:
+    """An admin that says why it refuses: a bare PermissionDenied from Django's views becomes
+    one that names the role that would do and the roles the person holds (covey's 403 page
+    shows it)."""
+
+    # Who changes this model's rows: a role of the row's organisation, or None for the
+    # platform team alone (rows of no organisation: templates, prices).
+    change_role: Role | None = Role.ADMIN
+    record = False  # rows nobody adds, changes or deletes here (versions, logs, audits)
+
+    @contextmanager
+    def _saying_why(self, request: HttpRequest, action: str, object_id: Any = None) -> Any:
+        try:
+            yield
+        except PermissionDenied as exc:
+            if exc.args:
+                raise
+            raise PermissionDenied(self.refusal(request, action, object_id)) from None
+
+    def refusal(self, request: HttpRequest, action: str, object_id: Any = None) -> str:
+        """Why ``action`` (add, change, delete, view) is refused, in a sentence."""
+        opts = self.model._meta  # type: ignore[attr-defined]
+        what = f"{DOING[action]} {opts.verbose_name_plural}"
+        if action == "view":
+            needed = "membership of an organisation"
+        elif self.change_role is None:
+            needed = "the platform team (a superuser)"
+        else:
+            found = self.get_object(request, unquote(str(object_id))) if object_id else None  # type: ignore[attr-defined]
+            place = organisation_of(found) if found is not None else None
+            where = f"in {place}" if place is not None else "in their organisation"
+            needed = f"the {self.change_role.label.lower()} role {where}"
+        return f"{what} takes {needed}; you are {roles_said(request.user)}."
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: Any = None,
+        form_url: str = "",
+        extra_context: Any = None,
+    ) -> Any:
+        action = "add" if object_id is None else "change"
+        with self._saying_why(request, action, object_id):
+            return super().changeform_view(request, object_id, form_url, extra_context)  # type: ignore[misc]
+
+    def delete_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        with self._saying_why(request, "delete", object_id):
+            return super().delete_view(request, object_id, extra_context)  # type: ignore[misc]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        with self._saying_why(request, "view"):
+            return super().changelist_view(request, extra_context)  # type: ignore[misc]
+
+    def history_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        with self._saying_why(request, "view", object_id):
+            return super().history_view(request, object_id, extra_context)  # type: ignore[misc]
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        """Every member reads covey's pages: the roles, not Django's staff flag, say so."""
+        return _member(request) or super().has_module_permission(request)  # type: ignore[misc]
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return _member(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
+
+
+class PlatformOwned(RoleRefusals):
+    """Rows of no organisation that every member reads and only the platform team changes
+    (allowlist templates, prices)."""
+
+    change_role = None
+
+
+class TenantScoped(RoleRefusals):
     """An admin whose rows are those of the user's organisations (every row for a superuser),
-    as the API's: lists, pages, actions and the views an admin adds all start from it."""
+    as the API's: lists, pages, actions and the views an admin adds all start from it. Every
+    member reads them; ``change_role`` (admin) of a row's organisation adds, changes and
+    deletes, as in the API. Neither Django's staff flag nor its per-user permissions are
+    needed: membership is the permission."""
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         return super().get_queryset(request).for_user(request.user)  # type: ignore[misc]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return self._role_allows(request, None)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._role_allows(request, obj)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._role_allows(request, obj)
+
+    def _role_allows(self, request: HttpRequest, obj: Any) -> bool:
+        """The change role in the row's organisation; with no row, in some organisation. A
+        record (``record``: versions, decisions, audits) is changed by nobody."""
+        if self.record:
+            return False
+        if self.change_role is None:
+            return bool(request.user.is_superuser)
+        if obj is None:
+            return has_role_somewhere(request.user, self.change_role)
+        place = organisation_of(obj)
+        role = role_of(request.user, place) if place is not None else None
+        return role is not None and RANK[role] >= RANK[self.change_role]
 
     def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
         """A choice of an organisation's row (its organisation, agent, runner, workplace)
@@ -54,6 +165,33 @@ class TenantScoped:
         one would name every organisation's runners and agents)."""
         filters = super().get_list_filter(request)  # type: ignore[misc]
         return [_related_only(self.model, item) for item in filters]  # type: ignore[attr-defined]
+
+
+class MembersRead:
+    """An inline every member reads on the page it belongs to (the page is scoped already)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return _member(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
+
+
+def may_view(request: HttpRequest, model: str) -> bool:
+    """Whether the person may read the admin's list of ``model`` ("app.model"): their roles
+    say, through the model's admin."""
+    try:
+        found = admin.site.get_model_admin(apps.get_model(model))
+    except (LookupError, NotRegistered):
+        return False
+    return bool(found.has_view_permission(request))
+
+
+def _member(request: HttpRequest) -> bool:
+    """Whether the person is a member of some organisation (or on the platform team), asked
+    once a request: the index asks every admin."""
+    known = getattr(request, "_covey_member", None)
+    if known is None:
+        known = bool(request.user.is_superuser) or is_member(request.user)
+        request._covey_member = known  # type: ignore[attr-defined]
+    return known
 
 
 def _scope_choices(model_admin: Any, db_field: Any, request: HttpRequest, kwargs: Any) -> None:
@@ -148,32 +286,62 @@ class MembershipFormSet(forms.BaseInlineFormSet):
             raise ValidationError(services.LAST_ADMIN)
 
 
+class MemberField(forms.ModelChoiceField):
+    """A member named by their user name, as in the API: a list to choose from would show an
+    organisation's admin every organisation's people."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            queryset=get_user_model().objects.filter(is_active=True),
+            to_field_name="username",
+            widget=forms.TextInput(attrs={"autocomplete": "off", "size": 20}),
+            help_text="Their user name.",
+            error_messages={"invalid_choice": "No active user has this user name."},
+            required=kwargs.get("required", True),
+            label=kwargs.get("label", "User"),
+        )
+
+    def prepare_value(self, value: Any) -> Any:
+        """A row's user is shown by name (its initial value is the user's id)."""
+        if isinstance(value, int):
+            found = get_user_model().objects.filter(pk=value).first()
+            return found.get_username() if found is not None else value
+        return super().prepare_value(value)
+
+
 class MembershipInline(admin.TabularInline):
     """Members and their roles, changed by the organisation's admins through the same service
-    as the API (an organisation keeps at least one admin)."""
+    as the API (an organisation keeps at least one admin); every member sees them."""
 
     model = Membership
     formset = MembershipFormSet
     extra = 0
-    autocomplete_fields = ["user"]
+
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "user":
+            return MemberField()
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
     def get_formset(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
         formset: Any = super().get_formset(request, obj, **kwargs)
         formset.creator = request.user if obj is None else None
         return formset
 
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return _member(request)
+
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return super().has_add_permission(request, obj) and _administers(request, obj)
+        return _administers(request, obj)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return super().has_change_permission(request, obj) and _administers(request, obj)
+        return _administers(request, obj)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return super().has_delete_permission(request, obj) and _administers(request, obj)
+        return _administers(request, obj)
 
 
 @admin.register(Organisation)
-class OrganisationAdmin(SimpleHistoryAdmin):
+class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
     """Organisations are made and changed through the same service as in the API: a new one
     starts with the base allowlist (COVEY_EGRESS_BASE_ALLOWLIST, shown filled in), gets its
     built-in runner, and its creator becomes its admin."""
@@ -275,12 +443,22 @@ class OrganisationAdmin(SimpleHistoryAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
         """The user's organisations (every one for a superuser), as the API's."""
-        mine = super().get_queryset(request).for_user(request.user)
-        return mine.annotate(agent_total=Count("agents"))
+        return super().get_queryset(request).annotate(agent_total=Count("agents"))
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Its admins change an organisation; its other members see it (as in the API)."""
-        return super().has_change_permission(request, obj) and _administers(request, obj)
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        """Making organisations is the platform team's (as in the API)."""
+        return bool(request.user.has_perm("organisations.add_organisation"))
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("organisations.delete_organisation"))
+
+    def refusal(self, request: HttpRequest, action: str, object_id: Any = None) -> str:
+        if action in ("add", "delete"):
+            return (
+                f"{DOING[action]} organisations is for the platform team (a superuser);"
+                f" you are {roles_said(request.user)}."
+            )
+        return super().refusal(request, action, object_id)
 
     @admin.display(description="Base entries")
     def base_allowlist_size(self, obj: Organisation) -> int:
@@ -345,12 +523,14 @@ class MembershipAdmin(TenantScoped, SimpleHistoryAdmin):
     list_filter = ["role", "organisation"]
     list_select_related = ["user", "organisation"]
     search_fields = ["user__username", "user__email", "organisation__name"]
-    autocomplete_fields = ["user", "organisation"]
+    autocomplete_fields = ["organisation"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return ["organisation", "user"] if obj is not None else []
 
     def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "user":
+            return MemberField()
         if db_field.name == "organisation" and not request.user.is_superuser:
             user_id = cast(int, request.user.pk)
             admin_of = Membership.objects.filter(user_id=user_id, role=Role.ADMIN)

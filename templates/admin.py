@@ -5,12 +5,13 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from simple_history.admin import SimpleHistoryAdmin
 
+from organisations.admin import PlatformOwned
 from templates import services
 from templates.models import AllowlistTemplate
 
 
 @admin.register(AllowlistTemplate)
-class AllowlistTemplateAdmin(SimpleHistoryAdmin):
+class AllowlistTemplateAdmin(PlatformOwned, SimpleHistoryAdmin):
     list_display = ["slug", "name", "entry_count", "is_modified", "updated_at"]
     search_fields = ["slug", "name", "entries"]
     readonly_fields = ["slug", "shipped_entries_shown", "updated_at"]

@@ -7,6 +7,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from approvals.models import Request, Status
+from organisations.admin import may_view
 
 register = template.Library()
 
@@ -16,7 +17,7 @@ def pending_requests(context: dict[str, Any]) -> str:
     """'3 pending requests', linked to them, for the user's organisations ('' when none, or
     when the user may not view requests)."""
     user = context["request"].user
-    if not user.has_perm("approvals.view_request"):
+    if not may_view(context["request"], "approvals.request"):
         return ""
     count = Request.objects.for_user(user).filter(status=Status.PENDING).count()
     if not count:

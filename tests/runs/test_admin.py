@@ -80,13 +80,6 @@ def test_an_empty_task_or_a_disabled_agent_starts_nothing_and_says_why(operator_
 
 
 def test_a_viewer_may_not_start_or_cancel_runs(client, acme, vera, orders):
-    from django.contrib.auth.models import Permission
-
-    vera.is_staff = True
-    vera.save()
-    vera.user_permissions.add(
-        *Permission.objects.filter(codename__in=["view_agent", "view_run", "change_run"])
-    )
     agent = AgentFactory(organisation=acme, name="Builder")
     client.force_login(vera)
     page = client.get(f"/admin/agents/agent/{agent.pk}/change/").content.decode()
@@ -98,13 +91,10 @@ def test_a_viewer_may_not_start_or_cancel_runs(client, acme, vera, orders):
     page = client.get(f"/admin/runs/run/{run.pk}/change/").content.decode()
     assert "theirs" in page and 'id="cancel-run"' not in page
     assert client.post(f"/admin/runs/run/{run.pk}/cancel/").status_code == 403
-    # Nor through the list's action, which her change permission lets her see.
-    answer = client.post(
-        "/admin/runs/run/",
-        {"action": "cancel_runs", "_selected_action": [str(run.pk)]},
-        follow=True,
-    )
-    assert "1 run(s) not cancelled: that takes the admin role" in answer.content.decode()
+    # Nor through the list's action, which a viewer is not offered.
+    listed = client.get("/admin/runs/run/").content.decode()
+    assert run.short_id in listed and "cancel_runs" not in listed
+    client.post("/admin/runs/run/", {"action": "cancel_runs", "_selected_action": [str(run.pk)]})
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
 
 

@@ -1,0 +1,56 @@
+"""covey's admin site: membership of an organisation is what lets a person in (Django's staff
+flag is only the platform team's way in), and a refusal is a page that says why."""
+
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+
+from organisations.roles import is_member
+
+
+def may_enter(user: Any) -> bool:
+    """Whether the person may use the admin: an active member of an organisation, or of the
+    platform team (staff, superusers)."""
+    return bool(user.is_active and (user.is_staff or user.is_superuser or is_member(user)))
+
+
+class LoginForm(AdminAuthenticationForm):
+    """The admin's sign-in: a member signs in without Django's staff flag."""
+
+    def confirm_login_allowed(self, user: Any) -> None:
+        if not user.is_active:
+            raise ValidationError(self.error_messages["inactive"], code="inactive")
+        if not may_enter(user):
+            raise ValidationError(
+                "This account belongs to no organisation yet: an admin of one adds it as a"
+                " member (viewer, approver or admin).",
+                code="invalid_login",
+            )
+
+
+class AdminSite(admin.AdminSite):
+    """The admin every member uses: their roles in their organisations say what they read,
+    decide and change (organisations/admin.py ``TenantScoped``)."""
+
+    site_header = "covey"
+    site_title = "covey"
+    index_title = "covey administration"
+    login_form = LoginForm
+
+    def has_permission(self, request: HttpRequest) -> bool:
+        return may_enter(request.user)
+
+
+def refused_page(request: HttpRequest, reason: str) -> TemplateResponse:
+    """The admin's 403: styled as the admin, saying why and which role would do."""
+    context = {
+        **admin.site.each_context(request),
+        "title": "Not allowed",
+        "reason": reason or "Your roles do not allow this.",
+    }
+    response = TemplateResponse(request, "admin/covey_403.html", context, status=403)
+    return response
