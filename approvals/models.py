@@ -68,6 +68,14 @@ class Request(models.Model):
     grant_expires_at = models.DateTimeField(
         null=True, blank=True, help_text="When an approved entry is removed again."
     )
+    workplace_version = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The workplace's version when the request was filed."
+    )
+    decided_by_filer = models.BooleanField(
+        default=False,
+        help_text="Decided by the person who filed it, the only approver its organisation had"
+        " (its 'Deciding one's own filing' setting allows that).",
+    )
     produced = models.JSONField(
         default=dict,
         blank=True,

@@ -6,7 +6,9 @@
   the same thing (the same agent and route; the same workplace and package) takes the new
   requester instead of a second request. Approvers are told of a new one.
 - **Deciding** (:func:`approve`, :func:`reject`): approvers and admins of the organisation, with
-  a note; nobody decides a request they filed on an agent's behalf; a decision is final. An
+  a note; a request somebody filed on an agent's behalf is decided by somebody else, unless
+  they are the organisation's only decider and its ``own_requests`` setting allows it (then
+  the request records ``decided_by_filer``); a decision is final. An
   egress approval adds the entry where the approver says (the agent, every agent of its
   workplace, or the base list), optionally until a time, after which :func:`expire_grants`
   removes it again; a package approval adds it to the workplace. Each change is a new version
@@ -21,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.mail import send_mail
 from django.db import transaction
@@ -34,7 +37,7 @@ from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from egress.environment import DESK_HOST
 from egress.models import Decision, EgressToken
 from organisations import webhooks
-from organisations.models import Membership, Organisation, Role
+from organisations.models import Membership, Organisation, OwnRequests, Role
 from organisations.roles import role_of
 from organisations.services import update_organisation
 from runs.models import Run
@@ -244,9 +247,33 @@ def can_decide(user: Any, request: Request) -> str:
 def _not_allowed(user: Any, request: Request) -> str:
     if role_of(user, request.organisation) not in DECIDERS:
         return "only approvers and admins of the organisation decide requests"
-    if user.is_authenticated and request.requesters.filter(filed_by=user).exists():
-        return "you filed this request on the agent's behalf: somebody else decides it"
+    if not filed_by(user, request):
+        return ""
+    mine = "you filed this request on the agent's behalf"
+    if request.organisation.own_requests == OwnRequests.NEVER:
+        return f"{mine}: somebody else decides it (the organisation's four-eyes setting)"
+    if others := other_deciders(user, request.organisation):
+        return f"{mine}: somebody else decides it ({', '.join(others)} may)"
     return ""
+
+
+def filed_by(user: Any, request: Request) -> bool:
+    """Whether ``user`` filed the request on an agent's behalf."""
+    return bool(user.is_authenticated and request.requesters.filter(filed_by=user).exists())
+
+
+def other_deciders(user: Any, organisation: Organisation, shown: int = 3) -> list[str]:
+    """Up to ``shown`` names of the active people, other than ``user``, who may decide the
+    organisation's requests: its approvers and admins, and the platform team."""
+    members = Membership.objects.filter(
+        organisation=organisation, role__in=DECIDERS, user__is_active=True
+    ).exclude(user_id=user.pk)
+    names = list(members.values_list("user__username", flat=True)[:shown])
+    if len(names) < shown:
+        platform = get_user_model().objects.filter(is_superuser=True, is_active=True)
+        more = platform.exclude(pk=user.pk).exclude(username__in=names)
+        names += list(more.values_list("username", flat=True)[: shown - len(names)])
+    return names
 
 
 def _not_pending(request: Request) -> str:
@@ -285,6 +312,8 @@ def _room(agent: Agent) -> None:
 def _request(pending: Request | None, **fields: Any) -> tuple[Request, bool]:
     if pending is not None:
         return pending, True
+    workplace = fields.get("workplace")
+    fields["workplace_version"] = workplace.version if workplace is not None else None
     return Request.objects.create(**fields), False
 
 
@@ -336,6 +365,8 @@ def _decided(request: Request, by: Any, note: str) -> None:
     request.decided_by = by
     request.decided_at = timezone.now()
     request.note = note.strip()
+    # Allowed only as its organisation's only decider (_not_allowed): said and kept.
+    request.decided_by_filer = filed_by(by, request)
     request.save()
     webhooks.send(request.organisation_id, "request.decided", event_data(request))
 

@@ -237,7 +237,7 @@ class OrganisationForm(forms.ModelForm):
 
     class Meta:
         model = Organisation
-        fields = ["name", "slug", "base_allowlist", "request_expiry_minutes"]
+        fields = ["name", "slug", "base_allowlist", "request_expiry_minutes", "own_requests"]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -358,7 +358,10 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
         return ["slug", "webhook_state", "belongings", "created_at"]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        fields = ["name", "slug", "base_allowlist", "request_expiry_minutes", "webhook_url"]
+        fields = [
+            "name", "slug", "base_allowlist", "request_expiry_minutes", "own_requests",
+            "webhook_url",
+        ]  # fmt: skip
         if obj is not None:
             fields += ["new_webhook_secret", "webhook_state", "belongings"]
         return [*fields, "created_at"]
@@ -397,7 +400,7 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
     def save_model(self, request: HttpRequest, obj: Organisation, form: Any, change: bool) -> None:
         data = form.cleaned_data
         if change:
-            fields = ("name", "base_allowlist", "request_expiry_minutes")
+            fields = ("name", "base_allowlist", "request_expiry_minutes", "own_requests")
             changes = {f: data[f] for f in fields if f in form.changed_data}
             services.update_organisation(obj, by=request.user, **changes)
         else:
@@ -407,6 +410,7 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
                 slug=data["slug"],
                 base_allowlist=data["base_allowlist"],
                 request_expiry_minutes=data.get("request_expiry_minutes"),
+                own_requests=data.get("own_requests") or None,
             )
             obj.pk, obj.created_at = created.pk, created.created_at
             obj.updated_at = created.updated_at

@@ -26,6 +26,13 @@ class Role(models.TextChoices):
     VIEWER = "viewer", "Viewer"  # reads everything
 
 
+class OwnRequests(models.TextChoices):
+    """Whether a person decides a request they filed on an agent's behalf (four eyes)."""
+
+    SOLE = "sole", "Only when nobody else can (the only approver decides, and it is recorded)"
+    NEVER = "never", "Never: somebody else decides"
+
+
 class TenantQuerySet(models.QuerySet):
     """Rows owned by an organisation, scoped to what a user may see: tenancy in one place."""
 
@@ -62,6 +69,16 @@ class Organisation(models.Model):
         validators=[MinValueValidator(1)],
         help_text="A pending request nobody decides is rejected (as expired) after this many"
         " minutes; empty: requests wait until someone decides.",
+    )
+    own_requests = models.CharField(
+        "Deciding one's own filing",
+        max_length=8,
+        choices=OwnRequests.choices,
+        default=OwnRequests.SOLE,
+        help_text="A request a person filed on an agent's behalf is decided by somebody else"
+        " when the organisation has another approver or admin. With no other, its only"
+        " approver may decide it (the request records that they decided their own filing),"
+        " unless this says never.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

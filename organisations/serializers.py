@@ -6,19 +6,23 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from allowlists.fields import AllowlistSerializerField
+from covey.api import RefusesUnknownFields
 from organisations import services
 from organisations.api import OrganisationField
 from organisations.models import Membership, Organisation, Role, Webhook
 
 
-class OrganisationSerializer(serializers.ModelSerializer):
+class OrganisationSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """An organisation and its base allowlist."""
 
     base_allowlist = AllowlistSerializerField(required=False)
 
     class Meta:
         model = Organisation
-        fields = ["id", "name", "slug", "base_allowlist", "request_expiry_minutes", "created_at"]
+        fields = [
+            "id", "name", "slug", "base_allowlist", "request_expiry_minutes", "own_requests",
+            "created_at",
+        ]  # fmt: skip
         read_only_fields = ["slug", "created_at"]
         # The service says which name is taken, in its own words.
         extra_kwargs: dict[str, dict[str, Any]] = {"name": {"validators": []}}
@@ -31,7 +35,7 @@ class OrganisationSerializer(serializers.ModelSerializer):
         return instance
 
 
-class WebhookSerializer(serializers.ModelSerializer):
+class WebhookSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """An organisation's webhook. ``secret`` (the signing secret) is in the answer once: when
     it was made (the first PUT, or one with ``new_secret``)."""
 
@@ -48,7 +52,7 @@ class WebhookSerializer(serializers.ModelSerializer):
         read_only_fields = ["created_at", "secret_made_at", "last_delivery", "last_delivery_at"]
 
 
-class MembershipSerializer(serializers.ModelSerializer):
+class MembershipSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """A user's role in an organisation. Add one with ``organisation``, ``user`` (the
     username) and ``role``; afterwards only the role changes."""
 

@@ -55,6 +55,7 @@ def create_organisation(
     slug: str | None = None,
     base_allowlist: Iterable[str] | None = None,
     request_expiry_minutes: int | None = None,
+    own_requests: str | None = None,
 ) -> Organisation:
     """Create an organisation; the user who creates it becomes its admin, and every hook in
     :data:`when_created` runs in the same transaction."""
@@ -69,6 +70,8 @@ def create_organisation(
         )
     if base_allowlist is not None:
         organisation.base_allowlist = list(base_allowlist)
+    if own_requests is not None:
+        organisation.own_requests = own_requests
     organisation.full_clean()
     organisation._history_user = by  # type: ignore[attr-defined]
     organisation.save()
@@ -83,9 +86,10 @@ def create_organisation(
 def update_organisation(
     organisation: Organisation, *, by: Any = None, reason: str = "", **changes: Any
 ) -> None:
-    """Change an organisation's name, base allowlist or request expiry (recorded in its
-    history, with ``reason`` when covey changes it, e.g. an approved request)."""
-    unknown = set(changes) - {"name", "base_allowlist", "request_expiry_minutes"}
+    """Change an organisation's name, base allowlist, request expiry or whether its only
+    approver decides their own filings (recorded in its history, with ``reason`` when covey
+    changes it, e.g. an approved request)."""
+    unknown = set(changes) - {"name", "base_allowlist", "request_expiry_minutes", "own_requests"}
     if unknown:
         raise TypeError(f"cannot change {', '.join(sorted(unknown))} of an organisation")
     for field, value in changes.items():

@@ -14,9 +14,10 @@ from agents.services import effective_allowlist
 from allowlists.entries import parse_entry
 from approvals import services
 from approvals.models import Grant, Request, Scope, Status
-from organisations.models import Organisation
+from organisations.models import Organisation, OwnRequests
 from runs.services import queue_run
 from tests.factories import AgentFactory, UserFactory, WorkplaceFactory
+from workplaces.services import update_workplace
 
 pytestmark = pytest.mark.django_db
 
@@ -172,16 +173,53 @@ def test_a_rejection_needs_a_note_and_changes_nothing(agent, april):
         services.approve(request, by=april, note="changed my mind")
 
 
-def test_viewers_and_whoever_filed_it_cannot_decide(agent, alice, vera, gary):
+def test_viewers_and_whoever_filed_it_cannot_decide(agent, alice, april, vera, gary):
     request = services.file_egress(agent, TARGET, reason="x", by=alice)
     for who, why in (
         (vera, "only approvers and admins"),
         (gary, "only approvers and admins"),  # another organisation's admin
-        (alice, "you filed this request on the agent's behalf"),
+        (alice, "you filed this request on the agent's behalf: somebody else decides it .april"),
     ):
         with pytest.raises(PermissionDenied, match=why):
             services.approve(request, by=who, note="mine")
     assert Request.objects.get(pk=request.pk).status == Status.PENDING
+    assert not services.approve(request, by=april, note="four eyes").decided_by_filer
+
+
+def test_the_only_approver_decides_their_own_filing_and_it_is_recorded(acme, agent, alice, vera):
+    # A one-person installation: alice is acme's only approver or admin (vera only reads).
+    request = services.file_egress(agent, TARGET, reason="the SDK", by=alice)
+    assert services.can_decide(alice, request) == ""
+    decided = services.approve(request, by=alice, note="nobody else can")
+    assert (decided.status, decided.decided_by, decided.decided_by_filer) == (
+        Status.APPROVED, alice, True,
+    )  # fmt: skip
+    assert allowed(agent)
+
+
+def test_an_organisation_can_insist_on_four_eyes_even_with_one_approver(acme, agent, alice):
+    Organisation.objects.filter(pk=acme.pk).update(own_requests=OwnRequests.NEVER)
+    request = services.file_egress(agent, TARGET, reason="x", by=alice)
+    with pytest.raises(PermissionDenied, match="the organisation's four-eyes setting"):
+        services.reject(request, by=alice, note="mine")
+    assert Request.objects.get(pk=request.pk).status == Status.PENDING
+
+
+def test_the_platform_team_counts_as_somebody_else(agent, alice, root):
+    request = services.file_egress(agent, TARGET, reason="x", by=alice)
+    assert "root may" in services.can_decide(alice, request)
+    root.is_active = False
+    root.save()
+    assert services.can_decide(alice, request) == ""  # an inactive account decides nothing
+
+
+def test_a_request_keeps_the_workplace_version_it_was_filed_against(agent, workplace, april):
+    before = workplace.version
+    request = services.file_package(agent, "apt", "curl", reason="fetch")
+    update_workplace(workplace, by=april, packages={"apt": ["git", "jq"]})
+    request.refresh_from_db()
+    assert request.workplace_version == before
+    assert Request.objects.get(pk=request.pk).workplace.version == before + 1
 
 
 def test_unattended_requests_expire_as_rejected_after_the_organisations_time(acme, agent):
