@@ -36,11 +36,13 @@ from django.utils import timezone
 from agents.models import Agent, size_text
 from homes.models import HomeChange, HomeOperation, OperationState
 from runners import dispatch
+from runners.host.homes import unreadable
 from runners.models import Runner
 from runners.protocol import (
     CHANGING,
     TRANSFERS,
     HomeAnswer,
+    HomeEntry,
     HomeOp,
     HomeOrder,
     HomeSpace,
@@ -398,6 +400,14 @@ def spool() -> Path:
 def upload_file(agent: Agent, user: Any, path: str, file: Any, *, replace: bool) -> HomeAnswer:
     """One file of a form (the API's or the admin's: Django's UploadedFile)."""
     return upload(agent, user, path, file.chunks(CHUNK), file.size, replace=replace)
+
+
+def check_download(entry: HomeEntry, path: str) -> None:
+    """HomeProblem 400 when a download of ``path``, as the runner says it is (``entry``), is
+    refused: the rule the runner holds every read to, in its words (a HEAD says what the GET
+    would)."""
+    if why := unreadable(path, entry.type, entry.links):
+        raise HomeProblem(400, why)
 
 
 def download_headers(

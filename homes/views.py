@@ -237,11 +237,14 @@ class HomeViewSet(viewsets.ViewSet):
     @extend_schema(exclude=True)
     def download_head(self, request: Request, agent_id: int) -> HttpResponseBase:
         """What a download would be (its type, name and a file's length), without its bytes:
-        a look, not a transfer."""
+        a look, not a transfer. What a download refuses (a link, a FIFO, a socket, a device, a
+        hard-linked file) it refuses the same."""
         agent = self.agent(request, agent_id)
         path = request.query_params.get("path", "")
         entry = services.ask(agent, HomeOp.STAT, path=path).entry
         archive = entry is None or entry.type == "directory"
+        if entry is not None and not archive:
+            services.check_download(entry, path)
         size = None if archive or entry is None else entry.size
         return services.download_headers(HttpResponse(), path, archive=archive, size=size)
 

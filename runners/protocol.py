@@ -329,6 +329,7 @@ class HomeEntry(Message):
     modified: float  # seconds since the epoch
     usable: bool = True  # False: its name cannot be given back as a path
     target: str = ""
+    links: int = 1  # a file's hard links: one with more is never read (another may be outside)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,6 +112,7 @@ class Entry:
     modified: float  # seconds since the epoch
     usable: bool = True  # False: its name cannot be given back as a path (see ``names``)
     target: str = ""  # a symlink's target, as text (never followed)
+    links: int = 1  # a file's hard links (see ``unreadable``); 1 for anything else
 
 
 @dataclass(frozen=True)
@@ -691,15 +692,23 @@ def _open_file(parent: int, name: str, path: str) -> int:
     return fd
 
 
+def unreadable(path: str, kind: str, links: int) -> str:
+    """Why the bytes of ``path``, a ``kind`` (as :class:`Entry` says it) with ``links`` hard
+    links, are never read ('' when they may be): only a regular file with one link is. The
+    runner holds every read to it, and the control plane answers a download's HEAD by it from
+    the entry alone, so both say the same."""
+    if kind == "symlink":
+        return f"{shown(path)} is a symbolic link: covey does not follow links"
+    if kind != "file":
+        return f"{shown(path)} is a {kind}, not a file"
+    if links > 1:
+        return f"{shown(path)} has {links} hard links (one may be outside the home)"
+    return ""
+
+
 def _readable(st: os.stat_result, path: str) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise HomeError(400, f"{shown(path)} is a symbolic link: covey does not follow links")
-    if not stat.S_ISREG(st.st_mode):
-        raise HomeError(400, f"{shown(path)} is a {_kind(st.st_mode)}, not a file")
-    if st.st_nlink > 1:
-        raise HomeError(
-            400, f"{shown(path)} has {st.st_nlink} hard links (one may be outside the home)"
-        )
+    if why := unreadable(path, _kind(st.st_mode), st.st_nlink):
+        raise HomeError(400, why)
 
 
 def _is_plain(st: os.stat_result) -> bool:
@@ -752,6 +761,7 @@ def _entry(name: str, st: os.stat_result, parent: int) -> Entry:
         modified=st.st_mtime,
         usable=usable,
         target=target,
+        links=st.st_nlink if kind == "file" else 1,
     )
 
 

@@ -291,7 +291,9 @@ def _read(home: Home, order: HomeOrder) -> tuple[HomeAnswer, Chunks, int | None]
 
 
 def _entry(entry: Entry) -> HomeEntry:
-    return HomeEntry(entry.name, entry.type, entry.size, entry.modified, entry.usable, entry.target)
+    return HomeEntry(
+        entry.name, entry.type, entry.size, entry.modified, entry.usable, entry.target, entry.links
+    )
 
 
 def _space(path: str, usage: Usage) -> HomeSpace:
