@@ -35,6 +35,8 @@ from django.utils import timezone
 
 from agents.models import Agent, size_text
 from homes.models import HomeChange, HomeOperation, OperationState
+from organisations.models import Role
+from organisations.roles import role_of
 from runners import dispatch
 from runners.host.homes import unreadable
 from runners.models import Runner
@@ -120,6 +122,24 @@ def check_changeable(agent: Agent) -> None:
             f"run {run.pk} of this agent is {run.status}: its home is not changed from outside"
             " until it ends (COVEY_HOME_WRITES_DURING_RUNS=true allows it)",
         )
+
+
+ROLE_REFUSAL = "Your role in this organisation does not allow changing homes."
+
+
+def may_change(agent: Agent, user: Any) -> bool:
+    """Whether ``user`` may change the agent's home: an admin of its organisation."""
+    return role_of(user, agent.organisation) == Role.ADMIN
+
+
+def refuse_change(
+    agent: Agent, user: Any, kind: HomeOp, path: str, *, target: str = "", size: int = 0
+) -> HomeProblem:
+    """A change refused because ``user`` may not change the home (:func:`may_change`),
+    recorded in the home's audit, which lists every change made from outside, or refused; the
+    403 to raise."""
+    _refused(_record(agent, user, kind, path, target=target, size=size), 403, ROLE_REFUSAL)
+    return HomeProblem(403, ROLE_REFUSAL)
 
 
 def upload_cap() -> int:
@@ -366,10 +386,19 @@ def _record(
         by=user if getattr(user, "pk", None) else None,
         by_name=getattr(user, "username", "") or "?",
         operation=kind,
-        path=path,
-        target=target,
+        path=_as_kept(path),
+        target=_as_kept(target),
         bytes=size,
     )
+
+
+KEPT_PATH_CHARS = 5000  # of a path in the audit (a home's paths are at most 4096 bytes)
+
+
+def _as_kept(path: str) -> str:
+    """A path as the audit can keep it, however it came (PostgreSQL text holds no NUL, and a
+    refused request's path was never checked)."""
+    return path.replace("\x00", "\ufffd")[:KEPT_PATH_CHARS]
 
 
 def _admit_upload(agent: Agent, user: Any, path: str, size: int, replace: bool) -> None:

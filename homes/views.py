@@ -22,8 +22,6 @@ from covey.pagination import BoundedPagination
 from homes import services, wire
 from homes.models import HomeChange, HomeOperation, OperationState
 from homes.services import HomeProblem
-from organisations.models import Role
-from organisations.roles import role_of
 from runners.auth import RunnerEndpoint
 from runners.messages import (
     HomeAnswerSerializer,
@@ -172,14 +170,27 @@ class HomeViewSet(viewsets.ViewSet):
 
     permission_classes = [permissions.IsAuthenticated]
 
-    def agent(self, request: Request, agent_id: int, *, change: bool = False) -> Agent:
-        agent = get_object_or_404(
+    def agent(self, request: Request, agent_id: int) -> Agent:
+        return get_object_or_404(
             Agent.objects.for_user(request.user).select_related("home_runner", "organisation"),
             pk=agent_id,
         )
-        if change and role_of(request.user, agent.organisation) != Role.ADMIN:
-            raise exceptions.PermissionDenied(
-                "Your role in this organisation does not allow changing homes."
+
+    def changing(
+        self, request: Request, agent_id: int, kind: HomeOp, path: str | None = None, size: int = 0
+    ) -> Agent:
+        """The agent whose home the request changes; 403 unless the user may change it, the
+        refusal in the home's audit with what was asked, as far as it can be told (``path``,
+        else the body's; only a refused request's body is read here)."""
+        agent = self.agent(request, agent_id)
+        if not services.may_change(agent, request.user):
+            raise services.refuse_change(
+                agent,
+                request.user,
+                kind,
+                _said(request, "path") if path is None else path,
+                target=_said(request, "target") if kind == HomeOp.MOVE else "",
+                size=size,
             )
         return agent
 
@@ -278,8 +289,8 @@ class HomeViewSet(viewsets.ViewSet):
     def write(self, request: Request, agent_id: int) -> Response:
         """Upload one file, the request's body, to ``path`` (streamed; it appears whole or not
         at all, so a broken upload is simply sent again). 413 when it would pass the quota."""
-        agent = self.agent(request, agent_id, change=True)
         path = request.query_params.get("path", "")
+        agent = self.changing(request, agent_id, HomeOp.WRITE, path, _length(request))
         chunks, size = body(request._request)
         if size is None:
             raise exceptions.ParseError("give the file's length (Content-Length)")
@@ -299,7 +310,8 @@ class HomeViewSet(viewsets.ViewSet):
         """Upload files (multipart, field ``files``, one or more) into a directory: 201 with
         each one made; when one is refused, its status, with what was made and what was not
         (each refusal is in the audit too)."""
-        agent = self.agent(request, agent_id, change=True)
+        directory = request.query_params.get("path", "")
+        agent = self.changing(request, agent_id, HomeOp.WRITE, directory)  # no form is read
         _, size = body(request._request, consume=False)
         if size is None:
             raise exceptions.ParseError("give the form's length (Content-Length)")
@@ -309,7 +321,6 @@ class HomeViewSet(viewsets.ViewSet):
                 f"the form is {size_text(size)}, more than one upload may carry"
                 f" ({size_text(services.upload_cap())})",
             )
-        directory = request.query_params.get("path", "")
         files = request.FILES.getlist("files")
         if not files:
             raise exceptions.ValidationError({"files": "send one or more files"})
@@ -337,7 +348,7 @@ class HomeViewSet(viewsets.ViewSet):
     @extend_schema(request=PathSerializer, responses={201: HomeEntrySerializer, **PROBLEMS})
     def mkdir(self, request: Request, agent_id: int) -> Response:
         """Make a directory (and those above it that are missing)."""
-        agent = self.agent(request, agent_id, change=True)
+        agent = self.changing(request, agent_id, HomeOp.MKDIR)
         given = _valid(PathSerializer, request)
         answer = services.change(agent, request.user, HomeOp.MKDIR, given["path"])
         return Response(HomeEntrySerializer(answer.entry).data, status=201)
@@ -345,7 +356,7 @@ class HomeViewSet(viewsets.ViewSet):
     @extend_schema(request=MoveSerializer, responses={200: HomeEntrySerializer, **PROBLEMS})
     def move(self, request: Request, agent_id: int) -> Response:
         """Move or rename (the target must not exist)."""
-        agent = self.agent(request, agent_id, change=True)
+        agent = self.changing(request, agent_id, HomeOp.MOVE)
         given = _valid(MoveSerializer, request)
         answer = services.change(
             agent, request.user, HomeOp.MOVE, given["path"], target=given["target"]
@@ -355,7 +366,7 @@ class HomeViewSet(viewsets.ViewSet):
     @extend_schema(request=PathSerializer, responses={204: None, **PROBLEMS})
     def remove(self, request: Request, agent_id: int) -> Response:
         """Delete a file, a link (never what it points to) or a whole directory."""
-        agent = self.agent(request, agent_id, change=True)
+        agent = self.changing(request, agent_id, HomeOp.DELETE)
         given = _valid(PathSerializer, request)
         services.change(agent, request.user, HomeOp.DELETE, given["path"])
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -388,6 +399,23 @@ def _valid(kind: type[serializers.Serializer], request: Request) -> dict[str, An
     serializer = kind(data=request.data)
     serializer.is_valid(raise_exception=True)
     return dict(serializer.validated_data)
+
+
+def _said(request: Request, name: str) -> str:
+    """What the request's body says ``name`` is, as text ('' when it says nothing readable);
+    validated later, where it is used."""
+    try:
+        data = request.data
+    except exceptions.ParseError:
+        return ""
+    value = data.get(name) if hasattr(data, "get") else None
+    return value if isinstance(value, str) else ""
+
+
+def _length(request: Request) -> int:
+    """The body's length as it says it (0 when it does not, or not as a number)."""
+    raw = request.META.get("CONTENT_LENGTH") or ""
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
 
 
 def _number(request: Request, name: str, default: int) -> int:

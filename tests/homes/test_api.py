@@ -140,6 +140,7 @@ def test_changes_wait_for_a_run_reads_do_not_and_quota_and_roles_are_kept(stack,
         409,
         413,
         201,
+        403,  # the viewer's mkdir: refused, and in the audit
     ]
 
 

@@ -2,6 +2,7 @@
 anything is ordered (offline, a run active, over quota, too large), what a runner may take and
 answer, and the pruning of operations and spool files."""
 
+import io
 import os
 import time
 import uuid
@@ -189,6 +190,44 @@ def test_a_change_answered_after_its_asker_gave_up_is_settled_all_the_same(agent
     assert agent.home_bytes == 40  # settled once
 
 
+def test_a_change_refused_for_the_askers_role_is_in_the_homes_audit(agent, vera, alice):
+    """The audit lists every change made from outside, or refused: a viewer's tries too, with
+    what they asked for, though nothing was ordered and no bytes were read."""
+    viewer = APIClient()
+    viewer.force_authenticate(vera)
+    base = f"/api/v1/agents/{agent.pk}/home"
+    made = [
+        viewer.post(f"{base}/mkdir/", {"path": "made"}, format="json"),
+        viewer.post(f"{base}/move/", {"path": "a", "target": "b"}, format="json"),
+        viewer.post(f"{base}/delete/", {"path": "d"}, format="json"),
+        viewer.put(
+            f"{base}/file/?path=notes/x.bin", b"x" * 10, content_type="application/octet-stream"
+        ),
+        viewer.post(f"{base}/upload/?path=docs", {"files": [io.BytesIO(b"y")]}, format="multipart"),
+        viewer.put(f"{base}/file/?path=nul%00byte", b"", content_type="application/octet-stream"),
+        viewer.post(f"{base}/mkdir/", b"{not json", content_type="application/json"),
+    ]
+    assert [answer.status_code for answer in made] == [403] * 7
+    assert made[0].json()["detail"] == services.ROLE_REFUSAL
+    said = HomeChange.objects.order_by("at", "pk").values_list(
+        "by_name", "operation", "path", "target", "bytes", "status", "settled"
+    )
+    assert list(said) == [
+        ("vera", "mkdir", "made", "", 0, 403, True),
+        ("vera", "move", "a", "b", 0, 403, True),
+        ("vera", "delete", "d", "", 0, 403, True),
+        ("vera", "write", "notes/x.bin", "", 10, 403, True),
+        ("vera", "write", "docs", "", 0, 403, True),
+        ("vera", "write", "nul\ufffdbyte", "", 0, 403, True),
+        ("vera", "mkdir", "", "", 0, 403, True),
+    ]
+    assert not HomeOperation.objects.exists()
+    admin = APIClient()
+    admin.force_authenticate(alice)
+    audit = admin.get(f"{base}/changes/").json()
+    assert audit["count"] == 7 and audit["results"][0]["status"] == 403
+
+
 def test_another_organisations_member_sees_no_home_and_a_viewer_changes_none(agent, gary, vera):
     foreign = APIClient()
     foreign.force_authenticate(gary)
@@ -206,4 +245,6 @@ def test_another_organisations_member_sees_no_home_and_a_viewer_changes_none(age
             viewer.put(f"/api/v1/agents/{agent.pk}/home/{route}", {"path": "x"}).status_code == 405
         )
         assert viewer.delete(f"/api/v1/agents/{agent.pk}/home/{route}").status_code == 405
-    assert not HomeChange.objects.exists() and not HomeOperation.objects.exists()
+    assert not HomeOperation.objects.exists()
+    refused = HomeChange.objects.values_list("by_name", "status")
+    assert sorted(refused) == [("vera", 403)] * 4  # in the audit; gary's 404s are not
