@@ -1,5 +1,6 @@
-"""System checks for the egress probe's settings: targets the probe could not try stop
-start-up with a clear id (the ids are egress's, where the settings are documented)."""
+"""System checks for the runners' settings: targets the egress probe could not try (the ids
+are egress's, where the settings are documented), a home quota below zero, and a staleness
+that healthy runners would flap across, each stopping start-up with a clear id."""
 
 from typing import Any
 
@@ -7,6 +8,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 
 from allowlists.entries import EntryError, parse_entry
+from runners.auth import SEEN_EVERY_SECONDS
 from runners.probe.checks import parse_address
 
 PROBE_ADDRESS_LISTS = (
@@ -63,3 +65,25 @@ def check_home_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
             )
         ]
     return []
+
+
+@register("covey")
+def check_runner_staleness(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A runner is marked seen at most every SEEN_EVERY_SECONDS, by a call that comes every
+    heartbeat, so a healthy runner's mark can be that much plus a heartbeat old: a runner not
+    heard from for less than that must not be taken for offline."""
+    stale = settings.COVEY_RUNNER_STALE_SECONDS
+    heartbeat = settings.COVEY_RUNNER_HEARTBEAT_SECONDS
+    least = SEEN_EVERY_SECONDS + heartbeat
+    if stale > least:
+        return []
+    return [
+        Error(
+            f"COVEY_RUNNER_STALE_SECONDS is {stale:g}: a runner is marked seen at most every"
+            f" {SEEN_EVERY_SECONDS} s, and calls every COVEY_RUNNER_HEARTBEAT_SECONDS"
+            f" ({heartbeat:g} s), so a healthy runner can go {least:g} s unmarked and would flap"
+            " offline (its homes answering 503, no work placed on it)",
+            hint=f"Give more than {least:g} seconds (30 unless said), or a shorter heartbeat.",
+            id="runners.E002",
+        )
+    ]
