@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+import jsonbodies
 from budgets.usage import EventStream, Usage
 
 
@@ -34,11 +35,18 @@ class Prepared:
     raw: bytes
 
 
+# Tool schemas nest deeper than covey's own bodies; the vendor has limits of its own.
+MAX_DEPTH = 128
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object, read strictly: NaN, a lone surrogate or nesting deeper than
+    :data:`MAX_DEPTH` is a 400 naming where (no vendor takes them, and deep nesting was a
+    server error here)."""
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise invalid(f"the request is not JSON: {exc}") from None
+        body = jsonbodies.loads(raw, max_depth=MAX_DEPTH)
+    except jsonbodies.Malformed as exc:
+        raise invalid(f"the request is not JSON the gateway takes: {exc}") from None
     if not isinstance(body, dict):
         raise invalid("the request is not a JSON object")
     model = body.get("model")

@@ -229,6 +229,35 @@ def test_a_request_larger_than_the_limit_is_refused_unread(gateway, vendor, agen
     assert len(vendor.seen) == before and not Reservation.objects.exists()
 
 
+def test_hostile_json_is_a_400_naming_where_before_anything_is_held_or_sent(gateway, vendor, agent):
+    before = len(vendor.seen)
+    body = '{"model": "%s", "max_tokens": 100, %s}'
+    hello = '"messages": [{"role": "user", "content": "hi"}]'
+    table = [
+        ("[" * 50_000, "nested deeper than 128 levels"),
+        (body % (MODEL, hello + ', "temperature": NaN'), "temperature: not a finite number"),
+        (body % (MODEL, hello + ', "top_p": 1e999'), "top_p: not a finite number"),
+        (
+            body % (MODEL, '"messages": [{"role": "user", "content": "a\\udc80b"}]'),
+            r"messages[0].content: a lone surrogate (\udc80) is not Unicode text",
+        ),
+        (
+            body
+            % (MODEL, '"messages": [{"role": "user", "content": %s"x"%s}]')
+            % ("[" * 200, "]" * 200),
+            "messages: nested deeper than 128 levels",
+        ),
+    ]
+    headers = {"x-api-key": token_for(agent), "anthropic-version": "2023-06-01"}
+    for raw, said in table:
+        answer = httpx.post(f"{gateway.url}/v1/messages", content=raw, headers=headers, timeout=30)
+        assert answer.status_code == 400, (raw[:80], answer.text[:300])
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert said in error["message"], error
+    assert len(vendor.seen) == before and not Reservation.objects.exists()
+
+
 def test_a_request_without_max_tokens_gets_the_default_and_is_bounded(gateway, vendor, agent):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "json"}]}
     answer = httpx.post(
