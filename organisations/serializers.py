@@ -3,11 +3,12 @@
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from allowlists.fields import AllowlistSerializerField
 from covey.api import RefusesUnknownFields
-from organisations import services
+from organisations import services, webhooks
 from organisations.api import OrganisationField
 from organisations.models import Membership, Organisation, Role, Webhook
 
@@ -50,6 +51,13 @@ class WebhookSerializer(RefusesUnknownFields, serializers.ModelSerializer):
             "last_delivery_at",
         ]  # fmt: skip
         read_only_fields = ["created_at", "secret_made_at", "last_delivery", "last_delivery_at"]
+
+    def validate_url(self, value: str) -> str:
+        """What the webhook service takes (organisations.webhooks.check_url)."""
+        try:
+            return webhooks.check_url(value)
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.messages) from None
 
 
 class MembershipSerializer(RefusesUnknownFields, serializers.ModelSerializer):

@@ -14,7 +14,9 @@ is shown once, when made (:func:`set_webhook`), and never again.
 
 A receiver must be at a public address, unless COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS holds its
 address: an organisation's admin may not point the control plane at the platform's own
-network. The name is resolved once per delivery, checked, and that address connected to (the
+network. A URL is checked when it is saved (:func:`check_url`), as far as it can be without
+asking DNS: an address given as such, and the names that are always loopback (``localhost``).
+The name is resolved once per delivery, checked, and that address connected to (the
 certificate is still checked against the name), so a name cannot change its answer between the
 check and the connection.
 """
@@ -58,11 +60,10 @@ def set_webhook(organisation: Organisation, url: str, *, new_secret: bool = Fals
     """Point the organisation's webhook at ``url`` (checked: http or https); returns the new
     signing secret when one was made (a new webhook, or ``new_secret``), else None. The secret
     is returned this once: keep it."""
-    url = url.strip()
     try:
-        URLValidator(schemes=["http", "https"])(url)
-    except ValidationError:
-        raise ValidationError({"url": ["give an http or https URL"]}) from None
+        url = check_url(url)
+    except ValidationError as exc:
+        raise ValidationError({"url": exc.messages}) from None
     with transaction.atomic():
         webhook = Webhook.objects.select_for_update().filter(organisation=organisation).first()
         secret = None
@@ -76,6 +77,50 @@ def set_webhook(organisation: Organisation, url: str, *, new_secret: bool = Fals
             webhook.secret_made_at = timezone.now()
         webhook.save()
     return secret
+
+
+def check_url(url: str) -> str:
+    """``url`` as a webhook takes it (stripped); ValidationError saying what is wrong: not an
+    http or https URL, or at an address receivers may not be at (not public, and not in
+    COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS). What can be told without asking DNS is checked: an
+    address given as such, and the names that are always loopback; any other name is checked
+    at each delivery, when it is resolved."""
+    url = url.strip()
+    try:
+        URLValidator(schemes=["http", "https"])(url)
+    except ValidationError:
+        raise ValidationError("give an http or https URL") from None
+    name = urlsplit(url).hostname or ""
+    for address in _said_addresses(name):
+        if not _allowed(address):
+            raise ValidationError(
+                f"{name} is at {address}, not a public address; the platform team allows private"
+                " receivers with COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS"
+            )
+    return url
+
+
+LOOPBACK = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+
+
+def _said_addresses(name: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+    """The addresses a host name says without DNS: itself when it is an address (in any form
+    the resolver reads as one), loopback for ``localhost`` and its subdomains (RFC 6761), none
+    for another name."""
+    name = name.rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return LOOPBACK
+    try:
+        found = socket.getaddrinfo(name, None, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        return ()  # a name: resolved, and checked, when a delivery goes
+    return tuple(ipaddress.ip_address(str(entry[4][0]).split("%")[0]) for entry in found)
+
+
+def _allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a receiver may be at ``address``: a public one, or one the platform allows."""
+    allowed = [ipaddress.ip_network(cidr) for cidr in settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS]
+    return address.is_global or any(address in network for network in allowed)
 
 
 def remove_webhook(organisation: Organisation) -> bool:
@@ -185,8 +230,7 @@ def _pinned(url: str) -> tuple[str, str]:
     except socket.gaierror as exc:
         raise ValueError(f"{name} does not resolve: {exc}") from None
     address = ipaddress.ip_address(str(found[0][4][0]))
-    allowed = [ipaddress.ip_network(cidr) for cidr in settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS]
-    if not address.is_global and not any(address in network for network in allowed):
+    if not _allowed(address):
         raise ValueError(
             f"{name} is at {address}, not a public address; the platform team allows private"
             " receivers with COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS"

@@ -183,6 +183,51 @@ def test_a_receiver_at_a_private_address_is_refused_unless_allowed(acme, setting
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("http://127.0.0.1:8080/hooks", "127.0.0.1"),
+        ("http://localhost/hooks", "127.0.0.1"),
+        ("https://api.localhost./hooks", "127.0.0.1"),
+        ("http://[::1]:9000/", "::1"),
+        ("http://[::ffff:127.0.0.1]/", "::ffff:127.0.0.1"),
+        ("http://10.1.2.3/", "10.1.2.3"),
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254"),
+        ("http://0.0.0.0:80/", "0.0.0.0"),
+    ],
+)
+def test_a_receiver_at_a_private_address_is_refused_when_saved_unless_allowed(
+    acme, settings, api, alice, url, address
+):
+    """Refused on save (service, API), not only at delivery; what DNS would say of a name is
+    checked at each delivery, as its answer may change."""
+    settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = []
+    said = f"is at {address}, not a public address; the platform team allows private receivers"
+    with pytest.raises(ValidationError, match=said) as refused:
+        webhooks.set_webhook(acme, url)
+    assert list(refused.value.message_dict) == ["url"]
+    path = f"/api/v1/organisations/{acme.pk}/webhook/"
+    answer = api(alice).put(path, {"url": url}, format="json")
+    assert answer.status_code == 400 and said in answer.json()["url"][0]
+    assert not Webhook.objects.exists()
+    settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = ["0.0.0.0/0", "::/0"]
+    assert webhooks.set_webhook(acme, url)  # allowed: kept
+
+
+def test_a_named_receiver_is_saved_without_asking_dns(acme, settings, monkeypatch):
+    settings.COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS = []
+    asked = []
+    real = webhooks.socket.getaddrinfo
+
+    def getaddrinfo(name, port, *args, **kwargs):
+        asked.append((name, kwargs.get("flags", 0) & webhooks.socket.AI_NUMERICHOST))
+        return real(name, port, *args, **kwargs)
+
+    monkeypatch.setattr(webhooks.socket, "getaddrinfo", getaddrinfo)
+    assert webhooks.set_webhook(acme, "https://hooks.example.org/covey")
+    assert asked == [("hooks.example.org", webhooks.socket.AI_NUMERICHOST)]  # parsed, not looked up
+
+
 def test_a_delivery_that_cannot_be_signed_or_verified_is_recorded_not_raised(acme, settings):
     with receiver() as hooks:
         webhooks.set_webhook(acme, hooks.url)
