@@ -11,8 +11,9 @@ class ApprovalsConfig(AppConfig):
     verbose_name = "Requests and approval"
 
     def ready(self) -> None:
-        from approvals import services
+        from approvals import services, views
         from egress import sources
 
-        # The control-plane host's own proxy files sandboxes' requests through these.
-        sources.desk_functions.update(file=services.desk_file, status=services.desk_status)
+        # The control-plane host's own proxy files sandboxes' requests through these (a filing
+        # validated as a runner's proxy's is, in views).
+        sources.desk_functions.update(file=views.desk_file, status=services.desk_status)

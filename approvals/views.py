@@ -9,10 +9,12 @@ from rest_framework import exceptions, mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request as HttpRequest
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 
 from agents.models import Agent
 from approvals import services
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
+from covey.api import RefusesUnknownFields
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from organisations.api import OrganisationScoped, ScopedRelatedField
 from organisations.models import Role
@@ -63,11 +65,12 @@ class RequestSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class FileSerializer(serializers.Serializer):
-    """Filing on an agent's behalf: ``egress`` with ``target``, or ``package`` with
-    ``ecosystem`` and ``package``; always a ``reason``."""
+class FilingSerializer(RefusesUnknownFields, serializers.Serializer):
+    """What is asked for: ``egress`` with ``target`` (host[:port]), or ``package`` with
+    ``ecosystem`` and ``package`` (name[=version]); always a ``reason``. What a sandbox files at
+    the desk (its agent is the one its credential proves), and, with the agent, what a person
+    files here: one validation for both."""
 
-    agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))
     kind = serializers.ChoiceField(choices=Kind.choices)
     target = serializers.CharField(required=False, allow_blank=True, max_length=300)
     ecosystem = serializers.CharField(required=False, allow_blank=True, max_length=16)
@@ -75,7 +78,13 @@ class FileSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=services.MAX_REASON)
 
 
-class RequestDecisionSerializer(serializers.Serializer):
+class FileSerializer(FilingSerializer):
+    """Filing on an agent's behalf: the ``agent``, and what is asked for."""
+
+    agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))
+
+
+class RequestDecisionSerializer(RefusesUnknownFields, serializers.Serializer):
     note = serializers.CharField(help_text="Why: kept on the record.")
     scope = serializers.ChoiceField(
         choices=Scope.choices,
@@ -87,7 +96,7 @@ class RequestDecisionSerializer(serializers.Serializer):
     )
 
 
-class RejectionSerializer(serializers.Serializer):
+class RejectionSerializer(RefusesUnknownFields, serializers.Serializer):
     note = serializers.CharField(help_text="Why: kept on the record, and told to the agent.")
 
 
@@ -175,16 +184,6 @@ class RequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisat
 # --- what the egress proxy forwards from sandboxes, with its runner's token ---------------------
 
 
-DeskFiling = inline_serializer(
-    "DeskFiling",
-    {
-        "kind": serializers.ChoiceField(choices=Kind.choices),
-        "target": serializers.CharField(required=False, help_text="egress: host[:port]"),
-        "ecosystem": serializers.CharField(required=False, help_text="package: e.g. apt"),
-        "package": serializers.CharField(required=False, help_text="package: name[=version]"),
-        "reason": serializers.CharField(),
-    },
-)
 DeskAnswer = inline_serializer(
     "DeskAnswer",
     {
@@ -201,6 +200,30 @@ DeskAnswer = inline_serializer(
 )
 
 
+def desk_file(
+    token_sha256: str, filing: Any, organisation: Any = None, runner: Any = None
+) -> tuple[int, dict[str, Any]]:
+    """The desk's filing (egress/proxy/desk.py) as an HTTP status and JSON answer, whichever
+    way it came (a runner's proxy, through :class:`RunnerRequestsView`; the control-plane
+    host's, through ``egress.sources``): validated as the API validates a filing, so what the
+    API refuses is refused here too, naming its fields."""
+    given = FilingSerializer(data=filing)
+    if not given.is_valid():
+        return 400, refusal(given.errors)
+    return services.desk_file(token_sha256, given.validated_data, organisation, runner)
+
+
+def refusal(errors: Any) -> dict[str, Any]:
+    """A serializer's errors as the desk answers them: each field's messages, and all of them
+    in ``detail``, the line ``covey-request`` prints."""
+    fields = {str(name): [str(said) for said in told] for name, told in errors.items()}
+    lines = [
+        " ".join(told) if name == api_settings.NON_FIELD_ERRORS_KEY else f"{name}: {' '.join(told)}"
+        for name, told in fields.items()
+    ]
+    return {**fields, "detail": "; ".join(lines)}
+
+
 class RunnerRequestsView(RunnerEndpoint):
     """File a request for the agent whose egress credential the proxy saw (its runner's
     organisation and runs only; the credential's SHA-256 in ``X-Covey-Token-SHA256``, the
@@ -208,12 +231,11 @@ class RunnerRequestsView(RunnerEndpoint):
 
     seen_as = "proxy"
 
-    @extend_schema(request=DeskFiling, responses={201: DeskAnswer})
+    @extend_schema(request=FilingSerializer, responses={201: DeskAnswer})
     def post(self, request: HttpRequest) -> Response:
-        filing = request.data if isinstance(request.data, dict) else {}
         token = request.headers.get(TOKEN_HEADER, "")
         runner = self.runner(request)
-        code, body = services.desk_file(token, filing, runner.organisation, runner)
+        code, body = desk_file(token, request.data, runner.organisation, runner)
         return Response(body, status=code)
 
 

@@ -15,7 +15,9 @@ is the client:
 
 The answer is JSON: ``{"id", "kind", "what", "status"}``, and once decided ``decision``,
 ``note`` and ``changed`` (what it changed); errors are ``{"detail": …}`` with the status the
-control plane gave.
+control plane gave, and a body refused for what it holds (here: NaN, a lone surrogate, deep
+nesting; there: the REST API's own validation of a filing) is a 400 that also names each
+field wrong: ``{"reason": ["…"], "detail": "reason: …"}``.
 
 No Django here: it runs in the egress image.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 from mitmproxy import http
 
+import jsonbodies
 from egress.environment import DESK_HOST
 
 HOST = DESK_HOST
@@ -55,9 +58,9 @@ class Desk:
                 if len(body) > MAX_BODY:
                     return _json(413, {"detail": f"a request is at most {MAX_BODY} bytes"})
                 try:
-                    filing = json.loads(body or b"{}")
-                except ValueError:
-                    return _json(400, {"detail": "the body is not JSON"})
+                    filing = jsonbodies.loads(body or b"{}")
+                except jsonbodies.Malformed as exc:
+                    return _json(400, malformed(exc))
                 if not isinstance(filing, dict):
                     return _json(400, {"detail": "the body is not a JSON object"})
                 return _json(*self.file(token_sha256, filing))
@@ -66,6 +69,14 @@ class Desk:
         except OSError as exc:  # the control plane did not answer
             return _json(503, {"detail": f"the control plane did not answer ({exc}); try again"})
         return _json(404, {"detail": "POST /v1/requests, or GET /v1/requests/<id>"})
+
+
+def malformed(exc: jsonbodies.Malformed) -> dict[str, Any]:
+    """What is wrong with a body that is not JSON the control plane can take (NaN, a lone
+    surrogate, deep nesting: 400, not a 503 telling the agent to try again), naming the field as
+    the control plane's refusals do."""
+    shown = {"detail": f"the body is not JSON covey takes: {exc}"}
+    return shown if exc.field is None else {exc.field: [exc.message], **shown}
 
 
 def too_large() -> http.Response:

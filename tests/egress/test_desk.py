@@ -3,6 +3,7 @@ covey-request (egress/sandbox/covey_request.py) as the client a sandbox runs: a 
 asked for, decided, and then reached through the same live proxy."""
 
 import json
+from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -12,8 +13,9 @@ from approvals import services as approvals
 from approvals.models import Request
 from egress.models import Decision
 from egress.sandbox import covey_request
-from tests.egress.conftest import basic, connect, send
-from tests.processes import wait_for
+from tests.egress.conftest import basic, connect, send, start_proxy, subprocess_database_url
+from tests.factories import online_runner
+from tests.processes import control_plane, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -107,3 +109,63 @@ def test_covey_request_waits_for_the_decision(proxy, net, world, monkeypatch, ca
                        "egress", "evil.test", "--reason", "x", "--wait", "20")  # fmt: skip
     decider.join()
     assert (code, answer["decision"], answer["note"]) == (1, "rejected", "use the mirror")
+
+
+def file_raw(proxy, credentials, body: bytes):
+    """POST ``body`` as it is to the desk, through the proxy: (status, JSON answer)."""
+    head = (
+        "POST http://requests.covey.invalid/v1/requests HTTP/1.1\r\n"
+        "Host: requests.covey.invalid\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nProxy-Authorization: {basic(credentials)}\r\n\r\n"
+    )
+    answered = send(proxy, head.encode() + body)
+    answered.sock.close()
+    return answered.status, json.loads(answered.body)
+
+
+FILING = '{"kind": "egress", "target": "pypi.org", %s}'
+# (the body, the field it names, what it says): each was a 503 "try again" (NaN and lone
+# surrogates: the proxy could not pass them on), a 201 keeping a repr ("{'evil': ['x']}"), or
+# silently dropped (an unknown field).
+HOSTILE = [
+    (FILING % '"reason": NaN', "reason", "not a finite number"),
+    (FILING % '"reason": -Infinity', "reason", "not a finite number"),
+    (FILING % '"reason": 1e999', "reason", "not a finite number"),
+    (FILING % '"reason": "why \\ud800"', "reason", "a lone surrogate (\\ud800)"),
+    (FILING % '"reason": "x", "\\udfff": 1', "\\udfff", "a lone surrogate (\\udfff)"),
+    (FILING % f'"reason": {"[" * 5000}{"]" * 5000}', "reason", "nested deeper than 64 levels"),
+    (FILING % '"reason": {"evil": ["x"]}', "reason", "Not a valid string."),
+    (FILING % '"reason": ["x"]', "reason", "Not a valid string."),
+    (FILING % '"reason": "x", "scope": "org"', "scope", "Unknown field; the fields are: "),
+]
+
+
+def test_hostile_filings_are_a_400_naming_the_field_through_either_proxy(
+    proxy, net, world, tmp_path, django_db_setup
+):
+    agent, credentials = world
+    _, runner_token = online_runner(agent.organisation)
+    with ExitStack() as stack:
+        url = stack.enter_context(control_plane(tmp_path, subprocess_database_url()))
+        remote = stack.enter_context(
+            start_proxy(
+                tmp_path,
+                net,
+                DATABASE_URL="postgres://nobody@127.0.0.1:1/no-database-here",
+                EXTRA_ARGS=f"--control-plane {url} --runner-token {runner_token}",
+            )
+        )
+        target = f"good.test:{net.tls.port}"
+        wait_for(lambda: connect(remote, target, credentials).status == 200, 30, "the policy")
+        # The control-plane host's proxy files through the database, a runner's through the
+        # control plane's API: one validation for both.
+        for desk in (proxy, remote):
+            for body, field, said in HOSTILE:
+                status, answer = file_raw(desk, credentials, body.encode())
+                assert status == 400, (desk.port, body[:80], answer)
+                assert any(said in told for told in answer[field]), (body[:80], answer)
+                assert f"{field}: " in answer["detail"], answer
+            status, answer = file_raw(desk, credentials, (FILING % '"reason": "the SDK"').encode())
+            assert (status, answer["status"]) == (201, "pending"), answer
+    (filed,) = Request.objects.all()
+    assert [r.reason for r in filed.requesters.all()] == ["the SDK", "the SDK"]
