@@ -7,6 +7,7 @@ from rest_framework import serializers
 from agents import services
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from allowlists.fields import AllowlistSerializerField
+from covey.api import RefusesUnknownFields
 from organisations.api import OrganisationField, ScopedRelatedField
 from organisations.models import Organisation
 from templates.models import AllowlistTemplate
@@ -28,7 +29,7 @@ class CommandField(serializers.ListField):
         return list(super().to_internal_value(data))
 
 
-class AgentSerializer(serializers.ModelSerializer):
+class AgentSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """An agent's current configuration; ``version`` is the number of the current version."""
 
     organisation = OrganisationField()

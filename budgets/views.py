@@ -21,10 +21,11 @@ from rest_framework.views import APIView
 from agents.models import Agent
 from budgets import services
 from budgets.models import Budget, Charge, Period
+from covey.api import RefusesUnknownFields
 from organisations.api import OrganisationField, OrganisationScoped, ScopedRelatedField
 
 
-class BudgetSerializer(serializers.ModelSerializer):
+class BudgetSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """A budget: the agent's, or (without ``agent``) its organisation's cap on the sum of its
     agents; ``current`` is the period now: its limit, spent, held by requests under way, and
     remaining, in US dollars."""

@@ -10,6 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from agents.models import Agent
+from covey.api import RefusesUnknownFields
 from egress import services
 from egress.models import Decision, EgressToken
 from organisations.api import OrganisationScoped, OrganisationScopedViewSet, ScopedRelatedField
@@ -45,7 +46,7 @@ class DecisionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisa
     ordering_fields = ["decided_at"]
 
 
-class EgressTokenSerializer(serializers.ModelSerializer):
+class EgressTokenSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """An egress token; the secret (``credentials``) is in the answer to its creation only."""
 
     agent = ScopedRelatedField(queryset=Agent.objects.all())

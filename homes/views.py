@@ -2,7 +2,6 @@
 home and given as ``?path=``), its audit, and the endpoints the runner holding it calls with its
 runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
 
-import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +16,9 @@ from rest_framework import exceptions, permissions, serializers, status, viewset
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+import jsonbodies
 from agents.models import Agent, size_text
+from covey.api import RefusesUnknownFields
 from covey.pagination import BoundedPagination
 from homes import services, wire
 from homes.models import HomeChange, HomeOperation, OperationState
@@ -88,7 +89,7 @@ def _refusal(exc: HomeProblem) -> Response:
 # --- people --------------------------------------------------------------------------------
 
 
-class PathSerializer(serializers.Serializer):
+class PathSerializer(RefusesUnknownFields, serializers.Serializer):
     # Names are taken as given: a name may start or end with a space, and means that name.
     path = serializers.CharField(
         trim_whitespace=False, help_text="Relative to the home: names separated by '/'."
@@ -518,7 +519,8 @@ class RunnerHomeBodyView(RunnerHomeView):
         the reader has left."""
         op = self.operation(request, operation_id)
         try:
-            answer = HomeAnswer.from_json(json.loads(request.headers.get(HOME_ANSWER_HEADER, "")))
+            raw = request.headers.get(HOME_ANSWER_HEADER, "")
+            answer = HomeAnswer.from_json(jsonbodies.loads(raw))
         except (ValueError, ProtocolError) as exc:
             raise exceptions.ValidationError({HOME_ANSWER_HEADER: str(exc)}) from None
         chunks, size = body(request._request)

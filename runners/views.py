@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 from agents.models import Agent
 from agents.services import find_agent
 from allowlists.entries import EntryError
+from covey.api import RefusesUnknownFields
 from egress import services as egress
 from organisations.api import OrganisationScoped
 from runners import services
@@ -96,7 +97,7 @@ class RunnerSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ProbeOrderSerializer(serializers.Serializer):
+class ProbeOrderSerializer(RefusesUnknownFields, serializers.Serializer):
     agent = serializers.CharField(
         required=False, help_text="id, slug or org-slug/agent-slug; default: the first that can"
     )

@@ -5,6 +5,7 @@ from typing import Any
 from rest_framework import exceptions, serializers
 
 from agents.models import Agent
+from covey.api import RefusesUnknownFields
 from organisations.api import ScopedRelatedField
 from organisations.models import Role
 from organisations.roles import role_of
@@ -19,7 +20,7 @@ class RunEventSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class RunSerializer(serializers.ModelSerializer):
+class RunSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """A run: queue one with ``agent`` and ``task``; the rest is what happened to it."""
 
     agent = ScopedRelatedField(queryset=Agent.objects.select_related("organisation"))

@@ -7,11 +7,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from allowlists.fields import AllowlistSerializerField
+from covey.api import RefusesUnknownFields
 from templates import services
 from templates.models import AllowlistTemplate
 
 
-class AllowlistTemplateSerializer(serializers.ModelSerializer):
+class AllowlistTemplateSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """A template; ``modified`` tells whether this installation changed what covey ships."""
 
     entries = AllowlistSerializerField()

@@ -4,13 +4,14 @@ from typing import Any
 
 from rest_framework import serializers
 
+from covey.api import RefusesUnknownFields
 from covey.versions import versions_actions
 from organisations.api import OrganisationField, OrganisationScopedViewSet
 from workplaces import config, services
 from workplaces.models import WORKPLACE_FIELDS, Workplace, WorkplaceVersion
 
 
-class WorkplaceSerializer(serializers.ModelSerializer):
+class WorkplaceSerializer(RefusesUnknownFields, serializers.ModelSerializer):
     """A workplace: base image, packages per ecosystem, companion services and a default
     command; ``version`` is the number of its current version."""
 
