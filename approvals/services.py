@@ -581,7 +581,8 @@ def file_from_sandbox(
 ) -> Request:
     """A request the proxy forwards from a sandbox: the agent is the one its credential
     proves, the run the one that credential was issued for; the refusal that prompted an
-    egress request is the agent's latest refusal of that route, when there is one."""
+    egress request is the agent's latest refusal of that route within REFUSAL_WINDOW, when
+    there is one (an older one prompted nothing the agent asks now)."""
     agent, run = agent_of_token(token_sha256, organisation, runner)
     reason = str(data.get("reason") or "")
     if data.get("kind") == Kind.EGRESS:
@@ -592,6 +593,7 @@ def file_from_sandbox(
             raise ValidationError({"target": [str(exc)]}) from None
         refusal = (
             Decision.objects.filter(agent=agent, host=entry.host, port=entry.port, allowed=False)
+            .filter(decided_at__gte=timezone.now() - REFUSAL_WINDOW)
             .order_by("-decided_at")
             .first()
         )

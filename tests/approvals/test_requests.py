@@ -14,6 +14,8 @@ from agents.services import effective_allowlist
 from allowlists.entries import parse_entry
 from approvals import services
 from approvals.models import Grant, Request, Scope, Status
+from egress.models import Decision
+from egress.services import issue_token
 from organisations.models import Organisation, OwnRequests
 from runs.services import queue_run
 from tests.factories import AgentFactory, UserFactory, WorkplaceFactory
@@ -400,3 +402,23 @@ class BrokenMail:
 
     def send_messages(self, messages):
         raise ConnectionRefusedError("the mail server is down")
+
+
+def test_only_a_recent_refusal_is_taken_for_what_prompted_a_sandboxs_request(agent):
+    """A request from a sandbox is linked to the agent's latest refusal of that route within
+    REFUSAL_WINDOW: one older than that prompted nothing the agent asks now."""
+    token, _ = issue_token(agent)
+    now = timezone.now()
+
+    def refused(host: str, ago: timedelta) -> Decision:
+        return Decision.objects.create(
+            agent=agent, kind="connect", host=host, port=443, allowed=False,
+            reason="not-on-allowlist", proxy="edge-1", decided_at=now - ago,
+        )  # fmt: skip
+
+    recent = refused("recent.example.org", services.REFUSAL_WINDOW - timedelta(minutes=1))
+    refused("stale.example.org", services.REFUSAL_WINDOW + timedelta(minutes=1))
+    for host, prompted in [("recent.example.org", recent), ("stale.example.org", None)]:
+        filed = {"kind": "egress", "target": host, "reason": "the SDK"}
+        request = services.file_from_sandbox(agent.organisation, token.sha256, filed)
+        assert request.requesters.get().refusal == prompted, host
