@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from organisations.models import Organisation
 from organisations.roles import is_member
 
 
@@ -43,6 +44,13 @@ class AdminSite(admin.AdminSite):
 
     def has_permission(self, request: HttpRequest) -> bool:
         return may_enter(request.user)
+
+    def index(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        """The start page; on an installation with no organisation it says what to do first."""
+        first = not Organisation.objects.for_user(request.user).exists()
+        may_add = request.user.has_perm("organisations.add_organisation")
+        extra = {"first_step": first, "may_add_organisation": may_add}
+        return super().index(request, {**extra, **(extra_context or {})})
 
 
 def refused_page(request: HttpRequest, reason: str) -> TemplateResponse:

@@ -6,6 +6,7 @@ from typing import Any, cast
 from django import forms
 from django.apps import apps
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.exceptions import NotRegistered
 from django.contrib.admin.utils import NotRelationField, get_fields_from_path, unquote
 from django.contrib.auth import get_user_model
@@ -149,6 +150,43 @@ class TenantScoped(RoleRefusals):
         role = role_of(request.user, place) if place is not None else None
         return role is not None and RANK[role] >= RANK[self.change_role]
 
+    def changeable(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        """The rows of ``queryset`` the person may change: those of the organisations where
+        they hold ``change_role`` (a list mixes those with others they only read)."""
+        if self.record or self.change_role is None:
+            return queryset if request.user.is_superuser and not self.record else queryset.none()
+        if request.user.is_superuser:
+            return queryset
+        enough = [role for role, rank in RANK.items() if rank >= RANK[self.change_role]]
+        mine = Membership.objects.filter(user_id=cast(int, request.user.pk), role__in=enough)
+        prefix = queryset.membership_lookup.removesuffix("memberships__user")  # type: ignore[attr-defined]
+        return queryset.filter(**{f"{prefix}pk__in": mine.values("organisation_id")})
+
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """An action that changes rows (``change`` or ``delete`` permission) acts on the
+        selected rows the person may change; the others are left alone, and they are told."""
+        named = request.POST.getlist("action")
+        index = request.POST.get("index", "0")
+        name = named[int(index)] if index.isdigit() and int(index) < len(named) else ""
+        found = self.get_actions(request).get(name)  # type: ignore[attr-defined]
+        needs = set(getattr(found[0], "allowed_permissions", ()) if found else ())
+        if needs & {"change", "delete"}:
+            narrowed = self.changeable(request, queryset)
+            chosen = _pks(queryset, request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
+            every = request.POST.get("select_across", "0") == "1"
+            picked = queryset if every else queryset.filter(pk__in=chosen)
+            left = picked.count() - narrowed.filter(pk__in=picked.values("pk")).count()
+            if left:
+                self.message_user(  # type: ignore[attr-defined]
+                    request,
+                    f"{left} selected row(s) left alone: {self.refusal(request, 'change')}",
+                    messages.WARNING,
+                )
+            queryset = narrowed
+        return super().response_action(request, queryset, *args, **kwargs)  # type: ignore[misc]
+
     def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
         """A choice of an organisation's row (its organisation, agent, runner, workplace)
         offers the user's organisations' rows only: a plain one names every organisation's,
@@ -182,6 +220,17 @@ def may_view(request: HttpRequest, model: str) -> bool:
     except (LookupError, NotRegistered):
         return False
     return bool(found.has_view_permission(request))
+
+
+def _pks(queryset: QuerySet[Any], values: list[str]) -> list[Any]:
+    """The posted ids that are ids of the model (a hostile form posts anything)."""
+    field, found = queryset.model._meta.pk, []
+    for value in values:
+        try:
+            found.append(field.to_python(value))
+        except ValidationError:
+            continue
+    return found
 
 
 def _member(request: HttpRequest) -> bool:
