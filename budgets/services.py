@@ -2,11 +2,23 @@
 
 A request is reserved at its worst case (:meth:`budgets.usage.Prices.worst_case`) against each
 budget that applies (the agent's, and its organisation's, which caps the sum of its agents) in
-one transaction of conditional updates (``… SET reserved = reserved + x WHERE spent <= limit -
-reserved - x``): the database decides, row by row, so concurrent requests can never together
+one transaction of conditional updates (``… SET reserved = reserved + x WHERE spent + reserved +
+x <= limit``, compared in whole millionths of a dollar, so SQLite's floating point cannot refuse
+an exact fit): the database decides, row by row, so concurrent requests can never together
 hold or spend more than a budget has, and a request that does not fit is refused before it is
 sent. Settling charges the actual cost (a ledger row) and frees the reservation; releasing
 frees it without a charge. A request is priced by the price row in effect when it starts.
+
+A request that does not fit is refused for one of three reasons (:func:`_refusal`), judged by
+what was *spent*, never by what requests under way hold:
+
+- what was spent leaves room for it: requests under way hold the rest (:class:`Busy`, the
+  gateway's 429 with ``retry-after``); once they end it fits again;
+- what was spent leaves less than the least any request can cost
+  (:meth:`budgets.usage.Prices.least`): the budget is used up (:class:`Exhausted`,
+  ``used_up``): its period is marked so, which stops the agent's runs until it is raised or the
+  period ends;
+- else it is larger than what is left (:class:`Exhausted`): a smaller one may still fit.
 """
 
 import hashlib
@@ -46,6 +58,7 @@ from budgets.models import (
     Spend,
     Vendor,
 )
+from budgets.money import dollars
 from budgets.usage import Usage
 from covey import crypto
 from organisations import webhooks
@@ -66,22 +79,56 @@ class Unpriced(Exception):
 
 
 @dataclass
-class Exhausted(Exception):
-    """A budget cannot hold the request's worst case."""
+class OverBudget(Exception):
+    """A budget cannot hold the request's worst case now (nothing was held for it); ``spend``
+    is its period as read when the request was refused."""
 
     budget: Budget
     spend: Spend
     needed: Decimal
+
+    @property
+    def whose(self) -> str:
+        return f"agent {self.budget.agent}" if self.budget.agent_id else "the organisation"
+
+    @property
+    def left(self) -> Decimal:
+        """What was spent leaves this (what requests under way hold is not taken off)."""
+        return max(self.spend.limit - self.spend.spent, Decimal(0))
+
+
+@dataclass
+class Busy(OverBudget):
+    """Requests under way hold what the request needs: it fits once they end. Never a reason
+    to find the budget used up."""
+
+    def __str__(self) -> str:
+        return (
+            f"the budget of {self.whose} is busy: requests under way hold"
+            f" {dollars(self.spend.reserved, exact=True)} of the {dollars(self.left, exact=True)}"
+            " left this period, and this request may cost up to"
+            f" {dollars(self.needed, exact=True)}: retry when they end"
+        )
+
+
+@dataclass
+class Exhausted(OverBudget):
+    """What was spent leaves too little for the request: ``used_up`` when too little for any
+    request (the least one can cost), else for this one."""
+
+    used_up: bool = False
     first: bool = False  # this refusal is the one that found the budget used up
 
     def __str__(self) -> str:
-        whose = f"agent {self.budget.agent}" if self.budget.agent_id else "the organisation"
-        remaining = max(self.spend.remaining, Decimal(0))
-        if remaining <= 0:
-            return f"the budget of {whose} is used up (${self.spend.limit} this period)"
+        if self.used_up:
+            return (
+                f"the budget of {self.whose} is used up: {dollars(self.spend.spent, exact=True)}"
+                f" of {dollars(self.spend.limit, exact=True)} spent this period"
+            )
         return (
-            f"the budget of {whose} has ${remaining} left this period; this request may cost"
-            f" up to ${self.needed}"
+            f"the budget of {self.whose} has {dollars(self.left, exact=True)} left this"
+            f" period; this request may cost up to {dollars(self.needed, exact=True)}: ask for"
+            " fewer output tokens, or raise the budget"
         )
 
 
@@ -205,14 +252,16 @@ def reserve(
 ) -> Reservation:
     """Hold the worst case of a request against the agent's budgets (only its id and its
     organisation's are read), priced by ``price`` (the gateway keeps the rows; else
-    :func:`price_for`). Unpriced for a model without a price; Exhausted (nothing held) when a
-    budget cannot hold it; ValueError for a negative bound."""
+    :func:`price_for`). Unpriced for a model without a price; Busy or Exhausted (nothing held)
+    when a budget cannot hold it (:func:`_refusal`); ValueError for a negative bound."""
     at = at or timezone.now()
     price = price or price_for(model, at, vendor)
     amount = price.prices.worst_case(input_bound, max_tokens)
     try:
         return _reserve(agent, model, price, amount, request_id, run_id, at)
     except Exhausted as exc:
+        if not exc.used_up:
+            raise
         # Used up from now (outside the refused transaction): the proxy refuses the agent's
         # egress, its runs are stopped, new ones refused, until the budget is raised.
         with transaction.atomic():
@@ -242,10 +291,13 @@ def _reserve(
         # requests never wait for each other's rows in opposite orders (a deadlock).
         held = sorted(_current_spend_ids(cursor, agent, at))
         for spend_id, budget_id in held:
-            cursor.execute(_HOLD, [_decimal(amount), spend_id, _decimal(amount)])
+            cursor.execute(_HOLD, [_decimal(amount), spend_id, micros(amount)])
             if cursor.rowcount != 1:
-                raise Exhausted(
-                    Budget.objects.get(pk=budget_id), Spend.objects.get(pk=spend_id), amount
+                raise _refusal(
+                    Budget.objects.get(pk=budget_id),
+                    Spend.objects.get(pk=spend_id),
+                    amount,
+                    price.prices.least(),
                 )
         reservation = Reservation(
             request_id=request_id,
@@ -282,6 +334,21 @@ def _current_spend_ids(cursor: Any, agent: Agent, at: datetime) -> list[tuple[in
     return found
 
 
+def _refusal(budget: Budget, spend: Spend, needed: Decimal, least: Decimal) -> OverBudget:
+    """Why ``spend`` (read after its hold was refused) cannot hold ``needed`` now, judged by
+    what was spent alone (the module's docstring): busy, used up, or too large for what is
+    left."""
+    left = spend.limit - spend.spent
+    if left >= needed:
+        return Busy(budget, spend, needed)
+    return Exhausted(budget, spend, needed, used_up=left <= 0 or left < least)
+
+
+def micros(amount: Decimal) -> int:
+    """An amount in whole millionths of a dollar (amounts are kept to a millionth)."""
+    return int(amount.scaleb(6).to_integral_value())
+
+
 def _decimal(value: Decimal) -> Any:
     return connection.ops.adapt_decimalfield_value(value, 14, 6)
 
@@ -303,9 +370,15 @@ _CURRENT_SPENDS = (
     " WHEN 'daily' THEN %s WHEN 'weekly' THEN %s WHEN 'monthly' THEN %s END)"
     " WHERE b.organisation_id = %s AND (b.agent_id = %s OR b.agent_id IS NULL)"
 )
+# Compared in whole millionths of a dollar (the last parameter is the amount's, micros()), so
+# exactly on PostgreSQL (numeric) and on SQLite, whose columns hold binary floating point
+# (0.012258 - 0.008172 - 0.004086 is below 0 there: an exact fit was refused). A column's
+# amount of up to 14 digits, times a million, is off a whole number by far less than a half in
+# a double, so ROUND finds it exactly.
 _HOLD = (
-    'UPDATE budgets_spend SET reserved = ROUND(reserved + %s, 6) WHERE id = %s AND spent <= "limit"'
-    " - reserved - %s"
+    "UPDATE budgets_spend SET reserved = ROUND(reserved + %s, 6) WHERE id = %s"
+    " AND CAST(ROUND(spent * 1000000) AS BIGINT) + CAST(ROUND(reserved * 1000000) AS BIGINT)"
+    ' + %s <= CAST(ROUND("limit" * 1000000) AS BIGINT)'
 )
 _RESERVATION_FIELDS = (
     "request_id",
@@ -532,8 +605,9 @@ def email_alert(spend_id: int, thresholds: list[int], used_up: bool = False) -> 
     state = "is used up" if used_up else f"reached {max(thresholds)} %"
     send_mail(
         f"covey: the budget of {whose} {state}",
-        f"The {spend.period} budget of {where} {state}: ${spend.spent}"
-        f" of ${spend.limit} spent in the period from {spend.starts_at:%Y-%m-%d %H:%M} UTC.\n\n"
+        f"The {spend.period} budget of {where} {state}: {dollars(spend.spent)}"
+        f" of {dollars(spend.limit)} spent in the period from"
+        f" {spend.starts_at:%Y-%m-%d %H:%M} UTC.\n\n"
         f"See or raise it: {data['admin']}\n",
         None,
         emails,
@@ -613,7 +687,8 @@ def set_budget(
 
 def used_up(agent: Agent, at: datetime | None = None) -> str:
     """Why the agent cannot spend now ("": it can): a budget of its own, or its organisation's,
-    refused a request in the current period and was not raised since."""
+    is used up in the current period (what was spent left less than the least a request can
+    cost, or it was lowered to what was spent) and was not raised since."""
     budgets = budgets_of(agent)
     spends = current_spends(budgets, at)
     for budget in budgets:
@@ -621,9 +696,9 @@ def used_up(agent: Agent, at: datetime | None = None) -> str:
         if spend.exhausted_at is not None:
             whose = f"agent {budget.agent}" if budget.agent_id else "its organisation"
             return (
-                f"the budget of {whose} is used up this period (${spend.spent} of"
-                f" ${spend.limit} spent, too little left for its last request): raise it, or"
-                " wait for the next period"
+                f"the budget of {whose} is used up this period"
+                f" ({dollars(spend.spent, exact=True)} of {dollars(spend.limit, exact=True)}"
+                " spent, too little left for any request): raise it, or wait for the next period"
             )
     return ""
 
@@ -697,12 +772,6 @@ def spend_text(budget: Budget | None, spend: Spend | None) -> str:
     used_up = ", used up" if spend.exhausted_at is not None else ""
     words = PERIOD_WORDS[budget.period]
     return f"{dollars(spend.spent)} of {dollars(spend.limit)} {words}{share}{used_up}"
-
-
-def dollars(amount: Decimal) -> str:
-    """'$3.20'; an amount cents cannot show to its millionths ('$0.001248')."""
-    cents = amount.quantize(Decimal("0.01"))
-    return f"${cents}" if cents == amount else f"${amount.quantize(MILLIONTH).normalize():f}"
 
 
 PERIOD_WORDS = {

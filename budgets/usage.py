@@ -96,6 +96,12 @@ class Prices:
         )
         return (total / MILLION).quantize(CENT_FRACTION, rounding=ROUND_CEILING)
 
+    def least(self) -> Decimal:
+        """The least any request can cost: one token of the cheapest input and one of output,
+        rounded up to a millionth. A budget with less than this left is used up."""
+        cheapest = min(self.input, self.cache_write_5m, self.cache_write_1h, self.cache_read)
+        return ((cheapest + self.output) / MILLION).quantize(CENT_FRACTION, rounding=ROUND_CEILING)
+
     def worst_case(self, input_bound: int, max_tokens: int) -> Decimal:
         """The most a request can cost: ``input_bound`` tokens at the dearest input price (a
         1-hour cache write costs the most) and ``max_tokens`` of output. ``input_bound`` must

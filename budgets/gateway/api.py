@@ -14,11 +14,16 @@ from budgets.usage import EventStream, Usage
 
 
 class Refused(Exception):
-    """A request the gateway answers itself, in the API's error shape."""
+    """A request the gateway answers itself, in the API's error shape; ``retry_after``: the
+    seconds after which the same request may succeed (sent as ``retry-after``, which the
+    vendors' SDKs wait for before they retry)."""
 
-    def __init__(self, status: int, kind: str, message: str, reason: str = "") -> None:
+    def __init__(
+        self, status: int, kind: str, message: str, reason: str = "", retry_after: int = 0
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.message, self.reason = status, kind, message, reason
+        self.retry_after = retry_after
 
 
 def invalid(message: str) -> Refused:
@@ -129,4 +134,6 @@ class Api:
         response.headers["X-Covey-Request-Id"] = request_id
         if refused.reason:
             response.headers["X-Covey-Deny-Reason"] = refused.reason
+        if refused.retry_after:
+            response.headers["Retry-After"] = str(refused.retry_after)
         return response

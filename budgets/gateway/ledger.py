@@ -24,7 +24,13 @@ from django.utils import timezone
 from agents.models import Agent
 from budgets import services
 from budgets.gateway.api import Refused
-from budgets.gateway.server import BUDGET_EXHAUSTED, Caller, Hold
+from budgets.gateway.server import (
+    BUDGET_BUSY,
+    BUDGET_EXHAUSTED,
+    BUSY_RETRY_SECONDS,
+    Caller,
+    Hold,
+)
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from budgets.usage import Usage
 from covey import crypto
@@ -166,6 +172,11 @@ class DjangoLedger:
                     )
             except services.Unpriced as exc:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
+            except services.Busy as exc:
+                # Requests under way hold the rest: this one fits once they end. Not used up.
+                raise Refused(
+                    429, "rate_limit_error", str(exc), BUDGET_BUSY, BUSY_RETRY_SECONDS
+                ) from None
             except services.Exhausted as exc:
                 if exc.first:  # its runs are stopped (runs.tasks), by name: runs is above us
                     current_app.send_task(services.STOP_OVER_BUDGET, args=[agent.pk])

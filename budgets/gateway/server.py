@@ -4,10 +4,11 @@ knows tokens, keys and budgets; what it knows of each vendor's API is in budgets
 and its neighbours (Anthropic's Messages API at /v1; OpenAI's Chat Completions and Responses
 APIs at /openai/v1).
 
-Per metered request: authenticate the run's token (``x-api-key``, or ``Authorization:
-Bearer``) → refuse a request whose cost the gateway cannot bound (:meth:`Api.prepare`) →
-reserve its worst case (its size in bytes bounds its input tokens; its output bound, set from
-the configuration when the request has none, its output) → send it to the vendor with every
+Per metered request: authenticate the run's token (``x-api-key``, or ``Authorization: Bearer``)
+→ refuse a request whose cost the gateway cannot bound (:meth:`Api.prepare`) → reserve its worst
+case (its size in bytes bounds its input tokens; its output bound, set from the configuration
+when the request has none, its output; refused 402 when what was spent leaves too little, 429
+with ``retry-after`` while requests under way hold the rest) → send it to the vendor with every
 credential the sandbox sent removed and the organisation's key in their place, verifying the
 vendor's certificate → stream the answer back as it comes, reading its usage on the way
 (:class:`budgets.usage.EventStream`) → settle the reservation to what was used (released when
@@ -41,7 +42,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 COMPLETE, ERROR, CUT_OFF = "complete", "error", "cut-off"  # outcomes (budgets.models.Outcome)
-BUDGET_EXHAUSTED = "budget-exhausted"  # X-Covey-Deny-Reason
+BUDGET_EXHAUSTED = "budget-exhausted"  # X-Covey-Deny-Reason: 402, too little left
+BUDGET_BUSY = "budget-busy"  # 429: requests under way hold the rest of the budget
+BUSY_RETRY_SECONDS = 2  # its retry-after: requests end within seconds, usually
 READY_SECONDS = 5.0  # /readyz answers within this, whatever the ledger does
 MAX_KEPT = 16 * 1024 * 1024  # a plain answer longer than this is charged its worst case
 HOP_BY_HOP = frozenset(

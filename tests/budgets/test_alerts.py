@@ -73,7 +73,7 @@ def test_a_threshold_reached_is_told_once_to_the_admins(
     (message,) = mail.outbox
     assert message.to == ["ada@example.test"]  # admins only
     assert message.subject == f"covey: the budget of agent {agent} reached 50 %"
-    assert "$5.001525 of $10.000000 spent" in message.body  # as it is when the email goes
+    assert "$5.00 of $10.00 spent" in message.body  # as it is when the email goes
     assert f"/admin/budgets/budget/{agent.budget.pk}/change/" in message.body
     assert [name for name, _ in sent] == [services.ALERT]
 
@@ -94,15 +94,22 @@ def test_a_budget_found_used_up_tells_every_threshold_up_to_100(
 ):
     with django_capture_on_commit_callbacks(execute=True):
         spend(agent, Usage(output=6 * 66_667), "six")  # 60 %
-        with pytest.raises(services.Exhausted):  # $4.5 of output cannot fit in $4
+        with pytest.raises(services.Exhausted) as too_large:  # $4.5 of output; $4 left
             services.reserve(
                 agent, model=SONNET, input_bound=0, max_tokens=300_000, request_id="big"
             )
+    assert not too_large.value.used_up and told(agent) == [50]  # a smaller one still fits
+    with django_capture_on_commit_callbacks(execute=True):
+        spend(agent, Usage(output=266_664), "rest")  # $9.99999: less than any request left
+        with pytest.raises(services.Exhausted):
+            services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1, request_id="1")
     assert told(agent) == [50, 80, 100]  # used up: every threshold up to 100 % is reached
     assert [m.subject for m in mail.outbox] == [
         f"covey: the budget of agent {agent} reached 50 %",
+        f"covey: the budget of agent {agent} reached 80 %",
         f"covey: the budget of agent {agent} is used up",
     ]
+    assert "is used up: $10.00 of $10.00 spent" in mail.outbox[-1].body  # in cents
 
 
 def test_the_webhook_hears_of_it(agent, acme, sent, django_capture_on_commit_callbacks):

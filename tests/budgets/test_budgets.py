@@ -127,9 +127,10 @@ def test_a_request_that_does_not_fit_is_refused_and_holds_nothing(acme):
     with pytest.raises(services.Exhausted) as refused:
         services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="x")
     assert str(refused.value) == (
-        f"the budget of agent {agent} has $0.020000 left this period; this request may cost up"
-        " to $0.021000"
+        f"the budget of agent {agent} has $0.02 left this period; this request may cost up to"
+        " $0.021: ask for fewer output tokens, or raise the budget"
     )
+    assert not refused.value.used_up  # a smaller request fits: not used up
     assert Spend.objects.get().reserved == 0 and not Reservation.objects.exists()
     # Raising the budget lets it work again, at once.
     services.set_budget(agent, Decimal("0.05"))
@@ -144,7 +145,7 @@ def test_the_organisation_caps_the_sum_of_its_agents(acme):
     one = services.reserve(first, model=SONNET, input_bound=1000, max_tokens=1000, request_id="1")
     services.settle(one, Usage(output=1000))  # $0.015
     with pytest.raises(
-        services.Exhausted, match=r"the budget of the organisation has \$0\.015000 left"
+        services.Exhausted, match=r"the budget of the organisation has \$0\.015 left"
     ):
         services.reserve(second, model=SONNET, input_bound=1000, max_tokens=1000, request_id="2")
     assert Spend.objects.get(budget__agent=first).spent == Decimal("0.015")
@@ -159,7 +160,7 @@ def test_a_new_period_starts_afresh_and_past_ones_keep_their_spend(acme):
         agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m", at=monday
     )
     services.settle(held, Usage(output=1000))
-    with pytest.raises(services.Exhausted, match=r"has \$0\.005000 left"):
+    with pytest.raises(services.Exhausted, match=r"has \$0\.005 left"):
         services.reserve(
             agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m2", at=monday
         )
@@ -189,7 +190,7 @@ def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_pr
                 held = services.reserve(
                     agent, model=SONNET, input_bound=0, max_tokens=1000, request_id=str(uuid4())
                 )
-            except services.Exhausted:
+            except services.OverBudget:  # busy while others hold it, then used up
                 outcomes.append("refused")
                 return
             services.settle(held, Usage(output=1000))

@@ -19,9 +19,11 @@ from budgets import services
 from budgets.gateway import server as gateway_server
 from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
+from runs import services as run_services
+from runs.models import Run, RunStatus
 from tests.budgets.conftest import KEY, METRICS_TOKEN, MODEL, start_gateway
 from tests.budgets.fake_vendor import TEXT
-from tests.factories import AgentFactory
+from tests.factories import AgentFactory, online_runner
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -303,12 +305,59 @@ def test_fifty_at_once_never_spend_more_than_the_budget(gateway, agent, acme):
             return await asyncio.gather(*(one() for _ in range(50)))
 
     statuses = asyncio.run(all_at_once())
-    assert set(statuses) <= {200, 402} and 402 in statuses and 200 in statuses
+    # Busy (429) while the others hold it; once spent, what is left may be too little (402).
+    assert set(statuses) <= {200, 402, 429} and 429 in statuses and 200 in statuses
     spent = sum(charge.cost for charge in Charge.objects.all())
     assert spent <= limit
     assert Charge.objects.count() == statuses.count(200)
     spend = Spend.objects.get(budget__agent=agent)
     assert (spend.spent, spend.reserved) == (spent, 0)
+
+
+def test_a_burst_that_holds_the_budget_is_told_to_retry_and_uses_nothing_up(
+    gateway, agent, acme, orders
+):
+    """Thirty cheap requests at once against $0.04: their worst cases (about $0.0024 each) fill
+    it while the first are under way, so the rest are answered 429 with retry-after, not 402;
+    the budget is not used up (it is spent by $0.001248 a request) and the agent's run goes
+    on. Retried, every one of them fits."""
+    services.set_budget(agent, Decimal("0.04"))
+    runner, _ = online_runner(acme)
+    run = run_services.queue_run(agent, "work")
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, runner=runner)
+    token = services.issue_gateway_token(agent, run_id=run.pk, ttl=timedelta(hours=1))
+    body = {"model": MODEL, "max_tokens": 100, "stream": True}
+    body["messages"] = [{"role": "user", "content": "slow"}]  # under way for about a second
+
+    async def burst(count: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{gateway.url}/v1/messages", json=body, headers={"x-api-key": token}
+                    )
+                    for _ in range(count)
+                )
+            )
+
+    answers = asyncio.run(burst(30))
+    statuses = [answer.status_code for answer in answers]
+    assert set(statuses) == {200, 429}, statuses
+    for busy in (answer for answer in answers if answer.status_code == 429):
+        assert busy.headers["retry-after"] == "2"
+        assert busy.headers["X-Covey-Deny-Reason"] == "budget-busy"
+        error = busy.json()["error"]
+        assert error["type"] == "rate_limit_error" and " is busy: " in error["message"]
+    spend = Spend.objects.get(budget__agent=agent)
+    assert spend.exhausted_at is None and services.used_up(agent) == ""
+    assert (spend.spent, spend.reserved) == (Decimal("0.001248") * statuses.count(200), 0)
+    assert run_services.stop_over_budget(agent.pk) == 0  # what a used-up budget sends
+    run.refresh_from_db()
+    assert (run.status, run.cancel_requested_at) == (RunStatus.RUNNING, None)
+    assert not [kind for kind, _, _ in orders if kind == "cancel"]
+    for _ in range(statuses.count(429)):  # retried one after the other: each fits
+        assert asyncio.run(burst(1))[0].status_code == 200
+    assert Charge.objects.count() == 30
 
 
 def test_the_ledger_gone_means_nothing_is_forwarded(gateway, vendor, agent):

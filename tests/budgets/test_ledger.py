@@ -1,5 +1,9 @@
-"""The gateway's database ledger: what it keeps between requests, and for how long."""
+"""The gateway's database ledger: what it keeps between requests, and for how long; and the
+reservation at the exact fit of a budget, on PostgreSQL and on SQLite."""
 
+import json
+import os
+import subprocess
 from datetime import timedelta
 from decimal import Decimal
 
@@ -10,9 +14,11 @@ from budgets import services
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
+from tests.budgets import exact_fit
 from tests.budgets.conftest import KEY
 from tests.factories import AgentFactory
 from tests.fakes import Clock
+from tests.processes import ROOT, VENV_BIN
 
 pytestmark = pytest.mark.django_db
 
@@ -81,3 +87,48 @@ def test_a_key_that_cannot_be_read_refuses_its_vendor_alone(setup, acme, caplog)
     caller = ledger.authenticate(token)
     assert caller.keys == {"anthropic": KEY, "openai": ""}  # the gateway refuses OpenAI (503)
     assert "the openai key of" in caplog.text and "sk-openai" not in caplog.text
+
+
+# A budget of exactly three worst cases: three are held, a fourth is busy (the three hold it
+# all), and once the three are charged their worst case, the budget is used up; a millionth
+# short, the third is busy and the last too large, and it is not used up.
+EXACT_FIT = {
+    "exact": {
+        "answers": ["held", "held", "held", "busy", "used up"],
+        "spent": str(3 * exact_fit.WORST),
+        "reserved": "0.000000",
+        "used up": True,
+    },
+    "short": {
+        "answers": ["held", "held", "busy", "busy", "too large"],
+        "spent": str(2 * exact_fit.WORST),
+        "reserved": "0.000000",
+        "used up": False,
+    },
+}
+
+
+@pytest.mark.postgres
+def test_a_budget_of_exactly_three_worst_cases_holds_three_on_postgresql(acme):
+    assert exact_fit.boundary() == {"database": "postgresql", **EXACT_FIT}
+
+
+def test_a_budget_of_exactly_three_worst_cases_holds_three_on_sqlite(tmp_path):
+    """make run's database: its columns hold binary floating point, in which the third's
+    comparison was refused (0.012258 - 0.008172 - 0.004086 < 0)."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DATABASE_URL", "CELERY_BROKER_URL")
+    }
+    env |= {
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'covey.sqlite3'}",
+        "COVEY_VAR_DIR": str(tmp_path / "var"),
+        "DJANGO_SETTINGS_MODULE": "covey.settings",
+    }
+    done = subprocess.run(
+        [str(VENV_BIN / "python"), "-m", "tests.budgets.exact_fit"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {"database": "sqlite", **EXACT_FIT}

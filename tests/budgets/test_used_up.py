@@ -1,5 +1,7 @@
-"""A budget used up: found by the refused request, it stops the agent's runs, refuses new ones
-and its egress, until the budget is raised or its period ends."""
+"""A budget used up: what was spent leaves less than the least a request can cost. Found by the
+refused request, it stops the agent's runs, refuses new ones and its egress, until the budget is
+raised or its period ends. A request refused for what requests under way hold (busy), or too
+large for what is left, never uses it up."""
 
 from decimal import Decimal
 
@@ -21,6 +23,13 @@ from tests.factories import AgentFactory, online_runner
 pytestmark = pytest.mark.django_db
 
 SONNET = "claude-sonnet-4-5-20250929"
+FULL = Decimal("0.015")  # what a request of 1000 tokens of Sonnet output costs
+
+
+def spend_all(agent) -> None:
+    """Spend the agent's budget of FULL (or its organisation's), whole: nothing is left."""
+    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="all")
+    services.settle(held, Usage(output=1000))
 
 
 def refused(agent) -> services.Exhausted:
@@ -31,13 +40,21 @@ def refused(agent) -> services.Exhausted:
 
 def test_the_refusal_that_finds_it_used_up_says_so_once(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
-    services.set_budget(agent, Decimal("0.01"))
+    services.set_budget(agent, FULL)
     assert services.used_up(agent) == ""
-    assert refused(agent).first is True
+    spend_all(agent)
+    found = refused(agent)
+    assert found.used_up is True and found.first is True
+    assert (
+        str(found) == f"the budget of agent {agent} is used up: $0.015 of $0.015 spent this period"
+    )
     assert refused(agent).first is False  # already known
-    assert "the budget of agent" in services.used_up(agent)
+    assert services.used_up(agent) == (
+        f"the budget of agent {agent} is used up this period ($0.015 of $0.015 spent, too little"
+        " left for any request): raise it, or wait for the next period"
+    )
     assert services.exhausted() == ({agent.pk}, set())
-    services.set_budget(agent, Decimal("0.01"))  # saved again unchanged: still used up
+    services.set_budget(agent, FULL)  # saved again unchanged: still used up
     services.set_budget(agent, Decimal("0.005"))  # lowered: still used up
     assert services.exhausted() == ({agent.pk}, set())
     assert services.current_spend(agent.budget).alerted == [50, 80, 100]
@@ -49,7 +66,8 @@ def test_the_refusal_that_finds_it_used_up_says_so_once(acme, sonnet_price):
 def test_a_new_period_ends_it_and_keeps_the_old_one(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
     with time_machine.travel("2026-11-30T12:00:00Z", tick=False):
-        services.set_budget(agent, Decimal("0.01"), period="daily")
+        services.set_budget(agent, FULL, period="daily")
+        spend_all(agent)
         refused(agent)
         assert services.used_up(agent)
     with time_machine.travel("2026-12-01T00:00:01Z", tick=False):
@@ -60,7 +78,8 @@ def test_a_new_period_ends_it_and_keeps_the_old_one(acme, sonnet_price):
 
 def test_new_runs_are_refused_with_why(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
-    services.set_budget(agent, Decimal("0.01"))
+    services.set_budget(agent, FULL)
+    spend_all(agent)
     refused(agent)
     with pytest.raises(ValidationError, match="is used up this period"):
         run_services.queue_run(agent, "more work")
@@ -72,13 +91,14 @@ def test_the_organisations_budget_stops_every_agents_runs(
 ):
     first, second = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
     runner, _ = online_runner(acme)
-    services.set_budget(acme, Decimal("0.01"))
+    services.set_budget(acme, FULL)
     runs = []
     for agent in (first, second):
         run = run_services.queue_run(agent, "work")
         Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, runner=runner)
         runs.append(run)
     assert run_services.stop_over_budget(first.pk) == 0  # not used up: nothing stops
+    spend_all(second)
     refused(first)
     with django_capture_on_commit_callbacks(execute=True):
         assert run_services.stop_over_budget(first.pk) == 2
@@ -91,7 +111,8 @@ def test_the_organisations_budget_stops_every_agents_runs(
 
 def test_the_proxy_is_told_and_refuses_the_agents_egress(acme, sonnet_price):
     agent, other = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
-    services.set_budget(agent, Decimal("0.01"))
+    services.set_budget(agent, FULL)
+    spend_all(agent)
     before = policy_fingerprint()
     refused(agent)
     assert policy_fingerprint() != before  # proxies load the change
@@ -107,7 +128,8 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
     sent = []
     monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
-    services.set_budget(agent, Decimal("0.01"))
+    services.set_budget(agent, FULL)
+    spend_all(agent)
     caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
     ledger = DjangoLedger()
     for n in range(2):
@@ -122,6 +144,57 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
             )
         assert (caught.value.status, caught.value.reason) == (402, "budget-exhausted")
     assert sent == [("runs.stop_over_budget", [agent.pk])]  # once
+
+
+def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
+    acme, sonnet_price, monkeypatch
+):
+    sent = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("0.04"))
+    ask = dict(model=SONNET, input_bound=0, max_tokens=1000)  # $0.015 at worst
+    held = [services.reserve(agent, request_id=f"{n}", **ask) for n in range(2)]
+    with pytest.raises(services.Busy) as busy:  # $0.01 free: the two hold $0.03
+        services.reserve(agent, request_id="third", **ask)
+    assert str(busy.value) == (
+        f"the budget of agent {agent} is busy: requests under way hold $0.03 of the $0.04 left"
+        " this period, and this request may cost up to $0.015: retry when they end"
+    )
+    caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
+    with pytest.raises(Refused) as answered:
+        DjangoLedger().reserve(caller, vendor="anthropic", request_id="gw", **ask)
+    assert (answered.value.status, answered.value.reason) == (429, "budget-busy")
+    assert answered.value.kind == "rate_limit_error" and answered.value.retry_after == 2
+    spend = services.current_spend(agent.budget)
+    assert spend.exhausted_at is None and spend.alerted == [] and sent == []
+    assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
+    services.settle(held[0], Usage(output=100))  # one ends, for less than its worst case
+    services.reserve(agent, request_id="retried", **ask)  # and the same request fits
+
+
+def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
+    acme, sonnet_price, monkeypatch
+):
+    sent = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, Decimal("0.01"))
+    too_large = refused(agent)  # $0.021 at worst
+    assert (too_large.used_up, too_large.first) == (False, False)
+    assert str(too_large) == (
+        f"the budget of agent {agent} has $0.01 left this period; this request may cost up to"
+        " $0.021: ask for fewer output tokens, or raise the budget"
+    )
+    caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
+    with pytest.raises(Refused) as answered:
+        DjangoLedger().reserve(
+            caller, vendor="anthropic", model=SONNET, input_bound=1000, max_tokens=1000,
+            request_id="gw",
+        )  # fmt: skip
+    assert (answered.value.status, answered.value.reason) == (402, "budget-exhausted")
+    assert services.used_up(agent) == "" and sent == []  # its runs go on
+    services.reserve(agent, model=SONNET, input_bound=0, max_tokens=600, request_id="smaller")
 
 
 def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
