@@ -13,7 +13,10 @@ class ApprovalsConfig(AppConfig):
     def ready(self) -> None:
         from approvals import services, views
         from egress import sources
+        from organisations import webhooks
 
         # The control-plane host's own proxy files sandboxes' requests through these (a filing
         # validated as a runner's proxy's is, in views).
         sources.desk_functions.update(file=views.desk_file, status=services.desk_status)
+        # A retry of request.pending is dropped once the request is decided.
+        webhooks.stale_checks["request.pending"] = services.pending_no_longer

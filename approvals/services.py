@@ -513,6 +513,19 @@ def event_data(request: Request) -> dict[str, Any]:
     }
 
 
+def pending_no_longer(data: dict[str, Any]) -> str:
+    """Why a ``request.pending`` event (``data``: :func:`event_data`) no longer holds when a
+    try of its delivery comes: its request was decided since, and ``request.decided`` went or
+    goes instead ('' while it waits, or when it is not known). A retry never brings a
+    receiver the request as pending after its decision."""
+    pk = data.get("id")
+    found = Request.objects.filter(pk=pk) if isinstance(pk, int) else Request.objects.none()
+    status = found.values_list("status", flat=True).first()
+    if status is None or status == Status.PENDING:
+        return ""
+    return f"request #{pk} is {status} now"
+
+
 def _notify_quietly(request_id: int) -> None:
     """:func:`notify`, whose failure (a mail server down) is logged: the request is filed."""
     try:

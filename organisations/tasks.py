@@ -11,7 +11,8 @@ from organisations import webhooks
 def deliver(
     task: Any, organisation_id: int, event: str, delivery: str, at: str, data: dict[str, Any]
 ) -> str:
-    """One delivery, tried again later while it fails (webhooks.RETRIES times)."""
+    """One delivery, tried again later while it fails (webhooks.RETRIES times); one that no
+    longer holds when a try comes is dropped, never tried again."""
     outcome = webhooks.post(organisation_id, event, delivery, at, data)
     if outcome.startswith("failed") and task.request.retries < webhooks.RETRIES:
         raise task.retry(countdown=10 * 2**task.request.retries)

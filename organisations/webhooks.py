@@ -12,6 +12,10 @@ waits for a receiver), with certificate verification, a short timeout and retrie
 an answer outside 2xx counts as a failure. The last outcome is kept on the webhook. The secret
 is shown once, when made (:func:`set_webhook`), and never again.
 
+An organisation's deliveries go one at a time, and a try of an event that no longer holds (a
+``request.pending`` whose request was decided since) is dropped, not sent: a retry never
+brings a receiver an older event of a request after a newer one.
+
 A receiver must be at a public address, unless COVEY_WEBHOOK_ALLOWED_PRIVATE_CIDRS holds its
 address: an organisation's admin may not point the control plane at the platform's own
 network. A URL is checked when it is saved (:func:`check_url`), as far as it can be without
@@ -31,6 +35,7 @@ import socket
 import ssl
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -151,16 +156,40 @@ def send(organisation_id: int, event: str, data: dict[str, Any]) -> None:
     )
 
 
+# Whether an event still holds when a try of its delivery comes, by event: '' when it does,
+# else why not. Its delivery is then dropped, as a newer event of its subject went (or goes)
+# instead: a retry of request.pending never reaches a receiver after request.decided. The
+# apps whose events they are register them (approvals/apps.py).
+stale_checks: dict[str, Callable[[dict[str, Any]], str]] = {}
+
+
 def post(organisation_id: int, event: str, delivery: str, at: str, data: dict[str, Any]) -> str:
-    """POST the event now; the outcome ("delivered: 204", "failed: …"), also kept on the
-    webhook. Never raises for the receiver's failures."""
-    webhook = (
-        Webhook.objects.select_related("organisation")
-        .filter(organisation_id=organisation_id)
-        .first()
-    )
-    if webhook is None:
-        return "no webhook"
+    """POST the event now, unless it no longer holds (``stale_checks``); the outcome
+    ("delivered: 204", "failed: …", "dropped: …"), kept on the webhook unless dropped. Never
+    raises for the receiver's failures.
+
+    An organisation's deliveries go one at a time, in the order their tries come: each holds
+    its webhook's row from its check to its answer, so an older event checked before a newer
+    one was made is answered before the newer one is sent, and one checked after is dropped."""
+    with transaction.atomic():
+        webhook = (
+            Webhook.objects.select_for_update(of=("self",))
+            .select_related("organisation")
+            .filter(organisation_id=organisation_id)
+            .first()
+        )
+        if webhook is None:
+            return "no webhook"
+        check = stale_checks.get(event)
+        why = check(data) if check is not None else ""
+        if why:
+            logger.info("covey: webhook of %s: %s %s dropped: %s", webhook.organisation, event,
+                        delivery, why)  # fmt: skip
+            return f"dropped: {why}"
+        return _post(webhook, event, delivery, at, data)
+
+
+def _post(webhook: Webhook, event: str, delivery: str, at: str, data: dict[str, Any]) -> str:
     organisation = webhook.organisation
     try:
         body = json.dumps(

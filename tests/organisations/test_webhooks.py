@@ -44,6 +44,7 @@ class Receiver:
     url: str
     answer: int = 204
     got: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+    hold: threading.Event | None = None  # set: each POST is answered once it is set
 
 
 @contextmanager
@@ -55,6 +56,8 @@ def receiver(tls: ssl.SSLContext | None = None) -> Iterator[Receiver]:
         def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
             found.got.append((dict(self.headers), body))
+            if found.hold is not None:
+                found.hold.wait(10)
             self.send_response(found.answer)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -267,6 +270,72 @@ def test_decisions_are_sent_once_they_commit_and_not_when_they_roll_back(
     assert (name, organisation, event) == (webhooks.DELIVER, acme.pk, "request.decided")
     assert (data["status"], data["decided_by"], data["note"]) == ("approved", "april", "fine")
     assert data["produced"] == {"agent_versions": {str(agent.pk): agent.version + 1}}
+
+
+def test_a_retry_of_a_pending_request_after_its_decision_is_dropped(acme, april, monkeypatch):
+    """The receiver is down when the request is filed, back when it is decided: the pending
+    event's retry comes after the decision went, and is dropped, not delivered."""
+    from approvals import services as approvals
+    from organisations import tasks
+
+    monkeypatch.setattr(webhooks.app, "send_task", lambda name, args: None)
+    with receiver() as hooks:
+        webhooks.set_webhook(acme, hooks.url)
+        request = approvals.file_egress(AgentFactory(organisation=acme), "x.example", reason="r")
+        pending = approvals.event_data(request)
+        hooks.answer = 503
+        assert webhooks.post(acme.pk, "request.pending", "d-1", "t1", pending).startswith("failed")
+        hooks.answer = 204
+        approvals.approve(request, by=april, note="fine")
+        request.refresh_from_db()
+        decided = approvals.event_data(request)
+        assert webhooks.post(acme.pk, "request.decided", "d-2", "t2", decided) == "delivered: 204"
+        retried = tasks.deliver(acme.pk, "request.pending", "d-1", "t1", pending)
+        assert retried == f"dropped: request #{request.pk} is approved now"  # and not retried
+    tried = [(headers["X-Covey-Event"], headers["X-Covey-Delivery"]) for headers, _ in hooks.got]
+    assert tried == [("request.pending", "d-1"), ("request.decided", "d-2")]  # d-1 was a 503
+    assert Webhook.objects.get().last_delivery == "delivered: 204"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_decision_waits_for_the_pending_event_in_flight(acme, april, monkeypatch):
+    """The pending event's try is on its way (a slow receiver) when the request is decided:
+    the decision is sent once it has been answered, never before it."""
+    from approvals import services as approvals
+
+    monkeypatch.setattr(webhooks.app, "send_task", lambda name, args: None)
+    with receiver() as hooks:
+        webhooks.set_webhook(acme, hooks.url)
+        request = approvals.file_egress(AgentFactory(organisation=acme), "x.example", reason="r")
+        outcomes: dict[str, str] = {}
+
+        def deliver(event: str, data: dict) -> threading.Thread:
+            def run() -> None:
+                try:
+                    outcomes[event] = webhooks.post(acme.pk, event, event, "t", data)
+                finally:
+                    connection.close()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        hooks.hold = threading.Event()
+        pending = deliver("request.pending", approvals.event_data(request))
+        wait_for(lambda: len(hooks.got) == 1, 10, "the pending event at the receiver")
+        approvals.approve(request, by=april, note="fine")
+        request.refresh_from_db()
+        decided = deliver("request.decided", approvals.event_data(request))
+        time.sleep(0.5)
+        assert len(hooks.got) == 1  # the decision waits for the pending event's answer
+        hooks.hold.set()
+        pending.join(10)
+        decided.join(10)
+    assert [headers["X-Covey-Event"] for headers, _ in hooks.got] == [
+        "request.pending",
+        "request.decided",
+    ]
+    assert outcomes == {"request.pending": "delivered: 204", "request.decided": "delivered: 204"}
 
 
 def test_a_tls_receiver_is_verified(acme, settings, tmp_path):
