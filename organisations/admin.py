@@ -171,7 +171,7 @@ class TenantScoped(RoleRefusals):
         index = request.POST.get("index", "0")
         name = named[int(index)] if index.isdigit() and int(index) < len(named) else ""
         found = self.get_actions(request).get(name)  # type: ignore[attr-defined]
-        needs = set(getattr(found[0], "allowed_permissions", ()) if found else ())
+        needs = set(getattr(found.func, "allowed_permissions", ()) if found else ())
         if needs & {"change", "delete"}:
             narrowed = self.changeable(request, queryset)
             chosen = _pks(queryset, request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
@@ -290,9 +290,15 @@ class OrganisationForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if "own_requests" in self.fields:  # not on a page its reader may not change
+            self.fields["own_requests"].required = False
         found = Webhook.objects.filter(organisation_id=self.instance.pk).first()
         if self.instance.pk and found is not None:
             self.fields["webhook_url"].initial = found.url
+
+    def clean_own_requests(self) -> str:
+        """Not posted (a script's form): the organisation's setting stays as it is."""
+        return str(self.cleaned_data.get("own_requests") or self.instance.own_requests)
 
     def clean_webhook_url(self) -> str:
         url = str(self.cleaned_data.get("webhook_url") or "")

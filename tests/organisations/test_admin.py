@@ -37,6 +37,7 @@ def organisation_form(organisation, rows, *, extra=()):
         "name": organisation.name,
         "base_allowlist": "\n".join(organisation.base_allowlist),
         "request_expiry_minutes": "",
+        "own_requests": organisation.own_requests,
         "webhook_url": "",
         "memberships-TOTAL_FORMS": str(len(rows) + len(extra)),
         "memberships-INITIAL_FORMS": str(len(rows)),
