@@ -34,7 +34,7 @@ def save_log(run_id: str, runner: Runner, text: str, total: int | None = None) -
     text = printable(text)
     data = text.encode()
     run.log.save(f"{run.pk}.log", ContentFile(data), save=False)
-    run.log_tail = text[-LOG_TAIL_CHARS:]
+    run.log_tail = tail_of(text)
     run.log_start = max(0, (total or 0) - len(data))
     run.output_size = run.log_start + len(data)
     Run.objects.filter(pk=run.pk).update(
@@ -45,6 +45,19 @@ def save_log(run_id: str, runner: Runner, text: str, total: int | None = None) -
     )
     RunOutput.objects.filter(run=run).delete()
     return run
+
+
+def tail_of(text: str) -> str:
+    """The end of a run's output that its page shows: at most LOG_TAIL_CHARS characters, from
+    the start of a line when the output is longer (a line cut part-way showed its end as if
+    it were the line, its indentation lost), unless the last line alone is that long."""
+    if len(text) <= LOG_TAIL_CHARS:
+        return text
+    kept = text[-LOG_TAIL_CHARS:]
+    if text[-LOG_TAIL_CHARS - 1] == "\n":
+        return kept  # cut at the start of a line already
+    newline = kept.find("\n")
+    return kept[newline + 1 :] if 0 <= newline < len(kept) - 1 else kept
 
 
 class OutputConflict(Exception):
@@ -94,7 +107,7 @@ def append_output(run_id: str, runner: Runner, offset: int, text: str) -> Run | 
         return run
     RunOutput.objects.create(run=run, start=offset, end=offset + size, text=text)
     run.output_size += size
-    run.log_tail = (run.log_tail + text)[-LOG_TAIL_CHARS:]
+    run.log_tail = tail_of(run.log_tail + text)
     Run.objects.filter(pk=run.pk).update(output_size=run.output_size, log_tail=run.log_tail)
     return run
 
