@@ -301,10 +301,16 @@ class OrganisationForm(forms.ModelForm):
         return str(self.cleaned_data.get("own_requests") or self.instance.own_requests)
 
     def clean_webhook_url(self) -> str:
+        """Refused on saving, as in the API, where a delivery would be refused (a private
+        address the platform team did not allow)."""
         url = str(self.cleaned_data.get("webhook_url") or "")
-        if url and not url.startswith(("http://", "https://")):
-            raise ValidationError("Give an http or https URL.")
-        return url
+        if not url:
+            return url
+        try:
+            return webhooks.check_url(url)
+        except ValidationError as exc:
+            text = "; ".join(exc.messages)
+            raise ValidationError(f"{text[:1].upper()}{text[1:]}.") from None
 
 
 def _administers(request: HttpRequest, organisation: Organisation | None) -> bool:

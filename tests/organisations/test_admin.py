@@ -6,7 +6,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.urls import reverse
 
-from organisations.models import Membership, Organisation, Role
+from organisations.models import Membership, Organisation, Role, Webhook
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -155,3 +155,12 @@ def test_a_new_organisations_creator_is_its_admin_unless_the_rows_leave_none(cli
     made = Organisation.objects.get(name="Initech")
     roles = dict(Membership.objects.filter(organisation=made).values_list("user__username", "role"))
     assert roles == {"root": "admin", "other": "viewer"}
+
+
+def test_a_loopback_webhook_is_refused_when_the_organisation_is_saved(operator_client, acme):
+    page = reverse("admin:organisations_organisation_change", args=[acme.pk])
+    data = organisation_form(acme, []) | {"webhook_url": "http://127.0.0.1:9/hook"}
+    answer = operator_client.post(page, data)
+    assert answer.status_code == 200
+    assert "127.0.0.1 is at 127.0.0.1, not a public address" in answer.content.decode()
+    assert not Webhook.objects.filter(organisation=acme).exists()
