@@ -160,7 +160,8 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         the run ends, for its status)."""
         return format_html(
             '<pre id="run-output" data-offset="{}" data-live="{}" data-log="{}"'
-            ' style="max-height: 40em; overflow: auto; white-space: pre-wrap">{}</pre>',
+            # The newline after <pre> is the page's: HTML drops one there, not the output's.
+            ' style="max-height: 40em; overflow: auto; white-space: pre-wrap">\n{}</pre>',
             obj.output_size,
             "false" if obj.status in FINISHED else "true",
             reverse("admin:runs_run_log", args=[obj.pk]),

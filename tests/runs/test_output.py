@@ -57,3 +57,13 @@ def test_a_last_line_longer_than_the_tail_is_shown_by_its_end():
     line = "y" * (LOG_TAIL_CHARS + 10) + "\n"
     assert output.tail_of("a\n" + line) == line[-LOG_TAIL_CHARS:]
     assert output.tail_of("short\n") == "short\n"
+
+
+def test_the_run_page_shows_the_tail_as_it_is(run, operator_client):
+    """HTML drops a newline right after <pre>: the page puts its own there, so a tail that
+    starts with an empty line or indentation is shown as it is (a browser's text of the <pre>
+    is the tail exactly)."""
+    tail = "\n    indented\n  and less\n"
+    output.append_output(str(run.pk), run.runner, 0, tail)
+    page = operator_client.get(f"/admin/runs/run/{run.pk}/change/").content.decode()
+    assert 'white-space: pre-wrap">\n' + tail + "</pre>" in page
