@@ -58,9 +58,10 @@ class RequestSerializer(serializers.ModelSerializer):
     class Meta:
         model = Request
         fields = [
-            "id", "organisation", "agent", "workplace", "kind", "ecosystem", "package", "target",
-            "status", "decided_by", "decided_at", "note", "scope", "grant_expires_at", "produced",
-            "expired", "created_at", "requesters", "grants",
+            "id", "organisation", "agent", "workplace", "workplace_version", "kind", "ecosystem",
+            "package", "target", "status", "decided_by", "decided_by_filer", "decided_at", "note",
+            "scope", "grant_expires_at", "produced", "expired", "created_at", "requesters",
+            "grants",
         ]  # fmt: skip
         read_only_fields = fields
 
