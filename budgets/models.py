@@ -11,6 +11,7 @@ from django.db import models
 from django.db.models import F, Q
 
 from budgets import periods
+from budgets.money import dollars
 from budgets.usage import Prices
 from organisations.models import TenantQuerySet
 
@@ -168,7 +169,9 @@ class Spend(models.Model):
     exhausted_at = models.DateTimeField(
         null=True,
         blank=True,
-        help_text="When a request was refused for what was left: the budget is used up until it"
+        verbose_name="used up at",
+        help_text="When a request found that what was spent leaves less than any request can"
+        " cost (what requests under way hold does not count): the budget is used up until it"
         " is raised or its period ends.",
     )
 
@@ -257,7 +260,7 @@ class Charge(models.Model):
         indexes = [models.Index(fields=["agent", "at"])]
 
     def __str__(self) -> str:
-        return f"{self.request_id}: ${self.cost}"
+        return f"{self.request_id}: {dollars(self.cost, exact=True)}"
 
 
 class ModelKey(models.Model):

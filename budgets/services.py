@@ -409,10 +409,10 @@ def settle(
         if cost > locked.amount:
             # Its worst case was not one: the budget may be passed by the difference.
             logger.warning(
-                "covey: request %s cost $%s, more than the $%s reserved for it",
+                "covey: request %s cost %s, more than the %s reserved for it",
                 locked.request_id,
-                cost,
-                locked.amount,
+                dollars(cost, exact=True),
+                dollars(locked.amount, exact=True),
             )
         charge = Charge.objects.create(
             request_id=locked.request_id,
@@ -465,9 +465,9 @@ def settle_stale(now: datetime | None = None) -> int:
             spends = _close(locked, Reservation.Status.SETTLED, spent=locked.amount)
             tell_reached(spends)
         logger.warning(
-            "covey: request %s was never settled: charged its worst case, $%s",
+            "covey: request %s was never settled: charged its worst case, %s",
             locked.request_id,
-            locked.amount,
+            dollars(locked.amount, exact=True),
         )
         settled += 1
     return settled

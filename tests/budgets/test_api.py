@@ -111,7 +111,8 @@ def test_the_admin_pages_of_budgets_prices_and_charges_open(operator_client, acm
     ):
         answer = operator_client.get(path)
         assert answer.status_code == 200, path
-    assert "$0.000150" in operator_client.get("/admin/budgets/budget/").text
+    listing = operator_client.get("/admin/budgets/budget/").text
+    assert "$1.00" in listing and "$0.00015" in listing and "0.000150" not in listing
 
 
 @pytest.mark.django_db(transaction=True)
@@ -122,17 +123,21 @@ def test_a_budget_is_set_in_the_admin_in_a_browser(page, acme, sonnet_price):  #
     page.select_option("#id_agent", str(agent.pk))
     page.fill("#id_amount", "3.5")
     page.select_option("#id_period", "weekly")
+    assert [page.input_value(f"#id_alert_{n}") for n in (1, 2, 3)] == ["50", "80", "100"]
+    page.fill("#id_alert_2", "")  # one alert fewer
+    page.fill("#id_alert_3", "90")
     page.click("input[name=_continue]")
     page.wait_for_selector("text=was added successfully")
     budget = Budget.objects.get(agent=agent)
-    assert (budget.amount, budget.period) == (Decimal("3.5"), "weekly")
+    assert (budget.amount, budget.period, budget.thresholds) == (Decimal("3.5"), "weekly", [50, 90])
+    assert page.input_value("#id_amount") == "3.50"  # not the column's 3.500000
     held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
     services.settle(held, Usage(output=1000))
     page.goto("/admin/budgets/budget/")
     row = page.inner_text("#result_list")
-    assert "$0.015000" in row and "$3.485000" in row  # spent, and what remains
+    assert "$3.50" in row and "$0.02" in row and "$3.49" in row  # amount, spent, what remains
     page.goto(f"/admin/budgets/budget/{budget.pk}/change/")
-    assert "0.015000" in page.inner_text("#spends-group")  # the period, on the record
+    assert "$0.015" in page.inner_text("#spends-group")  # the period, on the record: exact
 
 
 @pytest.mark.django_db
@@ -148,7 +153,7 @@ def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(
         *Permission.objects.filter(codename__in=["add_budget", "view_budget"])
     )
     client.force_login(alice)
-    form = {"organisation": acme.pk, "amount": "100", "period": "monthly", "thresholds": "[50]"}
+    form = {"organisation": acme.pk, "amount": "100", "period": "monthly", "alert_1": "50"}
     form |= {"spends-TOTAL_FORMS": "0", "spends-INITIAL_FORMS": "0"}
     refused = client.post("/admin/budgets/budget/add/", form)
     assert "set by the platform team" in refused.text and not Budget.objects.exists()
@@ -157,8 +162,8 @@ def test_in_the_admin_too_the_organisations_own_budget_is_the_platform_teams(
     again = client.post("/admin/budgets/budget/add/", form)
     assert "has a budget of its own already" in again.text
     assert Budget.objects.count() == 1
-    bad = client.post("/admin/budgets/budget/add/", {**form, "thresholds": '["50"]'})
-    assert "whole percentages from 1 to 1000" in bad.text
+    bad = client.post("/admin/budgets/budget/add/", {**form, "alert_1": "0"})
+    assert "Ensure this value is greater than or equal to 1." in bad.text
 
 
 @pytest.mark.django_db
