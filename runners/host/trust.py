@@ -158,16 +158,21 @@ class Trust:
         return ""
 
     def _proxy_for_launch(self, identity: Identity) -> str:
-        """The proxy check for a launch (and at start): one that failed is tried again every
+        """The proxy check for a launch (and at start), made afresh: a failure kept from
+        before (a check made while the proxy was still starting beside the runner, as under
+        make run) is no answer for a launch. One that fails is tried again every
         PROXY_WAIT_STEP_SECONDS until the host's proxy_wait has passed (the checks' own time
-        included) before the launch is refused. Only a problem still there then is logged: a
-        proxy a moment from listening is no news."""
-        problem = self.check_proxy(identity, warn=False)
-        deadline = time.monotonic() + self.settings.proxy_wait  # checks' own time counts
+        included); only then is the launch refused, saying how long it waited. Only a problem
+        still there then is logged: a proxy a moment from listening is no news."""
+        wait = self.settings.proxy_wait
+        deadline = time.monotonic() + wait  # checks' own time counts
+        problem = self.check_proxy(identity, fresh=True, warn=False)
         while problem and time.monotonic() + PROXY_WAIT_STEP_SECONDS <= deadline:
             time.sleep(PROXY_WAIT_STEP_SECONDS)
             problem = self.check_proxy(identity, fresh=True, warn=False)
         if problem:
+            if wait > 0:
+                problem = f"no answer in {wait:g} s (COVEY_RUNNER_PROXY_WAIT_SECONDS): {problem}"
             tell = False
             # Under the lock checks write with: a check made meanwhile is not overwritten.
             with self._proxy_check_lock(identity):

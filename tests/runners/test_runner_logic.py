@@ -137,6 +137,40 @@ def test_a_launch_waits_a_little_for_a_proxy_that_is_still_starting(tmp_path):
     assert 2 <= time.monotonic() - started < 5  # two more checks, a second apart
 
 
+def test_a_launch_checks_afresh_rather_than_take_a_failed_check_of_a_proxy_still_starting(
+    tmp_path,
+):
+    """A run queued in make run's first seconds: the runner's start check found the proxy not
+    listening yet, and a launch a moment later takes no answer from it (it was kept 10 s and
+    blamed COVEY_RUNNER_PROXY): it checks again, and the proxy answers by then."""
+    answers = iter([(1, b"ConnectionRefusedError")])
+
+    def proxy(spec):
+        if "proxy-check" not in spec.command:
+            return None
+        return next(answers, (0, b"answered HTTP/1.1 407"))
+
+    starting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=0.5)
+    assert "does not answer" in starting.host.start_proxy_checks()[1]
+    time.sleep(trust.PROXY_WAIT_STEP_SECONDS + 0.1)  # older than a shared check, not 10 s
+    starting.order(spec(enforce=True))
+    assert starting.control.states(RUN) == ["running"]
+
+
+def test_a_launch_whose_proxy_never_answers_fails_saying_how_long_it_waited(tmp_path):
+    silent = Host(
+        tmp_path, proxy_check(1, b"ConnectionRefusedError"), proxy="172.17.0.1:3128",
+        proxy_wait=1.5,
+    )  # fmt: skip
+    started = time.monotonic()
+    silent.order(spec(enforce=True))
+    assert 1 <= time.monotonic() - started < 3  # a check, a second, a check
+    assert silent.control.states(RUN) == ["built"]
+    detail = silent.control.reports[0][1].detail
+    assert "no answer in 1.5 s (COVEY_RUNNER_PROXY_WAIT_SECONDS): " in detail
+    assert "the egress proxy at 172.17.0.1:3128 does not answer" in detail
+
+
 def test_a_failed_proxy_check_is_repeated_soon_and_a_passed_one_seldom(tmp_path):
     now, answer = [0.0], [proxy_check(1, b"ConnectionRefusedError")]
     checked = Host(tmp_path, lambda s: answer[0](s), lambda: now[0], proxy="172.17.0.1:3128")
