@@ -18,7 +18,7 @@ from agents.models import Agent
 from budgets import services
 from budgets.models import DEFAULT_THRESHOLDS, Budget, Charge, ModelKey, Price, Spend
 from budgets.money import dollars, figures
-from organisations.admin import TenantScoped
+from organisations.admin import MembersRead, PlatformOwned, TenantScoped
 
 
 def shown(name: str, description: str, *, exact: bool = False) -> Callable[[Any, Any], str]:
@@ -44,7 +44,7 @@ DOLLARS: dict[type[models.Field], dict[str, Any]] = {
 }
 
 
-class SpendInline(admin.TabularInline):
+class SpendInline(MembersRead, admin.TabularInline):
     """Every period of the budget, newest first: what was spent against what limit."""
 
     model = Spend
@@ -205,7 +205,7 @@ PRICES = ["input", "cache_write_5m", "cache_write_1h", "cache_read", "output"]
 
 
 @admin.register(Price)
-class PriceAdmin(admin.ModelAdmin):
+class PriceAdmin(PlatformOwned, admin.ModelAdmin):
     """Dollars per million tokens. A price in use is not edited: end it (``effective until``)
     and add the new one, so every charge keeps the row it was priced by."""
 
