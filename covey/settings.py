@@ -73,7 +73,7 @@ if _SQLITE:
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "covey.apps.AdminConfig",  # Django's admin on covey's site: members sign in as members
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -111,6 +111,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
     "covey.middleware.LogIds",
+    "covey.middleware.AdminRefusals",
     "covey.middleware.ValueRefused",  # last: the views' own exceptions
 ]
 
@@ -189,7 +190,8 @@ REST_FRAMEWORK = {
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "covey API",
-    "DESCRIPTION": "Govern AI coding agents: organisations, agents, allowlists, runners.",
+    "DESCRIPTION": "Govern AI coding agents: organisations, agents, allowlists, runners. What"
+    " runner hosts and egress proxies call is documented apart: /api/v1/docs/internal/.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",

@@ -22,6 +22,8 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from organisations.admin import MembersRead
+
 
 class Version(models.Model):
     """One numbered configuration of something versioned (its model adds the foreign key and
@@ -148,7 +150,7 @@ def versions_actions(version_serializer: type[serializers.Serializer], name: str
     return Versioned
 
 
-class VersionInline(admin.TabularInline):
+class VersionInline(MembersRead, admin.TabularInline):
     """A versioned object's history on its page: who changed what, when. Never edited."""
 
     extra = 0
@@ -172,6 +174,7 @@ class VersionAdmin(admin.ModelAdmin):
     """Read-only: versions are a record. ``parent`` names the versioned object's field."""
 
     parent = ""
+    record = True  # organisations/admin.py TenantScoped: nobody changes a version
     readonly_fields = [
         "number", "created_by", "reason", "created_at", "changes_shown", "config_shown",
     ]  # fmt: skip
