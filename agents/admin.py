@@ -1,5 +1,6 @@
 """Admin for agents and their versions, written for operators."""
 
+from types import SimpleNamespace
 from typing import Any
 
 from django import forms
@@ -18,12 +19,35 @@ from django.utils.http import urlencode
 from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
-from covey.versions import VersionAdmin, VersionInline
+from covey.versions import VersionAdmin, VersionInline, changes_table
 from organisations.admin import TenantScoped
+
+# What an agent without a workplace of its own runs in, wherever that is shown.
+DEFAULT_WORKPLACE = "the default workplace"
+
+
+def workplace_shown(value: Any) -> str:
+    """An agent's workplace as a version records it ({"id", "name"}, or None) for people."""
+    if not value:
+        return DEFAULT_WORKPLACE
+    return str(value.get("name", value)) if isinstance(value, dict) else str(value)
+
+
+def agent_changes(version: AgentVersion) -> str:
+    """What an agent's version changed, its workplace by name ("the default workplace" when
+    it had none) rather than as stored."""
+    changes = dict(version.changes or {})
+    if "workplace" in changes:
+        changes["workplace"] = [workplace_shown(value) for value in changes["workplace"]]
+    return changes_table(SimpleNamespace(number=version.number, changes=changes))
 
 
 class AgentVersionInline(VersionInline):
     model = AgentVersion
+
+    @admin.display(description="Changes")
+    def changes_shown(self, obj: AgentVersion) -> str:
+        return agent_changes(obj)
 
 
 class LabelsField(forms.CharField):
@@ -71,6 +95,20 @@ class AgentForm(forms.ModelForm):
     class Meta:
         model = Agent
         fields = ["organisation", *AGENT_FIELDS]
+        labels = {
+            "cpus": "CPUs",
+            "memory_mb": "Memory (MiB)",
+            "pids_limit": "Processes (at most)",
+            "run_timeout": "Run timeout (seconds)",
+            "home_quota_mb": "Home quota (MiB)",
+        }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        workplace = self.fields.get("workplace")
+        if workplace is not None:  # not when the page is read only
+            workplace.empty_label = DEFAULT_WORKPLACE  # type: ignore[attr-defined]
+            workplace.help_text = f"Empty: {DEFAULT_WORKPLACE} (COVEY_DEFAULT_IMAGE)."
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -116,6 +154,29 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Agent]:
         return super().get_queryset(request).prefetch_related("templates")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Nothing read-only on the add form: it shows only what can be set before saving
+        (versions, usage, runs and spend come with the agent). Who may only read the agent
+        sees its workplace in words."""
+        if obj is None:
+            return ()
+        found = list(super().get_readonly_fields(request, obj))
+        return found if self.has_change_permission(request, obj) else [*found, "workplace_shown"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = list(super().get_fields(request, obj))
+        if "workplace_shown" not in fields:
+            return fields
+        fields.remove("workplace_shown")
+        return [("workplace_shown" if name == "workplace" else name) for name in fields]
+
+    @admin.display(description="Workplace")
+    def workplace_shown(self, obj: Agent) -> str:
+        return str(obj.workplace) if obj.workplace_id else DEFAULT_WORKPLACE
+
+    def get_inlines(self, request: HttpRequest, obj: Any) -> Any:
+        return super().get_inlines(request, obj) if obj is not None else []
 
     def history_view(
         self, request: HttpRequest, object_id: str, extra_context: Any = None
@@ -194,3 +255,7 @@ class AgentVersionAdmin(TenantScoped, VersionAdmin):
     list_filter = ["agent__organisation", "agent"]
     list_select_related = ["agent__organisation", "created_by"]
     search_fields = ["agent__name", "agent__slug"]
+
+    @admin.display(description="Changes")
+    def changes_shown(self, obj: AgentVersion) -> str:
+        return agent_changes(obj)

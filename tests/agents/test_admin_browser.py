@@ -12,10 +12,11 @@ from organisations.models import Membership, Organisation, Role
 from runners.models import Runner
 from runs import output
 from runs import services as runs
-from tests.factories import AgentFactory, UserFactory
+from tests.factories import AgentFactory, UserFactory, WorkplaceFactory
 
 CHROMIUM = os.environ.get("COVEY_TEST_CHROMIUM", "/usr/bin/chromium")
 PASSWORD = "a-browser-password-1"
+WINDOW = {"width": 1280, "height": 800}
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -64,6 +65,42 @@ def page(browser, live_server):
     context.close()
 
 
+@pytest.fixture
+def window(browser, live_server):
+    """A signed-in operator (a superuser) on the admin, in a window 1280 pixels wide: what
+    matters on each list must fit it."""
+    UserFactory(username="operator", is_staff=True, is_superuser=True, password=PASSWORD)
+    context = browser.new_context(base_url=live_server.url, viewport=WINDOW)
+    page = context.new_page()
+    page.goto("/admin/login/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/")
+    yield page
+    context.close()
+
+
+def hidden_columns(page, columns: list[str]) -> dict[str, str]:
+    """The named columns of a list that are not whole in view without scrolling, each with
+    where it ends and where the view does (the window's edge, or the list's own, which
+    scrolls sideways beside its filters)."""
+    return page.evaluate(
+        """(columns) => {
+            const view = document.querySelector("#changelist .results").getBoundingClientRect();
+            const limit = Math.min(window.innerWidth, view.right);
+            const hidden = {};
+            for (const column of columns) {
+                const cell = document.querySelector("#result_list th.column-" + column);
+                const right = cell ? cell.getBoundingClientRect().right : Infinity;
+                if (right > limit) hidden[column] = `ends at ${right}, the view at ${limit}`;
+            }
+            return hidden;
+        }""",
+        columns,
+    )
+
+
 def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, settings):
     settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com"]
     page.goto("/admin/organisations/organisation/add/")
@@ -103,3 +140,38 @@ def test_an_agents_history_button_opens_its_versions(page, acme):
         page.click("a.historylink")
     assert "/admin/agents/agentversion/" in page.url
     assert "two.example" in page.inner_text("#result_list")
+
+
+def test_the_add_form_asks_only_what_can_be_set_and_names_values_for_people(window, acme):
+    window.goto("/admin/agents/agent/add/")
+    form = window.inner_text("#agent_form")
+    for label in ("CPUs:", "Memory (MiB):", "Home quota (MiB):", "Run timeout (seconds):"):
+        assert label in form, form
+    assert "Memory mb" not in form and "Cpus" not in form
+    # What comes with the agent once saved is not on the form that makes it.
+    for later in ("Version", "Effective allowlist", "Recent runs", "Browse the home", "Spent"):
+        assert f"{later}:" not in form, later
+    assert window.locator("#versions-group").count() == 0
+    empty = window.locator("#id_workplace option[value='']").inner_text()
+    assert empty == "the default workplace"
+
+    window.select_option("#id_organisation", str(acme.pk))
+    window.fill("#id_name", "Builder")
+    window.click("input[name=_continue]")
+    window.wait_for_selector("text=was added successfully")
+    page = window.inner_text("#agent_form")
+    assert "Effective allowlist:" in page and "Version:" in page  # on the saved agent's page
+
+
+def test_a_viewer_reads_an_agent_without_a_workplace_as_on_the_default_one(client, acme, vera):
+    from agents import services
+
+    agent = services.create_agent(acme, "Builder", allowlist=["one.example"])
+    services.update_agent(agent, workplace=WorkplaceFactory(organisation=acme))
+    services.update_agent(agent, workplace=None)
+    client.force_login(vera)
+    page = client.get(f"/admin/agents/agent/{agent.pk}/change/").content.decode()
+    assert "the default workplace" in page
+    versions = client.get(f"/admin/agents/agentversion/?agent__id__exact={agent.pk}")
+    assert "the default workplace" in versions.content.decode()
+    assert "&quot;id&quot;" not in versions.content.decode()  # the workplace by name
