@@ -16,15 +16,19 @@ from django import template
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 
 from approvals.models import Request
 from approvals.models import Status as RequestStatus
+from approvals.services import can_decide
 from budgets.models import Budget
 from budgets.services import current_spends, spend_text
+from covey.display import linked, seconds
 from egress.models import Decision
+from organisations.admin import may_view
 from runners.models import Runner
 from runs.models import FINISHED, Run, RunStatus
 
@@ -50,18 +54,19 @@ class Section:
 @register.simple_tag(takes_context=True)
 def dashboard(context: dict[str, Any]) -> SafeString:
     """The dashboard's sections for the request's user, rendered in the admin's look."""
-    user = context["request"].user
+    request = context["request"]
+    user = request.user
     now = timezone.now()
     builders: list[tuple[Callable[[], Section], str]] = [
-        (lambda: pending_requests(user), "approvals.view_request"),
-        (lambda: runs_now(user), "runs.view_run"),
-        (lambda: recently_failed(user, now), "runs.view_run"),
-        (lambda: budgets_near(user), "budgets.view_budget"),
-        (lambda: runners(user, now), "runners.view_runner"),
-        (lambda: denials(user, now), "egress.view_decision"),
+        (lambda: pending_requests(user), "approvals.request"),
+        (lambda: runs_now(user), "runs.run"),
+        (lambda: recently_failed(user, now), "runs.run"),
+        (lambda: budgets_near(user), "budgets.budget"),
+        (lambda: runners(user, now), "runners.runner"),
+        (lambda: denials(user, now), "egress.decision"),
     ]
     # Each section needs the permission to view what it shows, as its list does.
-    shown = [build() for build, permission in builders if user.has_perm(permission)]
+    shown = [build() for build, model in builders if may_view(request, model)]
     return render_to_string("admin/covey_dashboard.html", {"sections": shown})
 
 
@@ -83,10 +88,15 @@ def pending_requests(user: Any) -> Section:
     pending = Request.objects.for_user(user).filter(status=RequestStatus.PENDING)
     rows = [
         {
-            "link": reverse("admin:approvals_request_decide", args=[r.pk]),
-            "cells": [r.agent, _short(f"{r.kind} {r.thing}"), r.created_at],
+            # Who may decide goes to the decision; anyone else to the request's page.
+            "link": _change("approvals_request", r.pk)
+            if can_decide(user, r)
+            else reverse("admin:approvals_request_decide", args=[r.pk]),
+            "cells": [r.agent, _short(f"{r.kind} {r.thing}"), seconds(r.created_at)],
         }
-        for r in pending.select_related("agent__organisation").order_by("-created_at")[:SHOWN]
+        for r in pending.select_related("agent__organisation", "organisation").order_by(
+            "-created_at"
+        )[:SHOWN]
     ]
     return Section(
         "requests",
@@ -103,7 +113,7 @@ def runs_now(user: Any) -> Section:
     rows = [
         {
             "link": _change("runs_run", run.pk),
-            "cells": [run.short_id, run.agent, run.get_status_display(), run.created_at],
+            "cells": [run.short_id, run.agent, run.get_status_display(), seconds(run.created_at)],
         }
         for run in going.select_related("agent__organisation").order_by("created_at")[:SHOWN]
     ]
@@ -128,8 +138,11 @@ def recently_failed(user: Any, now: Any) -> Section:
             "cells": [
                 run.short_id,
                 run.agent,
-                _short(run.status_detail or run.status),
-                run.finished_at,
+                # Whole: a refused run says what to do and where, the admin path a link.
+                format_html(
+                    '<span class="covey-message">{}</span>', linked(run.status_detail or run.status)
+                ),
+                seconds(run.finished_at),
             ],
         }
         for run in failed.select_related("agent__organisation").order_by("-finished_at")[:SHOWN]
@@ -224,7 +237,7 @@ def denials(user: Any, now: Any) -> Section:
                 decision.agent or decision.username or "unidentified",
                 f"{decision.host}:{decision.port}",
                 decision.reason,
-                decision.decided_at,
+                seconds(decision.decided_at),
             ],
         }
         for decision in refused.select_related("agent__organisation")[:SHOWN]

@@ -19,25 +19,32 @@ from django.http import (
     HttpResponseBase,
     HttpResponseNotAllowed,
     HttpResponseRedirect,
+    JsonResponse,
 )
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
-from django.utils.html import format_html, format_html_join
+from django.utils.html import escape, format_html, format_html_join
 from django.utils.http import urlencode
 
+from agents.admin import DEFAULT_WORKPLACE
 from agents.models import Agent
 from budgets.admin import AgentWithSpendAdmin
 from budgets.models import Charge
 from budgets.services import dollars
+from covey.display import linked, seconds
 from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken
-from organisations.admin import TenantScoped
+from organisations.admin import MembersRead, TenantScoped
 from organisations.models import Role
 from organisations.roles import role_of
+from runners.protocol import cut_at_character
 from runs import output, services
 from runs.models import FINISHED, Run, RunEvent
 
 RECENT = 10  # runs and denials listed on an agent's page
+# What the run page's follower updates together with its status, every time it asks (the
+# page's own fields, shown by the same methods).
+LIVE_FIELDS = ("detail_shown", "started_shown", "finished_shown", "egress_shown")
 
 
 def _decisions_url(run: Run) -> str:
@@ -57,15 +64,19 @@ def _run_link(run: Run | None) -> str:
     return format_html('<a href="{}">{}</a>', url, run.short_id)
 
 
-class RunEventInline(admin.TabularInline):
+class RunEventInline(MembersRead, admin.TabularInline):
     model = RunEvent
     extra = 0
     can_delete = False
-    fields = ("at", "status", "detail")
-    readonly_fields = ("at", "status", "detail")
+    fields = ("at_shown", "status", "detail")
+    readonly_fields = ("at_shown", "status", "detail")
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    @admin.display(description="At")
+    def at_shown(self, obj: RunEvent) -> str:
+        return seconds(obj.at)
 
 
 @admin.register(Run)
@@ -73,7 +84,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
     """What waits and what happened; runs are queued through the API, cancelled here."""
 
     list_display = [
-        "short_id", "agent", "status", "status_detail", "runner", "created_at", "finished_at",
+        "short_id", "agent", "status", "status_detail", "runner", "created_shown", "finished_shown",
     ]  # fmt: skip
     list_display_links = ["short_id"]
     list_filter = ["status", "agent__organisation", "runner", "agent"]
@@ -92,7 +103,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         "task",
         "command",
         "status",
-        "status_detail",
+        "detail_shown",
         "runner",
         "timeout",
         "exit_code",
@@ -104,11 +115,11 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         "output_size",
         "log_start",
         "created_by",
-        "created_at",
-        "placed_at",
-        "started_at",
-        "finished_at",
-        "cancel_requested_at",
+        "created_shown",
+        "placed_shown",
+        "started_shown",
+        "finished_shown",
+        "cancel_requested_shown",
     ]
     fields = tuple(readonly_fields)  # a run is a record: nothing on its page is edited
     change_form_template = "admin/runs/run_change_form.html"
@@ -119,10 +130,17 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
-        no_saving = {"show_save": False, "show_save_and_continue": False}
+        # A run is a record: nothing to save, and not deleted from its page.
+        no_saving = {"show_save": False, "show_save_and_continue": False, "show_delete": False}
         return super().change_view(
             request, object_id, form_url, {**(extra_context or {}), **no_saving}
         )
+
+    def get_actions(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        """The actions, without deleting runs (they are the record of what ran)."""
+        actions = super().get_actions(request, *args, **kwargs)
+        actions.pop("delete_selected", None)
+        return actions
 
     def render_change_form(
         self,
@@ -133,15 +151,21 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         form_url: str = "",
         obj: Run | None = None,
     ) -> HttpResponse:
-        """The Cancel button is for who may cancel (the run the page already read)."""
+        """The Cancel button is for who may cancel (the run the page already read); the title
+        names the run (not "Change run": nothing on it is changed here)."""
         context["may_cancel"] = obj is not None and _may_run(request, obj.agent)
+        if obj is not None:
+            # The status is a field the page keeps current; a subtitle with it would go stale.
+            context.update(title=f"Run {obj.short_id} of {obj.agent}", subtitle=None)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def get_urls(self) -> list[Any]:
         log = self.admin_site.admin_view(self.log_view)
+        live = self.admin_site.admin_view(self.live_view)
         cancel = self.admin_site.admin_view(self.cancel_view)
         return [
             path("<uuid:object_id>/log/", log, name="runs_run_log"),
+            path("<uuid:object_id>/live/", live, name="runs_run_live"),
             path("<uuid:object_id>/cancel/", cancel, name="runs_run_cancel"),
             *super().get_urls(),
         ]
@@ -156,17 +180,42 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
 
     @admin.display(description="Output")
     def live_output(self, obj: Run) -> str:
-        """The end of the output; while the run goes, the page follows it (and reloads when
-        the run ends, for its status)."""
+        """The end of the output; while the run goes, the page follows it with its status,
+        times and egress counts (``live_view``), and reloads when all has come."""
         return format_html(
-            '<pre id="run-output" data-offset="{}" data-live="{}" data-log="{}"'
+            '<pre id="run-output" data-offset="{}" data-live="{}" data-follow="{}"'
             # The newline after <pre> is the page's: HTML drops one there, not the output's.
             ' style="max-height: 40em; overflow: auto; white-space: pre-wrap">\n{}</pre>',
             obj.output_size,
             "false" if obj.status in FINISHED else "true",
-            reverse("admin:runs_run_log", args=[obj.pk]),
+            reverse("admin:runs_run_live", args=[obj.pk]),
             obj.log_tail,
         )
+
+    @admin.display(description="Status detail")
+    def detail_shown(self, obj: Run) -> str:
+        # Whole, with the admin page it names a link (a refused run says where to mend it).
+        return linked(obj.status_detail) if obj.status_detail else "-"
+
+    @admin.display(description="Created at", ordering="created_at")
+    def created_shown(self, obj: Run) -> str:
+        return seconds(obj.created_at)
+
+    @admin.display(description="Placed at")
+    def placed_shown(self, obj: Run) -> str:
+        return seconds(obj.placed_at)
+
+    @admin.display(description="Started at")
+    def started_shown(self, obj: Run) -> str:
+        return seconds(obj.started_at)
+
+    @admin.display(description="Finished at", ordering="finished_at")
+    def finished_shown(self, obj: Run) -> str:
+        return seconds(obj.finished_at)
+
+    @admin.display(description="Cancel requested at")
+    def cancel_requested_shown(self, obj: Run) -> str:
+        return seconds(obj.cancel_requested_at)
 
     @admin.display(description="Egress")
     def egress_shown(self, obj: Run) -> str:
@@ -252,7 +301,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
     def workplace_shown(self, obj: Run) -> str:
         version = obj.workplace_version
         if version is None:
-            return "-"
+            return DEFAULT_WORKPLACE
         url = reverse("admin:workplaces_workplaceversion_change", args=[version.pk])
         return format_html(
             '<a href="{}">{} v{}</a>', url, version.config.get("name"), version.number
@@ -297,6 +346,30 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
             return HttpResponseBadRequest("offset: give a number of bytes (0 or more)\n")
         return output.log_response(run, int(offset))
 
+    def live_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """What the run page follows while the run goes, in one answer so they agree: its
+        fields as the page shows them (status, times, egress counts), the output from
+        ``?offset=`` bytes on, where to ask from next, and whether all has come (the run
+        ended and its output is whole: the page reloads then)."""
+        run = self.get_object(request, str(object_id))
+        if run is None or not self.has_view_permission(request, run):
+            raise Http404("no such run")
+        offset = request.GET.get("offset", "0")
+        if not offset.isdigit() or len(offset) > 18:
+            return HttpResponseBadRequest("offset: give a number of bytes (0 or more)\n")
+        text, size, complete = _output_since(run, int(offset))
+        fields = {name: str(getattr(self, name)(run)) for name in LIVE_FIELDS}
+        fields["status"] = str(escape(run.get_status_display()))
+        return JsonResponse(
+            {
+                "fields": fields,
+                "finished": run.status in FINISHED,
+                "text": text,
+                "size": size,
+                "complete": complete,
+            }
+        )
+
     @admin.action(description="Cancel selected runs", permissions=["change"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
         cancelled = refused = 0
@@ -313,6 +386,32 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
                 f"{refused} run(s) not cancelled: that takes the admin role in their organisation.",
                 messages.ERROR,
             )
+
+
+def _output_since(run: Run, offset: int) -> tuple[str, int, bool]:
+    """The output from ``offset`` bytes on (at most what one answer of the log carries), the
+    offset it ends at, and whether the run has ended with nothing more to come: the log
+    endpoint's answer (runs/output.py), read for the page."""
+    if not run.log:
+        answer = output.log_response(run, offset)
+        data = answer.content  # type: ignore[attr-defined]  # live output: never streamed
+        return (
+            data.decode(errors="replace"),
+            int(answer["X-Covey-Log-Size"]),
+            answer["X-Covey-Log-Complete"] == "true",
+        )
+    with run.log.open("rb") as file:
+        length = file.size
+        skip = min(max(0, offset - run.log_start), length)
+        file.seek(skip)
+        data = file.read(output.MAX_LIVE_ANSWER_BYTES + 4)  # a character's bytes past the cut
+    data = data[: cut_at_character(data, output.MAX_LIVE_ANSWER_BYTES)]
+    size = run.log_start + skip + len(data)
+    return (
+        data.decode(errors="replace"),
+        size,
+        run.status in FINISHED and skip + len(data) >= length,
+    )
 
 
 def _may_run(request: HttpRequest, agent: Agent) -> bool:
@@ -382,7 +481,7 @@ class AgentWithRunsAdmin(AgentWithSpendAdmin):
                 "",
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 (
-                    (_run_link(run), run.status, run.created_at, run.status_detail[:120])
+                    (_run_link(run), run.status, seconds(run.created_at), run.status_detail[:120])
                     for run in runs
                 ),
             ),
@@ -412,7 +511,7 @@ class AgentWithRunsAdmin(AgentWithSpendAdmin):
                         d.host,
                         d.port,
                         d.reason,
-                        d.decided_at,
+                        seconds(d.decided_at),
                     )
                     for d in denied
                 ),
@@ -433,7 +532,12 @@ class DecisionWithRunAdmin(DecisionAdmin):
     going at that moment (an agent's runs never overlap). A decision made with a token issued
     by hand while a run went is shown with that run too."""
 
-    list_display = [*DecisionAdmin.list_display[:2], "run", *DecisionAdmin.list_display[2:]]
+    _after = DecisionAdmin.list_display.index("agent") + 1  # the run beside its agent
+    list_display = [
+        *DecisionAdmin.list_display[:_after],
+        "run",
+        *DecisionAdmin.list_display[_after:],
+    ]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return [*super().get_readonly_fields(request, obj), "run"]
