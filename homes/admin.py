@@ -23,9 +23,11 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from agents.models import Agent, size_text
+from covey.display import seconds
 from homes import services, wire
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
+from organisations.admin import TenantScoped
 from organisations.models import Role
 from organisations.roles import role_of
 from runners.protocol import HomeOp
@@ -35,8 +37,65 @@ def _parent(path: str) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else ""
 
 
+# A change from outside, as people name it (what was asked) and say it went well (what it did).
+ASKED = {
+    HomeOp.WRITE: "upload",
+    HomeOp.MKDIR: "new directory",
+    HomeOp.MOVE: "move",
+    HomeOp.DELETE: "delete",
+}
+DONE = {
+    HomeOp.WRITE: "uploaded",
+    HomeOp.MKDIR: "made",
+    HomeOp.MOVE: "moved",
+    HomeOp.DELETE: "deleted",
+}
+
+
+def outcome(change: HomeChange) -> str:
+    """How a change went, for people: 'uploaded, 3.0 MiB', 'refused: the home holds …',
+    'failed: …', or that its answer has not come (yet)."""
+    if change.done:
+        moved = change.operation in (HomeOp.WRITE, HomeOp.DELETE) and change.bytes > 0
+        done = DONE.get(HomeOp(change.operation), "done")
+        return f"{done}, {size_text(change.bytes)}" if moved else done
+    detail = change.detail or "no reason given"
+    if change.status == 0:
+        return "waiting for its runner to answer"
+    if change.status == 504 and not change.settled:
+        return f"no answer yet: {detail}"  # a late answer may still settle it
+    if 400 <= change.status < 500:
+        return f"refused: {detail}"
+    return f"failed: {detail}"
+
+
+class OutcomeFilter(admin.SimpleListFilter):
+    """The audit by how each change went, in words (the HTTP status it keeps is for programs)."""
+
+    title = "how it went"
+    parameter_name = "went"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("done", "done"),
+            ("refused", "refused"),
+            ("failed", "failed"),
+            ("open", "no answer yet"),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        ranges: dict[str, dict[str, Any]] = {
+            "done": {"status__gte": 200, "status__lt": 300},
+            "refused": {"status__gte": 400, "status__lt": 500},
+            "failed": {"status__gte": 500, "settled": True},
+            "open": {"settled": False},
+        }
+        value = self.value()
+        return queryset.filter(**ranges[value]) if value in ranges else queryset
+
+
 @admin.register(Home)
-class HomeAdmin(admin.ModelAdmin):
+class HomeAdmin(TenantScoped, admin.ModelAdmin):
     list_display = ["name", "organisation", "home_runner", "usage", "home_measured_at"]
     list_select_related = ["organisation", "home_runner"]
     list_filter = ["organisation"]
@@ -80,11 +139,25 @@ class HomeAdmin(admin.ModelAdmin):
             role_of(request.user, agent.organisation) == Role.ADMIN
         )
 
-    def _changing(self, request: HttpRequest, pk: Any) -> Agent:
+    def _changing(self, request: HttpRequest, pk: Any, kind: HomeOp) -> Agent:
+        """The agent whose home the person changes; a change they may not make is refused
+        with the role it takes, and a posted one is recorded in the home's audit."""
         agent = self._agent(request, pk)
-        if not self._may_change(request, agent):
-            raise PermissionDenied
-        return agent
+        if self._may_change(request, agent):
+            return agent
+        why = self.refusal(request, "change", pk).replace("Changing homes", "Changing a home")
+        if request.method == "POST" and kind == HomeOp.WRITE:
+            # A refused upload's body is never read: its length is what is known of it.
+            length = str(request.META.get("CONTENT_LENGTH") or "")
+            size = int(length) if length.isdigit() and len(length) < 19 else 0
+            services.refuse_change(agent, request.user, kind, "", size=size)
+        elif request.method == "POST":
+            path = request.GET.get("path") or request.POST.get("path", "")
+            if kind == HomeOp.MKDIR:
+                path = "/".join(part for part in (path, request.POST.get("name", "")) if part)
+            target = request.POST.get("target", "")
+            services.refuse_change(agent, request.user, kind, path, target=target)
+        raise PermissionDenied(why)
 
     def _urls(self, agent: Agent) -> dict[str, str]:
         return {
@@ -150,7 +223,17 @@ class HomeAdmin(admin.ModelAdmin):
             "can_change": self._may_change(request, agent),
             "active_run": services.active_run(agent),
             "runner_name": agent.home_runner.name if agent.home_runner else "",
-            "changes": HomeChange.objects.filter(agent=agent)[:20],
+            "changes": [
+                {
+                    "at": seconds(change.at),
+                    "by": change.by_name,
+                    "what": ASKED.get(HomeOp(change.operation), change.operation),
+                    "path": change.path,
+                    "target": change.target,
+                    "outcome": outcome(change),
+                }
+                for change in HomeChange.objects.filter(agent=agent)[:20]
+            ],
             **self._urls(agent),
         }
         return TemplateResponse(request, "admin/homes/browser.html", context)
@@ -172,7 +255,7 @@ class HomeAdmin(admin.ModelAdmin):
     def upload_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        agent = self._changing(request, pk)
+        agent = self._changing(request, pk, HomeOp.WRITE)
         directory = request.POST.get("path", "")
         replace = bool(request.POST.get("replace"))
         done = []
@@ -192,7 +275,7 @@ class HomeAdmin(admin.ModelAdmin):
     def mkdir_view(self, request: HttpRequest, pk: int) -> HttpResponse:
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        agent = self._changing(request, pk)
+        agent = self._changing(request, pk, HomeOp.MKDIR)
         directory = request.POST.get("path", "")
         name = request.POST.get("name", "")
         path = f"{directory}/{name}" if directory else name
@@ -205,7 +288,7 @@ class HomeAdmin(admin.ModelAdmin):
         return self._back(agent, path)
 
     def rename_view(self, request: HttpRequest, pk: int) -> HttpResponse:
-        agent = self._changing(request, pk)
+        agent = self._changing(request, pk, HomeOp.MOVE)
         path = request.GET.get("path", "")
         if request.method == "POST":
             target = request.POST.get("target", "")
@@ -218,7 +301,7 @@ class HomeAdmin(admin.ModelAdmin):
         return self._form(request, agent, path, "Rename or move")
 
     def remove_view(self, request: HttpRequest, pk: int) -> HttpResponse:
-        agent = self._changing(request, pk)
+        agent = self._changing(request, pk, HomeOp.DELETE)
         path = request.GET.get("path", "")
         if request.method == "POST":
             try:
@@ -279,15 +362,28 @@ class HomeAdmin(admin.ModelAdmin):
 
 
 @admin.register(HomeChange)
-class HomeChangeAdmin(admin.ModelAdmin):
+class HomeChangeAdmin(TenantScoped, admin.ModelAdmin):
     """The audit of changes made to homes from outside: a record, never edited."""
 
-    list_display = [
-        "at", "agent", "by_name", "operation", "path", "target", "bytes", "status", "settled",
-    ]  # fmt: skip
-    list_filter = ["operation", "status", "agent__organisation"]
+    list_display = ["at_shown", "agent", "by_name", "what", "path", "target", "how_it_went"]
+    list_filter = ["operation", OutcomeFilter, "agent__organisation"]
     search_fields = ["path", "by_name", "agent__name"]
-    list_select_related = ["agent"]
+    list_select_related = ["agent__organisation"]
+    fields = readonly_fields = (
+        "at_shown", "agent", "by_name", "what", "path", "target", "how_it_went", "runner",
+    )  # fmt: skip
+
+    @admin.display(description="At", ordering="at")
+    def at_shown(self, obj: HomeChange) -> str:
+        return seconds(obj.at)
+
+    @admin.display(description="What", ordering="operation")
+    def what(self, obj: HomeChange) -> str:
+        return ASKED.get(HomeOp(obj.operation), obj.operation)
+
+    @admin.display(description="How it went")
+    def how_it_went(self, obj: HomeChange) -> str:
+        return outcome(obj)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[HomeChange]:
         return super().get_queryset(request).for_user(request.user)  # type: ignore[attr-defined]
