@@ -21,7 +21,7 @@ from organisations.models import Organisation
 from runners import dispatch
 from runners.models import Installation, RegistrationToken, Runner
 
-BUILTIN_NAME = "builtin"
+BUILTIN_NAME = "builtin"  # with the organisation's slug: builtin_name()
 
 # What happens when a runner may take work (resumed, heard from, trusted by a probe), from apps
 # that build on this one (they register in their AppConfig.ready()): the runs app places what
@@ -135,6 +135,12 @@ def builtin_dir() -> Path:
     return Path(settings.VAR_DIR) / "runners" / "builtin"
 
 
+def builtin_name(organisation: Organisation) -> str:
+    """A built-in runner's name, 'builtin-acme': one host serves every organisation's, so
+    its logs, its metrics and people tell them apart by it."""
+    return f"{BUILTIN_NAME}-{organisation.slug}"[:100]  # Runner.name's max_length
+
+
 def ensure_builtin_runner(organisation: Organisation) -> Runner | None:
     """The organisation's built-in runner (made when missing), or None when they are off."""
     if not settings.COVEY_BUILTIN_RUNNER:
@@ -142,9 +148,9 @@ def ensure_builtin_runner(organisation: Organisation) -> Runner | None:
     runner = Runner.objects.filter(organisation=organisation, builtin=True).first()
     if runner is not None:
         return runner
-    name = BUILTIN_NAME
+    name = builtin_name(organisation)
     if Runner.objects.filter(organisation=organisation, name=name).exists():
-        name = f"{BUILTIN_NAME}-{secrets.token_hex(3)}"
+        name = f"{name[:93]}-{secrets.token_hex(3)}"
     secret = new_runner_token()
     runner = Runner.objects.create(
         organisation=organisation,

@@ -209,7 +209,7 @@ def test_it_comes_up_and_runs_an_agent_end_to_end(project):
             time.sleep(1)
             run = api.get(f"/api/v1/runs/{run['id']}/").json()
         assert run["status"] == "succeeded", json.dumps(run, indent=1) + up.logs()
-        assert run["runner"] == "builtin"
+        assert run["runner"] == "builtin-acme"
         # Told to use the proxy service, which knew the run's credential (not 407) and refused
         # the name: off the list. The decision is the control plane's record.
         assert "proxy=proxy:3128" in run["log_tail"] and "connect=403" in run["log_tail"]

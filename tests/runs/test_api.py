@@ -347,7 +347,7 @@ class TestTokens:
         assert identity["id"] == builtin.pk
         fresh = runner_api(APIClient(), identity["token"]).get("/api/v1/runner/").json()
         assert (fresh["name"], fresh["builtin"], fresh["queue"]) == (
-            "builtin",
+            "builtin-acme",
             True,
             "runners.builtin",
         )
