@@ -9,6 +9,8 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html
 
+from agents.models import size_text
+from covey.display import seconds
 from egress import services
 from egress.models import Decision, EgressToken, ProxySession
 from organisations.admin import TenantScoped
@@ -45,9 +47,10 @@ class EgressTokenAdmin(TenantScoped, admin.ModelAdmin):
 class DecisionAdmin(TenantScoped, admin.ModelAdmin):
     """The proxy's record: never edited, never deleted by hand (pruned by retention)."""
 
+    # What matters first, so it is in view in a 1280-pixel window beside the filters: when,
+    # allowed and why, where to, whose.
     list_display = [
-        "decided_at", "agent", "kind", "host", "port", "allowed", "reason", "address",
-        "bytes_up", "bytes_down",
+        "decided_shown", "allowed", "reason", "destination", "agent", "kind", "address", "traffic",
     ]  # fmt: skip
     list_filter = ["allowed", "reason", "kind", "agent__organisation", "decided_at"]
     list_select_related = ["agent__organisation"]
@@ -57,6 +60,20 @@ class DecisionAdmin(TenantScoped, admin.ModelAdmin):
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         return [f.name for f in Decision._meta.fields]
+
+    @admin.display(description="Decided at", ordering="decided_at")
+    def decided_shown(self, obj: Decision) -> str:
+        return seconds(obj.decided_at)
+
+    @admin.display(description="Destination", ordering="host")
+    def destination(self, obj: Decision) -> str:
+        return f"{obj.host}:{obj.port}"
+
+    @admin.display(description="Up / down")
+    def traffic(self, obj: Decision) -> str:
+        if obj.bytes_up is None and obj.bytes_down is None:
+            return "-"
+        return f"{size_text(obj.bytes_up or 0)} / {size_text(obj.bytes_down or 0)}"
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         """Says so when the log is not whole: a proxy's session admits a gap."""

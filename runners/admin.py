@@ -11,6 +11,7 @@ from django.utils.html import format_html
 
 from agents.admin import LabelsField
 from allowlists.entries import EntryError
+from covey.display import seconds
 from organisations.admin import TenantScoped
 from runners import services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
@@ -32,7 +33,7 @@ def _probe_badge(probe: Probe | None) -> str:
         '<span style="color: {}; font-weight: bold">{}</span> {}',
         PROBE_COLOURS.get(ProbeStatus(probe.status), "inherit"),
         probe.status,
-        when.strftime("%Y-%m-%d %H:%M"),
+        seconds(when),
     )
 
 
@@ -91,17 +92,18 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
 
     form = RunnerForm
 
+    # What tells whether it works first, so it fits a 1280-pixel window.
     list_display = [
         "name",
         "organisation",
-        "labels",
-        "builtin",
         "online",
+        "last_seen_shown",
+        "last_probe_status",
+        "host_status",
         "paused",
         "isolation",
-        "host_status",
-        "last_probe_status",
-        "last_seen_at",
+        "labels",
+        "builtin",
     ]
     list_filter = ["paused", "builtin", "isolation", "organisation"]
     list_select_related = ["organisation", "last_probe"]
@@ -112,6 +114,10 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
     )
     inlines = [ProbeInline]
     actions = ["pause_runners", "resume_runners", "probe_runners"]
+
+    @admin.display(description="Last seen", ordering="last_seen_at")
+    def last_seen_shown(self, obj: Runner) -> str:
+        return seconds(obj.last_seen_at, empty="never")
 
     @admin.display(description="Last egress probe", ordering="last_probe__finished_at")
     def last_probe_status(self, obj: Runner) -> str:
