@@ -1,11 +1,17 @@
 """URLs: the admin at /admin/, the API at /api/v1/ with its schema and docs, and /healthz,
-/readyz and /metrics for whatever watches the process."""
+/readyz and /metrics for whatever watches the process.
+
+The API's schema and docs come in two: the public API (/api/v1/schema/, /api/v1/docs/), what
+people and automation call with their token, and the internal one (/api/v1/schema/internal/,
+/api/v1/docs/internal/), what runner hosts and their egress proxies call with a runner token
+(``internal_api`` below)."""
 
 from typing import Any
 
 from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
+from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
@@ -45,6 +51,10 @@ from workplaces.views import WorkplaceViewSet
 
 # The admin's index: what waits for a person, then the apps (covey/templates/admin/).
 admin.site.index_template = "admin/covey_index.html"
+# Its header and every page's title say covey ("Run 1a2b3c4d of acme/builder | covey").
+admin.site.site_header = "covey administration"
+admin.site.site_title = "covey"
+admin.site.index_title = "Dashboard"
 
 router = DefaultRouter()
 router.register("organisations", OrganisationViewSet)
@@ -85,16 +95,9 @@ home_urls = [
     _home("changes/", {"get": "changes"}, "changes"),
 ]
 
-urlpatterns = [
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
-    path("healthz", healthz, name="healthz"),
-    path("readyz", readyz, name="readyz"),
-    path("metrics", metrics, name="metrics"),
-    path("admin/", admin.site.urls),
-    path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
-    path("api/v1/auth/", include("rest_framework.urls")),
-    path("api/v1/agents/<int:agent_id>/usage/", AgentUsageView.as_view(), name="agent-usage"),
+# What runner hosts and their egress proxies call, with a runner token (or, to register, a
+# registration token): documented apart from the public API.
+internal_api = [
     path("api/v1/egress/policy/", EgressPolicyView.as_view(), name="egress-policy"),
     path("api/v1/egress/decisions/", DecisionIngestView.as_view(), name="egress-decisions-ingest"),
     path("api/v1/runners/register/", RegisterRunnerView.as_view(), name="runner-register"),
@@ -132,6 +135,55 @@ urlpatterns = [
         RunnerHomeBodyView.as_view(),
         name="runner-home-body",
     ),
+]
+
+# What people and automation call, with their API token (or the admin's session).
+public_api = [
+    path("api/v1/auth/", include("rest_framework.urls")),
+    path("api/v1/agents/<int:agent_id>/usage/", AgentUsageView.as_view(), name="agent-usage"),
     *home_urls,
     path("api/v1/", include(router.urls)),
+]
+
+
+class InternalSchemaGenerator(SchemaGenerator):
+    """The internal schema, titled as such. Not through the view's ``custom_settings``: those
+    patch spectacular's settings for the whole process while a schema is made, and the web
+    server's threads would make the public one under the internal title meanwhile."""
+
+    def get_schema(self, request: Any = None, public: bool = False) -> Any:
+        schema = super().get_schema(request, public)
+        schema["info"]["title"] = "covey internal API: runners and egress proxies"
+        schema["info"]["description"] = (
+            "What runner hosts and their egress proxies call, with a runner token"
+            " ('Authorization: Runner <token>'; to register, a registration token): their"
+            " runs, reports, output, probes, homes and policy. Not for automation: the public"
+            " API is at /api/v1/docs/."
+        )
+        return schema
+
+
+urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
+    path("metrics", metrics, name="metrics"),
+    path("admin/", admin.site.urls),
+    path("api/v1/schema/", SpectacularAPIView.as_view(urlconf=public_api), name="schema"),
+    path(
+        "api/v1/schema/internal/",
+        SpectacularAPIView.as_view(urlconf=internal_api, generator_class=InternalSchemaGenerator),
+        name="schema-internal",
+    ),
+    path("api/v1/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path(
+        "api/v1/docs/internal/",
+        SpectacularSwaggerView.as_view(
+            url_name="schema-internal", title="covey internal API: runners and egress proxies"
+        ),
+        name="api-docs-internal",
+    ),
+    # Before the public API: its router would take "runners/register/" for a runner's id.
+    *internal_api,
+    *public_api,
 ]

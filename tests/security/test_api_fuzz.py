@@ -75,9 +75,15 @@ def test_no_caller_gets_a_server_error_an_answer_off_the_schema_or_anothers_data
     who = callers(owner, outsider)
     failures: list[str] = []
     with control_plane(tmp_path, subprocess_database_url()) as url:
-        raw = httpx.get(f"{url}/api/v1/schema/?format=json", headers=who["admin"]).json()
-        schema = schemathesis.openapi.from_dict(raw)
-        for found in schema.get_all_operations():
+        # Both schemas: the public API's and what runners and proxies call.
+        operations = [
+            found
+            for part in ("", "internal/")
+            for found in schemathesis.openapi.from_dict(
+                httpx.get(f"{url}/api/v1/schema/{part}?format=json", headers=who["admin"]).json()
+            ).get_all_operations()
+        ]
+        for found in operations:
             operation = found.ok()
 
             @settings(
