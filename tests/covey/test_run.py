@@ -108,6 +108,48 @@ def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_passwo
     assert (tmp_path / "var" / "covey.sqlite3").exists()
 
 
+def test_run_repeats_what_to_read_in_a_box_logs_routine_lines_apart_and_stops_on_ctrl_c(tmp_path):
+    """The password, once every process is up, in a box below their start; the runner's
+    heartbeats (access lines every 5 s) and beat's schedule only in var/make-run.log, which
+    never holds the password; Ctrl-C: "covey stopped." and exit code 0."""
+    port = free_port()
+    # No engine: everything but sandboxes, and no image to build.
+    env = run_env(tmp_path, port) | {"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    log = tmp_path / "run.log"
+    file = tmp_path / "var" / "make-run.log"
+    heartbeat = '"POST /api/v1/runner/ HTTP/1.1" 200'
+    with running([str(ROOT / "scripts" / "run")], env, log) as process:
+        rule = "─" * 20
+
+        def boxed() -> bool:
+            assert process.poll() is None, log.read_text()
+            return rule in log.read_text()
+
+        wait_for(boxed, 180, "the box", log)
+        wait_for(lambda: file.read_text().count(heartbeat) >= 2, 30, "two heartbeats", file)
+        wait_for(lambda: "Sending due task" in file.read_text(), 30, "beat's schedule", file)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=60) == 0
+    shown = log.read_text()
+    password = re.search(r"Created superuser 'admin' with password: (\S+)", shown)
+    assert password is not None, shown
+    lines = shown.splitlines()
+    top, bottom = [n for n, line in enumerate(lines) if line and set(line) == {"─"}]
+    boxed_lines = "\n".join(lines[top + 1 : bottom])  # between its rules: said again
+    assert password.group(0) in boxed_lines
+    assert f"covey: admin at http://127.0.0.1:{port}/admin/" in boxed_lines
+    assert (
+        "egress is cooperative" in boxed_lines and "COVEY_EGRESS_ISOLATION=network" in boxed_lines
+    )
+    assert any("| " in line for line in lines[:top])  # below the processes' start
+    assert heartbeat not in shown and "Sending due task" not in shown
+    assert shown.splitlines()[-1] == "covey stopped."
+    kept = file.read_text()
+    assert password.group(1) not in kept
+    assert "Handling signal: term" in kept  # how web stopped: there, not on the terminal
+    assert "Handling signal: term" not in shown
+
+
 @pytest.mark.suite("faults")
 def test_run_without_a_docker_engine_says_so_once_and_serves_everything_but_sandboxes(tmp_path):
     port = free_port()
@@ -216,11 +258,12 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
     with running([str(ROOT / "scripts" / "run")], env, log) as process:
         wait_for(lambda: b"taking orders" in log.read_bytes(), 180, "the built-in runner", log)
         wait_for(lambda: fetch(f"{base}/admin/login/")[0] == 200, 60, "the control plane", log)
-        printed = log.read_text()
-        start = next(line for line in printed.splitlines() if line.startswith("  export COVEY_"))
-        follow = next(line for line in printed.splitlines() if "scripts/run-log" in line)
-        assert f"{base}/admin/budgets/modelkey/add/" in printed
-        lines = f"{start.strip()}\n{follow.strip()}\n"
+        printed = log.read_text().splitlines()
+        export = next(line for line in printed if line.startswith("  export COVEY_"))
+        start = next(line for line in printed if line.startswith("  run=$(curl"))
+        follow = next(line for line in printed if "scripts/run-log" in line)
+        assert any(f"{base}/admin/budgets/modelkey/add/" in line for line in printed)
+        lines = f"{export.strip()}\n{start.strip()}\n{follow.strip()}\n"
 
         def paste() -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -247,7 +290,7 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
         # What the fake vendor answered, as the runtime printed it.
         assert "Hello, world!" in with_key.stdout
         run_id = with_key.stdout.splitlines()[0].strip()
-        token = start.split("COVEY_TOKEN=")[1].split(";")[0]
+        token = export.split("COVEY_TOKEN=")[1]
         with httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}) as api:
             run = api.get(f"/api/v1/runs/{run_id}/").json()
             usage = api.get(f"/api/v1/agents/{run['agent']}/usage/").json()
@@ -265,7 +308,7 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
             )  # fmt: skip
         assert process.poll() is None
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
-        process.wait(timeout=60)
+        assert process.wait(timeout=60) == 0
     workplace_id = subprocess.run(
         ["docker", "image", "inspect", "--format", "{{.Id}}", workplace_image],
         capture_output=True, text=True, check=True,
@@ -283,7 +326,9 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
             capture_output=True, text=True, check=True,
         ).stdout.split()  # fmt: skip
         assert left == [], log.read_text()[-3000:]
-    assert "removed 1 sandbox(es) at exit" in log.read_text()
+    # After Ctrl-C the terminal has one line; the log file has how each process stopped.
+    assert log.read_text().splitlines()[-1] == "covey stopped."
+    assert "removed 1 sandbox(es) at exit" in (tmp_path / "var" / "make-run.log").read_text()
 
 
 @pytest.mark.docker

@@ -58,7 +58,8 @@ class Command(BaseCommand):
         )
         self.stdout.write(
             f"Made the organisation Demo and its agent demo (id {agent.pk}), which runs the"
-            " Claude runtime in the default workplace. Start a run and follow its log"
+            " Claude runtime in the default workplace. In another shell in this checkout, start"
+            " a run of it and follow its log"
             + (" (the token is shown this once):" if created else ":")
         )
         # An error's answer goes to stderr (and $run stays empty) rather than a traceback.
@@ -66,9 +67,11 @@ class Command(BaseCommand):
             "import json, sys; answer = json.load(sys.stdin);"
             ' print(answer.get("id") or sys.exit(f"covey: {answer}"))'
         )
+        # The export on a line of its own: README.md's first five minutes changes the agent
+        # with it before the first run.
+        self.stdout.write(f"  export COVEY_URL={shlex.quote(url)} COVEY_TOKEN={token_value}")
         self.stdout.write(
-            f"  export COVEY_URL={shlex.quote(url)} COVEY_TOKEN={token_value};"
-            " run=$(curl -sS --fail-with-body"
+            "  run=$(curl -sS --fail-with-body"
             ' -H "Authorization: Token $COVEY_TOKEN" -H "Content-Type: application/json"'
             f' -d {shlex.quote(body)} "$COVEY_URL/api/v1/runs/" | python3 -c'
             f" {shlex.quote(read_id)}); echo $run"
@@ -76,5 +79,6 @@ class Command(BaseCommand):
         self.stdout.write('  scripts/run-log "$run"')
         self.stdout.write(
             "The run needs Demo's Anthropic API key (the model gateway sends it; the agent never"
-            f" holds it): enter it at {key_page}. Without one, the run fails at once saying so."
+            f" holds it): enter it at {key_page}. Without one, the run fails at once saying so"
+            " (README.md's first five minutes runs the demo without one)."
         )
