@@ -12,10 +12,11 @@ from django.utils.html import format_html
 from agents.admin import LabelsField
 from allowlists.entries import EntryError
 from covey.display import seconds
-from organisations.admin import TenantScoped
+from organisations.admin import MembersRead, TenantScoped
 from runners import services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
 from runners.probe import service as probes
+from runners.protocol import ISOLATION_COOPERATIVE
 
 PROBE_COLOURS = {
     ProbeStatus.PASSED: "#2e7d32",
@@ -41,7 +42,7 @@ def _lines(probe: Probe) -> str:
     return format_html("<pre>{}</pre>", "\n".join(probes.lines(probe)) or "(no checks yet)")
 
 
-class ProbeInline(admin.TabularInline):
+class ProbeInline(MembersRead, admin.TabularInline):
     """The runner's latest probes (newest first); each line is one check."""
 
     model = Probe
@@ -83,6 +84,17 @@ class RunnerForm(forms.ModelForm):
     class Meta:
         model = Runner
         fields = ["name", "labels", "paused"]
+
+
+def cooperative_warning(names: list[str]) -> str:
+    """What the cooperative level leaves open, and how to close it, in the admin's words."""
+    return (
+        f"Cooperative isolation on {', '.join(names)}: sandboxes are told to use the egress"
+        " proxy, and one that ignores its proxy settings reaches the network directly. For"
+        " hard isolation (an internal network whose only exit is the proxy), start the runner"
+        " host with COVEY_EGRESS_ISOLATION=network; its egress probe then proves it"
+        " (docs/isolation.md)."
+    )
 
 
 @admin.register(Runner)
@@ -164,6 +176,16 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # runners register themselves with a registration token
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        """The list, with what the cooperative level leaves open said above it whenever a
+        runner it shows is at that level."""
+        if request.method == "GET":
+            shown = self.get_queryset(request).filter(isolation=ISOLATION_COOPERATIVE)
+            names = list(shown.values_list("name", flat=True)[:5])
+            if names:
+                self.message_user(request, cooperative_warning(names), messages.WARNING)
+        return super().changelist_view(request, extra_context)
 
     @admin.display(boolean=True, description="Online")
     def online(self, obj: Runner) -> bool:
