@@ -11,8 +11,10 @@ for what a person must read.
   prints: the generated password, the demo's lines with their token) is said again in a box
   once every process is up (:data:`READY`), below their start's output rather than lost above
   it. It goes to the terminal only: a secret never reaches the log file.
-- Ctrl-C (or SIGTERM) stops every process (SIGTERM, SIGKILL after :data:`STOP_SECONDS`; a
-  second Ctrl-C kills at once) and ends with one line, ``covey stopped.``, and exit code 0.
+- Ctrl-C (or SIGTERM) stops every process (SIGTERM to the command, which the Procfile's line
+  execs, then to the rest of its group if its shell did not; SIGKILL after
+  :data:`STOP_SECONDS`, or at a second Ctrl-C), waits until nothing of it is left (the runner
+  removes its sandboxes) and ends with one line, ``covey stopped.``, and exit code 0.
   A process that exits by itself stops the others, and its exit code is the supervisor's.
 - On a terminal it takes the foreground (a process group of its own): Ctrl-C reaches it, and
   not the ``make`` that started it, which would otherwise end with ``Error 130``.
@@ -121,6 +123,7 @@ class Process:
     reader: threading.Thread
     ready: bool = False
     killed: bool = False
+    group_told: bool = False  # its group was sent SIGTERM
 
 
 class Supervisor:
@@ -198,8 +201,10 @@ class Supervisor:
                 and self.clock() - self._stopping_since >= self.stop_seconds
             ):
                 self._kill()
-            if self._stopping_since is not None and self._all_done():
-                break
+            if self._stopping_since is not None:
+                self._stop_leftovers()
+                if self._all_done():
+                    break
         self._pass_lines(timeout=0)
         return self._end()
 
@@ -263,8 +268,18 @@ class Supervisor:
         self._stopping_since = self.clock()
         for process in self.processes.values():
             if process.popen.poll() is None:
-                # Its group, as honcho does: the shell that runs a Procfile line may not exec
-                # the command, and would die alone, leaving it to the SIGKILL below.
+                # The command itself (the Procfile's lines exec it): it stops its own children
+                # (gunicorn's workers, Celery's pool and beat), which a SIGTERM of their own
+                # would make Celery's shutdown hang.
+                with contextlib.suppress(ProcessLookupError):
+                    process.popen.terminate()
+
+    def _stop_leftovers(self) -> None:
+        """A shell that did not exec its command died of the SIGTERM alone: the rest of its
+        group is told too, once."""
+        for process in self.processes.values():
+            if not process.group_told and process.popen.poll() is not None:
+                process.group_told = True
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.popen.pid, signal.SIGTERM)
 
@@ -298,13 +313,15 @@ class Supervisor:
 
     def _end(self) -> int:
         killed = [p.name for p in self.processes.values() if p.killed]
+        said = [STOPPED]
         if killed and len(self._stop_asked) < 2:
-            self._terminal(
-                [f"covey: killed {', '.join(killed)}, not stopped within {self.stop_seconds:g} s"]
+            said.insert(
+                0, f"covey: killed {', '.join(killed)}, not stopped within {self.stop_seconds:g} s"
             )
-        # On a terminal, over the ^C it echoed: one line.
-        ctrl_c = signal.SIGINT in self._stop_asked and self.terminal.isatty()
-        self._terminal([("\r" if ctrl_c else "") + STOPPED])
+        # On a terminal, over the ^C it echoed.
+        if signal.SIGINT in self._stop_asked and self.terminal.isatty():
+            said[0] = "\r" + said[0]
+        self._terminal(said)
         self.log.write(f"{datetime.now():%H:%M:%S} {'':<{self.width}} | {STOPPED}\n")
         self.log.flush()
         if self._first_exit is None:

@@ -152,6 +152,43 @@ def test_a_stop_waits_for_what_the_shell_started_and_keeps_its_last_words_in_the
     assert terminal.text().splitlines()[-1] == STOPPED
 
 
+CHILD = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *_: print("TERM reached the child", flush=True))
+while True:
+    time.sleep(0.05)
+"""
+PARENT = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", CHILD])
+def stop(*_):
+    time.sleep(0.5)  # what a TERM of the child's own would have said by now
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    print("the parent stopped its child", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("started", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_stop_tells_the_command_alone_which_stops_its_own_children(tmp_path):
+    """As gunicorn and Celery do: a SIGTERM of their own for Celery's pool and beat made its
+    shutdown hang (and honcho killed it after 5 s)."""
+    (tmp_path / "parent.py").write_text(f"CHILD = {CHILD!r}\n{PARENT}")
+    commands = {"worker": f"exec {sys.executable} {tmp_path / 'parent.py'}"}
+    running, terminal, log, thread, result = supervise(commands)
+    thread.start()
+    wait_for(lambda: "started" in terminal.text(), 10, "the process start")
+    running.ask_stop(signal.SIGINT)
+    thread.join(30)
+    assert result == [0]
+    assert "the parent stopped its child" in log.getvalue()
+    assert "TERM reached the child" not in log.getvalue()
+
+
 def test_a_process_that_ignores_the_stop_is_killed_and_that_is_said():
     commands = {"stubborn": "trap '' TERM; echo started; while true; do sleep 0.1; done"}
     running, terminal, _log, thread, result = supervise(commands, stop_seconds=1)
