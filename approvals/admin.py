@@ -14,8 +14,10 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
+from agents.models import Agent
 from approvals import services
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
+from covey.display import seconds
 
 
 class ReadOnlyInline(admin.TabularInline):
@@ -71,7 +73,9 @@ class DecisionForm(forms.Form):
 
 @admin.register(Request)
 class RequestAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "status", "kind", "what", "agent", "reason", "decide_link"]
+    # The decision (a button for who may decide) right after what is asked, so it is in view
+    # in a 1280-pixel window beside the filters.
+    list_display = ["what", "decide_link", "agent", "kind", "created_shown", "reason"]
     list_filter = ["status", "kind", "organisation", "expired"]
     list_select_related = ["agent__organisation", "organisation"]
     search_fields = ["target", "package", "agent__name", "requesters__reason"]
@@ -87,24 +91,16 @@ class RequestAdmin(admin.ModelAdmin):
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
         record = {"show_save": False, "show_save_and_continue": False, "title": "Request"}
+        found = self.get_object(request, object_id)
+        # The Decide button (object tools) is for who may decide it, while it is pending.
+        record["may_decide"] = found is not None and not services.can_decide(request.user, found)
         return super().change_view(
             request, object_id, form_url, {**(extra_context or {}), **record}
         )
 
     @admin.display(description="What it changed")
     def produced_shown(self, obj: Request) -> str:
-        produced = obj.produced or {}
-        parts = [
-            f"agent {agent} v{version}"
-            for agent, version in (produced.get("agent_versions") or {}).items()
-        ]
-        if "workplace_version" in produced:
-            parts.append(f"workplace v{produced['workplace_version']}")
-        if produced.get("base_allowlist"):
-            parts.append("the organisation's base list")
-        if produced.get("replaced"):
-            parts.append(f"replacing {', '.join(produced['replaced'])}")
-        return "; ".join(parts) or "nothing"
+        return _produced(obj)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Request]:
         found = super().get_queryset(request).prefetch_related("requesters")
@@ -130,6 +126,19 @@ class RequestAdmin(admin.ModelAdmin):
     def has_module_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.is_active and request.user.is_staff)
 
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        """Whether the user may decide each pending request of the page: only they see its
+        Decide button (a viewer sees that it waits)."""
+        changelist = super().get_changelist_instance(request)
+        for found in changelist.result_list:
+            pending = found.status == Status.PENDING
+            found.may_decide = pending and not services.can_decide(request.user, found)
+        return changelist
+
+    @admin.display(description="Filed", ordering="created_at")
+    def created_shown(self, obj: Request) -> str:
+        return seconds(obj.created_at)
+
     @admin.display(description="What")
     def what(self, obj: Request) -> str:
         return obj.thing
@@ -147,8 +156,10 @@ class RequestAdmin(admin.ModelAdmin):
             return "-"
         if obj.status != Status.PENDING:
             return f"{obj.status}" + (f" by {obj.decided_by}" if obj.decided_by else "")
+        if not getattr(obj, "may_decide", False):  # the list's, for who may decide it
+            return "pending"
         url = reverse("admin:approvals_request_decide", args=[obj.pk])
-        return format_html('<a class="button" href="{}">decide</a>', url)
+        return format_html('<a class="button" href="{}">Decide</a>', url)
 
     def get_urls(self) -> list[Any]:
         decide = self.admin_site.admin_view(self.decide_view)
@@ -177,14 +188,12 @@ class RequestAdmin(admin.ModelAdmin):
             except (ValidationError, PermissionDenied) as exc:
                 form.add_error(None, "; ".join(getattr(exc, "messages", [str(exc)])))
             else:
-                word = "Approved" if data["decision"] == "approve" else "Rejected"
-                self.message_user(
-                    request, f"{word}: {found.thing} for {found.agent}.", messages.SUCCESS
-                )
+                self.message_user(request, _decided(found), messages.SUCCESS)
                 return HttpResponseRedirect(reverse("admin:approvals_request_changelist"))
         context = {
             **self.admin_site.each_context(request),
             "title": f"Decide: {found.thing} for {found.agent}",
+            "errors": form.errors,
             "opts": self.model._meta,
             "original": found,
             "request_shown": found,
@@ -194,3 +203,31 @@ class RequestAdmin(admin.ModelAdmin):
             "egress": found.kind == Kind.EGRESS,
         }
         return TemplateResponse(request, "admin/approvals/decide.html", context)
+
+
+def _decided(found: Request) -> str:
+    """The confirmation of a decision just made: what, for whom, what it changed, and the
+    request's page (its record)."""
+    found.refresh_from_db()
+    word = "Approved" if found.status == Status.APPROVED else "Rejected"
+    page = reverse("admin:approvals_request_change", args=[found.pk])
+    said = f"{word}: {found.thing} for {found.agent}."
+    if found.status == Status.APPROVED:
+        said += f" What it changed: {_produced(found)}."
+    return format_html('{} <a href="{}">The request\'s record</a>.', said, page)
+
+
+def _produced(obj: Request) -> str:
+    """What a decided request changed, in words: 'agent acme/builder v2; workplace v3'."""
+    produced = obj.produced or {}
+    versions = produced.get("agent_versions") or {}  # by agent id
+    agents = Agent.objects.filter(pk__in=[int(pk) for pk in versions if str(pk).isdigit()])
+    names = {str(agent.pk): str(agent) for agent in agents.select_related("organisation")}
+    parts = [f"agent {names.get(str(pk), pk)} v{version}" for pk, version in versions.items()]
+    if "workplace_version" in produced:
+        parts.append(f"workplace v{produced['workplace_version']}")
+    if produced.get("base_allowlist"):
+        parts.append("the organisation's base list")
+    if produced.get("replaced"):
+        parts.append(f"replacing {', '.join(produced['replaced'])}")
+    return "; ".join(parts) or "nothing"
