@@ -18,9 +18,10 @@ from agents.models import Agent
 from approvals import services
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from covey.display import seconds
+from organisations.admin import MembersRead, TenantScoped
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyInline(MembersRead, admin.TabularInline):
     extra = 0
     can_delete = False
 
@@ -72,7 +73,7 @@ class DecisionForm(forms.Form):
 
 
 @admin.register(Request)
-class RequestAdmin(admin.ModelAdmin):
+class RequestAdmin(TenantScoped, admin.ModelAdmin):
     # The decision (a button for who may decide) right after what is asked, so it is in view
     # in a 1280-pixel window beside the filters.
     list_display = ["what", "decide_link", "agent", "kind", "created_shown", "reason"]
@@ -81,9 +82,9 @@ class RequestAdmin(admin.ModelAdmin):
     search_fields = ["target", "package", "agent__name", "requesters__reason"]
     inlines = [RequesterInline, GrantInline]
     readonly_fields = [
-        "organisation", "agent", "workplace", "kind", "ecosystem", "package", "target", "status",
-        "decide_link", "decided_by", "decided_at", "note", "scope", "grant_expires_at",
-        "produced_shown", "expired", "created_at",
+        "organisation", "agent", "workplace_filed", "kind", "ecosystem", "package", "target",
+        "status", "decide_link", "decided_by_shown", "decided_at", "note", "scope",
+        "grant_expires_at", "produced_shown", "expired", "created_at",
     ]  # fmt: skip
     fields = tuple(readonly_fields)
 
@@ -98,13 +99,27 @@ class RequestAdmin(admin.ModelAdmin):
             request, object_id, form_url, {**(extra_context or {}), **record}
         )
 
+    @admin.display(description="Decided by")
+    def decided_by_shown(self, obj: Request) -> str:
+        if obj.decided_by is None:
+            return "-"
+        if obj.decided_by_filer:
+            return (
+                f"{obj.decided_by}, who filed it: the only approver {obj.organisation} had"
+                " (four eyes were not possible)"
+            )
+        return str(obj.decided_by)
+
+    @admin.display(description="Workplace")
+    def workplace_filed(self, obj: Request) -> str:
+        return workplace_filed(obj)
+
     @admin.display(description="What it changed")
     def produced_shown(self, obj: Request) -> str:
         return _produced(obj)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Request]:
-        found = super().get_queryset(request).prefetch_related("requesters")
-        return found.for_user(request.user)  # type: ignore[attr-defined]
+        return super().get_queryset(request).prefetch_related("requesters")
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not request.GET and request.method == "GET":  # the pending ones first
@@ -119,12 +134,6 @@ class RequestAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return bool(request.user.is_active and request.user.is_staff)
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return bool(request.user.is_active and request.user.is_staff)
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         """Whether the user may decide each pending request of the page: only they see its
@@ -201,6 +210,8 @@ class RequestAdmin(admin.ModelAdmin):
             "form": form,
             "why_not": why_not,
             "egress": found.kind == Kind.EGRESS,
+            "workplace_filed": workplace_filed(found),
+            "alone": not why_not and services.filed_by(request.user, found),
         }
         return TemplateResponse(request, "admin/approvals/decide.html", context)
 
@@ -214,6 +225,8 @@ def _decided(found: Request) -> str:
     said = f"{word}: {found.thing} for {found.agent}."
     if found.status == Status.APPROVED:
         said += f" What it changed: {_produced(found)}."
+    if found.decided_by_filer:
+        said += " You filed it and decided it yourself, as the only approver: its record says so."
     return format_html('{} <a href="{}">The request\'s record</a>.', said, page)
 
 
@@ -231,3 +244,17 @@ def _produced(obj: Request) -> str:
     if produced.get("replaced"):
         parts.append(f"replacing {', '.join(produced['replaced'])}")
     return "; ".join(parts) or "nothing"
+
+
+def workplace_filed(request: Request) -> str:
+    """The workplace as the request was filed against it ('python v3'), and its version now
+    when it has changed since ('python v3 (now v5)')."""
+    workplace = request.workplace
+    if workplace is None:
+        return "the default workplace"
+    if request.workplace_version is None:  # filed before covey recorded the version
+        return f"{workplace.name} (now v{workplace.version})"
+    shown = f"{workplace.name} v{request.workplace_version}"
+    if workplace.version != request.workplace_version:
+        shown += f" (now v{workplace.version})"
+    return shown

@@ -248,9 +248,9 @@ def test_an_organisation_added_in_the_admin_may_name_its_creator_in_the_inline(o
             "base_allowlist": "api.anthropic.com",
             **EMPTY_MEMBERSHIPS,
             "memberships-TOTAL_FORMS": "2",
-            "memberships-0-user": root.pk,
+            "memberships-0-user": root.username,
             "memberships-0-role": Role.VIEWER,
-            "memberships-1-user": lead.pk,
+            "memberships-1-user": lead.username,
             "memberships-1-role": Role.ADMIN,
         },
     )
