@@ -37,9 +37,12 @@ class AdminSite(admin.AdminSite):
     """The admin every member uses: their roles in their organisations say what they read,
     decide and change (organisations/admin.py ``TenantScoped``)."""
 
-    site_header = "covey"
+    # The index: what waits for a person, then the apps (covey/templates/admin/). The header
+    # and every page's title say covey ("Run 1a2b3c4d of acme/builder | covey").
+    index_template = "admin/covey_index.html"
+    site_header = "covey administration"
     site_title = "covey"
-    index_title = "covey administration"
+    index_title = "Dashboard"
     login_form = LoginForm
 
     def has_permission(self, request: HttpRequest) -> bool:

@@ -49,13 +49,6 @@ from runs.views import (
 from templates.views import AllowlistTemplateViewSet
 from workplaces.views import WorkplaceViewSet
 
-# The admin's index: what waits for a person, then the apps (covey/templates/admin/).
-admin.site.index_template = "admin/covey_index.html"
-# Its header and every page's title say covey ("Run 1a2b3c4d of acme/builder | covey").
-admin.site.site_header = "covey administration"
-admin.site.site_title = "covey"
-admin.site.index_title = "Dashboard"
-
 router = DefaultRouter()
 router.register("organisations", OrganisationViewSet)
 router.register("memberships", MembershipViewSet)
