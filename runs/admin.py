@@ -36,7 +36,7 @@ from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken
 from organisations.admin import MembersRead, TenantScoped
 from organisations.models import Role
-from organisations.roles import role_of
+from organisations.roles import role_of, roles_said
 from runners.protocol import cut_at_character
 from runs import output, services
 from runs.models import FINISHED, Run, RunEvent
@@ -262,7 +262,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         if run is None:
             raise Http404("no such run")
         if not self.has_change_permission(request, run) or not _may_run(request, run.agent):
-            raise PermissionDenied
+            raise PermissionDenied(_needs_admin(request, "Cancelling a run", run.agent))
         try:
             services.cancel(run, by=request.user)
         except services.RunError as exc:
@@ -417,6 +417,13 @@ def _output_since(run: Run, offset: int) -> tuple[str, int, bool]:
     )
 
 
+def _needs_admin(request: HttpRequest, doing: str, agent: Agent) -> str:
+    """Why starting or cancelling a run is refused, for the admin's 403 page."""
+    return (
+        f"{doing} takes the admin role in {agent.organisation}; you are {roles_said(request.user)}."
+    )
+
+
 def _may_run(request: HttpRequest, agent: Agent) -> bool:
     """Starting and cancelling runs takes the organisation's admin role, as in the API."""
     return role_of(request.user, agent.organisation) == Role.ADMIN
@@ -459,7 +466,7 @@ class AgentWithRunsAdmin(AgentWithSpendAdmin):
             self.get_queryset(request).select_related("organisation"), pk=object_id
         )
         if not self.has_view_permission(request, agent) or not _may_run(request, agent):
-            raise PermissionDenied
+            raise PermissionDenied(_needs_admin(request, "Starting a run", agent))
         page = reverse("admin:agents_agent_change", args=[agent.pk])
         try:
             run = services.queue_run(agent, request.POST.get("task", ""), by=request.user)

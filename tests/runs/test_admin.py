@@ -84,8 +84,10 @@ def test_a_viewer_may_not_start_or_cancel_runs(client, acme, vera, orders):
     client.force_login(vera)
     page = client.get(f"/admin/agents/agent/{agent.pk}/change/").content.decode()
     assert 'id="start-run"' not in page
-    assert (
-        client.post(f"/admin/agents/agent/{agent.pk}/start-run/", {"task": "go"}).status_code == 403
+    refused = client.post(f"/admin/agents/agent/{agent.pk}/start-run/", {"task": "go"})
+    assert refused.status_code == 403
+    assert "Starting a run takes the admin role in Acme; you are a viewer of Acme." in (
+        refused.content.decode()
     )
     run = runs.queue_run(agent, "theirs")
     page = client.get(f"/admin/runs/run/{run.pk}/change/").content.decode()
