@@ -318,9 +318,10 @@ class Trust:
         return {identity.id: self._proxy_for_launch(identity) for identity in identities}
 
     def recheck_proxy(self, identity: Identity) -> None:
-        """Checked once: keep checking while it serves (when the last answer is old)."""
-        if identity.id in self._proxy_checks:
-            self.check_proxy(identity)
+        """At each heartbeat: check again when the last answer is old, and at once when the
+        runner was never checked (one the host took on after it started, such as a new
+        organisation's built-in runner, said "not checked yet" until its first launch)."""
+        self.check_proxy(identity)
 
     def check_proxy(self, identity: Identity, *, fresh: bool = False, warn: bool = True) -> str:
         """'' when the proxy sandboxes are told of answered from a container on the sandbox

@@ -195,6 +195,15 @@ def test_a_failed_proxy_check_is_repeated_soon_and_a_passed_one_seldom(tmp_path)
     assert checks() == 3
 
 
+def test_a_runner_the_host_took_on_after_it_started_is_checked_at_its_first_heartbeat(
+    tmp_path,
+):
+    checked = Host(tmp_path, proxy_check(), proxy="172.17.0.1:3128")
+    assert "has not been checked yet" in checked.host.trust.problem(checked.identity)
+    checked.host.trust.recheck_proxy(checked.identity)  # what each heartbeat does
+    assert checked.host.trust.problem(checked.identity) == ""
+
+
 def test_a_docker_engine_that_restarts_stops_work_until_it_is_back_and_proved(tmp_path):
     """The runner holds the engine's event stream: when it ends, no launch is taken until the
     engine answers and the proxy is proved again; a sandbox stopped with the engine is
