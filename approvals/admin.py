@@ -130,7 +130,7 @@ class RequestAdmin(TenantScoped, admin.ModelAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return bool(request.method in ("GET", "HEAD") and self.has_view_permission(request, obj))
+        return False  # a request is a record: it is decided (decide_view), never edited
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -181,6 +181,9 @@ class RequestAdmin(TenantScoped, admin.ModelAdmin):
         found = get_object_or_404(self.get_queryset(request), pk=object_id)
         why_not = services.can_decide(request.user, found)
         form = DecisionForm(request.POST or None)
+        if found.workplace_id is None:  # its agent had none: every agent of it is no place
+            scope = form.fields["scope"]
+            scope.choices = [c for c in Scope.choices if c[0] != Scope.WORKPLACE]  # type: ignore[attr-defined]
         if request.method == "POST" and not why_not and form.is_valid():
             data = form.cleaned_data
             try:

@@ -143,6 +143,7 @@ AUTH_PASSWORD_VALIDATORS = [
 ]
 
 LANGUAGE_CODE = "en"
+FORMAT_MODULE_PATH = ["covey.formats"]  # times to the second, as covey/display.py writes them
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True

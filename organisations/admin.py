@@ -10,6 +10,8 @@ from django.contrib.admin import helpers
 from django.contrib.admin.exceptions import NotRegistered
 from django.contrib.admin.utils import NotRelationField, get_fields_from_path, unquote
 from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
+from django.contrib.auth.forms import UserChangeForm
 from django.core.exceptions import FieldDoesNotExist, PermissionDenied, ValidationError
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
@@ -689,3 +691,40 @@ class ApiTokenAdmin(TokenAdmin):
                 f" {obj.key}",
                 messages.WARNING,
             )
+
+
+class UserForm(UserChangeForm):
+    """Django's user form, saying what the staff flag means in covey."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "is_staff" in self.fields:
+            self.fields["is_staff"].help_text = (
+                "Not needed to sign in: a member of an organisation signs in to the admin by"
+                " being a member, and their roles say what they may do. The platform team are"
+                " superusers."
+            )
+
+
+class UserMembershipInline(admin.TabularInline):
+    """The user's organisations and roles, as their organisations' pages set them."""
+
+    model = Membership
+    fields = readonly_fields = ("organisation", "role")
+    extra = 0
+    can_delete = False
+    verbose_name_plural = "Memberships (changed on each organisation's page)"
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+admin.site.unregister(get_user_model())
+
+
+@admin.register(get_user_model())
+class CoveyUserAdmin(UserAdmin):
+    """Users, as the platform team manages them, with the organisations they belong to."""
+
+    form = UserForm
+    inlines = [UserMembershipInline]

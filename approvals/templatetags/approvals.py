@@ -8,6 +8,8 @@ from django.utils.html import format_html
 
 from approvals.models import Request, Status
 from organisations.admin import may_view
+from organisations.models import Role
+from organisations.roles import has_role_somewhere
 
 register = template.Library()
 
@@ -24,9 +26,12 @@ def pending_requests(context: dict[str, Any]) -> str:
         return ""
     url = reverse("admin:approvals_request_changelist") + f"?status__exact={Status.PENDING}"
     word = "request" if count == 1 else "requests"
+    # "to decide" for who may; a viewer is told they wait, not asked to decide.
+    tail = "to decide" if has_role_somewhere(user, Role.APPROVER) else "waiting for a decision"
     return format_html(
-        '<p id="pending-requests" class="errornote"><a href="{}">{} pending {}</a> to decide</p>',
+        '<p id="pending-requests" class="errornote"><a href="{}">{} pending {}</a> {}</p>',
         url,
         count,
         word,
+        tail,
     )

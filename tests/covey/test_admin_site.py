@@ -7,10 +7,12 @@ import logging
 
 import pytest
 from django.contrib.auth.models import Permission
+from django.utils import timezone
 
+from approvals import services as approvals
 from organisations.models import Membership, Role
 from runners.models import Runner
-from tests.factories import online_runner
+from tests.factories import AgentFactory, online_runner
 
 pytestmark = pytest.mark.django_db
 
@@ -95,3 +97,39 @@ def test_djangos_permissions_alone_let_nobody_in(client, acme, nobody):
     assert client.get("/admin/").status_code == 200
     listed = client.get("/admin/agents/agent/").content.decode()
     assert "0 agents" in listed
+
+
+def test_the_refusal_page_has_the_admins_breadcrumbs(client, acme, vera):
+    client.force_login(vera)
+    page = client.get("/admin/agents/agent/add/").content.decode()
+    assert '<ol class="breadcrumbs">' in page and "Not allowed" in page
+
+
+def test_a_viewer_is_told_requests_wait_and_an_approver_to_decide_them(client, acme, vera, april):
+    agent = AgentFactory(organisation=acme, name="Builder")  # no workplace of its own
+    request = approvals.file_egress(agent, "registry.example.test", reason="the SDK")
+    client.force_login(vera)
+    index = client.get("/admin/").content.decode()
+    assert "1 pending request</a> waiting for a decision" in index
+    listed = client.get("/admin/approvals/request/?status__exact=pending").content.decode()
+    assert "Select request to view" in listed
+    client.force_login(april)
+    assert "1 pending request</a> to decide" in client.get("/admin/").content.decode()
+    decide = client.get(f"/admin/approvals/request/{request.pk}/decide/").content.decode()
+    # Its agent has no workplace: "every agent of its workplace" would only be refused.
+    assert 'value="agent"' in decide and 'value="workplace"' not in decide
+
+
+def test_times_read_to_the_second_and_the_browser_asks_for_no_icon_in_vain(client, root, acme):
+    client.force_login(root)
+    page = client.get(f"/admin/organisations/organisation/{acme.pk}/change/").content.decode()
+    made = timezone.localtime(acme.created_at).strftime("%Y-%m-%d %H:%M:%S")
+    assert made in page
+    assert client.get("/favicon.ico").status_code == 204
+
+
+def test_the_user_page_says_members_need_no_staff_flag_and_lists_their_roles(client, root, vera):
+    client.force_login(root)
+    page = client.get(f"/admin/auth/user/{vera.pk}/change/").content.decode()
+    assert "Not needed to sign in: a member of an organisation signs in" in page
+    assert "Memberships (changed on each organisation" in page and "Viewer" in page
