@@ -183,8 +183,26 @@ class Supervisor:
         """Start every process and pass their lines on until they have stopped; the exit code
         (0 when stopped by a signal, else that of the process that exited first)."""
         started = self.clock()
-        for name, command in self.commands.items():
-            self._start(name, command)
+        try:
+            for name, command in self.commands.items():
+                self._start(name, command)
+            return self._supervise(started)
+        except BaseException:
+            self._abandon()  # nothing of covey outlives the supervisor
+            raise
+
+    def _abandon(self) -> None:
+        """The supervisor fails (its terminal gone, say): each command is stopped as at
+        Ctrl-C, given stop_seconds to finish (the runner removes its sandboxes), then killed."""
+        self._stop()
+        for _ in range(int(self.stop_seconds / 0.2) + 1):
+            self._stop_leftovers()
+            if not any(self._alive(p) for p in self.processes.values()):
+                return
+            time.sleep(0.2)
+        self._kill()
+
+    def _supervise(self, started: float) -> int:
         while True:
             self._pass_lines(timeout=0.2)
             if not self._boxed and self._stopping_since is None:
@@ -427,8 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C before anything started: nothing to stop
             print(STOPPED, flush=True)
             return 0
-        signal.signal(signal.SIGINT, supervisor.ask_stop)
-        signal.signal(signal.SIGTERM, supervisor.ask_stop)
+        # A closed terminal (SIGHUP) or a quit stops everything as Ctrl-C does.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(signum, supervisor.ask_stop)
         return supervisor.run()
 
 

@@ -289,3 +289,30 @@ def test_ctrl_c_on_a_terminal_ends_make_with_one_line_and_exit_code_0(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert text.rstrip("\n").split("\n")[-1].split("\r")[-1] == STOPPED, text
     assert "Error" not in text and "make:" not in text, text
+
+
+def test_a_closed_terminal_stops_every_process(tmp_path):
+    """SIGHUP (the terminal closed, an ssh connection dropped) stops everything as Ctrl-C
+    does: before, the supervisor died of it and left every command running."""
+    path = tmp_path / "Procfile"
+    path.write_text(f"web: echo $$ > {tmp_path / 'pid'}; exec sleep 600\n")
+    running = subprocess.Popen(
+        [str(VENV_BIN / "python"), "-m", "covey.supervisor", "--procfile", str(path),
+         "--log", str(tmp_path / "log")],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text().strip():
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.05)
+        child = int((tmp_path / "pid").read_text())
+        running.send_signal(signal.SIGHUP)
+        assert running.wait(timeout=30) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        if running.poll() is None:
+            running.kill()
+            running.wait(timeout=10)
