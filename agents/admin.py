@@ -20,7 +20,7 @@ from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from covey.versions import VersionAdmin, VersionInline, changes_table
-from organisations.admin import TenantScoped
+from organisations.admin import StrictJSONField, TenantScoped
 
 # What an agent without a workplace of its own runs in, wherever that is shown.
 DEFAULT_WORKPLACE = "the default workplace"
@@ -67,7 +67,7 @@ class LabelsField(forms.CharField):
             raise ValidationError(str(exc)) from None
 
 
-class CommandField(forms.JSONField):
+class CommandField(StrictJSONField):
     """A command as a JSON list of arguments; empty means the Claude runtime."""
 
     default_error_messages = {"invalid": COMMAND_RULE}

@@ -144,6 +144,11 @@ class BudgetAdmin(TenantScoped, admin.ModelAdmin):
     inlines = [SpendInline]
     amount_shown = shown("amount", "amount")
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Not by an organisation, as in the API (its periods are the record); the platform
+        # team's deletions (of an organisation, say) take it along.
+        return bool(request.user.is_superuser)
+
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         if obj is not None and not self.has_change_permission(request, obj):
             # Read only: the amount in dollars, the thresholds on one line.

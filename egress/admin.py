@@ -30,6 +30,11 @@ class EgressTokenAdmin(TenantScoped, admin.ModelAdmin):
     fields = readonly_fields
     actions = ["revoke"]
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Revoked (its action), not deleted: the decision log names it. The platform team's
+        # deletions take it along.
+        return bool(request.user.is_superuser)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 

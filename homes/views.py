@@ -407,7 +407,7 @@ def _said(request: Request, name: str) -> str:
     validated later, where it is used."""
     try:
         data = request.data
-    except exceptions.ParseError:
+    except exceptions.APIException:  # unreadable, or read and refused (a NaN, a surrogate)
         return ""
     value = data.get(name) if hasattr(data, "get") else None
     return value if isinstance(value, str) else ""

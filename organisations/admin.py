@@ -14,7 +14,8 @@ from django.contrib.auth.admin import UserAdmin
 from django.contrib.auth.forms import UserChangeForm
 from django.core.exceptions import FieldDoesNotExist, PermissionDenied, ValidationError
 from django.db.models import Count, QuerySet
-from django.http import HttpRequest
+from django.forms.fields import InvalidJSONInput
+from django.http import Http404, HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html_join
@@ -22,6 +23,7 @@ from rest_framework.authtoken.admin import TokenAdmin
 from rest_framework.authtoken.models import TokenProxy
 from simple_history.admin import SimpleHistoryAdmin
 
+import jsonbodies
 from organisations import services, webhooks
 from organisations.models import (
     ApiToken,
@@ -102,6 +104,12 @@ class RoleRefusals:
             return super().changelist_view(request, extra_context)  # type: ignore[misc]
 
     def history_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        """A row's history: of a row the person may read (simple_history would also show a
+        row of another organisation, found in its history table)."""
+        # The platform team also reads the history of deleted rows.
+        found = self.get_object(request, unquote(object_id))  # type: ignore[attr-defined]
+        if found is None and not request.user.is_superuser:
+            raise Http404("no such row")
         with self._saying_why(request, "view", object_id):
             return super().history_view(request, object_id, extra_context)  # type: ignore[misc]
 
@@ -110,7 +118,24 @@ class RoleRefusals:
         return _member(request) or super().has_module_permission(request)  # type: ignore[misc]
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Members read their organisations' rows (and rows of none: templates, prices)."""
+        if obj is not None and not request.user.is_superuser:
+            place = organisation_of(obj)
+            if place is not None and role_of(request.user, place) is None:
+                return False
         return _member(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
+
+    def history_form_view(
+        self, request: HttpRequest, object_id: str, version_id: str, extra_context: Any = None
+    ) -> Any:
+        """A past version (simple_history's page): of a row the person may read, found through
+        the scoped queryset; saving it back (a revert) takes changing the row."""
+        found = self.get_object(request, unquote(object_id))  # type: ignore[attr-defined]
+        if found is None:
+            raise Http404("no such row")
+        if request.method != "GET" and not self.has_change_permission(request, found):  # type: ignore[attr-defined]
+            raise PermissionDenied(self.refusal(request, "change", object_id))
+        return super().history_form_view(request, object_id, version_id, extra_context)  # type: ignore[misc]
 
 
 class PlatformOwned(RoleRefusals):
@@ -152,6 +177,16 @@ class TenantScoped(RoleRefusals):
         role = role_of(request.user, place) if place is not None else None
         return role is not None and RANK[role] >= RANK[self.change_role]
 
+    def save_form(self, request: HttpRequest, form: Any, change: bool) -> Any:
+        """The row as the form would save it, refused unless the person may change rows of
+        its organisation (a posted choice is checked by the form; this holds whatever the
+        admin's own save does)."""
+        found = super().save_form(request, form, change)  # type: ignore[misc]
+        place = organisation_of(found)
+        if place is not None and place.pk is not None and not self._role_allows(request, found):
+            raise PermissionDenied(self.refusal(request, "change" if change else "add"))
+        return found
+
     def changeable(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         """The rows of ``queryset`` the person may change: those of the organisations where
         they hold ``change_role`` (a list mixes those with others they only read)."""
@@ -169,11 +204,12 @@ class TenantScoped(RoleRefusals):
     ) -> Any:
         """An action that changes rows (``change`` or ``delete`` permission) acts on the
         selected rows the person may change; the others are left alone, and they are told."""
-        named = request.POST.getlist("action")
-        index = request.POST.get("index", "0")
-        name = named[int(index)] if index.isdigit() and int(index) < len(named) else ""
-        found = self.get_actions(request).get(name)  # type: ignore[attr-defined]
-        needs = set(getattr(found.func, "allowed_permissions", ()) if found else ())
+        # Every action named counts (Django picks one by an index it parses its own way).
+        actions = self.get_actions(request)  # type: ignore[attr-defined]
+        needs = set()
+        for name in request.POST.getlist("action"):
+            if (found := actions.get(name)) is not None:
+                needs |= set(getattr(found.func, "allowed_permissions", ()))
         if needs & {"change", "delete"}:
             narrowed = self.changeable(request, queryset)
             chosen = _pks(queryset, request.POST.getlist(helpers.ACTION_CHECKBOX_NAME))
@@ -224,6 +260,28 @@ def may_view(request: HttpRequest, model: str) -> bool:
     return bool(found.has_view_permission(request))
 
 
+class StrictJSONField(forms.JSONField):
+    """A form's JSON text read as covey reads every client body (jsonbodies): nesting past
+    its depth, NaN or a lone surrogate is a form error, not a 500 or a stored oddity."""
+
+    def to_python(self, value: Any) -> Any:
+        if isinstance(value, str) and value.strip():
+            try:
+                jsonbodies.loads(value)
+            except jsonbodies.Malformed as exc:
+                raise ValidationError(f"Not JSON covey takes: {exc}.") from None
+        return super().to_python(value)
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        """What the form shows again: the text as posted when it is not JSON covey takes."""
+        if isinstance(data, str) and data.strip():
+            try:
+                jsonbodies.loads(data)
+            except jsonbodies.Malformed:
+                return InvalidJSONInput(data)
+        return super().bound_data(data, initial)
+
+
 def _pks(queryset: QuerySet[Any], values: list[str]) -> list[Any]:
     """The posted ids that are ids of the model (a hostile form posts anything)."""
     field, found = queryset.model._meta.pk, []
@@ -253,7 +311,9 @@ def _scope_choices(model_admin: Any, db_field: Any, request: HttpRequest, kwargs
     if queryset is None:
         queryset = related._default_manager.all()
     if isinstance(queryset, TenantQuerySet):
-        kwargs["queryset"] = queryset.for_user(request.user)
+        # Rows of the organisations where the person may change things: an admin of one
+        # and viewer of another adds nothing to the other.
+        kwargs["queryset"] = model_admin.changeable(request, queryset.for_user(request.user))
 
 
 def _related_only(model: Any, item: Any) -> Any:

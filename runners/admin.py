@@ -128,6 +128,11 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
     actions = ["pause_runners", "resume_runners", "probe_runners"]
 
     @admin.display(description="Last seen", ordering="last_seen_at")
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """The platform team removes a runner (a dead host's); an organisation pauses its own,
+        as the API lets it."""
+        return bool(request.user.is_superuser)
+
     def last_seen_shown(self, obj: Runner) -> str:
         return seconds(obj.last_seen_at, empty="never")
 
@@ -233,6 +238,9 @@ class ProbeAdmin(TenantScoped, admin.ModelAdmin):
         "detail",
         "check_lines",
     )
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.is_superuser)  # a record: only as its runner goes
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # ordered from a runner's page, the API or manage.py egress_probe

@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from covey.versions import VersionAdmin, VersionInline
-from organisations.admin import TenantScoped
+from organisations.admin import StrictJSONField, TenantScoped
 from workplaces import config, services
 from workplaces.models import WORKPLACE_FIELDS, Workplace, WorkplaceVersion
 
@@ -30,7 +30,7 @@ class PackagesField(forms.CharField):
         return [line.strip() for line in (value or "").splitlines() if line.strip()]
 
 
-class JSONListField(forms.JSONField):
+class JSONListField(StrictJSONField):
     """A JSON list, empty when left blank."""
 
     def __init__(self, example: str, **kwargs: Any) -> None:

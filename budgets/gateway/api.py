@@ -60,13 +60,15 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def whole(body: dict[str, Any], name: str, least: int = 1) -> int | None:
-    """``body[name]``, a whole number of at least ``least``; None when absent."""
+def whole(body: dict[str, Any], name: str, least: int = 1, most: int = 10**9) -> int | None:
+    """``body[name]``, a whole number from ``least`` to ``most`` (a count of tokens: a
+    larger one is no request any model answers, and the ledger's worst case of it overflows
+    its columns); None when absent."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise invalid(f"{name}: a whole number of at least {least}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise invalid(f"{name}: a whole number from {least} to {most}")
     return value
 
 

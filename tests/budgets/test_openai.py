@@ -107,8 +107,11 @@ def test_a_chat_requests_output_bound_is_its_maximum_times_its_choices():
     kept = {"model": "m", "max_completion_tokens": 9, "stream": True, "service_tier": "default"}
     kept["stream_options"] = {"include_usage": True, "include_obfuscation": False}
     assert prepare(CHAT, kept).raw == json.dumps(kept).encode()  # nothing to change: as sent
-    with pytest.raises(Refused, match="max_completion_tokens: a whole number of at least 1"):
+    with pytest.raises(Refused, match="max_completion_tokens: a whole number from 1 to"):
         prepare(CHAT, {"model": "m", "max_completion_tokens": 0})
+    # A count no model answers is a 400, not a worst case that overflows the ledger (a 503).
+    with pytest.raises(Refused, match="max_tokens: a whole number from 1 to 1000000000"):
+        prepare(CHAT, {"model": "m", "max_tokens": 10**30})
     with pytest.raises(Refused, match="n: a whole number"):
         prepare(CHAT, {"model": "m", "n": True})
 

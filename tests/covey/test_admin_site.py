@@ -4,14 +4,18 @@ change, the start page says what to do first, and the runners list says what the
 level leaves open."""
 
 import logging
+from decimal import Decimal
 
 import pytest
 from django.contrib.auth.models import Permission
 from django.utils import timezone
 
+from agents.models import Agent
 from approvals import services as approvals
+from budgets.models import Budget
 from organisations.models import Membership, Role
-from runners.models import Runner
+from runners.models import RegistrationToken, Runner
+from templates.models import AllowlistTemplate
 from tests.factories import AgentFactory, online_runner
 
 pytestmark = pytest.mark.django_db
@@ -133,3 +137,90 @@ def test_the_user_page_says_members_need_no_staff_flag_and_lists_their_roles(cli
     page = client.get(f"/admin/auth/user/{vera.pk}/change/").content.decode()
     assert "Not needed to sign in: a member of an organisation signs in" in page
     assert "Memberships (changed on each organisation" in page and "Viewer" in page
+
+
+# --- what a review found (each failed before its fix) ------------------------------------
+
+
+@pytest.fixture
+def alice_in_both(acme, globex, alice, gary):
+    """Alice: admin of Acme, viewer of Globex."""
+    Membership.objects.create(organisation=globex, user=alice, role=Role.VIEWER)
+    return alice
+
+
+def test_history_pages_show_only_the_persons_rows_and_revert_nothing_for_a_reader(
+    client, acme, globex, vera, gary
+):
+    client.force_login(vera)
+    theirs = f"/admin/organisations/organisation/{globex.pk}/history/"
+    assert client.get(theirs).status_code == 404
+    version = globex.history.latest().history_id
+    assert client.get(f"{theirs}{version}/").status_code == 404
+    assert client.post(f"{theirs}{version}/", {"name": "Pwned"}).status_code == 404
+    own = Membership.objects.get(organisation=acme, user=vera)
+    page = f"/admin/organisations/membership/{own.pk}/history/{own.history.latest().history_id}/"
+    assert client.get(page).status_code == 200  # her own row's past: read
+    assert client.post(page, {"role": "admin"}).status_code == 403  # not saved back
+    assert Membership.objects.get(pk=own.pk).role == Role.VIEWER
+    template = AllowlistTemplate.objects.first()
+    template.save()  # shipped by a migration: its first version in the history now
+    page = f"/admin/templates/allowlisttemplate/{template.pk}/history/"
+    answer = client.post(f"{page}{template.history.latest().history_id}/", {"entries": "x.test"})
+    assert answer.status_code == 403 and "takes the platform team" in answer.content.decode()
+
+
+def test_an_admin_of_one_organisation_adds_nothing_to_another_they_only_view(
+    client, globex, alice_in_both
+):
+    client.force_login(alice_in_both)
+    form = client.get("/admin/runners/registrationtoken/add/").content.decode()
+    assert "Acme" in form and "Globex" not in form
+    posted = client.post(
+        "/admin/runners/registrationtoken/add/", {"organisation": globex.pk, "description": "x"}
+    )
+    assert posted.status_code == 200 and "Select a valid choice" in posted.content.decode()
+    assert not RegistrationToken.objects.filter(organisation=globex).exists()
+
+
+@pytest.mark.parametrize("index", ["-1", " 0", "7", "²"])
+def test_an_action_is_narrowed_however_its_index_is_written(client, globex, alice_in_both, index):
+    theirs = AgentFactory(organisation=globex, name="Spy")
+    client.force_login(alice_in_both)
+    answer = client.post(
+        "/admin/agents/agent/",
+        {"action": "disable_agents", "index": index, "_selected_action": [theirs.pk]},
+    )
+    assert answer.status_code in (200, 302)
+    assert Agent.objects.get(pk=theirs.pk).enabled
+
+
+def test_an_organisations_admin_deletes_neither_its_cap_nor_its_runners(client, acme, alice):
+    cap = Budget.objects.create(organisation=acme, agent=None, amount=Decimal(10))
+    runner, _ = online_runner(acme, "edge-1")
+    client.force_login(alice)
+    assert (
+        client.post(f"/admin/budgets/budget/{cap.pk}/delete/", {"post": "yes"}).status_code == 403
+    )
+    deleted = client.post(f"/admin/runners/runner/{runner.pk}/delete/", {"post": "yes"})
+    assert deleted.status_code == 403
+    assert (
+        Budget.objects.filter(pk=cap.pk).exists() and Runner.objects.filter(pk=runner.pk).exists()
+    )
+
+
+def test_a_deeply_nested_command_in_the_agent_form_is_a_form_error(client, acme, alice):
+    agent = AgentFactory(organisation=acme, name="Builder")
+    client.force_login(alice)
+    page = client.get(f"/admin/agents/agent/{agent.pk}/change/")
+    data = {
+        field.name: field.value() or ""
+        for field in page.context["adminform"].form
+        if field.name not in ("templates", "required_labels")
+    }
+    data |= {"runtime_command": "[" * 100_000, "required_labels": ""}
+    for key in [k for k in data if data[k] is None]:
+        data[key] = ""
+    answer = client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
+    assert answer.status_code == 200
+    assert "Not JSON covey takes" in answer.content.decode()

@@ -206,8 +206,10 @@ def test_a_change_refused_for_the_askers_role_is_in_the_homes_audit(agent, vera,
         viewer.post(f"{base}/upload/?path=docs", {"files": [io.BytesIO(b"y")]}, format="multipart"),
         viewer.put(f"{base}/file/?path=nul%00byte", b"", content_type="application/octet-stream"),
         viewer.post(f"{base}/mkdir/", b"{not json", content_type="application/json"),
+        # Read and refused by the strict parser (a NaN): still the role's refusal, recorded.
+        viewer.post(f"{base}/mkdir/", b'{"path": NaN}', content_type="application/json"),
     ]
-    assert [answer.status_code for answer in made] == [403] * 7
+    assert [answer.status_code for answer in made] == [403] * 8
     assert made[0].json()["detail"] == services.ROLE_REFUSAL
     said = HomeChange.objects.order_by("at", "pk").values_list(
         "by_name", "operation", "path", "target", "bytes", "status", "settled"
@@ -220,12 +222,13 @@ def test_a_change_refused_for_the_askers_role_is_in_the_homes_audit(agent, vera,
         ("vera", "write", "docs", "", 0, 403, True),
         ("vera", "write", "nul\ufffdbyte", "", 0, 403, True),
         ("vera", "mkdir", "", "", 0, 403, True),
+        ("vera", "mkdir", "", "", 0, 403, True),
     ]
     assert not HomeOperation.objects.exists()
     admin = APIClient()
     admin.force_authenticate(alice)
     audit = admin.get(f"{base}/changes/").json()
-    assert audit["count"] == 7 and audit["results"][0]["status"] == 403
+    assert audit["count"] == 8 and audit["results"][0]["status"] == 403
 
 
 def test_another_organisations_member_sees_no_home_and_a_viewer_changes_none(agent, gary, vera):
