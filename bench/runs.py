@@ -28,9 +28,9 @@ stacks share the database; each runner serves its own organisation. It measures:
 2. the floor, measured the same way (time before the call to the printed time) and interleaved
    with the covey runs so that drift hits all alike: a bare ``docker run --rm covey-base:trixie
    sh -c 'date +%s%N'`` (the docker CLI), and a second, fairer floor with the options covey's
-   engine gives a sandbox (``runners/engine.py``: init, read-only root, every capability
-   dropped, no-new-privileges, a tmpfs /tmp, uid 1000:1000, CPU, memory and process limits, a
-   bind-mounted home and task folder, bounded json logs).
+   engine gives a sandbox (``runners/host/containers/engine.py``: init, read-only root, every
+   capability dropped, no-new-privileges, a tmpfs /tmp, uid 1000:1000, CPU, memory and process
+   limits, a bind-mounted home and task folder, bounded json logs).
    Where the time goes: the run's events (queued, placed, starting), the moment the runner's
    Celery worker logged the order as received (its log), and the container's ``create`` and
    ``start`` events (``docker events``, run by the bench) split each covey run into segments.
@@ -116,7 +116,8 @@ PEAK_POLL = 0.2
 # file-system broker is polled every 1 s, Docker every 0.5 s): one after another, samples would
 # otherwise lock onto one phase of those loops and always wait the same part of a period.
 JITTER = 1.0
-# The options runners/engine.py's Engine._options gives a sandbox, as docker CLI flags.
+# The options Engine._options (runners/host/containers/engine.py) gives a sandbox, as docker
+# CLI flags.
 AGENT_CPUS, AGENT_MEMORY_MB, AGENT_PIDS, TMP_MB = 1, 2048, 512, 256
 PATHS = ("docker", "secured", "filesystem", "redis")  # the columns: two floors, two brokers
 FLOORS = ("docker", "secured")

@@ -69,7 +69,8 @@ router.register("runs", RunViewSet)
 router.register("requests", RequestViewSet)
 router.register("budgets", BudgetViewSet)
 router.register("charges", ChargeViewSet)
-router.register("package-requests", RequestViewSet, basename="package-request")  # DESIGN.md's name
+# An alias, a public name (docs/architecture.md, "Public names").
+router.register("package-requests", RequestViewSet, basename="package-request")
 
 
 def _home(suffix: str, actions: dict[str, Any], name: str) -> Any:
@@ -184,7 +185,7 @@ urlpatterns = [
         ),
         name="api-docs-internal",
     ),
-    # Before the public API: its router would take "runners/register/" for a runner's id.
+    # Before the public API: its router would take "api/v1/runners/register/" for a runner's id.
     *internal_api,
     *public_api,
 ]

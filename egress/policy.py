@@ -1,8 +1,8 @@
 """The egress decision, as pure Python: no Django, no mitmproxy, no I/O.
 
 Every CONNECT tunnel and plain-HTTP request (an :class:`Attempt`) is decided in these steps, in
-this order (DESIGN.md §3); each function returns a :class:`Decision`, and the first refusal is
-the answer:
+this order (docs/architecture.md, "Egress decisions"); each function returns a
+:class:`Decision`, and the first refusal is the answer:
 
 1. Who is it: :func:`check_request` refuses when the proxy has no policy it can trust, when the
    proxy found the request malformed, and when the credential proves no agent (407); then

@@ -1,9 +1,10 @@
 """The host firewall rules of hard isolation: what ``--internal`` leaves open, closed.
 
 Each rule carries the comment ``covey:<runner>``, so covey finds, checks and removes its own
-and nothing else. runners/isolation.py says why each rule is there; this module installs them
-with the ``iptables``/``ip6tables`` commands (root) and checks they hold: every rule present, in
-order, and nothing ahead of them that could let the bridge's traffic through.
+and nothing else; each says why it is there (``Rule.why``; docs/isolation.md, what Docker
+leaves open). This module installs them with the ``iptables``/``ip6tables`` commands (root) and
+checks they hold: every rule present, in order, and nothing ahead of them that could let the
+bridge's traffic through.
 """
 
 import shlex

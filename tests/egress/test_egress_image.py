@@ -1,9 +1,9 @@
 """The egress proxy's image for runner hosts (``make egress-image``: scripts/image egress, built
 from Dockerfile.egress on covey-base:trixie).
 
-Uses the docker CLI, not the SDK: only runners/engine.py may import docker. Every container a
-test starts carries a label unique to that test and is removed afterwards; no other container
-is touched.
+Uses the docker CLI, not the SDK: only runners/host/containers/ may import docker. Every
+container a test starts carries a label unique to that test and is removed afterwards; no other
+container is touched.
 """
 
 import os

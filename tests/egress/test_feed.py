@@ -1,5 +1,6 @@
-"""The proxy's policy feed asked at once for an unknown token (egress/feed.py, refresh_soon) and
-the bounds on such look-ups (egress/lookups.py): no database, no proxy process."""
+"""The proxy's policy feed asked at once for an unknown token (egress/proxy/feed.py,
+refresh_soon) and the bounds on such look-ups (egress/proxy/lookups.py): no database, no proxy
+process."""
 
 import threading
 import time

@@ -1,4 +1,5 @@
-"""The real proxy command, real clients, upstreams and DNS made by the tests (DESIGN.md §3)."""
+"""The real proxy command, real clients, upstreams and DNS made by the tests (the steps of
+docs/architecture.md, "Egress decisions")."""
 
 import base64
 import contextlib

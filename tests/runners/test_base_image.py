@@ -1,6 +1,6 @@
 """The base image sandboxes run on (``make base-image``, scripts/base-image).
 
-Uses the docker CLI, not the SDK: only runners/engine.py may import docker.
+Uses the docker CLI, not the SDK: only runners/host/containers/ may import docker.
 """
 
 import re

@@ -1,6 +1,6 @@
-"""Where sandboxes reach this host (runners/engine.py, bridge_address): the gateway Docker
-reports, or else the address of the bridge interface the network names, which is what Docker
-engines that found docker0 already configured leave out."""
+"""Where sandboxes reach this host (runners/host/containers/engine.py, bridge_address): the
+gateway Docker reports, or else the address of the bridge interface the network names, which
+is what Docker engines that found docker0 already configured leave out."""
 
 import json
 import subprocess

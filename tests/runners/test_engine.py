@@ -1,6 +1,7 @@
-"""The Docker seam (runners/engine.py) against the real engine and the local base image.
+"""The Docker seam (runners/host/containers/engine.py) against the real engine and the local
+base image.
 
-Containers are inspected with the docker CLI: only runners/engine.py may import docker.
+Containers are inspected with the docker CLI: only runners/host/containers/ may import docker.
 """
 
 import json

@@ -1,5 +1,6 @@
-"""Hard isolation (runners/isolation.py) against the real engine, the real proxy image
-(covey-egress:latest, `make egress-image`) and the host firewall (root and iptables).
+"""Hard isolation (runners/host/containers/isolation.py) against the real engine, the real
+proxy image (covey-egress:latest, `make egress-image`) and the host firewall (root and
+iptables).
 
 The proxy is told of a control plane that does not exist (its own loopback): after a one-second
 grace it refuses everything, which is all the network shape needs. Every probe runs from a

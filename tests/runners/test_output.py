@@ -1,6 +1,6 @@
-"""A running sandbox's output on its way to the control plane (runners/output.py): chunks in
-order, at their byte offsets, never cutting a character, resent or skipped by what the control
-plane says it has."""
+"""A running sandbox's output on its way to the control plane (runners/host/output.py): chunks
+in order, at their byte offsets, never cutting a character, resent or skipped by what the
+control plane says it has."""
 
 import pytest
 

@@ -96,8 +96,8 @@ class SandboxSpec:
     network: str | None = None  # None: the engine's default bridge
     user: str = "1000:1000"
     timeout: int | None = None  # seconds; recorded on the container, enforced by the runner
-    # Under hard isolation (runners/isolation.py, sandbox_network_options): the resolvers
-    # Docker's embedded DNS forwards to, resolv.conf options, and kernel settings.
+    # Under hard isolation (sandbox_network_options, runners/host/containers/isolation.py): the
+    # resolvers Docker's embedded DNS forwards to, resolv.conf options, and kernel settings.
     dns: Sequence[str] = ()
     dns_opt: Sequence[str] = ()
     sysctls: Mapping[str, str] | None = None

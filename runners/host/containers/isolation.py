@@ -834,7 +834,7 @@ def _logs(client: docker.DockerClient, shape: Shape) -> str:
     return bytes(output).decode("utf-8", errors="replace").strip() or "no output"
 
 
-# --- firewall (runners/firewall.py) --------------------------------------------------------
+# --- firewall (runners/host/firewall.py) ---------------------------------------------------
 
 
 def wall(shape: Shape) -> firewall.Wall:
