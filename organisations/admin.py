@@ -268,8 +268,10 @@ class StrictJSONField(forms.JSONField):
         if isinstance(value, str) and value.strip():
             try:
                 jsonbodies.loads(value)
-            except jsonbodies.Malformed as exc:
-                raise ValidationError(f"Not JSON covey takes: {exc}.") from None
+            except jsonbodies.Malformed as exc:  # the field's own words, then where and why
+                said = ValidationError(self.error_messages["invalid"], "invalid", {"value": value})
+                why = ValidationError(f"Not JSON covey takes: {exc}.")
+                raise ValidationError([said, why]) from None
         return super().to_python(value)
 
     def bound_data(self, data: Any, initial: Any) -> Any:
