@@ -196,7 +196,7 @@ def test_runs_go_only_to_runners_with_the_labels_and_of_the_organisation(stack, 
     assert trained.runner == gpu and trained.status == RunStatus.SUCCEEDED
     assert foreign.status == RunStatus.QUEUED and foreign.runner is None
     # Globex's only runner is its built-in one, which no process serves here.
-    assert foreign.status_detail == "no runner can take it now: builtin offline"
+    assert foreign.status_detail == "no runner can take it now: builtin-globex offline"
 
 
 def test_runner_tokens_are_renewed_when_the_control_plane_starts(stack, acme, settings):
