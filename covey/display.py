@@ -2,8 +2,11 @@
 names (a refused run's "enter one in the admin (…: /admin/budgets/modelkey/add/)") as links."""
 
 import re
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
+from django.contrib import admin
 from django.urls import Resolver404, resolve, reverse
 from django.utils import timezone
 from django.utils.html import escape, format_html, format_html_join
@@ -19,6 +22,17 @@ def seconds(moment: datetime | None, empty: str = "-") -> str:
     if moment is None:
         return empty
     return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def moment(field: str, description: str, *, ordered: bool = False) -> Callable[[Any, Any], str]:
+    """An admin column or read-only field showing a row's time ``field`` to the second
+    (``ordered``: the list sorts by it)."""
+
+    def shown(model_admin: Any, obj: Any) -> str:
+        return seconds(getattr(obj, field))
+
+    ordering = field if ordered else None
+    return admin.display(description=description, ordering=ordering)(shown)
 
 
 def linked(text: str) -> SafeString:

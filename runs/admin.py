@@ -31,7 +31,7 @@ from agents.models import Agent
 from budgets.admin import AgentWithSpendAdmin
 from budgets.models import Charge
 from budgets.services import dollars
-from covey.display import linked, seconds
+from covey.display import linked, moment, seconds
 from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken
 from organisations.admin import MembersRead, TenantScoped
@@ -200,25 +200,11 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         # Whole, with the admin page it names a link (a refused run says where to mend it).
         return linked(obj.status_detail) if obj.status_detail else "-"
 
-    @admin.display(description="Created at", ordering="created_at")
-    def created_shown(self, obj: Run) -> str:
-        return seconds(obj.created_at)
-
-    @admin.display(description="Placed at")
-    def placed_shown(self, obj: Run) -> str:
-        return seconds(obj.placed_at)
-
-    @admin.display(description="Started at")
-    def started_shown(self, obj: Run) -> str:
-        return seconds(obj.started_at)
-
-    @admin.display(description="Finished at", ordering="finished_at")
-    def finished_shown(self, obj: Run) -> str:
-        return seconds(obj.finished_at)
-
-    @admin.display(description="Cancel requested at")
-    def cancel_requested_shown(self, obj: Run) -> str:
-        return seconds(obj.cancel_requested_at)
+    created_shown = moment("created_at", "Created at", ordered=True)
+    placed_shown = moment("placed_at", "Placed at")
+    started_shown = moment("started_at", "Started at")
+    finished_shown = moment("finished_at", "Finished at", ordered=True)
+    cancel_requested_shown = moment("cancel_requested_at", "Cancel requested at")
 
     @admin.display(description="Egress")
     def egress_shown(self, obj: Run) -> str:

@@ -50,18 +50,23 @@ def browser() -> Iterator[object]:
     del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
 
 
+def signed_in(context, username: str):
+    """A page of the browser context, signed in to the admin through its own form."""
+    page = context.new_page()
+    page.goto("/admin/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/")
+    return page
+
+
 @pytest.fixture
 def page(browser, live_server):
     """A signed-in operator (a superuser) on the admin."""
     UserFactory(username="operator", is_staff=True, is_superuser=True, password=PASSWORD)
     context = browser.new_context(base_url=live_server.url)
-    page = context.new_page()
-    page.goto("/admin/login/")
-    page.fill("#id_username", "operator")
-    page.fill("#id_password", PASSWORD)
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/")
-    yield page
+    yield signed_in(context, "operator")
     context.close()
 
 
@@ -71,13 +76,7 @@ def window(browser, live_server):
     matters on each list must fit it."""
     UserFactory(username="operator", is_staff=True, is_superuser=True, password=PASSWORD)
     context = browser.new_context(base_url=live_server.url, viewport=WINDOW)
-    page = context.new_page()
-    page.goto("/admin/login/")
-    page.fill("#id_username", "operator")
-    page.fill("#id_password", PASSWORD)
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/")
-    yield page
+    yield signed_in(context, "operator")
     context.close()
 
 

@@ -15,7 +15,7 @@ from budgets.models import Budget
 from egress.services import record_decisions
 from organisations.models import Membership, Role
 from runs import services as runs
-from tests.agents.test_admin_browser import PASSWORD, browser  # noqa: F401 (fixture)
+from tests.agents.test_admin_browser import PASSWORD, browser, signed_in  # noqa: F401
 from tests.factories import (
     AgentFactory,
     OrganisationFactory,
@@ -62,20 +62,14 @@ def sign_in(browser, live_server) -> Iterator[object]:  # noqa: F811
     """Signs a person in through the admin's own form, in a 1280-pixel window."""
     contexts = []
 
-    def signed_in(username: str) -> object:
+    def sign_in_as(username: str) -> object:
         context = browser.new_context(
             base_url=live_server.url, viewport={"width": 1280, "height": 900}
         )
         contexts.append(context)
-        page = context.new_page()
-        page.goto("/admin/login/")
-        page.fill("#id_username", username)
-        page.fill("#id_password", PASSWORD)
-        page.click("input[type=submit]")
-        page.wait_for_url("**/admin/")
-        return page
+        return signed_in(context, username)
 
-    yield signed_in
+    yield sign_in_as
     for context in contexts:
         context.close()
 
