@@ -118,6 +118,7 @@ class Exhausted(OverBudget):
 
     used_up: bool = False
     first: bool = False  # this refusal is the one that found the budget used up
+    least: Decimal = Decimal(0)  # what the least request costs: used up below it
 
     def __str__(self) -> str:
         if self.used_up:
@@ -265,12 +266,13 @@ def reserve(
         # Used up from now (outside the refused transaction): the proxy refuses the agent's
         # egress, its runs are stopped, new ones refused, until the budget is raised.
         with transaction.atomic():
-            exc.first = bool(
-                Spend.objects.filter(pk=exc.spend.pk, exhausted_at__isnull=True).update(
-                    exhausted_at=timezone.now()
-                )
-            )
-            if exc.first:
+            # Read again, locked: a budget raised since the refusal is not marked used up.
+            spend = Spend.objects.select_for_update().get(pk=exc.spend.pk)
+            left = spend.limit - spend.spent
+            if spend.exhausted_at is None and (left <= 0 or left < exc.least):
+                spend.exhausted_at = timezone.now()
+                spend.save(update_fields=["exhausted_at"])
+                exc.first = True
                 tell_reached([exc.spend.pk], used_up=True)
         raise
 
@@ -341,7 +343,7 @@ def _refusal(budget: Budget, spend: Spend, needed: Decimal, least: Decimal) -> O
     left = spend.limit - spend.spent
     if left >= needed:
         return Busy(budget, spend, needed)
-    return Exhausted(budget, spend, needed, used_up=left <= 0 or left < least)
+    return Exhausted(budget, spend, needed, used_up=left <= 0 or left < least, least=least)
 
 
 def micros(amount: Decimal) -> int:

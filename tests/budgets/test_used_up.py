@@ -63,6 +63,29 @@ def test_the_refusal_that_finds_it_used_up_says_so_once(acme, sonnet_price):
     services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="ok")
 
 
+def test_a_budget_raised_between_the_refusal_and_its_mark_is_not_used_up(
+    acme, sonnet_price, monkeypatch
+):
+    """The mark is made after the refused transaction: a raise that commits in between wins
+    (before, the stale refusal marked the raised budget used up and stopped its runs)."""
+    agent = AgentFactory(organisation=acme)
+    services.set_budget(agent, FULL)
+    spend_all(agent)
+    reserve = services._reserve
+
+    def raised_meanwhile(*args, **kwargs):
+        try:
+            return reserve(*args, **kwargs)
+        except services.Exhausted:
+            services.set_budget(agent, Decimal(1))  # another person, just then
+            raise
+
+    monkeypatch.setattr(services, "_reserve", raised_meanwhile)
+    found = refused(agent)
+    assert found.used_up is True and found.first is False  # as read: not marked
+    assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
+
+
 def test_a_new_period_ends_it_and_keeps_the_old_one(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
     with time_machine.travel("2026-11-30T12:00:00Z", tick=False):
