@@ -131,9 +131,10 @@ class RoleRefusals:
         """A past version (simple_history's page): of a row the person may read, found through
         the scoped queryset; saving it back (a revert) takes changing the row."""
         found = self.get_object(request, unquote(object_id))  # type: ignore[attr-defined]
-        if found is None:
+        if found is None and not request.user.is_superuser:  # who also reads deleted rows'
             raise Http404("no such row")
-        if request.method != "GET" and not self.has_change_permission(request, found):  # type: ignore[attr-defined]
+        changing = request.method != "GET" and found is not None
+        if changing and not self.has_change_permission(request, found):  # type: ignore[attr-defined]
             raise PermissionDenied(self.refusal(request, "change", object_id))
         return super().history_form_view(request, object_id, version_id, extra_context)  # type: ignore[misc]
 
