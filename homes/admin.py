@@ -5,6 +5,7 @@ works through the same services as the API, so the runner holding the home does 
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
@@ -187,6 +188,7 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
         path = request.GET.get("path", "")
         offset = int(request.GET["offset"]) if request.GET.get("offset", "").isdigit() else 0
         listing, total, problem = None, 0, ""
+        can_change, active = self._may_change(request, agent), services.active_run(agent)
         try:
             answer = services.ask(agent, HomeOp.LIST, path=path, offset=offset, limit=500)
             total = answer.total
@@ -220,8 +222,10 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
             "offset_to": min(offset + 500, total),
             "next_offset": offset + 500,
             "problem": problem,
-            "can_change": self._may_change(request, agent),
-            "active_run": services.active_run(agent),
+            "can_change": can_change,
+            "active_run": active,
+            # The forms only where a change would be taken (the service refuses it anyway).
+            "writable": can_change and (active is None or settings.COVEY_HOME_WRITES_DURING_RUNS),
             "runner_name": agent.home_runner.name if agent.home_runner else "",
             "changes": [
                 {

@@ -5,6 +5,8 @@ import pytest
 
 from homes.models import HomeChange
 from runners.protocol import HomeOp
+from runs import services as runs
+from runs.models import Run, RunStatus
 from tests.factories import AgentFactory
 
 pytestmark = pytest.mark.django_db
@@ -81,3 +83,20 @@ def test_a_change_refused_for_a_viewer_in_the_browser_is_a_styled_page_and_in_th
     uploaded = client.post(f"/admin/homes/home/{agent.pk}/upload/", {"path": "x"})
     assert uploaded.status_code == 403
     assert HomeChange.objects.filter(agent=agent, operation=HomeOp.WRITE, status=403).exists()
+
+
+def test_the_browser_offers_no_change_while_a_run_holds_the_home(
+    client, acme, alice, orders, settings
+):
+    agent = AgentFactory(organisation=acme, name="Builder")
+    client.force_login(alice)
+    page = client.get(f"/admin/homes/home/{agent.pk}/change/").content.decode()
+    assert 'id="home-upload"' in page and 'id="home-mkdir"' in page
+    run = runs.queue_run(agent, "work")
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING)
+    page = client.get(f"/admin/homes/home/{agent.pk}/change/").content.decode()
+    assert "the home is read-only until it ends" in page
+    assert 'id="home-upload"' not in page and 'id="home-mkdir"' not in page
+    settings.COVEY_HOME_WRITES_DURING_RUNS = True
+    page = client.get(f"/admin/homes/home/{agent.pk}/change/").content.decode()
+    assert 'id="home-upload"' in page
