@@ -64,6 +64,9 @@ def _run_link(run: Run | None) -> str:
     return format_html('<a href="{}">{}</a>', url, run.short_id)
 
 
+OFFSET_RULE = "offset: give a number of bytes (0 or more)\n"
+
+
 class RunEventInline(MembersRead, admin.TabularInline):
     model = RunEvent
     extra = 0
@@ -324,29 +327,33 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         what = "the whole output" if obj.log else "the output so far"
         return format_html('<a href="{}">{}</a>', url, what)
 
-    def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
-        """The run's output as text: the whole log once kept, else what arrived so far; from
-        ``?offset=`` bytes on (as the API's), which the run page follows it with."""
+    def _followed(self, request: HttpRequest, object_id: Any) -> tuple[Run, int | None]:
+        """The run the person may read (else 404) and ``?offset=`` as a number of bytes
+        (None when it is not one): what the log and the live view both follow from."""
         run = self.get_object(request, str(object_id))
         if run is None or not self.has_view_permission(request, run):
             raise Http404("no such run")
         offset = request.GET.get("offset", "0")
-        if not offset.isdigit() or len(offset) > 18:
-            return HttpResponseBadRequest("offset: give a number of bytes (0 or more)\n")
-        return output.log_response(run, int(offset))
+        number = offset.isascii() and offset.isdigit() and len(offset) <= 18
+        return run, int(offset) if number else None
+
+    def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
+        """The run's output as text: the whole log once kept, else what arrived so far; from
+        ``?offset=`` bytes on (as the API's), which the run page follows it with."""
+        run, offset = self._followed(request, object_id)
+        if offset is None:
+            return HttpResponseBadRequest(OFFSET_RULE)
+        return output.log_response(run, offset)
 
     def live_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
         """What the run page follows while the run goes, in one answer so they agree: its
         fields as the page shows them (status, times, egress counts), the output from
         ``?offset=`` bytes on, where to ask from next, and whether all has come (the run
         ended and its output is whole: the page reloads then)."""
-        run = self.get_object(request, str(object_id))
-        if run is None or not self.has_view_permission(request, run):
-            raise Http404("no such run")
-        offset = request.GET.get("offset", "0")
-        if not offset.isdigit() or len(offset) > 18:
-            return HttpResponseBadRequest("offset: give a number of bytes (0 or more)\n")
-        text, size, complete = _output_since(run, int(offset))
+        run, offset = self._followed(request, object_id)
+        if offset is None:
+            return HttpResponseBadRequest(OFFSET_RULE)
+        text, size, complete = _output_since(run, offset)
         fields = {name: str(getattr(self, name)(run)) for name in LIVE_FIELDS}
         fields["status"] = str(escape(run.get_status_display()))
         return JsonResponse(

@@ -119,9 +119,10 @@ def test_a_runs_page_shows_its_command_follows_its_output_and_cancels_it(
     output.append_output(str(run.pk), builtin, first, "linking\n")
     more = operator_client.get(f"/admin/runs/run/{run.pk}/log/", {"offset": first})
     assert (more.content, more["X-Covey-Log-Complete"]) == (b"linking\n", "false")
-    assert (
-        operator_client.get(f"/admin/runs/run/{run.pk}/log/", {"offset": "-1"}).status_code == 400
-    )
+    for view in ("log", "live"):  # "²" is a digit to str.isdigit, and no number to int()
+        for bad in ("-1", "²"):
+            asked = operator_client.get(f"/admin/runs/run/{run.pk}/{view}/", {"offset": bad})
+            assert asked.status_code == 400, (view, bad)
 
     with django_capture_on_commit_callbacks(execute=True):
         answer = operator_client.post(f"/admin/runs/run/{run.pk}/cancel/", follow=True)
