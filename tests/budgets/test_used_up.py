@@ -32,6 +32,14 @@ def spend_all(agent) -> None:
     services.settle(held, Usage(output=1000))
 
 
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[str, list]]:
+    """The tasks that would go to the broker (name, arguments); none is sent."""
+    tasks: list[tuple[str, list]] = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, args: tasks.append((name, args)))
+    return tasks
+
+
 def refused(agent) -> services.Exhausted:
     with pytest.raises(services.Exhausted) as caught:
         services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="r")
@@ -143,13 +151,8 @@ def test_the_proxy_is_told_and_refuses_the_agents_egress(acme, sonnet_price):
     assert flags == {agent.pk: True, other.pk: False}
 
 
-def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
-    acme, sonnet_price, monkeypatch
-):
-    from celery import current_app
+def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(acme, sonnet_price, sent):
 
-    sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, FULL)
     spend_all(agent)
@@ -170,10 +173,8 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(
 
 
 def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
-    acme, sonnet_price, monkeypatch
+    acme, sonnet_price, sent
 ):
-    sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.04"))
     ask = dict(model=SONNET, input_bound=0, max_tokens=1000)  # $0.015 at worst
@@ -197,10 +198,8 @@ def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
 
 
 def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
-    acme, sonnet_price, monkeypatch
+    acme, sonnet_price, sent
 ):
-    sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.01"))
     too_large = refused(agent)  # $0.021 at worst
@@ -233,10 +232,8 @@ def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
 
 
 def test_a_budget_lowered_to_what_was_spent_is_used_up_at_once(
-    acme, sonnet_price, monkeypatch, django_capture_on_commit_callbacks
+    acme, sonnet_price, sent, django_capture_on_commit_callbacks
 ):
-    sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args: sent.append((name, args)))
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal(1))
     held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
