@@ -12,6 +12,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,6 +77,30 @@ def churning(build: Path):
     finally:
         process.kill()
         process.wait()
+
+
+@contextlib.contextmanager
+def flipping(real: Path, outside: Path) -> Iterator[None]:
+    """While inside: a hostile agent swaps the directory ``real`` for a link to ``outside``
+    and back, as fast as it can (a thread of this process)."""
+    parked, link = real.parent / "parked", real.parent / f"{real.name}.link"
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            link.symlink_to(outside)
+            os.rename(real, parked)
+            os.rename(link, real)  # now real -> outside
+            os.unlink(real)
+            os.rename(parked, real)  # and back
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        flipper.join()
 
 
 class TestPaths:
@@ -159,31 +184,14 @@ class TestReading:
         real = home.root / "flip"
         real.mkdir()
         (real / "secret").write_bytes(b"inside")
-        parked = home.root / "parked"
-        stop = threading.Event()
-
-        def flip() -> None:
-            while not stop.is_set():
-                with_link = home.root / "flip.link"
-                with_link.symlink_to(outside)
-                os.rename(real, parked)
-                os.rename(with_link, real)  # now flip -> outside
-                os.unlink(real)
-                os.rename(parked, real)  # and back
-
-        flipper = threading.Thread(target=flip)
-        flipper.start()
         seen = set()
-        try:
+        with flipping(real, outside):
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 try:
                     seen.add(read(home, "flip/secret"))
                 except HomeError as exc:
                     seen.add(exc.status)
-        finally:
-            stop.set()
-            flipper.join()
         assert SECRET not in seen
         assert b"inside" in seen
 
@@ -493,22 +501,8 @@ class TestWalks:
         real = home.root / "flip"
         real.mkdir()
         (real / "inside").write_bytes(b"inside")
-        parked = home.root / "parked"
-        stop = threading.Event()
-
-        def flip() -> None:
-            while not stop.is_set():
-                link = home.root / "flip.link"
-                link.symlink_to(outside)
-                os.rename(real, parked)
-                os.rename(link, real)  # now flip -> outside
-                os.unlink(real)
-                os.rename(parked, real)  # and back
-
-        flipper = threading.Thread(target=flip)
-        flipper.start()
         walks = 0
-        try:
+        with flipping(real, outside):
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 usage = home.usage()
@@ -518,9 +512,6 @@ class TestWalks:
                 archive = b"".join(home.archive(""))
                 assert SECRET not in archive and b"huge.bin" not in archive
                 walks += 1
-        finally:
-            stop.set()
-            flipper.join()
         assert walks > 10
 
     def test_names_that_print_alike_are_never_one_in_a_manifest(self, home):
