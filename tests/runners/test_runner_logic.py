@@ -47,6 +47,18 @@ def proxy_check(exit_code: int = 0, output: bytes = b"answered HTTP/1.1 407"):
     return lambda spec: (exit_code, output) if "proxy-check" in spec.command else None
 
 
+def proxy_starting():
+    """A proxy check refused once (the proxy not listening yet), answered from then on."""
+    answers = iter([(1, b"ConnectionRefusedError")])
+
+    def proxy(spec):
+        if "proxy-check" not in spec.command:
+            return None
+        return next(answers, (0, b"answered HTTP/1.1 407"))
+
+    return proxy
+
+
 class Host:
     """A RunnerHost serving one runner, on a FakeEngine and a FakeControlPlane; ``proxy``:
     how its check of the proxy ends (the check itself is the runner's own code)."""
@@ -143,13 +155,7 @@ def test_a_launch_checks_afresh_rather_than_take_a_failed_check_of_a_proxy_still
     """A run queued in make run's first seconds: the runner's start check found the proxy not
     listening yet, and a launch a moment later takes no answer from it (it was kept 10 s and
     blamed COVEY_RUNNER_PROXY): it checks again, and the proxy answers by then."""
-    answers = iter([(1, b"ConnectionRefusedError")])
-
-    def proxy(spec):
-        if "proxy-check" not in spec.command:
-            return None
-        return next(answers, (0, b"answered HTTP/1.1 407"))
-
+    proxy = proxy_starting()
     starting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=0.5)
     assert "does not answer" in starting.host.start_proxy_checks()[1]
     time.sleep(trust.PROXY_WAIT_STEP_SECONDS + 0.1)  # older than a shared check, not 10 s
@@ -724,13 +730,7 @@ def test_at_start_a_missing_default_image_is_named_for_each_runner(host):
 
 def test_at_start_the_proxy_check_waits_for_a_proxy_still_starting(tmp_path, caplog):
     """Quietly: a proxy a moment from listening is no news; one that never answers is said."""
-    answers = iter([(1, b"ConnectionRefusedError")])
-
-    def proxy(spec):
-        if "proxy-check" not in spec.command:
-            return None
-        return next(answers, (0, b"answered HTTP/1.1 407"))
-
+    proxy = proxy_starting()
     starting = Host(tmp_path, proxy, proxy="172.17.0.1:3128", proxy_wait=5.0)
     assert starting.host.start_proxy_checks() == {1: ""}
     assert "does not answer" not in caplog.text
