@@ -97,16 +97,18 @@ def test_djangos_permissions_alone_let_nobody_in(client, acme, nobody):
     nobody.is_staff = True
     nobody.save()
     nobody.user_permissions.add(*Permission.objects.filter(content_type__app_label="agents"))
+    agent = AgentFactory(organisation=acme, name="Builder")
     client.force_login(nobody)
     assert client.get("/admin/").status_code == 200
     listed = client.get("/admin/agents/agent/").content.decode()
-    assert "0 agents" in listed
+    assert "0 agents" in listed and "Builder" not in listed
+    assert client.get(f"/admin/agents/agent/{agent.pk}/change/").status_code == 302
 
 
 def test_the_refusal_page_has_the_admins_breadcrumbs(client, acme, vera):
     client.force_login(vera)
     page = client.get("/admin/agents/agent/add/").content.decode()
-    assert '<ol class="breadcrumbs">' in page and "Not allowed" in page
+    assert '<ol class="breadcrumbs">' in page and "Not allowed</li>" in page
 
 
 def test_a_viewer_is_told_requests_wait_and_an_approver_to_decide_them(client, acme, vera, april):

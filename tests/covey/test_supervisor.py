@@ -2,6 +2,7 @@
 processes, the box once they are up, the log file that keeps everything, and a Ctrl-C that ends
 with one line and exit code 0, also under make on a terminal."""
 
+import contextlib
 import io
 import os
 import pty
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -80,6 +82,9 @@ class Terminal(io.StringIO):
             return self.getvalue()
 
 
+_supervising: list[tuple[Supervisor, threading.Thread]] = []
+
+
 def supervise(
     commands: dict[str, str], **options
 ) -> tuple[Supervisor, Terminal, io.StringIO, threading.Thread, list[int]]:
@@ -87,7 +92,21 @@ def supervise(
     running = Supervisor(commands, log, terminal, **options)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(running.run()), daemon=True)
+    _supervising.append((running, thread))
     return running, terminal, log, thread, result
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running() -> Iterator[None]:
+    """A test that failed before stopping its supervisor leaves no command running: it is
+    stopped, and killed at once (the second ask)."""
+    yield
+    while _supervising:
+        running, thread = _supervising.pop()
+        if thread.is_alive():
+            running.ask_stop(signal.SIGTERM)
+            running.ask_stop(signal.SIGTERM)
+            thread.join(timeout=35)
 
 
 def test_routine_lines_go_to_the_log_file_only_and_the_box_comes_once_every_process_is_up(tmp_path):
@@ -302,6 +321,7 @@ def test_a_closed_terminal_stops_every_process(tmp_path):
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
+    child = 0
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text().strip():
@@ -312,7 +332,11 @@ def test_a_closed_terminal_stops_every_process(tmp_path):
         assert running.wait(timeout=30) == 0
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)
+        child = 0  # gone, and reaped: its number may be another's now
     finally:
         if running.poll() is None:
             running.kill()
             running.wait(timeout=10)
+        if child:  # the stop failed: its command is still running
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
