@@ -29,8 +29,6 @@ from homes import services, wire
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
 from organisations.admin import TenantScoped
-from organisations.models import Role
-from organisations.roles import role_of
 from runners.protocol import HomeOp
 
 
@@ -102,9 +100,6 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
     list_filter = ["organisation"]
     search_fields = ["name", "slug"]
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).for_user(request.user)  # type: ignore[attr-defined]
-
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -136,9 +131,7 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
         return Agent.objects.select_related("home_runner", "organisation").get(pk=agent.pk)
 
     def _may_change(self, request: HttpRequest, agent: Agent) -> bool:
-        return self.has_change_permission(request, agent) and (
-            role_of(request.user, agent.organisation) == Role.ADMIN
-        )
+        return services.may_change(agent, request.user)  # as the API's
 
     def _changing(self, request: HttpRequest, pk: Any, kind: HomeOp) -> Agent:
         """The agent whose home the person changes; a change they may not make is refused
@@ -388,9 +381,6 @@ class HomeChangeAdmin(TenantScoped, admin.ModelAdmin):
     @admin.display(description="How it went")
     def how_it_went(self, obj: HomeChange) -> str:
         return outcome(obj)
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[HomeChange]:
-        return super().get_queryset(request).for_user(request.user)  # type: ignore[attr-defined]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

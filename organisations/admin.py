@@ -34,11 +34,11 @@ from organisations.models import (
     Webhook,
 )
 from organisations.roles import (
-    RANK,
     has_role_somewhere,
     is_member,
     organisation_of,
     role_of,
+    roles_at_least,
     roles_said,
 )
 
@@ -176,7 +176,7 @@ class TenantScoped(RoleRefusals):
             return has_role_somewhere(request.user, self.change_role)
         place = organisation_of(obj)
         role = role_of(request.user, place) if place is not None else None
-        return role is not None and RANK[role] >= RANK[self.change_role]
+        return role is not None and role in roles_at_least(self.change_role)
 
     def save_form(self, request: HttpRequest, form: Any, change: bool) -> Any:
         """The row as the form would save it, refused unless the person may change rows of
@@ -195,7 +195,7 @@ class TenantScoped(RoleRefusals):
             return queryset if request.user.is_superuser and not self.record else queryset.none()
         if request.user.is_superuser:
             return queryset
-        enough = [role for role, rank in RANK.items() if rank >= RANK[self.change_role]]
+        enough = roles_at_least(self.change_role)
         mine = Membership.objects.filter(user_id=cast(int, request.user.pk), role__in=enough)
         prefix = queryset.membership_lookup.removesuffix("memberships__user")  # type: ignore[attr-defined]
         return queryset.filter(**{f"{prefix}pk__in": mine.values("organisation_id")})

@@ -31,14 +31,18 @@ def is_member(user: Any) -> bool:
     return Membership.objects.filter(user=user).exists()
 
 
+def roles_at_least(least: Role) -> list[Role]:
+    """``least`` and the roles above it (an admin may do what an approver may)."""
+    return [role for role, rank in RANK.items() if rank >= RANK[least]]
+
+
 def has_role_somewhere(user: Any, least: Role) -> bool:
     """Whether the user holds ``least`` or a greater role in some organisation."""
     if not (user.is_authenticated and user.is_active):
         return False
     if user.is_superuser:
         return True
-    enough = [role for role, rank in RANK.items() if rank >= RANK[least]]
-    return Membership.objects.filter(user=user, role__in=enough).exists()
+    return Membership.objects.filter(user=user, role__in=roles_at_least(least)).exists()
 
 
 def organisation_of(obj: Any) -> Organisation | None:
