@@ -10,7 +10,7 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
 from organisations.models import Organisation
-from organisations.roles import is_member
+from organisations.roles import is_member, member_now
 
 
 def may_enter(user: Any) -> bool:
@@ -46,7 +46,8 @@ class AdminSite(admin.AdminSite):
     login_form = LoginForm
 
     def has_permission(self, request: HttpRequest) -> bool:
-        return may_enter(request.user)
+        user = request.user
+        return bool(user.is_active and (user.is_staff or member_now(request)))
 
     def index(self, request: HttpRequest, extra_context: Any = None) -> Any:
         """The start page; on an installation with no organisation it says what to do first."""

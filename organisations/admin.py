@@ -35,7 +35,7 @@ from organisations.models import (
 )
 from organisations.roles import (
     has_role_somewhere,
-    is_member,
+    member_now,
     organisation_of,
     role_of,
     roles_at_least,
@@ -115,7 +115,7 @@ class RoleRefusals:
 
     def has_module_permission(self, request: HttpRequest) -> bool:
         """Every member reads covey's pages: the roles, not Django's staff flag, say so."""
-        return _member(request) or super().has_module_permission(request)  # type: ignore[misc]
+        return member_now(request) or super().has_module_permission(request)  # type: ignore[misc]
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Members read their organisations' rows (and rows of none: templates, prices)."""
@@ -123,7 +123,7 @@ class RoleRefusals:
             place = organisation_of(obj)
             if place is not None and role_of(request.user, place) is None:
                 return False
-        return _member(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
+        return member_now(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
 
     def history_form_view(
         self, request: HttpRequest, object_id: str, version_id: str, extra_context: Any = None
@@ -248,7 +248,7 @@ class MembersRead:
     """An inline every member reads on the page it belongs to (the page is scoped already)."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return _member(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
+        return member_now(request) or super().has_view_permission(request, obj)  # type: ignore[misc]
 
 
 def may_view(request: HttpRequest, model: str) -> bool:
@@ -294,16 +294,6 @@ def _pks(queryset: QuerySet[Any], values: list[str]) -> list[Any]:
         except ValidationError:
             continue
     return found
-
-
-def _member(request: HttpRequest) -> bool:
-    """Whether the person is a member of some organisation (or on the platform team), asked
-    once a request: the index asks every admin."""
-    known = getattr(request, "_covey_member", None)
-    if known is None:
-        known = bool(request.user.is_superuser) or is_member(request.user)
-        request._covey_member = known  # type: ignore[attr-defined]
-    return known
 
 
 def _scope_choices(model_admin: Any, db_field: Any, request: HttpRequest, kwargs: Any) -> None:
@@ -454,7 +444,7 @@ class MembershipInline(admin.TabularInline):
         return formset
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return _member(request)
+        return member_now(request)
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return _administers(request, obj)

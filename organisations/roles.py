@@ -36,6 +36,17 @@ def roles_at_least(least: Role) -> list[Role]:
     return [role for role, rank in RANK.items() if rank >= RANK[least]]
 
 
+def member_now(request: Any) -> bool:
+    """:func:`is_member` of the request's user, or on the platform team (a superuser), asked
+    once a request: the admin asks it of every page and every app on the index."""
+    known = getattr(request, "_covey_member", None)
+    if known is None:
+        user = request.user
+        known = bool(user.is_active and user.is_superuser) or is_member(user)
+        request._covey_member = known
+    return known
+
+
 def has_role_somewhere(user: Any, least: Role) -> bool:
     """Whether the user holds ``least`` or a greater role in some organisation."""
     if not (user.is_authenticated and user.is_active):
