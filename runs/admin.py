@@ -37,7 +37,6 @@ from egress.models import Decision, EgressToken
 from organisations.admin import MembersRead, TenantScoped
 from organisations.models import Role
 from organisations.roles import role_of, roles_said
-from runners.protocol import cut_at_character
 from runs import output, services
 from runs.models import FINISHED, Run, RunEvent
 
@@ -353,7 +352,8 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         run, offset = self._followed(request, object_id)
         if offset is None:
             return HttpResponseBadRequest(OFFSET_RULE)
-        text, size, complete = _output_since(run, offset)
+        data, size, complete = output.output_since(run, offset)
+        text = data.decode(errors="replace")
         fields = {name: str(getattr(self, name)(run)) for name in LIVE_FIELDS}
         fields["status"] = str(escape(run.get_status_display()))
         return JsonResponse(
@@ -382,32 +382,6 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
                 f"{refused} run(s) not cancelled: that takes the admin role in their organisation.",
                 messages.ERROR,
             )
-
-
-def _output_since(run: Run, offset: int) -> tuple[str, int, bool]:
-    """The output from ``offset`` bytes on (at most what one answer of the log carries), the
-    offset it ends at, and whether the run has ended with nothing more to come: the log
-    endpoint's answer (runs/output.py), read for the page."""
-    if not run.log:
-        answer = output.log_response(run, offset)
-        data = answer.content  # type: ignore[attr-defined]  # live output: never streamed
-        return (
-            data.decode(errors="replace"),
-            int(answer["X-Covey-Log-Size"]),
-            answer["X-Covey-Log-Complete"] == "true",
-        )
-    with run.log.open("rb") as file:
-        length = file.size
-        skip = min(max(0, offset - run.log_start), length)
-        file.seek(skip)
-        data = file.read(output.MAX_LIVE_ANSWER_BYTES + 4)  # a character's bytes past the cut
-    data = data[: cut_at_character(data, output.MAX_LIVE_ANSWER_BYTES)]
-    size = run.log_start + skip + len(data)
-    return (
-        data.decode(errors="replace"),
-        size,
-        run.status in FINISHED and skip + len(data) >= length,
-    )
 
 
 def _needs_admin(request: HttpRequest, doing: str, agent: Agent) -> str:

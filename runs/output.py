@@ -129,10 +129,9 @@ def log_response(run: Run, offset: int = 0) -> HttpResponseBase:
         response["Content-Length"] = str(length - skip)
         size = run.log_start + length
     else:
-        data, size = _live_output(run, offset)
-        response = HttpResponse(data, content_type=TEXT)
         # A finished run without a whole log (its runner lost it): what arrived is all.
-        finished = finished and size >= run.output_size
+        data, size, finished = output_since(run, offset)
+        response = HttpResponse(data, content_type=TEXT)
     for name, value in headers.items():
         response[name] = value
     response["X-Covey-Log-Size"] = str(size)
@@ -141,6 +140,26 @@ def log_response(run: Run, offset: int = 0) -> HttpResponseBase:
 
 
 TEXT = "text/plain; charset=utf-8"
+
+
+def output_since(run: Run, offset: int) -> tuple[bytes, int, bool]:
+    """What the run page follows: the output from ``offset`` bytes on, at most
+    MAX_LIVE_ANSWER_BYTES (cut at a character) from the whole log or from live output, the
+    offset it ends at, and whether the run has ended with nothing more to come."""
+    if not run.log:
+        data, size = _live_output(run, offset)
+        return data, size, run.status in FINISHED and size >= run.output_size
+    with run.log.open("rb") as file:
+        length = file.size
+        skip = min(max(0, offset - run.log_start), length)
+        file.seek(skip)
+        data = file.read(MAX_LIVE_ANSWER_BYTES + 4)  # a character's bytes past the cut
+    data = data[: cut_at_character(data, MAX_LIVE_ANSWER_BYTES)]
+    return (
+        data,
+        run.log_start + skip + len(data),
+        run.status in FINISHED and (skip + len(data) >= length),
+    )
 
 
 def _live_output(run: Run, offset: int) -> tuple[bytes, int]:
