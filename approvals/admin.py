@@ -139,9 +139,9 @@ class RequestAdmin(TenantScoped, admin.ModelAdmin):
         """Whether the user may decide each pending request of the page: only they see its
         Decide button (a viewer sees that it waits)."""
         changelist = super().get_changelist_instance(request)
+        allowed = services.decidable(request.user, changelist.result_list)
         for found in changelist.result_list:
-            pending = found.status == Status.PENDING
-            found.may_decide = pending and not services.can_decide(request.user, found)
+            found.may_decide = found.pk in allowed
         return changelist
 
     @admin.display(description="Filed", ordering="created_at")

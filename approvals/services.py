@@ -18,7 +18,7 @@
 """
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -255,6 +255,45 @@ def _not_allowed(user: Any, request: Request) -> str:
     if others := other_deciders(user, request.organisation):
         return f"{mine}: somebody else decides it ({', '.join(others)} may)"
     return ""
+
+
+def decidable(user: Any, requests: Iterable[Request]) -> set[int]:
+    """The ids of the pending ``requests`` that ``user`` may decide: :func:`can_decide`'s rule
+    for a page of them in a few queries (their role per organisation, what they filed, and
+    who else decides once per organisation), not several a row."""
+    pending = [r for r in requests if r.status == Status.PENDING]
+    if not pending or not user.is_authenticated:
+        return set()
+    places = {r.organisation_id for r in pending}
+    roles: dict[int, str] = (
+        dict.fromkeys(places, Role.ADMIN)
+        if user.is_superuser
+        else dict(
+            Membership.objects.filter(user=user, organisation_id__in=places).values_list(
+                "organisation_id", "role"
+            )
+        )
+    )
+    filed = set(
+        Requester.objects.filter(request__in=pending, filed_by=user).values_list(
+            "request_id", flat=True
+        )
+    )
+    alone: dict[int, bool] = {}
+    allowed = set()
+    for request in pending:
+        if roles.get(request.organisation_id) not in DECIDERS:
+            continue
+        if request.pk in filed:
+            organisation = request.organisation
+            if organisation.own_requests == OwnRequests.NEVER:
+                continue
+            if organisation.pk not in alone:
+                alone[organisation.pk] = not other_deciders(user, organisation)
+            if not alone[organisation.pk]:
+                continue
+        allowed.add(request.pk)
+    return allowed
 
 
 def filed_by(user: Any, request: Request) -> bool:

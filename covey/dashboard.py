@@ -23,7 +23,7 @@ from django.utils.text import Truncator
 
 from approvals.models import Request
 from approvals.models import Status as RequestStatus
-from approvals.services import can_decide
+from approvals.services import decidable
 from budgets.models import Budget
 from budgets.services import current_spends, spend_text
 from covey.display import linked, seconds
@@ -86,17 +86,21 @@ def _change(name: str, pk: Any) -> str:
 
 def pending_requests(user: Any) -> Section:
     pending = Request.objects.for_user(user).filter(status=RequestStatus.PENDING)
+    shown = list(
+        pending.select_related("agent__organisation", "organisation").order_by("-created_at")[
+            :SHOWN
+        ]
+    )
+    allowed = decidable(user, shown)
     rows = [
         {
             # Who may decide goes to the decision; anyone else to the request's page.
-            "link": _change("approvals_request", r.pk)
-            if can_decide(user, r)
-            else reverse("admin:approvals_request_decide", args=[r.pk]),
+            "link": reverse("admin:approvals_request_decide", args=[r.pk])
+            if r.pk in allowed
+            else _change("approvals_request", r.pk),
             "cells": [r.agent, _short(f"{r.kind} {r.thing}"), seconds(r.created_at)],
         }
-        for r in pending.select_related("agent__organisation", "organisation").order_by(
-            "-created_at"
-        )[:SHOWN]
+        for r in shown
     ]
     return Section(
         "requests",

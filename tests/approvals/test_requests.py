@@ -422,3 +422,33 @@ def test_only_a_recent_refusal_is_taken_for_what_prompted_a_sandboxs_request(age
         filed = {"kind": "egress", "target": host, "reason": "the SDK"}
         request = services.file_from_sandbox(agent.organisation, token.sha256, filed)
         assert request.requesters.get().refusal == prompted, host
+
+
+def test_which_of_a_page_of_requests_a_person_decides_agrees_with_can_decide(
+    acme, globex, agent, alice, april, vera, gary, root
+):
+    """services.decidable answers for a page in a few queries what can_decide says row by
+    row: for a viewer, an approver, a filer with and without somebody else, four eyes set
+    to never, another organisation's admin and the platform team."""
+    theirs = AgentFactory(organisation=globex, name="Spy")
+    requests = [
+        services.file_egress(agent, "a.example.test", reason="x"),
+        services.file_egress(agent, "b.example.test", reason="x", by=alice),
+        services.file_egress(agent, "c.example.test", reason="x", by=april),
+        services.file_egress(theirs, "d.example.test", reason="x", by=gary),
+    ]
+    services.reject(services.file_egress(agent, "e.example.test", reason="x"), by=april, note="n")
+    requests.append(Request.objects.get(target="e.example.test:443"))
+
+    def agrees() -> None:
+        for user in (alice, april, vera, gary, root):
+            fresh = list(Request.objects.filter(pk__in=[r.pk for r in requests]))
+            expected = {r.pk for r in fresh if not services.can_decide(user, r)}
+            assert services.decidable(user, fresh) == expected, user
+
+    agrees()
+    root.is_active = False  # gary is then globex's only decider of his own filing
+    root.save()
+    agrees()
+    Organisation.objects.filter(pk=globex.pk).update(own_requests=OwnRequests.NEVER)
+    agrees()
