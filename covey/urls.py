@@ -22,12 +22,8 @@ from budgets.views import AgentUsageView, BudgetViewSet, ChargeViewSet
 from covey.health import healthz, readyz
 from covey.metrics import metrics
 from egress.views import DecisionViewSet, EgressTokenViewSet
-from homes.views import (
-    HomeViewSet,
-    RunnerHomeAnswerView,
-    RunnerHomeBodyView,
-    RunnerHomeTakeView,
-)
+from homes.runner_views import RunnerHomeAnswerView, RunnerHomeBodyView, RunnerHomeTakeView
+from homes.views import HomeViewSet
 from organisations.views import MembershipViewSet, OrganisationViewSet
 from runners.views import (
     DecisionIngestView,

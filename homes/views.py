@@ -1,13 +1,10 @@
-"""API: an agent's home from outside (``/api/v1/agents/{id}/home/…``; paths are relative to the
-home and given as ``?path=``), its audit, and the endpoints the runner holding it calls with its
-runner token to take an operation, answer it and move its bytes (``/api/v1/runner/home/…``)."""
+"""The people's API of an agent's home (``/api/v1/agents/{id}/home/…``; paths are relative to
+the home and given as ``?path=``): list, stat, download, upload, change, usage and the audit.
+The runner holding the home answers through homes/runner_views.py."""
 
-import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
@@ -16,70 +13,14 @@ from rest_framework import exceptions, permissions, serializers, status, viewset
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-import jsonbodies
 from agents.models import Agent, size_text
 from covey.api import RefusesUnknownFields
 from covey.pagination import BoundedPagination
 from homes import services, wire
-from homes.models import HomeChange, HomeOperation, OperationState
+from homes.models import HomeChange
 from homes.services import HomeProblem
-from runners.auth import RunnerEndpoint
-from runners.messages import (
-    HomeAnswerSerializer,
-    HomeEntrySerializer,
-    HomeOrderSerializer,
-    HomeSpaceSerializer,
-    Refusal,
-)
-from runners.protocol import (
-    CHANGING,
-    HOME_ANSWER_HEADER,
-    HOME_LISTING_MAX,
-    HomeAnswer,
-    HomeOp,
-    HomeOrder,
-    ProtocolError,
-)
-
-CHUNK = services.CHUNK
-
-
-def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes], int | None]:
-    """A request's body in chunks, never read whole; its length when it said one. A chunked
-    body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
-    raw = request.META.get("CONTENT_LENGTH")
-    if raw:
-        if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
-            raise exceptions.ParseError("Content-Length: give a number of bytes")
-        size = int(raw)
-        return (wire.read(request, size) if consume else iter(())), size
-    if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
-        "wsgi.input_terminated"
-    ):
-        stream = request.META["wsgi.input"]
-        return iter(lambda: stream.read(CHUNK), b""), None
-    raise exceptions.ParseError("give the body's length (Content-Length)")
-
-
-DRAIN_MAX = 64 * CHUNK
-
-
-def _drain(request: HttpRequest) -> None:
-    """Read what is left of a refused request's body (up to DRAIN_MAX), so the connection can
-    carry the next request: the server cannot be told to close it after the answer."""
-    try:
-        raw = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        return
-    if raw <= 0 or raw > DRAIN_MAX:
-        return
-    if getattr(request.META.get("wsgi.input"), "failed", False):
-        return  # broken off, or read on the socket (homes/wire.py): gunicorn closes it
-    try:
-        while request.read(CHUNK):
-            pass
-    except OSError:
-        pass
+from runners.messages import HomeEntrySerializer, HomeSpaceSerializer, Refusal
+from runners.protocol import HOME_LISTING_MAX, HomeOp
 
 
 def _refusal(exc: HomeProblem) -> Response:
@@ -196,7 +137,7 @@ class HomeViewSet(viewsets.ViewSet):
         return agent
 
     def handle_exception(self, exc: Exception) -> Response:
-        _drain(self.request._request)
+        wire.drain(self.request._request)
         if isinstance(exc, HomeProblem):
             return _refusal(exc)
         return super().handle_exception(exc)
@@ -292,7 +233,7 @@ class HomeViewSet(viewsets.ViewSet):
         at all, so a broken upload is simply sent again). 413 when it would pass the quota."""
         path = request.query_params.get("path", "")
         agent = self.changing(request, agent_id, HomeOp.WRITE, path, _length(request))
-        chunks, size = body(request._request)
+        chunks, size = wire.body(request._request)
         if size is None:
             raise exceptions.ParseError("give the file's length (Content-Length)")
         replace = _flag(request, "replace")
@@ -313,7 +254,7 @@ class HomeViewSet(viewsets.ViewSet):
         (each refusal is in the audit too)."""
         directory = request.query_params.get("path", "")
         agent = self.changing(request, agent_id, HomeOp.WRITE, directory)  # no form is read
-        _, size = body(request._request, consume=False)
+        _, size = wire.body(request._request, consume=False)
         if size is None:
             raise exceptions.ParseError("give the form's length (Content-Length)")
         if size > services.upload_cap():
@@ -430,151 +371,3 @@ def _number(request: Request, name: str, default: int) -> int:
 
 def _flag(request: Request, name: str) -> bool:
     return request.query_params.get(name, "").lower() in ("1", "true", "yes", "on")
-
-
-# --- the runner holding the home ------------------------------------------------------------
-
-
-class RunnerHomeView(RunnerEndpoint):
-    def operation(self, request: Request, operation_id: uuid.UUID) -> HomeOperation:
-        return get_object_or_404(
-            HomeOperation.objects.select_related("runner"),
-            pk=operation_id,
-            runner=self.runner(request),
-        )
-
-
-class RunnerHomeTakeView(RunnerHomeView):
-    """Take an operation ordered to this runner: what to do. 410 when it is no longer wanted."""
-
-    @extend_schema(request=None, responses={200: HomeOrderSerializer, 410: Refusal})
-    def post(self, request: Request, operation_id: uuid.UUID) -> Response:
-        op = self.operation(request, operation_id)
-        taken = HomeOperation.objects.filter(pk=op.pk, state=OperationState.ORDERED).update(
-            state=OperationState.TAKEN
-        )
-        if not taken:
-            return Response(
-                {"detail": f"the operation is {op.state}: not to be taken"},
-                status=status.HTTP_410_GONE,
-            )
-        return Response(op.order)
-
-
-class RunnerHomeAnswerView(RunnerHomeView):
-    """What came of an operation this runner took. A change's answer settles its record even
-    when its asker has given up waiting (the change was made all the same)."""
-
-    @extend_schema(request=HomeAnswerSerializer, responses={204: None, 410: Refusal})
-    def post(self, request: Request, operation_id: uuid.UUID) -> Response:
-        op = self.operation(request, operation_id)
-        try:
-            answer = HomeAnswer.from_json(request.data)
-        except ProtocolError as exc:
-            raise exceptions.ValidationError(str(exc)) from None
-        answered = HomeOperation.objects.filter(
-            pk=op.pk, state__in=[OperationState.TAKEN, OperationState.STREAMING]
-        ).update(state=OperationState.ANSWERED, answer=answer.to_json())
-        if op.kind in CHANGING and (answered or op.state == OperationState.ABANDONED):
-            services.settle(op.pk, answer)
-            return Response(status=status.HTTP_204_NO_CONTENT)
-        if not answered:
-            return Response(
-                {"detail": f"the operation is {op.state}: no answer is wanted"},
-                status=status.HTTP_410_GONE,
-            )
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-class RunnerHomeBodyView(RunnerHomeView):
-    """An operation's bytes: an upload's, fetched (GET); a download's, sent (PUT, with the
-    answer in the X-Covey-Home-Answer header) and read by the asker as they come."""
-
-    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
-    def get(self, request: Request, operation_id: uuid.UUID) -> Any:
-        op = self.operation(request, operation_id)
-        if op.kind != HomeOp.WRITE or op.state != OperationState.TAKEN:
-            return Response(
-                {"detail": f"no upload to fetch for this {op.kind} ({op.state})"},
-                status=status.HTTP_410_GONE,
-            )
-        spooled = services.upload_path(op.pk)
-        if not spooled.exists():
-            return Response({"detail": "the upload is gone"}, status=status.HTTP_410_GONE)
-        size = HomeOrder.from_json(op.order).size
-        response = StreamingHttpResponse(
-            services.follow(spooled, wire=wire.sender(request._request), size=size),
-            content_type="application/octet-stream",
-        )
-        response["Content-Length"] = str(size)  # a broken upload is a cut response
-        return response
-
-    @extend_schema(
-        request={"application/octet-stream": OpenApiTypes.BINARY},
-        responses={204: None, 410: Refusal},
-    )
-    def put(self, request: Request, operation_id: uuid.UUID) -> Response:
-        """A download's bytes, spooled as they come and read by its asker meanwhile: the runner
-        is held back while it is more than a window ahead of the reader, and stopped (410) once
-        the reader has left."""
-        op = self.operation(request, operation_id)
-        try:
-            raw = request.headers.get(HOME_ANSWER_HEADER, "")
-            answer = HomeAnswer.from_json(jsonbodies.loads(raw))
-        except (ValueError, ProtocolError) as exc:
-            raise exceptions.ValidationError({HOME_ANSWER_HEADER: str(exc)}) from None
-        chunks, size = body(request._request)
-        spooled = services.download_path(op.pk)
-        end = services.end_of(spooled)
-        try:
-            file = open(spooled, "xb", buffering=0)  # noqa: SIM115 (closed below)
-        except FileExistsError:
-            return _gone(f"the operation's bytes are coming already ({op.state})")
-        with file:
-            streaming = HomeOperation.objects.filter(pk=op.pk, state=OperationState.TAKEN)
-            if not streaming.update(state=OperationState.STREAMING, answer=answer.to_json()):
-                spooled.unlink()
-                return _gone(f"the operation is {op.state}: its bytes are not wanted")
-            written, checked = 0, 0
-            outcome = "broken off"
-            reader = services.Position(spooled)
-            try:
-                for data in chunks:
-                    file.write(data)
-                    written += len(data)
-                    if written - checked >= services.WINDOW or (
-                        written - reader.get() > services.WINDOW
-                    ):
-                        checked = written
-                        if not _keep_up(op, reader, written):
-                            outcome = "its asker left"
-                            return _gone("the operation is no longer wanted (its asker left)")
-                if size is not None and written != size:
-                    outcome = f"{written} bytes came of {size}"
-                else:
-                    outcome = "whole"
-            finally:
-                reader.close()
-                services.mark_end(end, outcome)
-        HomeOperation.objects.filter(pk=op.pk, state=OperationState.STREAMING).update(
-            state=OperationState.ANSWERED
-        )
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-def _keep_up(op: HomeOperation, reader: services.Position, written: int) -> bool:
-    """Wait while the reader is more than a window behind; False once it has left."""
-    deadline = time.monotonic() + services.IDLE_SECONDS
-    while True:
-        op.refresh_from_db(fields=["state"])
-        if op.state == OperationState.ABANDONED:
-            return False
-        if written - reader.get() <= services.WINDOW:
-            return True
-        if time.monotonic() > deadline:
-            return False  # the reader stood still: it is broken off on its side too
-        time.sleep(0.05)
-
-
-def _gone(detail: str) -> Response:
-    return Response({"detail": detail}, status=status.HTTP_410_GONE)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.http import HttpRequest
+from rest_framework import exceptions
 
 from homes.services import CHUNK, IDLE_SECONDS, HomeProblem, Wire
 
@@ -102,3 +103,41 @@ def received(sock: socket.socket, stream: Any, size: int) -> Iterator[bytes]:
             sock.settimeout(said)
     stream.reader.length = 0
     stream.failed = False
+
+
+def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes], int | None]:
+    """A request's body in chunks, never read whole; its length when it said one. A chunked
+    body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
+    raw = request.META.get("CONTENT_LENGTH")
+    if raw:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+            raise exceptions.ParseError("Content-Length: give a number of bytes")
+        size = int(raw)
+        return (read(request, size) if consume else iter(())), size
+    if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
+        "wsgi.input_terminated"
+    ):
+        stream = request.META["wsgi.input"]
+        return iter(lambda: stream.read(CHUNK), b""), None
+    raise exceptions.ParseError("give the body's length (Content-Length)")
+
+
+DRAIN_MAX = 64 * CHUNK
+
+
+def drain(request: HttpRequest) -> None:
+    """Read what is left of a refused request's body (up to DRAIN_MAX), so the connection can
+    carry the next request: the server cannot be told to close it after the answer."""
+    try:
+        raw = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return
+    if raw <= 0 or raw > DRAIN_MAX:
+        return
+    if getattr(request.META.get("wsgi.input"), "failed", False):
+        return  # broken off, or read on the socket (above): gunicorn closes it
+    try:
+        while request.read(CHUNK):
+            pass
+    except OSError:
+        pass

@@ -201,7 +201,7 @@ class ControlPlaneClient:
             HOME_ANSWER_HEADER: json.dumps(answer.to_json()),
             "Content-Type": "application/octet-stream",
             # Its own connection, closed after: the body then goes with a 100 Continue from
-            # the control plane, which reads it straight from the socket (homes/views.py).
+            # the control plane, which reads it straight from the socket (homes/wire.py).
             "Connection": "close",
         }
         url = f"{self.url}/api/v1/runner/home/{operation}/body/"

@@ -16,7 +16,7 @@ from django.core.handlers.wsgi import WSGIRequest
 from gunicorn.config import Config
 from gunicorn.http import RequestParser, wsgi
 
-from homes import services, views, wire
+from homes import services, wire
 from homes.services import HomeProblem
 from runners.host.client import ControlPlaneClient, ControlPlaneError
 from runners.host.homes import Home
@@ -131,7 +131,7 @@ def test_a_body_paused_part_way_is_not_drained_and_its_connection_closes(served)
     chunks = wire.read(one.request, len(BODY))
     next(chunks)  # its reader failed here (a full spool disk), the generator left paused
     started = time.monotonic()
-    views._drain(one.request)  # what a refusal does before it answers
+    wire.drain(one.request)  # what a refusal does before it answers
     assert time.monotonic() - started < 1  # it waited for bytes that never come: 60 s
     one.server.settimeout(2)
     assert one.parser.finish_body() is False
