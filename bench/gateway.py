@@ -91,15 +91,15 @@ def prepare(work: Path) -> tuple[dict[str, str], str, int]:
     from django.db import connections
 
     from agents import services as agents
-    from budgets import services
+    from budgets import keys, services
     from organisations import services as organisations
 
     call_command("migrate", verbosity=0, interactive=False)
     organisation = organisations.create_organisation("Bench", base_allowlist=[])
     agent = agents.create_agent(organisation, "caller")
-    services.set_model_key(organisation, KEY)
+    keys.set_model_key(organisation, KEY)
     services.set_budget(agent, Decimal(1000))
-    token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
     connections.close_all()
     return env, token, agent.pk
 

@@ -15,7 +15,7 @@ from django.http import HttpRequest
 
 from agents.admin import AgentAdmin
 from agents.models import Agent
-from budgets import services
+from budgets import alerts, keys, metering, services
 from budgets.models import DEFAULT_THRESHOLDS, Budget, Charge, ModelKey, Price, Spend
 from budgets.money import dollars, figures
 from organisations.admin import MembersRead, PlatformOwned, TenantScoped
@@ -112,7 +112,7 @@ class BudgetForm(forms.ModelForm):
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
         chosen = [data[name] for name in ALERTS if data.get(name) is not None]
-        data["thresholds"] = services.check_thresholds([*chosen, *self.kept])
+        data["thresholds"] = alerts.check_thresholds([*chosen, *self.kept])
         agent, organisation = data.get("agent"), data.get("organisation")
         if agent is not None and organisation and agent.organisation_id != organisation.pk:
             self.add_error("agent", "The agent is not in this organisation.")
@@ -186,14 +186,14 @@ class BudgetAdmin(TenantScoped, admin.ModelAdmin):
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         """The page's spends in one query, kept on its budgets for the two columns."""
         changelist = super().get_changelist_instance(request)
-        spends = services.current_spends(list(changelist.result_list))
+        spends = metering.current_spends(list(changelist.result_list))
         for budget in changelist.result_list:
             budget.spend_now = spends[budget.pk]
         return changelist
 
     def _spend(self, obj: Budget) -> Any:
         known = getattr(obj, "spend_now", None)
-        return known if known is not None else services.current_spends([obj])[obj.pk]
+        return known if known is not None else metering.current_spends([obj])[obj.pk]
 
     @admin.display(description="Spent this period")
     def spent_now(self, obj: Budget) -> str:
@@ -294,7 +294,7 @@ class ModelKeyForm(forms.ModelForm):
 
     def clean_key(self) -> str:
         try:
-            return services.check_model_key(self.cleaned_data.get("key") or "")
+            return keys.check_model_key(self.cleaned_data.get("key") or "")
         except ValueError as exc:
             raise forms.ValidationError(f"{str(exc)[:1].upper()}{str(exc)[1:]}.") from None
 
@@ -325,7 +325,7 @@ class ModelKeyAdmin(TenantScoped, admin.ModelAdmin):
         return f"…{obj.hint}" if obj.hint else "-"
 
     def save_model(self, request: HttpRequest, obj: ModelKey, form: Any, change: bool) -> None:
-        saved = services.set_model_key(obj.organisation, form.cleaned_data["key"], obj.vendor)
+        saved = keys.set_model_key(obj.organisation, form.cleaned_data["key"], obj.vendor)
         obj.pk, obj.hint = saved.pk, saved.hint
         obj._state.adding = False
 
@@ -342,7 +342,7 @@ class AgentWithSpendAdmin(AgentAdmin):
         """The page's spends in one query."""
         changelist = super().get_changelist_instance(request)
         budgets = [a.budget for a in changelist.result_list if _budget_of(a) is not None]
-        spends = services.current_spends(budgets)
+        spends = metering.current_spends(budgets)
         for agent in changelist.result_list:
             budget = _budget_of(agent)
             agent.spend_now = spends[budget.pk] if budget is not None else None
@@ -353,7 +353,7 @@ class AgentWithSpendAdmin(AgentAdmin):
         budget = _budget_of(obj) if obj.pk else None
         if budget is None:
             return "no budget of its own"
-        spend = getattr(obj, "spend_now", None) or services.current_spends([budget])[budget.pk]
+        spend = getattr(obj, "spend_now", None) or metering.current_spends([budget])[budget.pk]
         return services.spend_text(budget, spend)
 
 

@@ -6,7 +6,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from django.conf import settings
 from django.core.checks import Error, register
 
-from budgets import services
+from budgets import keys
 
 
 @register()
@@ -23,7 +23,7 @@ def budget_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         ]
     try:
-        services.gateway_destination(settings.COVEY_MODEL_GATEWAY_URL)
+        keys.gateway_destination(settings.COVEY_MODEL_GATEWAY_URL)
     except ValueError as exc:
         return [
             Error(

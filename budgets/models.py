@@ -1,7 +1,8 @@
 """Budgets, prices and the ledger of what model requests cost.
 
-Change them only through ``budgets.services``: it reserves and settles in single conditional
-updates, so concurrent requests never together spend more than a budget holds.
+Change them only through ``budgets.services`` (budgets) and ``budgets.metering`` (the ledger,
+which reserves and settles in single conditional updates, so concurrent requests never together
+spend more than a budget holds).
 """
 
 from decimal import Decimal

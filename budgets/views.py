@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents.models import Agent
-from budgets import services
+from budgets import metering, services
 from budgets.models import Budget, Charge, Period
 from covey.api import RefusesUnknownFields
 from organisations.api import OrganisationField, OrganisationScoped, ScopedRelatedField
@@ -49,7 +49,7 @@ class BudgetSerializer(RefusesUnknownFields, serializers.ModelSerializer):
 
     def get_current(self, budget: Budget) -> dict[str, Any]:
         # The list's spends come in one query (BudgetViewSet); one budget's in its own.
-        known = self.context.get("spends") or services.current_spends([budget])
+        known = self.context.get("spends") or metering.current_spends([budget])
         spend = known[budget.pk]
         return {
             "starts_at": spend.starts_at,
@@ -142,7 +142,7 @@ class BudgetViewSet(
     def paginate_queryset(self, queryset: Any) -> Any:
         page = super().paginate_queryset(queryset)
         if page is not None:
-            self.spends = services.current_spends(list(page))
+            self.spends = metering.current_spends(list(page))
         return page
 
     def get_serializer_context(self) -> dict[str, Any]:

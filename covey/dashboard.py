@@ -24,8 +24,9 @@ from django.utils.text import Truncator
 from approvals.models import Request
 from approvals.models import Status as RequestStatus
 from approvals.services import decidable
+from budgets.metering import current_spends
 from budgets.models import Budget
-from budgets.services import current_spends, spend_text
+from budgets.services import spend_text
 from covey.display import linked, seconds
 from egress.models import Decision
 from organisations.admin import may_view

@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 from agents.models import Agent
 from approvals.models import Request
 from approvals.models import Status as RequestStatus
+from budgets.metering import current_spends
 from budgets.models import Budget
-from budgets.services import current_spends
 from egress.models import Decision
 from runners.models import Runner
 from runs.models import Run, RunStatus

@@ -14,7 +14,8 @@ from django.utils import timezone
 
 from agents.models import Agent
 from agents.services import effective_allowlist
-from budgets.services import exhausted, gateway_destination
+from budgets.keys import gateway_destination
+from budgets.services import exhausted
 from egress.models import Decision, EgressToken, ProxySession
 from egress.policy import hash_token
 from organisations.models import Organisation

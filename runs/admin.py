@@ -30,7 +30,7 @@ from agents.admin import DEFAULT_WORKPLACE
 from agents.models import Agent
 from budgets.admin import AgentWithSpendAdmin
 from budgets.models import Charge
-from budgets.services import dollars
+from budgets.money import dollars
 from covey.display import linked, moment, seconds
 from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken

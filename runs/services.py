@@ -17,15 +17,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from agents.models import Agent, home_quota_bytes
+from budgets.keys import has_model_key, issue_gateway_token, model_vendors, revoke_gateway_tokens
 from budgets.models import Vendor
-from budgets.services import (
-    exhausted,
-    has_model_key,
-    issue_gateway_token,
-    model_vendors,
-    revoke_gateway_tokens,
-    used_up,
-)
+from budgets.services import exhausted, used_up
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch

@@ -1,4 +1,4 @@
-"""The model gateway's ledger in covey's database (budgets.services), for the gateway's
+"""The model gateway's ledger in covey's database (budgets/metering.py), for the gateway's
 worker threads: each keeps its database connection; one that fails is closed, so the next
 call opens a new one, and the request is refused (503).
 
@@ -22,7 +22,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.utils import timezone
 
 from agents.models import Agent
-from budgets import services
+from budgets import metering, services
 from budgets.gateway.api import Refused
 from budgets.gateway.server import (
     BUDGET_BUSY,
@@ -31,6 +31,7 @@ from budgets.gateway.server import (
     Caller,
     Hold,
 )
+from budgets.keys import hash_token
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from budgets.usage import Usage
 from covey import crypto
@@ -71,7 +72,7 @@ class DjangoLedger:
         return ""
 
     def known(self, token: str) -> Caller | None:
-        kept = self._callers.get(services.hash_token(token))
+        kept = self._callers.get(hash_token(token))
         if kept is None or self.clock() - kept[0] >= KEPT_SECONDS or kept[1] <= timezone.now():
             return None
         return kept[2]
@@ -80,7 +81,7 @@ class DjangoLedger:
         caller = self.known(token)
         if caller is not None:
             return caller
-        digest = services.hash_token(token)
+        digest = hash_token(token)
         now = self.clock()
         ends, caller = self._authenticate(digest)
         with self._lock:
@@ -151,7 +152,7 @@ class DjangoLedger:
         with _database():
             at = timezone.now()
             hold = partial(
-                services.reserve,
+                metering.reserve,
                 agent,
                 model=model,
                 input_bound=input_bound,
@@ -163,21 +164,21 @@ class DjangoLedger:
             try:
                 try:
                     reservation = hold(
-                        price=services.choose_price(self._prices_now(), model, at, vendor)
+                        price=metering.choose_price(self._prices_now(), model, at, vendor)
                     )
-                except (services.Unpriced, IntegrityError):
+                except (metering.Unpriced, IntegrityError):
                     # Priced (or a row gone) since the rows were read: read them now.
                     reservation = hold(
-                        price=services.choose_price(self._prices_now(0), model, at, vendor)
+                        price=metering.choose_price(self._prices_now(0), model, at, vendor)
                     )
-            except services.Unpriced as exc:
+            except metering.Unpriced as exc:
                 raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
-            except services.Busy as exc:
+            except metering.Busy as exc:
                 # Requests under way hold the rest: this one fits once they end. Not used up.
                 raise Refused(
                     429, "rate_limit_error", str(exc), BUDGET_BUSY, BUSY_RETRY_SECONDS
                 ) from None
-            except services.Exhausted as exc:
+            except metering.Exhausted as exc:
                 if exc.first:  # its runs are stopped (runs.tasks), by name: runs is above us
                     current_app.send_task(services.STOP_OVER_BUDGET, args=[agent.pk])
                 raise Refused(402, "billing_error", str(exc), BUDGET_EXHAUSTED) from None
@@ -185,10 +186,10 @@ class DjangoLedger:
 
     def settle(self, hold: Hold, usage: Usage, *, model: str, outcome: str) -> None:
         with _database():
-            services.settle(
+            metering.settle(
                 Reservation(pk=hold.reservation_id), usage, model=model, outcome=outcome
             )
 
     def release(self, hold: Hold) -> None:
         with _database():
-            services.release(Reservation(pk=hold.reservation_id))
+            metering.release(Reservation(pk=hold.reservation_id))

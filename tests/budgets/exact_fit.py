@@ -21,7 +21,7 @@ def boundary() -> dict[str, Any]:
     their worst case, and ask once more; the same against a budget a millionth short."""
     from django.db import connection
 
-    from budgets import services
+    from budgets import metering, services
     from budgets.models import Price
     from budgets.usage import Usage
     from tests.factories import AgentFactory
@@ -39,12 +39,12 @@ def boundary() -> dict[str, Any]:
 
     def ask(agent: Any, request_id: str) -> tuple[str, Any]:
         try:
-            held = services.reserve(
+            held = metering.reserve(
                 agent, model=MODEL, input_bound=INPUT, max_tokens=OUTPUT, request_id=request_id
             )
-        except services.Busy:
+        except metering.Busy:
             return "busy", None
-        except services.Exhausted as exc:
+        except metering.Exhausted as exc:
             return ("used up" if exc.used_up else "too large"), None
         return "held", held
 
@@ -55,9 +55,9 @@ def boundary() -> dict[str, Any]:
         answers = [ask(agent, f"{name}-{n}") for n in range(4)]
         for _, held in answers:
             if held is not None:
-                services.settle(held, Usage(cache_write_1h=INPUT, output=OUTPUT))
+                metering.settle(held, Usage(cache_write_1h=INPUT, output=OUTPUT))
         last, _ = ask(agent, f"{name}-last")
-        spend = services.current_spend(agent.budget)
+        spend = metering.current_spend(agent.budget)
         seen[name] = {
             "answers": [answer for answer, _ in answers] + [last],
             "spent": str(spend.spent),

@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 from django.contrib.auth.models import Permission
 
-from budgets import services
+from budgets import metering, services
 from budgets.models import Budget
 from budgets.usage import Usage
 from tests.factories import AgentFactory
@@ -28,9 +28,9 @@ def test_money_is_in_dollars_on_the_dashboard_and_every_list_alike(
 ):
     agent = AgentFactory(organisation=acme, name="Builder")
     budget = services.set_budget(agent, Decimal(10))
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
-    services.settle(held, Usage(output=541_563))  # $8.123445: 81 %, near its budget
-    services.reserve(agent, model=SONNET, input_bound=0, max_tokens=100, request_id="b")
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
+    metering.settle(held, Usage(output=541_563))  # $8.123445: 81 %, near its budget
+    metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=100, request_id="b")
     pages = {
         path: operator_client.get(path).text
         for path in ("/admin/", "/admin/budgets/budget/", "/admin/agents/agent/")

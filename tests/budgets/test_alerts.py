@@ -9,7 +9,7 @@ import pytest
 import time_machine
 from django.core import mail
 
-from budgets import services
+from budgets import alerts, metering, services
 from budgets.models import Spend
 from budgets.tasks import alert
 from budgets.usage import Usage
@@ -32,7 +32,7 @@ def sent(monkeypatch):
 
     def send_task(name, args):
         sent.append((name, args))
-        if name == services.ALERT:
+        if name == alerts.ALERT:
             alert(*args)
 
     monkeypatch.setattr(current_app, "send_task", send_task)
@@ -50,13 +50,13 @@ def agent(acme, sonnet_price):
 
 
 def spend(agent, usage: Usage, request_id: str) -> None:
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1, request_id=request_id)
-    services.settle(held, usage)
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=1, request_id=request_id)
+    metering.settle(held, usage)
 
 
 def told(agent) -> list[int]:
     """The thresholds told in the current period."""
-    return services.current_spend(agent.budget).alerted
+    return metering.current_spend(agent.budget).alerted
 
 
 def test_a_threshold_reached_is_told_once_to_the_admins(
@@ -75,7 +75,7 @@ def test_a_threshold_reached_is_told_once_to_the_admins(
     assert message.subject == f"covey: the budget of agent {agent} reached 50 %"
     assert "$5.00 of $10.00 spent" in message.body  # as it is when the email goes
     assert f"/admin/budgets/budget/{agent.budget.pk}/change/" in message.body
-    assert [name for name, _ in sent] == [services.ALERT]
+    assert [name for name, _ in sent] == [alerts.ALERT]
 
 
 def test_two_thresholds_reached_at_once_are_both_told(
@@ -84,7 +84,7 @@ def test_two_thresholds_reached_at_once_are_both_told(
     with django_capture_on_commit_callbacks(execute=True):
         spend(agent, Usage(output=8 * 66_667), "big")  # $8.00004: 50 % and 80 %
     assert told(agent) == [50, 80]
-    assert [args[1] for name, args in sent if name == services.ALERT] == [[50, 80]]
+    assert [args[1] for name, args in sent if name == alerts.ALERT] == [[50, 80]]
     (message,) = mail.outbox  # one message for one change
     assert message.subject == f"covey: the budget of agent {agent} reached 80 %"
 
@@ -94,15 +94,15 @@ def test_a_budget_found_used_up_tells_every_threshold_up_to_100(
 ):
     with django_capture_on_commit_callbacks(execute=True):
         spend(agent, Usage(output=6 * 66_667), "six")  # 60 %
-        with pytest.raises(services.Exhausted) as too_large:  # $4.5 of output; $4 left
-            services.reserve(
+        with pytest.raises(metering.Exhausted) as too_large:  # $4.5 of output; $4 left
+            metering.reserve(
                 agent, model=SONNET, input_bound=0, max_tokens=300_000, request_id="big"
             )
     assert not too_large.value.used_up and told(agent) == [50]  # a smaller one still fits
     with django_capture_on_commit_callbacks(execute=True):
         spend(agent, Usage(output=266_664), "rest")  # $9.99999: less than any request left
-        with pytest.raises(services.Exhausted):
-            services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1, request_id="1")
+        with pytest.raises(metering.Exhausted):
+            metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=1, request_id="1")
     assert told(agent) == [50, 80, 100]  # used up: every threshold up to 100 % is reached
     assert [m.subject for m in mail.outbox] == [
         f"covey: the budget of agent {agent} reached 50 %",

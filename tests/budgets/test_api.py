@@ -4,7 +4,7 @@ from decimal import Decimal
 
 import pytest
 
-from budgets import services
+from budgets import metering, services
 from budgets.models import Budget
 from budgets.usage import Usage
 from tests.agents.test_admin_browser import browser, page  # noqa: F401 (fixtures)
@@ -30,8 +30,8 @@ def test_admins_set_budgets_and_everyone_in_the_organisation_reads_the_spend(
         "daily",
         [50, 80, 100],
     )
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="r1")
-    services.settle(held, Usage(output=100))  # $0.0015
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="r1")
+    metering.settle(held, Usage(output=100))  # $0.0015
     shown = api(vera).get(f"/api/v1/budgets/{budget['id']}/").json()
     assert shown["current"]["spent"] == "0.001500"
     assert shown["current"]["remaining"] == "2.498500"
@@ -101,8 +101,8 @@ def test_an_agent_of_another_organisation_is_refused(api, acme, globex, alice):
 def test_the_admin_pages_of_budgets_prices_and_charges_open(operator_client, acme):
     agent = AgentFactory(organisation=acme)
     budget = services.set_budget(agent, Decimal("1"))
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
-    services.settle(held, Usage(output=10))
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
+    metering.settle(held, Usage(output=10))
     for path in (
         "/admin/budgets/budget/",
         f"/admin/budgets/budget/{budget.pk}/change/",
@@ -131,8 +131,8 @@ def test_a_budget_is_set_in_the_admin_in_a_browser(page, acme, sonnet_price):  #
     budget = Budget.objects.get(agent=agent)
     assert (budget.amount, budget.period, budget.thresholds) == (Decimal("3.5"), "weekly", [50, 90])
     assert page.input_value("#id_amount") == "3.50"  # not the column's 3.500000
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
-    services.settle(held, Usage(output=1000))
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="r1")
+    metering.settle(held, Usage(output=1000))
     page.goto("/admin/budgets/budget/")
     row = page.inner_text("#result_list")
     assert "$3.50" in row and "$0.02" in row and "$3.49" in row  # amount, spent, what remains
@@ -174,10 +174,10 @@ def test_an_agents_usage_in_total_and_by_model_and_its_budgets_now(api, acme, ve
     for n, (model, output) in enumerate(
         [(SONNET, 1000), (SONNET, 2000), ("claude-opus-4-5-20251101", 1000)]
     ):
-        held = services.reserve(
+        held = metering.reserve(
             agent, model=model, input_bound=0, max_tokens=2000, request_id=f"{n}"
         )
-        services.settle(held, Usage(input=10, output=output))
+        metering.settle(held, Usage(input=10, output=output))
     answer = api(vera).get(f"/api/v1/agents/{agent.pk}/usage/")
     assert answer.status_code == 200, answer.content
     usage = answer.json()
@@ -204,12 +204,12 @@ def test_the_agent_list_shows_what_each_spent_against_its_budget(operator_client
     spender = AgentFactory(organisation=acme, name="Spender")
     AgentFactory(organisation=acme, name="Unbounded")
     services.set_budget(spender, Decimal(6))
-    held = services.reserve(spender, model=SONNET, input_bound=0, max_tokens=10, request_id="r")
-    services.settle(held, Usage(output=100_000))  # $1.50
+    held = metering.reserve(spender, model=SONNET, input_bound=0, max_tokens=10, request_id="r")
+    metering.settle(held, Usage(output=100_000))  # $1.50
     small = AgentFactory(organisation=acme, name="Small")
     services.set_budget(small, Decimal(5))
-    held = services.reserve(small, model=SONNET, input_bound=0, max_tokens=10, request_id="s")
-    services.settle(held, Usage(output=83))  # $0.001245: cents would say $0.00
+    held = metering.reserve(small, model=SONNET, input_bound=0, max_tokens=10, request_id="s")
+    metering.settle(held, Usage(output=83))  # $0.001245: cents would say $0.00
     listing = operator_client.get("/admin/agents/agent/").text
     assert "$1.50 of $6.00 this month (25 %)" in listing and "no budget of its own" in listing
     assert "$0.001245 of $5.00 this month (0 %)" in listing

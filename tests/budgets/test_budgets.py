@@ -13,7 +13,7 @@ import time_machine
 from django.db import connection
 from django.utils import timezone
 
-from budgets import periods, services
+from budgets import keys, metering, periods, services
 from budgets.models import Charge, Outcome, Price, Reservation, Spend
 from budgets.usage import Usage
 from tests.factories import AgentFactory
@@ -48,37 +48,37 @@ def test_periods_are_calendar_aligned_in_the_time_zone():
 
 @pytest.mark.django_db
 def test_the_shipped_prices_cover_current_models_and_unknown_ones_are_refused():
-    sonnet = services.price_for(SONNET)
+    sonnet = metering.price_for(SONNET)
     assert (sonnet.model, sonnet.input, sonnet.output) == ("claude-sonnet-4-5-*", 3, 15)
     assert (sonnet.cache_write_5m, sonnet.cache_write_1h, sonnet.cache_read) == (
         Decimal("3.75"),
         6,
         Decimal("0.3"),
     )
-    assert services.price_for("claude-sonnet-4-5").model == "claude-sonnet-4-5"
-    assert services.price_for("claude-opus-4-5-20251101").input == 5
-    assert services.price_for("claude-opus-4-20250514").input == 15  # a name of its own
-    with pytest.raises(services.Unpriced, match="no price for Anthropic's model 'claude-opus-9'"):
-        services.price_for("claude-opus-9")
-    with pytest.raises(services.Unpriced):
-        services.price_for("claude-sonnet-4-50")  # no pattern takes it
+    assert metering.price_for("claude-sonnet-4-5").model == "claude-sonnet-4-5"
+    assert metering.price_for("claude-opus-4-5-20251101").input == 5
+    assert metering.price_for("claude-opus-4-20250514").input == 15  # a name of its own
+    with pytest.raises(metering.Unpriced, match="no price for Anthropic's model 'claude-opus-9'"):
+        metering.price_for("claude-opus-9")
+    with pytest.raises(metering.Unpriced):
+        metering.price_for("claude-sonnet-4-50")  # no pattern takes it
 
 
 @pytest.mark.django_db
 def test_a_price_change_applies_to_requests_that_start_after_it(acme):
     agent = AgentFactory(organisation=acme)
-    before = services.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="a")
+    before = metering.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="a")
     change = timezone.now()
     Price.objects.filter(model="claude-sonnet-4-5-*").update(effective_until=change)
     Price.objects.create(
         model="claude-sonnet-4-5-*", input=6, cache_write_5m=Decimal("7.5"), cache_write_1h=12,
         cache_read=Decimal("0.6"), output=30, effective_from=change, source="test",
     )  # fmt: skip
-    after = services.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b")
+    after = metering.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b")
     usage = Usage(input=1_000_000)
-    assert services.settle(before, usage).cost == 3  # the price it started under
-    assert services.settle(after, usage).cost == 6
-    earlier = services.price_for(SONNET, change - timedelta(seconds=1))
+    assert metering.settle(before, usage).cost == 3  # the price it started under
+    assert metering.settle(after, usage).cost == 6
+    earlier = metering.price_for(SONNET, change - timedelta(seconds=1))
     assert earlier.input == 3
 
 
@@ -90,13 +90,13 @@ def test_a_request_holds_its_worst_case_then_is_charged_what_it_used(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("1.00"))
     # 1000 input tokens at the 1-hour write price ($6) + 1000 output ($15): $0.021.
-    held = services.reserve(
+    held = metering.reserve(
         agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="r-1", run_id=None
     )
     spend = Spend.objects.get(budget__agent=agent)
     assert (held.amount, spend.reserved, spend.spent) == (Decimal("0.021"), held.amount, 0)
     used = Usage(input=10, cache_write_5m=100, cache_write_1h=200, cache_read=300, output=50)
-    charge = services.settle(held, used, model=SONNET)
+    charge = metering.settle(held, used, model=SONNET)
     spend.refresh_from_db()
     # 10*3 + 100*3.75 + 200*6 + 300*0.3 + 50*15 = 2445 per million.
     assert charge.cost == Decimal("0.002445") and spend.spent == charge.cost
@@ -113,9 +113,9 @@ def test_a_request_holds_its_worst_case_then_is_charged_what_it_used(acme):
     )
     assert charge.price.model == "claude-sonnet-4-5-*"
     with pytest.raises(Exception, match="is settled already"):
-        services.settle(held, used)
-    freed = services.reserve(agent, model=SONNET, input_bound=1, max_tokens=1, request_id="r-2")
-    services.release(freed)
+        metering.settle(held, used)
+    freed = metering.reserve(agent, model=SONNET, input_bound=1, max_tokens=1, request_id="r-2")
+    metering.release(freed)
     spend.refresh_from_db()
     assert spend.reserved == 0 and Charge.objects.count() == 1  # released: no charge
 
@@ -124,8 +124,8 @@ def test_a_request_holds_its_worst_case_then_is_charged_what_it_used(acme):
 def test_a_request_that_does_not_fit_is_refused_and_holds_nothing(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.02"))
-    with pytest.raises(services.Exhausted) as refused:
-        services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="x")
+    with pytest.raises(metering.Exhausted) as refused:
+        metering.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="x")
     assert str(refused.value) == (
         f"the budget of agent {agent} has $0.02 left this period; this request may cost up to"
         " $0.021: ask for fewer output tokens, or raise the budget"
@@ -134,7 +134,7 @@ def test_a_request_that_does_not_fit_is_refused_and_holds_nothing(acme):
     assert Spend.objects.get().reserved == 0 and not Reservation.objects.exists()
     # Raising the budget lets it work again, at once.
     services.set_budget(agent, Decimal("0.05"))
-    services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="y")
+    metering.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="y")
 
 
 @pytest.mark.django_db
@@ -142,12 +142,12 @@ def test_the_organisation_caps_the_sum_of_its_agents(acme):
     first, second = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
     services.set_budget(acme, Decimal("0.03"))
     services.set_budget(first, Decimal("1"))  # more than the organisation's: the cap decides
-    one = services.reserve(first, model=SONNET, input_bound=1000, max_tokens=1000, request_id="1")
-    services.settle(one, Usage(output=1000))  # $0.015
+    one = metering.reserve(first, model=SONNET, input_bound=1000, max_tokens=1000, request_id="1")
+    metering.settle(one, Usage(output=1000))  # $0.015
     with pytest.raises(
-        services.Exhausted, match=r"the budget of the organisation has \$0\.015 left"
+        metering.Exhausted, match=r"the budget of the organisation has \$0\.015 left"
     ):
-        services.reserve(second, model=SONNET, input_bound=1000, max_tokens=1000, request_id="2")
+        metering.reserve(second, model=SONNET, input_bound=1000, max_tokens=1000, request_id="2")
     assert Spend.objects.get(budget__agent=first).spent == Decimal("0.015")
 
 
@@ -156,16 +156,16 @@ def test_a_new_period_starts_afresh_and_past_ones_keep_their_spend(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.02"), period=periods.DAILY)
     monday = datetime(2026, 11, 30, 12, tzinfo=UTC)
-    held = services.reserve(
+    held = metering.reserve(
         agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m", at=monday
     )
-    services.settle(held, Usage(output=1000))
-    with pytest.raises(services.Exhausted, match=r"has \$0\.005 left"):
-        services.reserve(
+    metering.settle(held, Usage(output=1000))
+    with pytest.raises(metering.Exhausted, match=r"has \$0\.005 left"):
+        metering.reserve(
             agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="m2", at=monday
         )
     tuesday = monday + timedelta(days=1)
-    services.reserve(
+    metering.reserve(
         agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="t", at=tuesday
     )
     spends = {s.starts_at.date().isoformat(): s for s in Spend.objects.filter(budget__agent=agent)}
@@ -187,13 +187,13 @@ def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_pr
         try:
             start.wait()
             try:
-                held = services.reserve(
+                held = metering.reserve(
                     agent, model=SONNET, input_bound=0, max_tokens=1000, request_id=str(uuid4())
                 )
-            except services.OverBudget:  # busy while others hold it, then used up
+            except metering.OverBudget:  # busy while others hold it, then used up
                 outcomes.append("refused")
                 return
-            services.settle(held, Usage(output=1000))
+            metering.settle(held, Usage(output=1000))
             outcomes.append("charged")
         finally:
             connection.close()
@@ -217,8 +217,8 @@ def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_pr
 def test_changing_the_period_counts_what_the_ledger_holds_for_the_new_one(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("1"), period=periods.MONTHLY)
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="a")
-    charge = services.settle(held, Usage(output=1000))  # $0.015, today
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="a")
+    charge = metering.settle(held, Usage(output=1000))  # $0.015, today
     assert charge.started_at == held.created_at
     services.set_budget(agent, Decimal("1"), period=periods.DAILY)
     today = Spend.objects.get(budget__agent=agent, period=periods.DAILY)
@@ -231,7 +231,7 @@ def test_negative_bounds_are_refused_before_anything_is_held(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("1"))
     with pytest.raises(ValueError, match="cannot be negative"):
-        services.reserve(agent, model=SONNET, input_bound=-(10**9), max_tokens=1, request_id="n")
+        metering.reserve(agent, model=SONNET, input_bound=-(10**9), max_tokens=1, request_id="n")
     assert Spend.objects.get().reserved == 0
 
 
@@ -272,7 +272,7 @@ def test_a_gateway_url_sandboxes_cannot_use_is_refused_at_start(settings, url, p
     ],
 )
 def test_the_gateway_url_names_one_destination(url, destination):
-    assert services.gateway_destination(url) == destination
+    assert keys.gateway_destination(url) == destination
 
 
 def test_a_reservation_never_settled_is_charged_its_worst_case_once_it_is_stale(
@@ -282,13 +282,13 @@ def test_a_reservation_never_settled_is_charged_its_worst_case_once_it_is_stale(
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal(10))
     with time_machine.travel(datetime(2026, 12, 2, 10, 0, tzinfo=UTC)):
-        old = services.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="o")
+        old = metering.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="o")
     with time_machine.travel(datetime(2026, 12, 2, 10, 14, tzinfo=UTC)):
-        services.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="new")
-        assert services.settle_stale() == 0  # 14 minutes: within 10 and the 5-minute margin
+        metering.reserve(agent, model=SONNET, input_bound=100, max_tokens=100, request_id="new")
+        assert metering.settle_stale() == 0  # 14 minutes: within 10 and the 5-minute margin
     with time_machine.travel(datetime(2026, 12, 2, 10, 16, tzinfo=UTC)):
-        assert services.settle_stale() == 1
-        assert services.settle_stale() == 0  # once
+        assert metering.settle_stale() == 1
+        assert metering.settle_stale() == 0  # once
     (charge,) = Charge.objects.all()
     assert (charge.request_id, charge.outcome, charge.cost) == ("o", "unsettled", old.amount)
     spend = Spend.objects.get()

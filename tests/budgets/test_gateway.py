@@ -15,7 +15,7 @@ from django.db import connection
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgets import services
+from budgets import keys, services
 from budgets.gateway import server as gateway_server
 from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
@@ -38,13 +38,13 @@ def gateway(vendor, ca, tmp_path_factory, django_db_setup, django_db_blocker):
 @pytest.fixture
 def agent(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
-    services.set_model_key(acme, KEY)
+    keys.set_model_key(acme, KEY)
     services.set_budget(agent, Decimal(10))
     return agent
 
 
 def token_for(agent) -> str:
-    return services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    return keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
 
 
 def ask(gateway, token, scenario="json", *, bearer=False, **fields):
@@ -175,7 +175,7 @@ def test_unknown_revoked_and_disabled_are_refused_before_the_vendor(gateway, ven
     count = len(vendor.seen)
     assert ask(gateway, "covey-gw-nonsense").status_code == 401
     assert ask(gateway, "").status_code == 401
-    run_token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    run_token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
     GatewayToken.objects.update(revoked_at=timezone.now())
     assert ask(gateway, run_token).status_code == 401
     token = token_for(agent)
@@ -325,7 +325,7 @@ def test_a_burst_that_holds_the_budget_is_told_to_retry_and_uses_nothing_up(
     runner, _ = online_runner(acme)
     run = run_services.queue_run(agent, "work")
     Run.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, runner=runner)
-    token = services.issue_gateway_token(agent, run_id=run.pk, ttl=timedelta(hours=1))
+    token = keys.issue_gateway_token(agent, run_id=run.pk, ttl=timedelta(hours=1))
     body = {"model": MODEL, "max_tokens": 100, "stream": True}
     body["messages"] = [{"role": "user", "content": "slow"}]  # under way for about a second
 

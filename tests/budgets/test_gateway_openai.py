@@ -9,7 +9,7 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from budgets import services
+from budgets import keys, services
 from budgets.models import Charge, Price, Reservation, Spend, Vendor
 from budgets.usage import Usage
 from tests.budgets.conftest import MODEL, OPENAI_KEY, OPENAI_MODEL, start_gateway
@@ -37,13 +37,13 @@ def price(openai_price) -> Price:
 @pytest.fixture
 def agent(acme, price):
     agent = AgentFactory(organisation=acme)
-    services.set_model_key(acme, OPENAI_KEY, Vendor.OPENAI)
+    keys.set_model_key(acme, OPENAI_KEY, Vendor.OPENAI)
     services.set_budget(agent, Decimal(10))
     return agent
 
 
 def token_for(agent) -> str:
-    return services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    return keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
 
 
 def chat(gateway, token, scenario="json", **fields):

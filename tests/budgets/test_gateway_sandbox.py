@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from budgets import services
+from budgets import keys, services
 from budgets.models import Charge, GatewayToken, Vendor
 from runners.host.containers.engine import Engine
 from runs import services as run_services
@@ -62,8 +62,8 @@ def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
         try:
             runner, config = stack.register(acme, "edge-1")
             agent = stack.agent(acme, "Caller", ["sh", "-c", SCRIPT])
-            services.set_model_key(acme, KEY)
-            services.set_model_key(acme, OPENAI_KEY, Vendor.OPENAI)
+            keys.set_model_key(acme, KEY)
+            keys.set_model_key(acme, OPENAI_KEY, Vendor.OPENAI)
             services.set_budget(agent, Decimal(5))
             with stack.runner(runner, config):
                 run = run_services.queue_run(agent, "call your model")
@@ -108,7 +108,7 @@ def test_under_hard_isolation_the_gateway_is_reached_through_the_proxy(
             runner, config = world.register(acme, "isolated-gw")
             # Its allowlist names nothing on this machine: the gateway is allowed as built in.
             agent = world.stack.agent(acme, "Isolated caller", ["sh", "-c", SCRIPT])
-            services.set_model_key(acme, KEY)
+            keys.set_model_key(acme, KEY)
             services.set_budget(agent, Decimal(5))
             with world.stack.runner(runner, config, **world.runner_env()):
                 run = world.stack.wait(

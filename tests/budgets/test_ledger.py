@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from budgets import services
+from budgets import keys, services
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
@@ -26,10 +26,10 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def setup(acme, sonnet_price):
     agent = AgentFactory(organisation=acme)
-    services.set_model_key(acme, KEY)
+    keys.set_model_key(acme, KEY)
     services.set_budget(agent, Decimal(10))
     clock = Clock(100.0)
-    token = services.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
     return DjangoLedger(clock=clock), clock, token
 
 
@@ -82,7 +82,7 @@ def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
 
 def test_a_key_that_cannot_be_read_refuses_its_vendor_alone(setup, acme, caplog):
     ledger, _, token = setup
-    services.set_model_key(acme, "sk-openai-sealed-with-a-lost-key", "openai")
+    keys.set_model_key(acme, "sk-openai-sealed-with-a-lost-key", "openai")
     ModelKey.objects.filter(vendor="openai").update(secret="sealed-by-another-key")
     caller = ledger.authenticate(token)
     assert caller.keys == {"anthropic": KEY, "openai": ""}  # the gateway refuses OpenAI (503)

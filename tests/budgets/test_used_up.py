@@ -10,7 +10,7 @@ import time_machine
 from celery import current_app
 from django.core.exceptions import ValidationError
 
-from budgets import services
+from budgets import metering, services
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import DjangoLedger
 from budgets.gateway.server import Caller
@@ -28,8 +28,8 @@ FULL = Decimal("0.015")  # what a request of 1000 tokens of Sonnet output costs
 
 def spend_all(agent) -> None:
     """Spend the agent's budget of FULL (or its organisation's), whole: nothing is left."""
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="all")
-    services.settle(held, Usage(output=1000))
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=1000, request_id="all")
+    metering.settle(held, Usage(output=1000))
 
 
 @pytest.fixture
@@ -40,9 +40,9 @@ def sent(monkeypatch) -> list[tuple[str, list]]:
     return tasks
 
 
-def refused(agent) -> services.Exhausted:
-    with pytest.raises(services.Exhausted) as caught:
-        services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="r")
+def refused(agent) -> metering.Exhausted:
+    with pytest.raises(metering.Exhausted) as caught:
+        metering.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="r")
     return caught.value
 
 
@@ -65,10 +65,10 @@ def test_the_refusal_that_finds_it_used_up_says_so_once(acme, sonnet_price):
     services.set_budget(agent, FULL)  # saved again unchanged: still used up
     services.set_budget(agent, Decimal("0.005"))  # lowered: still used up
     assert services.exhausted() == ({agent.pk}, set())
-    assert services.current_spend(agent.budget).alerted == [50, 80, 100]
+    assert metering.current_spend(agent.budget).alerted == [50, 80, 100]
     services.set_budget(agent, Decimal(1))  # raised: it works again at once
     assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
-    services.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="ok")
+    metering.reserve(agent, model=SONNET, input_bound=1000, max_tokens=1000, request_id="ok")
 
 
 def test_a_budget_raised_between_the_refusal_and_its_mark_is_not_used_up(
@@ -79,16 +79,16 @@ def test_a_budget_raised_between_the_refusal_and_its_mark_is_not_used_up(
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, FULL)
     spend_all(agent)
-    reserve = services._reserve
+    reserve = metering._reserve
 
     def raised_meanwhile(*args, **kwargs):
         try:
             return reserve(*args, **kwargs)
-        except services.Exhausted:
+        except metering.Exhausted:
             services.set_budget(agent, Decimal(1))  # another person, just then
             raise
 
-    monkeypatch.setattr(services, "_reserve", raised_meanwhile)
+    monkeypatch.setattr(metering, "_reserve", raised_meanwhile)
     found = refused(agent)
     assert found.used_up is True and found.first is False  # as read: not marked
     assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
@@ -178,9 +178,9 @@ def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.04"))
     ask = dict(model=SONNET, input_bound=0, max_tokens=1000)  # $0.015 at worst
-    held = [services.reserve(agent, request_id=f"{n}", **ask) for n in range(2)]
-    with pytest.raises(services.Busy) as busy:  # $0.01 free: the two hold $0.03
-        services.reserve(agent, request_id="third", **ask)
+    held = [metering.reserve(agent, request_id=f"{n}", **ask) for n in range(2)]
+    with pytest.raises(metering.Busy) as busy:  # $0.01 free: the two hold $0.03
+        metering.reserve(agent, request_id="third", **ask)
     assert str(busy.value) == (
         f"the budget of agent {agent} is busy: requests under way hold $0.03 of the $0.04 left"
         " this period, and this request may cost up to $0.015: retry when they end"
@@ -190,11 +190,11 @@ def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
         DjangoLedger().reserve(caller, vendor="anthropic", request_id="gw", **ask)
     assert (answered.value.status, answered.value.reason) == (429, "budget-busy")
     assert answered.value.kind == "rate_limit_error" and answered.value.retry_after == 2
-    spend = services.current_spend(agent.budget)
+    spend = metering.current_spend(agent.budget)
     assert spend.exhausted_at is None and spend.alerted == [] and sent == []
     assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
-    services.settle(held[0], Usage(output=100))  # one ends, for less than its worst case
-    services.reserve(agent, request_id="retried", **ask)  # and the same request fits
+    metering.settle(held[0], Usage(output=100))  # one ends, for less than its worst case
+    metering.reserve(agent, request_id="retried", **ask)  # and the same request fits
 
 
 def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
@@ -216,7 +216,7 @@ def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
         )  # fmt: skip
     assert (answered.value.status, answered.value.reason) == (402, "budget-exhausted")
     assert services.used_up(agent) == "" and sent == []  # its runs go on
-    services.reserve(agent, model=SONNET, input_bound=0, max_tokens=600, request_id="smaller")
+    metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=600, request_id="smaller")
 
 
 def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
@@ -236,17 +236,17 @@ def test_a_budget_lowered_to_what_was_spent_is_used_up_at_once(
 ):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal(1))
-    held = services.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
-    services.settle(held, Usage(output=20_000))  # $0.30
+    held = metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=10, request_id="a")
+    metering.settle(held, Usage(output=20_000))  # $0.30
     services.set_budget(agent, Decimal("0.50"))  # lowered, still above what was spent
     assert services.used_up(agent) == "" and not [n for n, _ in sent if n.startswith("runs.")]
     with django_capture_on_commit_callbacks(execute=True):
         services.set_budget(agent, Decimal("0.30"))  # lowered to what was spent
     assert "the budget of agent" in services.used_up(agent)
     assert ("runs.stop_over_budget", [agent.pk]) in sent
-    assert services.current_spend(agent.budget).alerted == [50, 80, 100]
+    assert metering.current_spend(agent.budget).alerted == [50, 80, 100]
     organisation_wide = services.set_budget(acme, Decimal(5))
     with django_capture_on_commit_callbacks(execute=True):
         services.set_budget(acme, Decimal("0.10"))  # the organisation's, below its agents' sum
-    assert services.current_spend(organisation_wide).exhausted_at is not None
+    assert metering.current_spend(organisation_wide).exhausted_at is not None
     assert [name for name, _ in sent].count("runs.stop_over_budget") == 2  # every agent's runs

@@ -8,8 +8,8 @@ import pytest
 from django.utils import timezone
 
 from approvals import services as approvals
+from budgets.metering import current_spend
 from budgets.models import Budget, Spend
-from budgets.services import current_spend
 from egress.services import record_decisions
 from runners.models import Runner
 from runs import services as runs

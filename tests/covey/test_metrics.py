@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agents.models import Agent
 from approvals import services as approvals
+from budgets.metering import current_spend
 from budgets.models import Budget, Spend
-from budgets.services import current_spend
 from covey.metrics import _quantile
 from egress.services import record_decisions
 from runs import services as runs

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from agents import services
 from approvals.services import approve, file_egress, file_package
+from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
 from covey.pagination import BoundedPagination
@@ -67,10 +68,10 @@ def make_rows(acme, alice, count):
         file_package(agent, "apt", "jq", reason="jq")
         approve(asked, by=UserFactory(username="decider", is_superuser=True), note="fine")
         budgets.set_budget(agent, Decimal("10"), period="daily")
-        held = budgets.reserve(
+        held = metering.reserve(
             agent, model=SONNET, input_bound=10, max_tokens=10, request_id=str(uuid4())
         )
-        budgets.settle(held, Usage(output=5))
+        metering.settle(held, Usage(output=5))
 
 
 # Every list endpoint of the router, from the router itself: a new resource is measured too

@@ -281,7 +281,7 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
 
         subprocess.run(
             [str(VENV_BIN / "python"), "manage.py", "shell", "-c",
-             "from budgets.services import set_model_key; from organisations.models import"
+             "from budgets.keys import set_model_key; from organisations.models import"
              f" Organisation; set_model_key(Organisation.objects.get(name='Demo'), {KEY!r})"],
             cwd=ROOT, env=env, check=True, timeout=60,
         )  # fmt: skip

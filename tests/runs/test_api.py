@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from budgets.services import set_model_key
+from budgets.keys import set_model_key
 from runners import dispatch
 from runners.host import sealing
 from runners.models import Runner

@@ -21,6 +21,7 @@ from rest_framework.test import APIClient
 
 from agents import services as agent_services
 from approvals import services as approvals
+from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
 from egress.models import EgressToken
@@ -51,8 +52,8 @@ def things(acme, alice) -> dict[str, Any]:
     agent = agent_services.create_agent(acme, "Bounded", allowlist=["a.example"])
     runner, runner_token = online_runner(acme)
     budgets.set_budget(agent, Decimal(5))
-    held = budgets.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b1")
-    charge = budgets.settle(held, Usage(input=5, output=5))
+    held = metering.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b1")
+    charge = metering.settle(held, Usage(input=5, output=5))
     record_decisions([decision_event(agent)])
     token, credentials = issue_token(agent)
     request = approvals.file_egress(agent, "b.example", reason="boundaries", by=alice)
