@@ -18,7 +18,7 @@ import httpx
 import pytest
 from dnslib.server import DNSLogger, DNSServer  # type: ignore[import-untyped]
 
-from runners.host.containers import isolation
+from runners.host.containers import isolation, shape
 from runners.host.containers.engine import Engine
 from tests.budgets.conftest import KEY, ca, vendor  # noqa: F401 - fixtures
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
@@ -370,8 +370,8 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
             """The isolation shapes of this installation's runners (key: the first one's)."""
             key = names[0].rsplit("-", 1)[1]
             listed = subprocess.run(
-                ["docker", "network", "ls", "--filter", f"label={isolation.LABEL_ISOLATION}",
-                 "--format", f'{{{{.Label "{isolation.LABEL_ISOLATION}"}}}}'],
+                ["docker", "network", "ls", "--filter", f"label={shape.LABEL_ISOLATION}",
+                 "--format", f'{{{{.Label "{shape.LABEL_ISOLATION}"}}}}'],
                 capture_output=True, text=True, check=True, timeout=60,
             ).stdout.split()  # fmt: skip
             return sorted({name for name in listed if name.endswith(f"-{key}")})
