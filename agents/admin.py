@@ -19,8 +19,9 @@ from django.utils.http import urlencode
 from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
-from covey.versions import VersionAdmin, VersionInline, changes_table
+from covey.versions import changes_table
 from organisations.admin import StrictJSONField, TenantScoped
+from organisations.readonly import VersionAdmin, VersionInline
 
 # What an agent without a workplace of its own runs in, wherever that is shown.
 DEFAULT_WORKPLACE = "the default workplace"
@@ -249,7 +250,7 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(AgentVersion)
-class AgentVersionAdmin(TenantScoped, VersionAdmin):
+class AgentVersionAdmin(VersionAdmin):
     parent = "agent"
     list_display = ["agent", "number", "created_by", "created_at", "changes_shown"]
     list_filter = ["agent__organisation", "agent"]

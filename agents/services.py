@@ -12,9 +12,9 @@ from django.db import transaction
 
 from agents import models
 from agents.labels import normalise_labels
-from agents.models import COMMAND_RULE, Agent, AgentVersion, is_command
+from agents.models import COMMAND_RULE, Agent, is_command
 from allowlists.entries import Entry, parse_entry
-from covey.versions import diff_configs
+from covey.versions import record_version
 from organisations.models import Organisation
 from organisations.services import find_one, slug_for
 from templates.models import AllowlistTemplate
@@ -92,9 +92,7 @@ def create_agent(
     _validate(agent)
     agent.save()
     agent.templates.set(list(templates))
-    AgentVersion.objects.create(
-        agent=agent, number=1, config=agent_config(agent), changes={}, created_by=_user(by)
-    )
+    record_version(agent, agent_config(agent), by=by)
     return agent
 
 
@@ -128,14 +126,7 @@ def update_agent(agent: Agent, *, by: Any = None, reason: str = "", **changes: A
     if after != before:
         locked.version += 1
         locked.save(update_fields=["version", "updated_at"])
-        AgentVersion.objects.create(
-            agent=locked,
-            number=locked.version,
-            config=after,
-            changes=diff_configs(before, after),
-            created_by=_user(by),
-            reason=reason[:500],
-        )
+        record_version(locked, after, before=before, by=by, reason=reason)
     agent.refresh_from_db()
     return locked
 
@@ -177,7 +168,3 @@ def _labels(values: Iterable[str]) -> list[str]:
         return normalise_labels(list(values) if not isinstance(values, str) else values)
     except ValueError as exc:
         raise ValidationError({"required_labels": [str(exc)]}) from None
-
-
-def _user(by: Any) -> Any:
-    return by if by is not None and by.is_authenticated else None

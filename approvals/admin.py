@@ -18,18 +18,8 @@ from agents.models import Agent
 from approvals import services
 from approvals.models import Grant, Kind, Request, Requester, Scope, Status
 from covey.display import seconds
-from organisations.admin import MembersRead, TenantScoped
-
-
-class ReadOnlyInline(MembersRead, admin.TabularInline):
-    extra = 0
-    can_delete = False
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+from organisations.admin import TenantScoped
+from organisations.readonly import ReadOnlyAdmin, ReadOnlyInline
 
 
 class RequesterInline(ReadOnlyInline):
@@ -73,7 +63,8 @@ class DecisionForm(forms.Form):
 
 
 @admin.register(Request)
-class RequestAdmin(TenantScoped, admin.ModelAdmin):
+class RequestAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
+    # A request is a record: it is decided (decide_view), never edited.
     # The decision (a button for who may decide) right after what is asked, so it is in view
     # in a 1280-pixel window beside the filters.
     list_display = ["what", "decide_link", "agent", "kind", "created_shown", "reason"]
@@ -125,15 +116,6 @@ class RequestAdmin(TenantScoped, admin.ModelAdmin):
         if not request.GET and request.method == "GET":  # the pending ones first
             return HttpResponseRedirect(f"{request.path}?status__exact={Status.PENDING}")
         return super().changelist_view(request, extra_context)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False  # a request is a record: it is decided (decide_view), never edited
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         """Whether the user may decide each pending request of the page: only they see its

@@ -18,7 +18,8 @@ from agents.models import Agent
 from budgets import alerts, keys, metering, services
 from budgets.models import DEFAULT_THRESHOLDS, Budget, Charge, ModelKey, Price, Spend
 from budgets.money import dollars, figures
-from organisations.admin import MembersRead, PlatformOwned, TenantScoped
+from organisations.admin import PlatformOwned, TenantScoped
+from organisations.readonly import ReadOnlyAdmin, ReadOnlyInline
 
 
 def shown(name: str, description: str, *, exact: bool = False) -> Callable[[Any, Any], str]:
@@ -44,12 +45,10 @@ DOLLARS: dict[type[models.Field], dict[str, Any]] = {
 }
 
 
-class SpendInline(MembersRead, admin.TabularInline):
+class SpendInline(ReadOnlyInline):
     """Every period of the budget, newest first: what was spent against what limit."""
 
     model = Spend
-    extra = 0
-    can_delete = False
     ordering = ["-starts_at"]
     fields = (
         "starts_at", "ends_at", "limit_shown", "spent_shown", "reserved_shown", "alerted",
@@ -59,12 +58,6 @@ class SpendInline(MembersRead, admin.TabularInline):
     limit_shown = shown("limit", "limit", exact=True)
     spent_shown = shown("spent", "spent", exact=True)
     reserved_shown = shown("reserved", "held by requests under way", exact=True)
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 ALERTS = ("alert_1", "alert_2", "alert_3")  # the form's three thresholds
@@ -247,7 +240,7 @@ class PriceAdmin(PlatformOwned, admin.ModelAdmin):
 
 
 @admin.register(Charge)
-class ChargeAdmin(TenantScoped, admin.ModelAdmin):
+class ChargeAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     """The ledger: one row per model request, never changed."""
 
     list_display = [
@@ -268,15 +261,6 @@ class ChargeAdmin(TenantScoped, admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Charge]:
         return super().get_queryset(request).select_related("agent", "price")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 class ModelKeyForm(forms.ModelForm):

@@ -1,19 +1,19 @@
-"""What versioned configuration shares (agents, workplaces): differences between two versions,
-shown in the admin as a table and in the API as field → [old, new], and the API's
-``versions/`` and ``compare/`` actions.
+"""What versioned configuration shares (agents, workplaces): writing a version
+(:func:`record_version`), differences between two versions, shown in the admin as a table and
+in the API as field → [old, new], and the API's ``versions/`` and ``compare/`` actions (the
+admin's pages of versions: organisations/readonly.py). Imports no covey app.
 
 A versioned model has a ``versions`` relation to rows with ``number``, ``config`` (the whole
 configuration at that version), ``changes`` (field → [old, new] from the one before),
-``created_by``, ``reason`` and ``created_at``; its app's services write them, never the views.
+``created_by``, ``reason`` and ``created_at``; its app's services write them with
+:func:`record_version`, never the views.
 """
 
 import json
 from typing import Any
 
 from django.conf import settings
-from django.contrib import admin
 from django.db import models
-from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
 from django.utils.html import format_html, format_html_join
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -21,8 +21,6 @@ from rest_framework import exceptions, serializers
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
-
-from organisations.admin import MembersRead
 
 
 class Version(models.Model):
@@ -47,6 +45,26 @@ class Version(models.Model):
 
     class Meta:
         abstract = True
+
+
+def record_version(
+    owner: Any,
+    config: dict[str, Any],
+    *,
+    before: dict[str, Any] | None = None,
+    by: Any = None,
+    reason: str = "",
+) -> Any:
+    """Write ``owner``'s version number ``owner.version`` to its ``versions``: the whole
+    ``config``, what changed from ``before`` (None: the first version, nothing before it), who
+    made it (``by``, when a signed-in user) and why (``reason``, when covey made it)."""
+    return owner.versions.create(
+        number=owner.version,
+        config=config,
+        changes={} if before is None else diff_configs(before, config),
+        created_by=by if by is not None and by.is_authenticated else None,
+        reason=reason[:500],
+    )
 
 
 def diff_configs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
@@ -148,70 +166,3 @@ def versions_actions(version_serializer: type[serializers.Serializer], name: str
             )
 
     return Versioned
-
-
-class VersionInline(MembersRead, admin.TabularInline):
-    """A versioned object's history on its page: who changed what, when. Never edited."""
-
-    extra = 0
-    can_delete = False
-    ordering = ["-number"]
-    fields = ("number", "created_at", "created_by", "reason", "changes_shown")
-    readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    @admin.display(description="Changes")
-    def changes_shown(self, obj: Any) -> str:
-        return changes_table(obj)
-
-
-class VersionAdmin(admin.ModelAdmin):
-    """Read-only: versions are a record. ``parent`` names the versioned object's field."""
-
-    parent = ""
-    record = True  # organisations/admin.py TenantScoped: nobody changes a version
-    readonly_fields = [
-        "number", "created_by", "reason", "created_at", "changes_shown", "config_shown",
-    ]  # fmt: skip
-
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        return [self.parent, *self.readonly_fields]
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [self.parent, *self.readonly_fields]
-
-    @admin.display(description="Changes")
-    def changes_shown(self, obj: Any) -> str:
-        return changes_table(obj)
-
-    @admin.display(description="Configuration")
-    def config_shown(self, obj: Any) -> str:
-        return format_html("<pre>{}</pre>", json.dumps(obj.config, indent=2, sort_keys=True))
-
-    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
-        """Filtered to one object (its History button): the title names it."""
-        parent_id = request.GET.get(f"{self.parent}__id__exact", "")
-        model = self.model._meta.get_field(self.parent).related_model
-        number = parent_id.isascii() and parent_id.isdigit()
-        # The object, when the user may see it (the tenant-scoped admins' queryset says).
-        parents = model._default_manager.filter(
-            pk__in=self.get_queryset(request).values(self.parent)
-        )
-        found = parents.filter(pk=parent_id).first() if number else None
-        if found is not None:
-            extra_context = {**(extra_context or {}), "title": f"Versions of {found}"}
-        return super().changelist_view(request, extra_context)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

@@ -14,6 +14,7 @@ from covey.display import seconds
 from egress import services
 from egress.models import Decision, EgressToken, ProxySession
 from organisations.admin import TenantScoped
+from organisations.readonly import ReadOnlyAdmin
 
 
 @admin.register(EgressToken)
@@ -49,7 +50,7 @@ class EgressTokenAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(Decision)
-class DecisionAdmin(TenantScoped, admin.ModelAdmin):
+class DecisionAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     """The proxy's record: never edited, never deleted by hand (pruned by retention)."""
 
     # What matters first, so it is in view in a 1280-pixel window beside the filters: when,
@@ -97,15 +98,6 @@ class DecisionAdmin(TenantScoped, admin.ModelAdmin):
             )
         return super().changelist_view(request, extra_context)
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
 
 def with_gaps(sessions: QuerySet[ProxySession]) -> QuerySet[ProxySession]:
     """The sessions whose decisions the log does not all have."""
@@ -128,7 +120,7 @@ class GapFilter(admin.SimpleListFilter):
 
 
 @admin.register(ProxySession)
-class ProxySessionAdmin(TenantScoped, admin.ModelAdmin):
+class ProxySessionAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     """Each proxy process's life: how many decisions it made, how many are in the log, and
     what the log admits it lacks. Written by the proxies, never by hand."""
 
@@ -146,12 +138,3 @@ class ProxySessionAdmin(TenantScoped, admin.ModelAdmin):
     @admin.display(description="Not in the log")
     def gap(self, obj: ProxySession) -> str:
         return obj.gap or "-"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

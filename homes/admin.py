@@ -29,6 +29,7 @@ from homes import services, wire
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
 from organisations.admin import TenantScoped
+from organisations.readonly import ReadOnlyAdmin
 from runners.protocol import HomeOp
 
 
@@ -359,7 +360,7 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(HomeChange)
-class HomeChangeAdmin(TenantScoped, admin.ModelAdmin):
+class HomeChangeAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     """The audit of changes made to homes from outside: a record, never edited."""
 
     list_display = ["at_shown", "agent", "by_name", "what", "path", "target", "how_it_went"]
@@ -381,12 +382,3 @@ class HomeChangeAdmin(TenantScoped, admin.ModelAdmin):
     @admin.display(description="How it went")
     def how_it_went(self, obj: HomeChange) -> str:
         return outcome(obj)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

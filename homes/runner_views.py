@@ -30,6 +30,8 @@ from runners.protocol import (
 
 
 class RunnerHomeView(RunnerEndpoint):
+    """An endpoint about one home operation ordered to the calling runner (404 for another's)."""
+
     def operation(self, request: Request, operation_id: uuid.UUID) -> HomeOperation:
         return get_object_or_404(
             HomeOperation.objects.select_related("runner"),

@@ -10,8 +10,8 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.http import urlencode
 
-from covey.versions import VersionAdmin, VersionInline
 from organisations.admin import StrictJSONField, TenantScoped
+from organisations.readonly import VersionAdmin, VersionInline
 from workplaces import config, services
 from workplaces.models import WORKPLACE_FIELDS, Workplace, WorkplaceVersion
 
@@ -167,7 +167,7 @@ class WorkplaceAdmin(TenantScoped, admin.ModelAdmin):
 
 
 @admin.register(WorkplaceVersion)
-class WorkplaceVersionAdmin(TenantScoped, VersionAdmin):
+class WorkplaceVersionAdmin(VersionAdmin):
     parent = "workplace"
     list_display = ["workplace", "number", "created_by", "created_at", "changes_shown"]
     list_filter = ["workplace__organisation", "workplace"]

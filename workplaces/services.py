@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from covey.versions import diff_configs
+from covey.versions import record_version
 from organisations.models import Organisation
 from workplaces import config
 from workplaces.models import WORKPLACE_FIELDS, Workplace, WorkplaceVersion
@@ -45,13 +45,7 @@ def create_workplace(
             workplace.save()
     except IntegrityError:  # made by someone else meanwhile
         raise ValidationError({"name": [f"a workplace named {name!r} exists already"]}) from None
-    WorkplaceVersion.objects.create(
-        workplace=workplace,
-        number=1,
-        config=workplace_config(workplace),
-        changes={},
-        created_by=_user(by),
-    )
+    record_version(workplace, workplace_config(workplace), by=by)
     return workplace
 
 
@@ -80,14 +74,7 @@ def update_workplace(
             raise ValidationError(
                 {"name": [f"a workplace named {locked.name!r} exists already"]}
             ) from None
-        WorkplaceVersion.objects.create(
-            workplace=locked,
-            number=locked.version,
-            config=after,
-            changes=diff_configs(before, after),
-            created_by=_user(by),
-            reason=reason[:500],
-        )
+        record_version(locked, after, before=before, by=by, reason=reason)
     workplace.refresh_from_db()
     return locked
 
@@ -124,7 +111,3 @@ def _clean(workplace: Workplace) -> None:
         errors.update(exc.message_dict)
     if errors:
         raise ValidationError(errors)
-
-
-def _user(by: Any) -> Any:
-    return by if by is not None and by.is_authenticated else None

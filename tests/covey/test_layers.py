@@ -53,3 +53,15 @@ def test_django_in_the_data_plane_breaks_them(tree):
     assert broken.returncode == 1
     assert "egress.proxy is not allowed to import django" in broken.stdout
     assert "egress.proxy.relay -> django" in broken.stdout
+
+
+def test_an_app_imported_by_covey_s_shared_modules_breaks_them(tree):
+    # What organisations/readonly.py holds was once here: the shared modules sit below the apps.
+    (tree / "covey" / "versions.py").write_text(
+        (tree / "covey" / "versions.py").read_text()
+        + "\n\nfrom organisations.admin import MembersRead  # noqa: E402\n"
+    )
+    broken = lint(tree)
+    assert broken.returncode == 1
+    assert "covey.versions is not allowed to import organisations" in broken.stdout
+    assert "covey.versions -> organisations.admin" in broken.stdout
