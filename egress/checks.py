@@ -7,8 +7,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 
 from allowlists.entries import EntryError, parse_entries
-
-ISOLATION_LEVELS = ("none", "network")
+from egress.environment import SETTING_VALUES, Isolation
 
 
 @register("covey")
@@ -25,11 +24,13 @@ def check_egress_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                 id="egress.E001",
             )
         )
-    if settings.COVEY_EGRESS_ISOLATION not in ISOLATION_LEVELS:
+    try:
+        Isolation.from_setting(settings.COVEY_EGRESS_ISOLATION)
+    except ValueError:
         errors.append(
             Error(
                 f"COVEY_EGRESS_ISOLATION is {settings.COVEY_EGRESS_ISOLATION!r}.",
-                hint=f"Use one of: {', '.join(ISOLATION_LEVELS)}.",
+                hint=f"Use one of: {', '.join(SETTING_VALUES)}.",
                 id="egress.E002",
             )
         )

@@ -1,4 +1,5 @@
-"""What a sandbox is told about the proxy at the cooperative level (COVEY_EGRESS_ENFORCE).
+"""The two levels of egress (:class:`Isolation`), and what a sandbox is told about the proxy at
+the cooperative level (COVEY_EGRESS_ENFORCE).
 
 Cooperative means exactly that: well-behaved tools (curl, pip, npm, git, apt with its proxy
 setting) honour these variables, and a process that ignores them can go around the proxy.
@@ -6,7 +7,32 @@ Only COVEY_EGRESS_ISOLATION=network makes the proxy the sandbox's only way out.
 """
 
 from collections.abc import Sequence
+from enum import StrEnum
+from typing import Self
 from urllib.parse import quote
+
+
+class Isolation(StrEnum):
+    """What a runner host enforces: the one spelling of the level everywhere (the runner's
+    settings, its heartbeat and probes, the control plane's records and API)."""
+
+    NETWORK = "network"  # hard: an internal network whose only exit is the proxy container
+    COOPERATIVE = "cooperative"  # sandboxes are told of the proxy, and may go around it
+
+    @classmethod
+    def from_setting(cls, value: str) -> Self:
+        """The level COVEY_EGRESS_ISOLATION names (``none`` or ``network``); ValueError
+        saying what it may be otherwise."""
+        try:
+            return cls(SETTING_VALUES[value])
+        except KeyError:
+            raise ValueError(
+                f"COVEY_EGRESS_ISOLATION is {value!r}: use one of {', '.join(SETTING_VALUES)}"
+            ) from None
+
+
+# COVEY_EGRESS_ISOLATION's values: "none" (the cooperative level) predates the enum's names.
+SETTING_VALUES = {"none": Isolation.COOPERATIVE, "network": Isolation.NETWORK}
 
 # The sandbox's own loopback is the sandbox itself; everything else goes through the proxy.
 NO_PROXY = "localhost,127.0.0.1,::1"

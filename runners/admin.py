@@ -12,11 +12,11 @@ from django.utils.html import format_html
 from agents.admin import LabelsField
 from allowlists.entries import EntryError
 from covey.display import seconds
+from egress.environment import Isolation
 from organisations.admin import MembersRead, TenantScoped
 from runners import services
 from runners.models import Probe, ProbeStatus, RegistrationToken, Runner
 from runners.probe import service as probes
-from runners.protocol import ISOLATION_COOPERATIVE
 
 PROBE_COLOURS = {
     ProbeStatus.PASSED: "#2e7d32",
@@ -186,7 +186,7 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
         """The list, with what the cooperative level leaves open said above it whenever a
         runner it shows is at that level."""
         if request.method == "GET":
-            shown = self.get_queryset(request).filter(isolation=ISOLATION_COOPERATIVE)
+            shown = self.get_queryset(request).filter(isolation=Isolation.COOPERATIVE)
             names = list(shown.values_list("name", flat=True)[:5])
             if names:
                 self.message_user(request, cooperative_warning(names), messages.WARNING)

@@ -8,8 +8,11 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from egress.environment import Isolation
 from organisations.models import TenantQuerySet
-from runners.protocol import ISOLATION_NETWORK
+
+# What a runner host says it enforces, as stored ("": it has not said yet).
+ISOLATION_CHOICES = [(level.value, level.value) for level in Isolation]
 
 
 def builtin_goes_with_it(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
@@ -71,6 +74,7 @@ class Runner(models.Model):
         max_length=20,
         blank=True,
         editable=False,
+        choices=ISOLATION_CHOICES,
         help_text="What the runner host says it enforces: network (hard) or cooperative.",
     )
     host_ready = models.BooleanField(
@@ -121,7 +125,7 @@ class Runner(models.Model):
     @property
     def probe_passed(self) -> bool:
         """Not under hard isolation, or its latest egress probe passed."""
-        if self.isolation != ISOLATION_NETWORK:
+        if self.isolation != Isolation.NETWORK:
             return True
         return self.last_probe is not None and self.last_probe.status == ProbeStatus.PASSED
 
@@ -130,7 +134,7 @@ class Runner(models.Model):
         """Under hard isolation, only once its latest egress probe passed, and while its host
         does not say it cannot take work (what it proved went, say, with its Docker engine)."""
         return self.probe_passed and (
-            self.isolation != ISOLATION_NETWORK or self.host_ready is not False
+            self.isolation != Isolation.NETWORK or self.host_ready is not False
         )
 
     def untrusted_reason(self) -> str:
@@ -182,7 +186,7 @@ class Probe(models.Model):
         related_name="+",
         help_text="Whose credentials and allowlist the proxy checks used.",
     )
-    isolation = models.CharField(max_length=20, blank=True)
+    isolation = models.CharField(max_length=20, blank=True, choices=ISOLATION_CHOICES)
     status = models.CharField(
         max_length=10, choices=ProbeStatus.choices, default=ProbeStatus.PENDING
     )

@@ -14,9 +14,6 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Self
 
-# What a runner host enforces (it says so in its heartbeat; the control plane records it).
-ISOLATION_NETWORK = "network"  # COVEY_EGRESS_ISOLATION=network: the proxy is the only exit
-ISOLATION_COOPERATIVE = "cooperative"  # sandboxes are told of the proxy, and may go around it
 # Why a runner cannot take work, as its host says in a heartbeat: at most this long.
 MAX_PROBLEM_CHARS = 1000
 

@@ -19,6 +19,7 @@ from agents.services import find_agent
 from allowlists.entries import EntryError
 from covey.api import RefusesUnknownFields
 from egress import services as egress
+from egress.environment import Isolation
 from organisations.api import OrganisationScoped
 from runners import services
 from runners.auth import RunnerEndpoint
@@ -201,7 +202,9 @@ class RegisterRunnerView(APIView):
 
 
 class HeartbeatSerializer(serializers.Serializer):
-    isolation = serializers.ChoiceField(choices=probes.ISOLATIONS, required=False)
+    isolation = serializers.ChoiceField(
+        choices=[level.value for level in Isolation], required=False
+    )
     ready = serializers.BooleanField(required=False)
     problem = serializers.CharField(
         required=False, allow_blank=True, max_length=MAX_PROBLEM_CHARS, trim_whitespace=False
@@ -231,7 +234,7 @@ class RunnerSelfView(RunnerEndpoint):
         serializer.is_valid(raise_exception=True)
         runner = self.runner(request)
         if isolation := serializer.validated_data.get("isolation"):
-            probes.note_isolation(runner, isolation)
+            probes.note_isolation(runner, Isolation(isolation))
         services.heartbeat(runner, serializer.validated_data.get("problem"))
         return Response(_me(runner))
 
@@ -253,7 +256,7 @@ class RunnerPauseView(RunnerEndpoint):
 
 class ProbeBeginSerializer(serializers.Serializer):
     probe = serializers.UUIDField(required=False, allow_null=True)
-    isolation = serializers.ChoiceField(choices=probes.ISOLATIONS)
+    isolation = serializers.ChoiceField(choices=[level.value for level in Isolation])
     reason = serializers.CharField(required=False, allow_blank=True, max_length=100)
 
 
@@ -270,7 +273,7 @@ class RunnerProbesView(RunnerEndpoint):
             order = probes.begin(
                 self.runner(request),
                 None if probe_id is None else str(probe_id),
-                data["isolation"],
+                Isolation(data["isolation"]),
                 data.get("reason", ""),
             )
         except probes.ProbeConflict as exc:

@@ -4,8 +4,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from egress.environment import Isolation
 from runners.probe import host as probing
-from runners.protocol import ISOLATION_COOPERATIVE, ISOLATION_NETWORK
 
 
 @dataclass
@@ -17,7 +17,7 @@ class HostSettings:
     # Hard isolation: the proxy container's image (pinned to its ID at the first build), the
     # control plane's URL as that container reaches it ("": the runner's own), and more
     # variables for it (its resolvers, the private ranges it may reach).
-    isolation: bool = False
+    isolation: Isolation = Isolation.COOPERATIVE
     proxy_image: str = "covey-egress:latest"
     proxy_control_plane_url: str = ""
     proxy_environment: Mapping[str, str] = field(default_factory=dict)
@@ -37,6 +37,11 @@ class HostSettings:
     pip_index_url: str = ""
     npm_registry: str = ""
 
+    def __post_init__(self) -> None:
+        # A str subclass is truthy whatever its value: ``if settings.isolation`` would be a bug.
+        self.isolation = Isolation(self.isolation)
+
     @property
-    def isolation_mode(self) -> str:
-        return ISOLATION_NETWORK if self.isolation else ISOLATION_COOPERATIVE
+    def hard(self) -> bool:
+        """Hard isolation: the proxy container is the sandboxes' only exit."""
+        return self.isolation is Isolation.NETWORK

@@ -252,7 +252,7 @@ class RunnerHost:
             if docker := self.docker_problem():  # say so at once, not what it stops first
                 raise EngineError(f"no sandbox can start on this host: {docker}")
             self.trust.require(identity, proxied=spec.egress.enforce)
-            shape = self.shapes.checked(identity) if self.settings.isolation else None
+            shape = self.shapes.checked(identity) if self.settings.hard else None
             image = spec.image
             if any(group.specs for group in spec.packages):
                 image = self.builder.image(image, spec.packages, spec.workplace or image)
@@ -463,7 +463,7 @@ class RunnerHost:
             self.shapes.look(identity)
             problem = "; ".join(p for p in self.problems(identity, docker).values() if p)
             try:
-                identity.client.heartbeat(self.settings.isolation_mode, problem)
+                identity.client.heartbeat(self.settings.isolation, problem)
             except ControlPlaneError as exc:
                 self._unheard[identity.id] = str(exc)
                 logger.warning("covey runner %s: heartbeat: %s", identity.name, exc)
@@ -540,7 +540,7 @@ class RunnerHost:
         )
         when = f"{now:%Y-%m-%d %H:%M:%S} UTC"
         for identity in list(self.identities.values()):
-            level = "a new egress probe passes" if self.settings.isolation else "its proxy answers"
+            level = "a new egress probe passes" if self.settings.hard else "its proxy answers"
             self.trust.distrust(
                 identity,
                 f"the Docker engine went away at {when}: no work until it is back and {level}",

@@ -34,7 +34,7 @@ class Shapes:
 
     def start(self, identities: list[Identity]) -> dict[int, Shape | None]:
         """At start: build every runner's shape, resolving the proxy image anew (the pin)."""
-        if not self.settings.isolation:
+        if not self.settings.hard:
             return {}
         return {identity.id: self.ensure(identity, repin=True) for identity in identities}
 
@@ -42,7 +42,7 @@ class Shapes:
         """Build or repair the runner's shape. Trouble is logged once a minute and the runner
         carries on; its launches are refused meanwhile (each tries to repair once itself).
         None: no shape."""
-        if not self.settings.isolation:
+        if not self.settings.hard:
             return None
         try:
             shape = self._build(identity, repin=repin)
@@ -61,7 +61,7 @@ class Shapes:
     def problem(self, identity: Identity) -> str:
         """'' when the runner's shape stood at its last build or check, else what was wrong
         (readiness: from what was last seen, without checking anew)."""
-        if not self.settings.isolation:
+        if not self.settings.hard:
             return ""
         if identity.id not in self._built:
             return self._problems.get(identity.id, "its isolation has not been built yet")
@@ -72,7 +72,7 @@ class Shapes:
         went stale shows in the runner's readiness, and so in the admin, before a launch
         finds out); a change is logged once."""
         shape = self._built.get(identity.id)
-        if not self.settings.isolation or shape is None:
+        if not self.settings.hard or shape is None:
             return
         try:
             problem = isolation.proxy_readiness(shape)

@@ -37,11 +37,11 @@ def readiness(host: RunnerHost) -> tuple[bool, dict[str, Any]]:
         checks = {
             name: problem or "ok"
             for name, problem in problems.items()
-            if name != "isolation" or host.settings.isolation
+            if name != "isolation" or host.settings.hard
         }
         entry: dict[str, Any] = {
             "name": identity.name,
-            "isolation": host.settings.isolation_mode,
+            "isolation": host.settings.isolation,
             "ready": all(answer == "ok" for answer in checks.values()),
             "checks": checks,
         }

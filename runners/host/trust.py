@@ -95,7 +95,7 @@ class Trust:
     def require(self, identity: Identity, *, proxied: bool) -> None:
         """UntrustedError unless the runner may launch now (``proxied``: its sandbox is to be
         told of the proxy)."""
-        if self.settings.isolation:
+        if self.settings.hard:
             if problem := self._probe_problem(identity):
                 raise UntrustedError(problem)
         elif proxied and (problem := self._proxy_for_launch(identity)):
@@ -104,7 +104,7 @@ class Trust:
     def problem(self, identity: Identity) -> str:
         """'' when the runner may take work as far as this host last saw, else why not; from
         what the last probe or proxy check found, without checking anew (readiness)."""
-        if self.settings.isolation:
+        if self.settings.hard:
             return self._probe_problem(identity)
         if not self.settings.proxy:
             return ""  # nothing to check: the runner host said so at start
@@ -132,7 +132,7 @@ class Trust:
 
     def prove_again(self, identity: Identity, reason: str) -> None:
         """After :meth:`distrust`: probe the runner (hard isolation) or check its proxy."""
-        if self.settings.isolation:
+        if self.settings.hard:
             self._probe_safely(identity, None, reason)
         elif self.settings.proxy:
             self.check_proxy(identity, fresh=True)
@@ -188,7 +188,7 @@ class Trust:
 
     def start_probes(self, identities: list[Identity]) -> dict[int, probing.Report | None]:
         """At start: probe every runner before it takes work."""
-        if not self.settings.isolation:
+        if not self.settings.hard:
             return {}
         return {
             identity.id: self._probe_safely(identity, None, "runner start")
@@ -203,7 +203,7 @@ class Trust:
         self._probe_safely(identity, None, "runner start" if first else "retry")
 
     def due(self, identity: Identity) -> bool:
-        if not self.settings.isolation:
+        if not self.settings.hard:
             return False
         state = self._probes.get(identity.id)
         if state is None:
@@ -219,7 +219,7 @@ class Trust:
         with self._probe_lock(identity):
             since = self._distrusts.get(identity.id, 0)
             client = identity.client
-            order = client.begin_probe(probe_id, self.settings.isolation_mode, reason)
+            order = client.begin_probe(probe_id, self.settings.isolation, reason)
             if order is None:
                 logger.info("covey runner %s: probe %s is not ours to run", identity.name, probe_id)
                 return None
@@ -274,7 +274,7 @@ class Trust:
 
     def _where(self, identity: Identity) -> probing.Where:
         """The shape a sandbox of this runner would get right now."""
-        if self.settings.isolation:
+        if self.settings.hard:
             shape = self.shapes.checked(identity)
             return probing.Where(
                 network=isolation.sandbox_network_options(shape),
@@ -312,7 +312,7 @@ class Trust:
     def start_proxy_checks(self, identities: list[Identity]) -> dict[int, str]:
         """At start: does each runner's proxy answer its sandboxes? Runner id → '' or what is
         wrong."""
-        if self.settings.isolation or not self.settings.proxy:
+        if self.settings.hard or not self.settings.proxy:
             return {}
         # Waited for, as a launch does: the proxy may be starting beside the runner.
         return {identity.id: self._proxy_for_launch(identity) for identity in identities}
@@ -327,7 +327,7 @@ class Trust:
         """'' when the proxy sandboxes are told of answered from a container on the sandbox
         network, else what is wrong (logged, unless ``warn`` is False). The answer is kept
         PROXY_RECHECK_SECONDS when it failed, PROXY_CHECK_EVERY_SECONDS when it passed."""
-        if self.settings.isolation or not self.settings.proxy:
+        if self.settings.hard or not self.settings.proxy:
             return ""
         with self._proxy_check_lock(identity):
             last = self._proxy_checks.get(identity.id)

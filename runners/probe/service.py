@@ -23,17 +23,17 @@ from django.utils import timezone
 from agents.models import Agent
 from agents.services import effective_allowlist
 from allowlists.entries import EntryError, parse_entry
+from egress.environment import Isolation
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch, services
 from runners.models import Probe, ProbeStatus, Runner
 from runners.probe import checks
-from runners.protocol import ISOLATION_COOPERATIVE, ISOLATION_NETWORK, ProbePlan
+from runners.protocol import ProbePlan
 
 TOKEN_TTL = timedelta(minutes=10)
 # A probe with no report after this long is ended as an error (the runner host stopped, or its
 # order was lost); it changes nothing about the runner's trust.
 REPORT_WITHIN = timedelta(minutes=5)
-ISOLATIONS = (ISOLATION_NETWORK, ISOLATION_COOPERATIVE)
 
 
 class ProbeConflict(Exception):
@@ -110,12 +110,12 @@ def off_list_target(agent: Agent | None) -> str:
 
 
 @transaction.atomic
-def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = "") -> ProbePlan:
+def begin(
+    runner: Runner, probe_id: str | None, isolation: Isolation, reason: str = ""
+) -> ProbePlan:
     """The runner starts a probe (one ordered, or its own): what to try, as whom. When the
     control plane's probe settings make it impossible, the probe is finished as an error and
     the answer carries ``error`` instead."""
-    if isolation not in ISOLATIONS:
-        raise ValidationError({"isolation": [f"must be one of {', '.join(ISOLATIONS)}"]})
     note_isolation(runner, isolation)
     if probe_id is None:
         probe_row = Probe.objects.create(runner=runner, reason=(reason or "runner")[:100])
@@ -158,9 +158,9 @@ def begin(runner: Runner, probe_id: str | None, isolation: str, reason: str = ""
     return plan
 
 
-def note_isolation(runner: Runner, isolation: str) -> None:
+def note_isolation(runner: Runner, isolation: Isolation) -> None:
     """Record what the runner host says it enforces."""
-    if isolation in ISOLATIONS and runner.isolation != isolation:
+    if runner.isolation != isolation:
         Runner.objects.filter(pk=runner.pk).update(isolation=isolation)
         runner.isolation = isolation
 

@@ -1,10 +1,24 @@
-"""The cooperative level's environment, checked by a real client that honours it."""
+"""The two levels of egress, and the cooperative level's environment, checked by a real client
+that honours it."""
 
 import subprocess
 
 import pytest
 
-from egress.environment import proxy_environment
+from egress.environment import Isolation, proxy_environment
+
+
+@pytest.mark.parametrize(
+    ("value", "level"), [("none", Isolation.COOPERATIVE), ("network", Isolation.NETWORK)]
+)
+def test_the_isolation_setting_names_one_level(value, level):
+    assert Isolation.from_setting(value) is level
+
+
+@pytest.mark.parametrize("value", ["cooperative", "Network", "true", ""])
+def test_it_refuses_an_isolation_setting_that_names_no_level(value):
+    with pytest.raises(ValueError, match=r"COVEY_EGRESS_ISOLATION is .*: use one of none, network"):
+        Isolation.from_setting(value)
 
 
 def test_both_spellings_carry_the_credentials():

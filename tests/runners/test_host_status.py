@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import status as shared_status
+from egress.environment import Isolation
 from runners.host import status
 from runners.host.runner import HEARTBEAT_SILENCE_SECONDS, HOST_ENGINE_NAME
 from runners.host.trust import ProbeState
@@ -127,7 +128,7 @@ def test_heartbeats_the_control_plane_stops_answering_make_it_not_ready_after_a_
 
 def test_under_hard_isolation_a_runner_is_ready_only_with_its_shape_and_a_passed_probe(tmp_path):
     clock = Clock(1000.0)
-    host = Host(tmp_path, clock=clock, isolation=True)
+    host = Host(tmp_path, clock=clock, isolation=Isolation.NETWORK)
     host.host.beat()
     ok, body = status.readiness(host.host)
     assert not ok

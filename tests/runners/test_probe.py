@@ -18,6 +18,7 @@ import pytest
 
 from agents import services as agent_services
 from agents.models import Agent
+from egress.environment import Isolation
 from egress.models import Decision
 from organisations.models import Organisation
 from runners.host import runner as host_module
@@ -162,7 +163,9 @@ def test_a_probe_that_cannot_reach_the_control_plane_is_tried_again_soon(tmp_pat
     config = tmp_path / "runner.json"  # a control plane where nothing listens
     config.write_text(json.dumps({"url": "http://127.0.0.1:9", "id": 7, "name": "e", "token": "t"}))
     identity = Identity(config)
-    settings = host_module.HostSettings(homes=tmp_path, isolation=True, probe_retry=300)
+    settings = host_module.HostSettings(
+        homes=tmp_path, isolation=Isolation.NETWORK, probe_retry=300
+    )
     now = [1000.0]
     runner_host = host_module.RunnerHost({7: identity}, settings, clock=lambda: now[0])
     assert runner_host.trust.due(identity)  # never probed

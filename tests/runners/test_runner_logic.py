@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 import logs
+from egress.environment import Isolation
 from runners.host import runner as host_module
 from runners.host import trust
 from runners.host.runner import (
@@ -91,6 +92,15 @@ class Host:
 @pytest.fixture
 def host(tmp_path):
     return Host(tmp_path)
+
+
+def test_host_settings_take_an_isolation_level_and_refuse_a_bool(tmp_path):
+    """A level is a str, truthy whatever it says: a bool where the level goes is a mistake."""
+    assert HostSettings(homes=tmp_path).hard is False
+    assert HostSettings(homes=tmp_path, isolation=Isolation.NETWORK).hard is True
+    assert HostSettings(homes=tmp_path, isolation="network").isolation is Isolation.NETWORK
+    with pytest.raises(ValueError, match="is not a valid Isolation"):
+        HostSettings(homes=tmp_path, isolation=True)
 
 
 def test_a_launch_builds_the_sandbox_from_the_spec_and_reports_it_running(host, tmp_path):
@@ -308,7 +318,7 @@ def test_a_probe_begun_before_the_engine_went_proves_nothing_after(tmp_path, mon
         return trust.probing.Report([ok])
 
     monkeypatch.setattr(trust.probing, "run", probe)
-    checked = Host(tmp_path, isolation=True)
+    checked = Host(tmp_path, isolation=Isolation.NETWORK)
     client = checked.identity.client
     client.begin_probe = lambda *args, **kwargs: ProbePlan("p-1")
     client.report_probe = lambda *args, **kwargs: None

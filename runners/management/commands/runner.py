@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from allowlists.entries import split_host_port
+from egress.environment import Isolation
 from runners.host import runner as runner_host
 from runners.host import status
 from runners.host.client import ControlPlaneError
@@ -65,7 +66,7 @@ class Command(BaseCommand):
             homes=Path(settings.COVEY_RUNNER_HOMES),
             proxy=settings.COVEY_RUNNER_PROXY,
             network=settings.COVEY_RUNNER_NETWORK or None,
-            isolation=settings.COVEY_EGRESS_ISOLATION == "network",
+            isolation=Isolation.from_setting(settings.COVEY_EGRESS_ISOLATION),
             proxy_image=settings.COVEY_RUNNER_PROXY_IMAGE,
             proxy_control_plane_url=settings.COVEY_RUNNER_PROXY_CONTROL_PLANE_URL,
             proxy_environment=proxy_environment(),
@@ -106,7 +107,7 @@ class Command(BaseCommand):
         if removed_note.exists():
             host.removed_at_exit.update(json.loads(removed_note.read_text() or "{}"))
             removed_note.unlink()
-        if not host_settings.isolation and not host_settings.proxy:
+        if not host_settings.hard and not host_settings.proxy:
             self.stdout.write(
                 f"covey runner {name}: no egress proxy for sandboxes (COVEY_RUNNER_PROXY is not"
                 " set): runs the control plane enforces egress for fail until it is"
