@@ -25,9 +25,12 @@ import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from allowlists.entries import Entry, EntryError, IPLiteralError, parse_entry
+
+if TYPE_CHECKING:  # egress/protocol.py builds on this module (its Code)
+    from egress.protocol import PolicySnapshot
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -187,35 +190,29 @@ class Policy:
     built_in: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (host, port) → name
 
     @classmethod
-    def from_snapshot(cls, data: Mapping[str, Any]) -> "Policy":
-        """Build from the JSON snapshot the control plane serves; ValueError if malformed."""
+    def from_snapshot(cls, snapshot: "PolicySnapshot") -> "Policy":
+        """Build from the snapshot the control plane serves (egress/protocol.py); ValueError
+        when an entry or a built-in destination is not one."""
         try:
             agents = {}
             tokens = {}
-            for item in data["agents"]:
-                entries = {
-                    parse_entry(text): tuple(sources) for text, sources in item["entries"].items()
-                }
+            for item in snapshot.agents:
+                entries = {parse_entry(text): tuple(by) for text, by in item.entries.items()}
                 agent = AgentPolicy(
-                    id=int(item["id"]),
-                    username=str(item["username"]),
-                    organisation=str(item["organisation"]),
-                    enabled=bool(item["enabled"]),
-                    budget_exhausted=bool(item["budget_exhausted"]),
+                    id=item.id,
+                    username=item.username,
+                    organisation=item.organisation,
+                    enabled=item.enabled,
+                    budget_exhausted=item.budget_exhausted,
                     entries=entries,
                 )
                 agents[agent.id] = agent
-                for token in item["tokens"]:
-                    tokens[str(token["sha256"])] = Token(agent.id, float(token["expires_at"]))
-            built_in = {
-                destination(str(item["host"]), int(item["port"])): str(item["name"])
-                for item in data.get("built_in", [])
-            }
-            return cls(
-                generation=str(data["generation"]), agents=agents, tokens=tokens, built_in=built_in
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed policy snapshot: {exc!r}") from None
+                for token in item.tokens:
+                    tokens[token.sha256] = Token(agent.id, token.expires_at)
+            built_in = {destination(b.host, b.port): b.name for b in snapshot.built_in}
+        except ValueError as exc:
+            raise ValueError(f"malformed policy snapshot: {exc}") from None
+        return cls(generation=snapshot.generation, agents=agents, tokens=tokens, built_in=built_in)
 
     def identify(
         self, credentials: tuple[str, str] | None, now: float

@@ -3,7 +3,7 @@
 import hashlib
 import secrets
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,6 +18,17 @@ from budgets.keys import gateway_destination
 from budgets.services import exhausted
 from egress.models import Decision, EgressToken, ProxySession
 from egress.policy import hash_token
+from egress.protocol import (
+    AgentSnapshot,
+    BuiltIn,
+    CloseEvent,
+    DecisionEvent,
+    PolicySnapshot,
+    ProxyEvent,
+    StartEvent,
+    StopEvent,
+    TokenSnapshot,
+)
 from organisations.models import Organisation
 from templates.models import AllowlistTemplate
 
@@ -100,8 +111,8 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
-def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
-    """Everything the proxy needs, as JSON: agents, their effective lists and live tokens."""
+def build_snapshot(organisation_id: int | None = None) -> PolicySnapshot:
+    """Everything the proxy needs: agents, their effective lists and live tokens."""
     now = timezone.now()
     with transaction.atomic():  # one consistent read
         generation = policy_fingerprint(organisation_id)
@@ -124,106 +135,107 @@ def build_snapshot(organisation_id: int | None = None) -> dict[str, Any]:
         for agent in agents:
             entries = effective_allowlist(agent)
             items.append(
-                {
-                    "id": agent.pk,
-                    "username": agent_username(agent),
-                    "organisation": agent.organisation.slug,
-                    "enabled": agent.enabled,
-                    # The model gateway found a budget of the agent used up.
-                    "budget_exhausted": agent.pk in used_up[0]
-                    or agent.organisation_id in used_up[1],
-                    "entries": {str(entry): sources for entry, sources in entries.items()},
-                    "tokens": [
-                        {"sha256": t.sha256, "expires_at": t.expires_at.timestamp()}
+                AgentSnapshot(
+                    id=agent.pk,
+                    username=agent_username(agent),
+                    organisation=agent.organisation.slug,
+                    enabled=agent.enabled,
+                    budget_exhausted=agent.pk in used_up[0] or agent.organisation_id in used_up[1],
+                    entries={str(entry): tuple(sources) for entry, sources in entries.items()},
+                    tokens=tuple(
+                        TokenSnapshot(sha256=t.sha256, expires_at=t.expires_at.timestamp())
                         for t in agent.live_tokens
-                    ],
-                }
+                    ),
+                )
             )
-    return {"generation": generation, "agents": items, "built_in": built_in()}
+    return PolicySnapshot(generation=generation, agents=tuple(items), built_in=built_in())
 
 
-def built_in() -> list[dict[str, Any]]:
+def built_in() -> tuple[BuiltIn, ...]:
     """Destinations every agent may reach, because the platform names them: the model gateway
     (COVEY_MODEL_GATEWAY_URL), at whatever address it has."""
     gateway = gateway_destination(settings.COVEY_MODEL_GATEWAY_URL)
     if gateway is None:
-        return []
-    return [{"host": gateway[0], "port": gateway[1], "name": "model gateway"}]
+        return ()
+    return (BuiltIn(host=gateway[0], port=gateway[1], name="model gateway"),)
 
 
 # What record_decisions raises for events it cannot store (malformed: sending them again would
 # not help); PostgreSQL's refusals (DataError) come besides, at the end of the transaction.
-MALFORMED = (KeyError, TypeError, ValueError)
+# Events parsed at the door (egress.protocol) have been checked already.
+MALFORMED = (ValueError,)
 
 
 def record_decisions(
-    events: Iterable[Mapping[str, Any]], *, proxy: str = "", organisation_id: int | None = None
+    events: Iterable[ProxyEvent], *, proxy: str = "", organisation_id: int | None = None
 ) -> int:
     """Store decision events from a proxy: its start, new decisions, tunnel closes, its stop.
     Returns how many events.
 
-    Events are ``{"event": "decision", ...}``, ``{"event": "close", "id", "bytes_up", ...}``,
-    and ``{"event": "start" | "stop", "boot", "at"}`` (a stop with ``seq``: how many it made);
-    a decision carries its proxy's ``boot`` and its number there (``seq``), which keep the
+    A decision carries its proxy's ``boot`` and its number there (``seq``), which keep the
     proxy's :class:`ProxySession` (a proxy of before them sends neither: no session). Agent ids
     that no longer exist (or, with ``organisation_id``, belong to another organisation) are
     kept as unidentified rows; a runner cannot write into another organisation's log.
     """
-    decisions: list[Mapping[str, Any]] = []
-    closes: list[Mapping[str, Any]] = []
-    marks: list[Mapping[str, Any]] = []
+    decisions: list[DecisionEvent] = []
+    closes: list[CloseEvent] = []
+    starts: list[StartEvent] = []
+    stops: list[StopEvent] = []
     for event in events:
-        kind = event.get("event")
-        if kind == "close":
-            closes.append(event)
-        elif kind in ("start", "stop"):
-            marks.append(event)
-        else:
-            decisions.append(event)
+        match event:
+            case DecisionEvent():
+                decisions.append(event)
+            case CloseEvent():
+                closes.append(event)
+            case StartEvent():
+                starts.append(event)
+            case StopEvent():
+                stops.append(event)
     agents = _scoped(
-        Agent.objects.filter(pk__in={e.get("agent_id") for e in decisions}),
+        Agent.objects.filter(pk__in={e.agent_id for e in decisions}),
         organisation_id,
         "organisation_id",
     )
     known = set(agents.values_list("pk", flat=True))
     rows = {
-        uuid.UUID(str(e["id"])): Decision(
-            id=uuid.UUID(str(e["id"])),
-            agent_id=e.get("agent_id") if e.get("agent_id") in known else None,
-            username=_text(e.get("username", ""), 200),
-            kind=e["kind"],
-            host=_text(e["host"], 255),
-            port=_whole(e["port"], 65535),
-            address=e.get("address") or None,
-            allowed=bool(e["allowed"]),
-            reason=_text(e["reason"], 32),
-            detail=_text(e.get("detail", "")),
-            decided_at=_time(e["at"]),
+        uuid.UUID(e.id): Decision(
+            id=uuid.UUID(e.id),
+            agent_id=e.agent_id if e.agent_id in known else None,
+            username=_text(e.username, 200),
+            kind=e.kind.value,
+            host=_text(e.host, 255),
+            port=e.port,
+            address=e.address or None,
+            allowed=e.allowed,
+            reason=_text(e.reason.value, 32),
+            detail=_text(e.detail),
+            decided_at=_time(e.at),
             proxy=proxy[:100],
         )
         for e in decisions
     }
-    numbered = {uuid.UUID(str(e["id"])): _numbered(e) for e in decisions if "boot" in e}
+    numbered = {uuid.UUID(e.id): (e.boot, e.seq or 0) for e in decisions if e.boot is not None}
     with transaction.atomic():
         # The sessions first, locked: a batch sent again meanwhile waits, then finds this
         # one's decisions stored and counts none twice.
         sessions = _Sessions(proxy[:100], organisation_id)
-        for boot, at in sorted({(_numbered(m)[0], _time(m["at"])) for m in marks}):
+        marks: list[StartEvent | StopEvent] = [*starts, *stops]
+        for boot, at in sorted({(m.boot, _time(m.at)) for m in marks}):
             sessions.lock(boot, at)
         for pk, (boot, _) in sorted(numbered.items(), key=lambda item: item[1]):
             sessions.lock(boot, rows[pk].decided_at)
-        for mark in (m for m in marks if m["event"] == "start"):
-            sessions.started(_numbered(mark)[0], _time(mark["at"]))
+        for start in starts:
+            sessions.started(start.boot, _time(start.at))
         # A batch sent again (its first answer was lost) finds its decisions already stored.
         for pk in Decision.objects.filter(pk__in=rows).values_list("pk", flat=True):
             del rows[pk]
         # A short tunnel's close usually comes in the same batch as its decision: one row.
         later: dict[uuid.UUID, Decision] = {}
-        for e in closes:
-            pk = uuid.UUID(str(e["id"]))
+        for close in closes:
+            pk = uuid.UUID(close.id)
             row = rows.get(pk) or later.setdefault(pk, Decision(pk=pk))
-            row.bytes_up, row.bytes_down = _whole(e["bytes_up"]), _whole(e["bytes_down"])
-            row.closed_at = _time(e["at"])
+            row.bytes_up, row.bytes_down = close.bytes_up, close.bytes_down
+            row.closed_at = _time(close.at)
         Decision.objects.bulk_create(rows.values(), ignore_conflicts=True)
         for pk, (boot, seq) in numbered.items():
             sessions.decided(boot, seq, new=pk in rows)
@@ -235,29 +247,10 @@ def record_decisions(
                 ["bytes_up", "bytes_down", "closed_at"],
                 batch_size=500,
             )
-        for mark in (m for m in marks if m["event"] == "stop"):
-            sessions.stopped(*_numbered(mark), _time(mark["at"]))
+        for stop in stops:
+            sessions.stopped(stop.boot, stop.seq, _time(stop.at))
         sessions.save()
-    return len(decisions) + len(closes) + len(marks)
-
-
-def _numbered(event: Mapping[str, Any]) -> tuple[str, int]:
-    """(the proxy's boot, the event's number there) of an event."""
-    boot = str(event["boot"])
-    if not (0 < len(boot) <= 32 and boot.isalnum()):
-        raise ValueError(f"a proxy's boot is up to 32 letters and digits, not {boot!r}")
-    return boot, _whole(event.get("seq", 0))
-
-
-def _whole(value: Any, most: int = 2**63 - 1) -> int:
-    """A count or port from an event: a whole number from 0 to ``most`` (a column's bounds)."""
-    try:
-        number = int(value)
-    except OverflowError:  # JSON's 1e400 is an infinite float
-        raise ValueError(f"{value!r} is not a whole number") from None
-    if not 0 <= number <= most:
-        raise ValueError(f"{number} is not between 0 and {most}")
-    return number
+    return len(decisions) + len(closes) + len(starts) + len(stops)
 
 
 class _Sessions:
@@ -318,14 +311,12 @@ def prune_decisions(now: datetime | None = None) -> int:
     return deleted
 
 
-def _text(value: Any, most: int | None = None) -> str:
+def _text(value: str, most: int | None = None) -> str:
     """Text from an event, as PostgreSQL keeps it: no NUL (a sandbox may put one in the user
     name of its credentials), at most ``most`` characters."""
-    return str(value).replace("\x00", "")[:most]
+    return value.replace("\x00", "")[:most]
 
 
-def _time(value: Any) -> datetime:
-    try:
-        return datetime.fromtimestamp(float(value), tz=UTC)
-    except OverflowError:
-        raise ValueError(f"{value!r} is no time") from None
+def _time(at: float) -> datetime:
+    """An event's time (checked by the event: a finite time a datetime can hold)."""
+    return datetime.fromtimestamp(at, tz=UTC)

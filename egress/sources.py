@@ -10,6 +10,8 @@ from typing import Any
 
 from django.db import DataError, connection, transaction
 
+from egress.protocol import PolicySnapshot, ProxyEvent
+
 # The proxy never waits on a lock: a batch or a refresh that would wait is retried next round,
 # and a migration or bulk delete in the control plane is never stuck behind (or deadlocked
 # with) a proxy.
@@ -36,7 +38,7 @@ class DatabaseSource:
     def __init__(self, organisation_id: int | None = None) -> None:
         self.organisation_id = organisation_id
 
-    def __call__(self, known_generation: str | None) -> Mapping[str, Any] | None:
+    def __call__(self, known_generation: str | None) -> "PolicySnapshot | None":
         from egress.services import build_snapshot, policy_fingerprint
 
         with _brief_transaction():
@@ -51,7 +53,7 @@ class DatabaseSink:
     def __init__(self, proxy: str) -> None:
         self.proxy = proxy
 
-    def __call__(self, events: list[dict[str, Any]]) -> None:
+    def __call__(self, events: "list[ProxyEvent]") -> None:
         from egress.proxy.feed import Refused
         from egress.services import MALFORMED, record_decisions
 

@@ -8,11 +8,12 @@ them), and nothing here imports Django: it is part of the data plane too.
 """
 
 import dataclasses
-import types
-import typing
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, ClassVar, Self
+
+# The generic part (the JSON round-trip) is shared with the egress proxy's messages.
+from wire import Message as Message
+from wire import ProtocolError as ProtocolError
 
 # Why a runner cannot take work, as its host says in a heartbeat: at most this long.
 MAX_PROBLEM_CHARS = 1000
@@ -39,10 +40,6 @@ def cut_at_character(data: bytes, limit: int) -> int:
     return cut
 
 
-class ProtocolError(ValueError):
-    """A message that does not fit its dataclass; the text names the field."""
-
-
 class ReportState(StrEnum):
     """What a runner saw of a run's sandbox."""
 
@@ -50,23 +47,6 @@ class ReportState(StrEnum):
     EXITED = "exited"  # its process ended (with an exit code; detail "timeout" when stopped)
     BUILT = "built"  # it could not be built (detail says why): the run fails
     VANISHED = "vanished"  # the runner has no sandbox for a run that was running
-
-
-class Message:
-    """JSON round-trip for the protocol's dataclasses (fields of str, int, float, bool, None,
-    datetimes as ISO 8601, enums, tuples, lists and nested messages)."""
-
-    __dataclass_fields__: ClassVar[dict[str, Any]]
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain JSON types, ready for the wire."""
-        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        """The message in ``data`` (as :meth:`to_json` makes it); ProtocolError when it does
-        not fit. Unknown keys are ignored: a newer side may send more."""
-        return typing.cast(Self, _decode(cls, data, cls.__name__))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,59 +369,3 @@ class RunnerInfo(Message):
     queue: str
     isolation: str
     installation: str
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, Message):
-        return value.to_json()
-    if isinstance(value, StrEnum):
-        return value.value
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, tuple | list):
-        return [_encode(item) for item in value]
-    return value
-
-
-def _decode(kind: Any, data: Any, where: str) -> Any:
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(kind)
-        if data is None and type(None) in options:
-            return None
-        (kind,) = [option for option in options if option is not type(None)]
-        return _decode(kind, data, where)
-    if origin in (tuple, list):
-        if not isinstance(data, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(data).__name__}")
-        item = typing.get_args(kind)[0]
-        return tuple(_decode(item, value, f"{where}[{i}]") for i, value in enumerate(data))
-    if isinstance(kind, type) and issubclass(kind, Message):
-        if not isinstance(data, dict):
-            raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
-        hints = typing.get_type_hints(kind)
-        values = {}
-        for f in dataclasses.fields(kind):
-            if f.name in data:
-                values[f.name] = _decode(hints[f.name], data[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}.{f.name}: missing")
-        return kind(**values)
-    if isinstance(kind, type) and issubclass(kind, StrEnum):
-        try:
-            return kind(data)
-        except ValueError:
-            allowed = ", ".join(member.value for member in kind)
-            raise ProtocolError(f"{where}: {data!r} is not one of {allowed}") from None
-    if kind is datetime:
-        if not isinstance(data, str):
-            raise ProtocolError(f"{where}: expected an ISO 8601 time")
-        try:
-            return datetime.fromisoformat(data)
-        except ValueError:
-            raise ProtocolError(f"{where}: {data!r} is not an ISO 8601 time") from None
-    if kind is float and isinstance(data, int | float) and not isinstance(data, bool):
-        return float(data)
-    if kind in (str, int, bool) and type(data) is kind:
-        return data
-    raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(data).__name__}")

@@ -6,8 +6,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -20,6 +19,8 @@ from allowlists.entries import EntryError
 from covey.api import RefusesUnknownFields
 from egress import services as egress
 from egress.environment import Isolation
+from egress.messages import DecisionBatchSerializer, PolicySnapshotSerializer, RecordedSerializer
+from egress.protocol import DecisionBatch
 from organisations.api import OrganisationScoped
 from runners import services
 from runners.auth import RunnerEndpoint
@@ -33,6 +34,7 @@ from runners.models import Probe, Runner
 from runners.probe import service as probes
 from runners.probe.checks import Verdict
 from runners.protocol import MAX_PROBLEM_CHARS, ProbeStatusAnswer, RunnerInfo
+from wire import ProtocolError
 
 
 class ProbeSerializer(serializers.ModelSerializer):
@@ -341,16 +343,7 @@ class EgressPolicyView(RunnerEndpoint):
 
     seen_as = "proxy"
 
-    @extend_schema(
-        responses={
-            200: OpenApiResponse(
-                OpenApiTypes.OBJECT,
-                description="The policy snapshot (egress.services.build_snapshot): generation,"
-                " agents with their entries, tokens by hash.",
-            ),
-            304: None,
-        }
-    )
+    @extend_schema(responses={200: PolicySnapshotSerializer, 304: None})
     def get(self, request: Request) -> Response:
         runner = self.runner(request)
         generation = egress.policy_fingerprint(runner.organisation_id)
@@ -358,13 +351,7 @@ class EgressPolicyView(RunnerEndpoint):
         if request.headers.get("If-None-Match") == etag:
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
         snapshot = egress.build_snapshot(runner.organisation_id)
-        return Response(snapshot, headers={"ETag": f'"{snapshot["generation"]}"'})
-
-
-class DecisionIngestSerializer(serializers.Serializer):
-    """A batch of decision events from a proxy."""
-
-    events = serializers.ListField(child=serializers.DictField(), max_length=5000)
+        return Response(snapshot.to_json(), headers={"ETag": f'"{snapshot.generation}"'})
 
 
 class DecisionIngestView(RunnerEndpoint):
@@ -373,19 +360,19 @@ class DecisionIngestView(RunnerEndpoint):
     seen_as = "proxy"
 
     @extend_schema(
-        request=DecisionIngestSerializer,
-        responses={201: inline_serializer("Recorded", {"recorded": serializers.IntegerField()})},
+        request=DecisionBatchSerializer,
+        responses={201: RecordedSerializer, 400: Refusal},
     )
     def post(self, request: Request) -> Response:
-        serializer = DecisionIngestSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
+        try:
+            batch = DecisionBatch.from_json(request.data)
+        except ProtocolError as exc:
+            raise serializers.ValidationError({"events": [str(exc)]}) from None
         runner = self.runner(request)
         try:
             count = egress.record_decisions(
-                serializer.validated_data["events"],
-                proxy=runner.name,
-                organisation_id=runner.organisation_id,
+                batch.events, proxy=runner.name, organisation_id=runner.organisation_id
             )
         except egress.MALFORMED as exc:
-            raise serializers.ValidationError({"events": [f"malformed event: {exc!r}"]}) from None
+            raise serializers.ValidationError({"events": [f"malformed event: {exc}"]}) from None
         return Response({"recorded": count}, status=status.HTTP_201_CREATED)

@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from agents import services
 from agents.models import Agent
+from egress.protocol import DecisionBatch
+from egress.services import record_decisions
 from organisations import services as organisations
 from organisations.models import Organisation
 from runners.models import Runner
@@ -80,6 +82,12 @@ def decision_event(agent=None, **fields) -> dict:
         "at": time.time(),
         **fields,
     }
+
+
+def record_events(events, **kwargs) -> int:
+    """egress.services.record_decisions of events as a proxy posts them (JSON), parsed as the
+    control plane's door parses them (egress.protocol.DecisionBatch)."""
+    return record_decisions(DecisionBatch.from_json({"events": list(events)}).events, **kwargs)
 
 
 def online_runner(organisation, name="edge-1", labels=(), paused=False) -> tuple[Runner, str]:

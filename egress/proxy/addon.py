@@ -40,6 +40,7 @@ from egress.policy import (
     is_proxy_check,
     parse_networks,
 )
+from egress.protocol import CloseEvent, ConnectionKind, DecisionEvent
 from egress.proxy import desk
 from egress.proxy.answers import plain_http_problem, read_client_hello, refusal
 from egress.proxy.config import ProxyConfig
@@ -343,13 +344,9 @@ class CoveyEgress:
         if self.tunnels_by_agent[tunnel.agent_id] <= 0:
             del self.tunnels_by_agent[tunnel.agent_id]
         self.log.add(
-            {
-                "event": "close",
-                "id": tunnel.decision_id,
-                "bytes_up": bytes_up,
-                "bytes_down": bytes_down,
-                "at": self.clock(),
-            }
+            CloseEvent(
+                id=tunnel.decision_id, bytes_up=bytes_up, bytes_down=bytes_down, at=self.clock()
+            )
         )
 
     # --- deciding ----------------------------------------------------------------------------
@@ -535,23 +532,22 @@ class CoveyEgress:
             return decision_id
         if agent_id is None and decision.agent is not None:
             agent_id = decision.agent.id
-        kind, reason = "http" if plain_http else "connect", str(decision.code)
-        self.decisions[kind, reason] += 1
+        kind = ConnectionKind.HTTP if plain_http else ConnectionKind.CONNECT
+        self.decisions[kind.value, decision.code.value] += 1
         self.log.add(
-            {
-                "event": "decision",
-                "id": decision_id,
-                "agent_id": agent_id,
-                "username": decision.username,
-                "kind": kind,
-                "host": decision.host,
-                "port": decision.port,
-                "address": address or decision.address,
-                "allowed": decision.allowed,
-                "reason": reason,
-                "detail": ", ".join(decision.sources) if decision.allowed else decision.detail,
-                "at": self.clock(),
-            }
+            DecisionEvent(
+                id=decision_id,
+                agent_id=agent_id,
+                username=decision.username,
+                kind=kind,
+                host=decision.host,
+                port=decision.port,
+                address=address or decision.address,
+                allowed=decision.allowed,
+                reason=decision.code,
+                detail=", ".join(decision.sources) if decision.allowed else decision.detail,
+                at=self.clock(),
+            )
         )
         return decision_id
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
+from egress.protocol import DecisionBatch, PolicySnapshot, ProxyEvent
 from egress.proxy.config import ProxyConfig
 from egress.proxy.feed import Refused
 
@@ -60,8 +61,9 @@ class ControlPlaneSource:
             trust_env=False,  # never through a proxy
         )
 
-    def __call__(self, known_generation: str | None) -> Mapping[str, Any] | None:
-        """The runner's organisation's egress policy; None when it has not changed."""
+    def __call__(self, known_generation: str | None) -> PolicySnapshot | None:
+        """The runner's organisation's egress policy; None when it has not changed. A body
+        that is not a snapshot raises ProtocolError (the feed keeps its last good policy)."""
         headers = self._headers()
         if known_generation:
             headers["If-None-Match"] = f'"{known_generation}"'
@@ -69,14 +71,15 @@ class ControlPlaneSource:
         if response.status_code == 304:
             return None
         response.raise_for_status()
-        data: Mapping[str, Any] = response.json()
-        return data
+        return PolicySnapshot.from_json(response.json())
 
-    def post_decisions(self, events: list[dict[str, Any]]) -> None:
+    def post_decisions(self, events: list[ProxyEvent]) -> None:
         """Send a batch of decision events to the control plane's log (:class:`Refused`: it
         answered 400, they are malformed to it, and sending them again would not help)."""
         response = self._client.post(
-            "/api/v1/egress/decisions/", json={"events": events}, headers=self._headers()
+            "/api/v1/egress/decisions/",
+            json=DecisionBatch(tuple(events)).to_json(),
+            headers=self._headers(),
         )
         if response.status_code == 400:
             raise Refused(f"400 {response.text[:300]}")

@@ -10,19 +10,20 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import replace
 
 from egress.policy import Policy
+from egress.protocol import DecisionEvent, PolicySnapshot, ProxyEvent, StartEvent, StopEvent
 
 logger = logging.getLogger(__name__)
 
 MIN_ROUND_SECONDS = 0.02
 
 # fetch(known_generation) -> a new snapshot, or None when the generation has not changed.
-PolicySource = Callable[[str | None], Mapping[str, Any] | None]
-DecisionSink = Callable[[list[dict[str, Any]]], None]
+PolicySource = Callable[[str | None], PolicySnapshot | None]
+DecisionSink = Callable[[list[ProxyEvent]], None]
 
 
 class Refused(Exception):
@@ -181,7 +182,7 @@ class DecisionLog:
     ) -> None:
         self._sink = sink
         self._interval = interval
-        self._events: deque[dict[str, Any]] = deque(maxlen=max_buffer)
+        self._events: deque[ProxyEvent] = deque(maxlen=max_buffer)
         self._max_buffer = max_buffer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="covey-decisions", daemon=True)
@@ -193,11 +194,11 @@ class DecisionLog:
         self._start_owed = True
         self._start_warned = float("-inf")
 
-    def add(self, event: dict[str, Any]) -> None:
+    def add(self, event: ProxyEvent) -> None:
         """Queue one event (never blocks, never does I/O); a decision gets its number."""
-        if event.get("event") == "decision":
+        if isinstance(event, DecisionEvent):
             self.made += 1
-            event["boot"], event["seq"] = self.boot, self.made
+            event = replace(event, boot=self.boot, seq=self.made)
         if len(self._events) == self._max_buffer:
             self.dropped += 1
         self._events.append(event)
@@ -224,7 +225,7 @@ class DecisionLog:
             self._say_started()
             while self._events:
                 self.flush()
-            self._mark({"event": "stop", "boot": self.boot, "seq": self.made, "at": time.time()})
+            self._mark(StopEvent(boot=self.boot, seq=self.made, at=time.time()))
         except Exception:
             logger.warning("covey: %d egress decisions were not written", len(self._events))
 
@@ -234,7 +235,7 @@ class DecisionLog:
         if not self._start_owed:
             return
         try:
-            self._mark({"event": "start", "boot": self.boot, "at": self._started_at})
+            self._mark(StartEvent(boot=self.boot, at=self._started_at))
         except Exception as exc:  # said once, then every 30 s: tried again each round
             if time.monotonic() - self._start_warned >= 30:
                 self._start_warned = time.monotonic()
@@ -242,7 +243,7 @@ class DecisionLog:
             raise
         self._start_owed = False
 
-    def _mark(self, event: dict[str, Any]) -> None:
+    def _mark(self, event: StartEvent | StopEvent) -> None:
         """Write a start or stop event on its own: a control plane of before sessions refuses
         them, and then the decisions go on without (it keeps no session to write them in)."""
         try:
@@ -251,7 +252,7 @@ class DecisionLog:
             logger.warning(
                 "covey: the control plane refused this proxy's %s (%s): it keeps no record of "
                 "the proxy's sessions, so a gap in its decision log will not be admitted",
-                event["event"],
+                event.event,
                 exc,
             )
 
@@ -260,7 +261,7 @@ class DecisionLog:
         front. Events the receiver refuses for good are found by halving the batch, and only
         they are dropped (and counted): one malformed event never costs the others."""
         self._say_started()
-        batch: list[dict[str, Any]] = []
+        batch: list[ProxyEvent] = []
         while self._events and len(batch) < 5000:
             batch.append(self._events.popleft())
         parts = [batch] if batch else []

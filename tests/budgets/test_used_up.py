@@ -147,7 +147,7 @@ def test_the_proxy_is_told_and_refuses_the_agents_egress(acme, sonnet_price):
     before = policy_fingerprint()
     refused(agent)
     assert policy_fingerprint() != before  # proxies load the change
-    flags = {item["id"]: item["budget_exhausted"] for item in build_snapshot()["agents"]}
+    flags = {item["id"]: item["budget_exhausted"] for item in build_snapshot().to_json()["agents"]}
     assert flags == {agent.pk: True, other.pk: False}
 
 
@@ -223,12 +223,12 @@ def test_every_agent_may_reach_the_gateway_its_runs_are_given(settings, acme):
     AgentFactory(organisation=acme)
     before = policy_fingerprint()
     settings.COVEY_MODEL_GATEWAY_URL = "http://172.17.0.1:8002"
-    assert build_snapshot()["built_in"] == [
+    assert build_snapshot().to_json()["built_in"] == [
         {"host": "172.17.0.1", "port": 8002, "name": "model gateway"}
     ]
     assert policy_fingerprint() != before  # proxies load the change
     settings.COVEY_MODEL_GATEWAY_URL = ""
-    assert build_snapshot()["built_in"] == []
+    assert build_snapshot().to_json()["built_in"] == []
 
 
 def test_a_budget_lowered_to_what_was_spent_is_used_up_at_once(

@@ -13,7 +13,6 @@ import pytest
 from approvals import services as approvals
 from approvals.models import Request, Status
 from budgets.models import Budget
-from egress.services import record_decisions
 from organisations.models import Membership, Role
 from runs import services as runs
 from tests.agents.test_admin_browser import PASSWORD, browser, signed_in  # noqa: F401
@@ -24,6 +23,7 @@ from tests.factories import (
     WorkplaceFactory,
     decision_event,
     online_runner,
+    record_events,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -53,9 +53,7 @@ def world(orders):
         runs.queue_run(agent, f"work of {agent_name}")
         online_runner(organisation, edge)
         Budget.objects.create(organisation=organisation, agent=agent, amount=Decimal(10))
-        record_decisions(
-            [decision_event(agent, host=host, allowed=False, reason="not-on-allowlist")]
-        )
+        record_events([decision_event(agent, host=host, allowed=False, reason="not-on-allowlist")])
     return {"acme": acme, "globex": globex, "people": people}
 
 

@@ -10,11 +10,16 @@ from django.utils import timezone
 from approvals import services as approvals
 from budgets.metering import current_spend
 from budgets.models import Budget, Spend
-from egress.services import record_decisions
 from runners.models import Runner
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory, WorkplaceFactory, decision_event, online_runner
+from tests.factories import (
+    AgentFactory,
+    WorkplaceFactory,
+    decision_event,
+    online_runner,
+    record_events,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -56,12 +61,12 @@ def busy(acme, globex, orders):
     Budget.objects.create(organisation=acme, agent=quiet, amount=Decimal(10))  # nothing spent
     online_runner(acme, "edge-1")
     _, _ = online_runner(acme, "edge-2", paused=True)
-    record_decisions([denial(builder, "evil.example.test")])
+    record_events([denial(builder, "evil.example.test")])
 
     theirs = AgentFactory(organisation=globex, name="Spy")
     runs.queue_run(theirs, "their work")
     online_runner(globex, "their-edge")
-    record_decisions([denial(theirs, "their.example.test")])
+    record_events([denial(theirs, "their.example.test")])
     return {"going": going, "failed": failed, "old": old, "builder": builder}
 
 

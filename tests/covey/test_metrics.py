@@ -16,10 +16,15 @@ from approvals import services as approvals
 from budgets.metering import current_spend
 from budgets.models import Budget, Spend
 from covey.metrics import _quantile
-from egress.services import record_decisions
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory, WorkplaceFactory, decision_event, online_runner
+from tests.factories import (
+    AgentFactory,
+    WorkplaceFactory,
+    decision_event,
+    online_runner,
+    record_events,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -88,7 +93,7 @@ def test_it_reports_runs_decisions_budgets_homes_runners_and_requests(
         created_at=now - timedelta(hours=3, seconds=500),
         started_at=now - timedelta(hours=3),
     )
-    record_decisions(
+    record_events(
         [
             decision(builder, "allowed", now),
             decision(builder, "not-on-allowlist", now),

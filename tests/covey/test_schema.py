@@ -77,3 +77,23 @@ def test_the_internal_docs_page_serves_the_internal_schema(client):
     assert "/api/v1/schema/internal/" in page and "https://" not in page
     assert "covey internal API" in page
     assert "/api/v1/schema/internal/" not in client.get("/api/v1/docs/").content.decode()
+
+
+def test_the_internal_schema_describes_the_proxys_bodies_from_their_dataclasses(client):
+    internal = paths_of(client, "/api/v1/schema/internal/")
+    schemas = internal["components"]["schemas"]
+    policy = internal["paths"]["/api/v1/egress/policy/"]["get"]["responses"]["200"]
+    assert policy["content"]["application/json"]["schema"]["$ref"].endswith("/PolicySnapshot")
+    agent = schemas["AgentSnapshot"]["properties"]
+    assert {"id", "username", "enabled", "budget_exhausted", "entries", "tokens"} <= set(agent)
+    batch = internal["paths"]["/api/v1/egress/decisions/"]["post"]["requestBody"]
+    assert batch["content"]["application/json"]["schema"]["$ref"].endswith("/DecisionBatch")
+    events = schemas["DecisionBatch"]["properties"]["events"]
+    assert events["type"] == "array"
+    proxy_event = schemas["ProxyEvent"]
+    assert proxy_event["discriminator"]["propertyName"] == "event"
+    assert set(proxy_event["discriminator"]["mapping"]) == {"decision", "close", "start", "stop"}
+    decision = schemas["DecisionEvent"]["properties"]
+    assert {"id", "kind", "host", "port", "allowed", "reason", "at", "boot", "seq"} <= set(decision)
+    reason = schemas[decision["reason"]["$ref"].rsplit("/", 1)[1]]
+    assert "not-on-allowlist" in reason["enum"]  # a StrEnum: its values, listed

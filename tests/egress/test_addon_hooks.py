@@ -12,6 +12,7 @@ import pytest
 from mitmproxy.test import taddons, tflow, tutils
 
 from egress.policy import PROXY_CHECK, hash_token
+from egress.protocol import PolicySnapshot
 from egress.proxy.addon import CoveyEgress
 from egress.proxy.feed import DecisionLog, PolicyFeed
 from tests.processes import ROOT
@@ -49,9 +50,11 @@ class Source:
     def __init__(self, served: dict) -> None:
         self.served, self.asks = served, 0
 
-    def __call__(self, known: str | None) -> dict | None:
+    def __call__(self, known: str | None) -> PolicySnapshot | None:
         self.asks += 1
-        return None if known == self.served["generation"] else self.served
+        if known == self.served["generation"]:
+            return None
+        return PolicySnapshot.from_json(self.served)  # parsed as the control plane's source does
 
 
 class Resolver:
@@ -73,7 +76,7 @@ def proxy():
     feed = PolicyFeed(source, poll=60, grace=60)
     feed.refresh()
     decisions: list[dict] = []
-    addon = CoveyEgress(feed, DecisionLog(decisions.extend))
+    addon = CoveyEgress(feed, DecisionLog(lambda sent: decisions.extend(e.to_json() for e in sent)))
     with taddons.context(addon) as tctx:
         tctx.configure(addon, covey_allowed_private_cidrs=["10.9.0.0/16"])
         addon.resolver = Resolver(

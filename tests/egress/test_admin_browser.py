@@ -3,9 +3,8 @@ of each decision fits a window 1280 pixels wide."""
 
 import pytest
 
-from egress.services import record_decisions
 from tests.agents.test_admin_browser import browser, hidden_columns, window  # noqa: F401
-from tests.factories import AgentFactory, decision_event
+from tests.factories import AgentFactory, decision_event, record_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,9 +20,7 @@ def test_whether_and_why_each_decision_went_fit_the_window(window, acme, orders)
     )
     allowed = decision_event(agent, host="pypi.org")
     closed = {"event": "close", "id": allowed["id"], "at": allowed["at"] + 5}
-    record_decisions(
-        [refused, allowed, {**closed, "bytes_up": 1_234_567, "bytes_down": 987_654_321}]
-    )
+    record_events([refused, allowed, {**closed, "bytes_up": 1_234_567, "bytes_down": 987_654_321}])
     window.goto("/admin/egress/decision/")
     assert hidden_columns(window, ["decided_shown", "allowed", "reason", "destination"]) == {}
     listed = window.inner_text("#result_list")

@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from egress.models import Decision, EgressToken, ProxySession
 from egress.policy import hash_token
-from egress.services import issue_token, prune_decisions, record_decisions
-from tests.factories import AgentFactory
+from egress.services import issue_token, prune_decisions
+from tests.factories import AgentFactory, record_events
 from tests.factories import decision_event as event
 
 pytestmark = pytest.mark.django_db
@@ -98,7 +98,7 @@ class TestTokenApi:
 class TestDecisionLog:
     def test_people_see_their_organisations_decisions_only(self, api, alice, gary, acme, globex):
         ours, theirs = AgentFactory(organisation=acme), AgentFactory(organisation=globex)
-        record_decisions([event(ours), event(theirs, allowed=False, reason="not-on-allowlist")])
+        record_events([event(ours), event(theirs, allowed=False, reason="not-on-allowlist")])
         results = api(alice).get("/api/v1/egress-decisions/").json()["results"]
         assert [r["agent"] for r in results] == [ours.pk]
         denied = api(gary).get("/api/v1/egress-decisions/?allowed=false").json()["results"]
@@ -107,7 +107,7 @@ class TestDecisionLog:
     def test_it_filters_by_reason_host_and_time(self, api, alice, acme):
         agent = AgentFactory(organisation=acme)
         old = time.time() - 3600
-        record_decisions(
+        record_events(
             [
                 event(agent, host="a.example"),
                 event(agent, host="b.example", allowed=False, reason="ip-literal"),
@@ -126,8 +126,8 @@ class TestDecisionLog:
     def test_tunnel_closes_fill_in_the_byte_counts(self, acme):
         agent = AgentFactory(organisation=acme)
         opened = event(agent)
-        record_decisions([opened])
-        record_decisions(
+        record_events([opened])
+        record_events(
             [
                 {
                     "event": "close",
@@ -144,19 +144,19 @@ class TestDecisionLog:
 
     def test_a_runner_cannot_write_into_another_organisations_log(self, acme, globex):
         theirs = AgentFactory(organisation=globex)
-        record_decisions([event(theirs)], organisation_id=acme.pk)
+        record_events([event(theirs)], organisation_id=acme.pk)
         assert Decision.objects.get().agent is None
 
     @override_settings(COVEY_EGRESS_DECISION_RETENTION_DAYS=30)
     def test_old_decisions_are_pruned(self, acme):
         agent = AgentFactory(organisation=acme)
         now = time.time()
-        record_decisions([event(agent, at=now - 31 * 86400), event(agent, at=now - 29 * 86400)])
+        record_events([event(agent, at=now - 31 * 86400), event(agent, at=now - 29 * 86400)])
         assert prune_decisions() == 1
         assert Decision.objects.count() == 1
 
     def test_the_admin_lists_decisions_read_only(self, operator_client, acme):
-        record_decisions([event(AgentFactory(organisation=acme))])
+        record_events([event(AgentFactory(organisation=acme))])
         row = Decision.objects.get()
         url = reverse("admin:egress_decision_changelist")
         assert operator_client.get(url, {"allowed__exact": "1"}).status_code == 200
@@ -189,7 +189,7 @@ class TestDecisionBatches:
         agent = AgentFactory(organisation=acme)
         opened = event(agent)
         closed = {"event": "close", "id": opened["id"], "bytes_up": 7, "bytes_down": 9, "at": 1.0}
-        assert record_decisions([opened, closed]) == 2
+        assert record_events([opened, closed]) == 2
         row = Decision.objects.get()
         assert (row.bytes_up, row.bytes_down, row.closed_at.timestamp()) == (7, 9, 1.0)
 
@@ -197,16 +197,16 @@ class TestDecisionBatches:
         agent = AgentFactory(organisation=acme)
         opened = event(agent)
         closed = {"event": "close", "id": opened["id"], "bytes_up": 7, "bytes_down": 9, "at": 1.0}
-        record_decisions([opened])
-        record_decisions([opened, closed])  # the proxy never heard that the first one landed
+        record_events([opened])
+        record_events([opened, closed])  # the proxy never heard that the first one landed
         row = Decision.objects.get()
         assert (row.bytes_up, row.bytes_down) == (7, 9)
 
     def test_a_runner_cannot_close_another_organisations_decision(self, acme, globex):
         theirs = event(AgentFactory(organisation=globex))
-        record_decisions([theirs])
+        record_events([theirs])
         closed = {"event": "close", "id": theirs["id"], "bytes_up": 1, "bytes_down": 1, "at": 1.0}
-        record_decisions([theirs, closed], organisation_id=acme.pk)
+        record_events([theirs, closed], organisation_id=acme.pk)
         assert Decision.objects.get().closed_at is None
 
 
@@ -223,28 +223,28 @@ class TestProxySessions:
 
     def test_a_clean_life_is_whole(self, acme):
         agent = AgentFactory(organisation=acme)
-        record_decisions([self.mark("start", "a1")], proxy="p")
+        record_events([self.mark("start", "a1")], proxy="p")
         batch = [self.numbered("a1", n, agent) for n in (1, 2, 3)]
-        record_decisions(batch, proxy="p")
-        record_decisions(batch, proxy="p")  # sent again: counted once
-        record_decisions([self.mark("stop", "a1", seq=3)], proxy="p")
+        record_events(batch, proxy="p")
+        record_events(batch, proxy="p")  # sent again: counted once
+        record_events([self.mark("stop", "a1", seq=3)], proxy="p")
         session = ProxySession.objects.get()
         assert (session.end, session.made, session.recorded, session.gap) == ("stopped", 3, 3, "")
 
     def test_numbers_it_never_sent_are_admitted(self, acme):
         agent = AgentFactory(organisation=acme)
-        record_decisions([self.mark("start", "b1"), self.numbered("b1", 1, agent)], proxy="p")
-        record_decisions([self.numbered("b1", 4, agent)], proxy="p")  # 2 and 3 were dropped
-        record_decisions([self.mark("stop", "b1", seq=6)], proxy="p")  # 5 and 6 never came
+        record_events([self.mark("start", "b1"), self.numbered("b1", 1, agent)], proxy="p")
+        record_events([self.numbered("b1", 4, agent)], proxy="p")  # 2 and 3 were dropped
+        record_events([self.mark("stop", "b1", seq=6)], proxy="p")  # 5 and 6 never came
         session = ProxySession.objects.get()
         assert (session.made, session.recorded, session.missing) == (6, 2, 4)
         assert session.gap == "4 of its 6 decisions are not in the log"
 
     def test_a_life_without_a_stop_is_admitted_when_the_proxy_starts_again(self, acme, globex):
         agent = AgentFactory(organisation=acme)
-        record_decisions([self.mark("start", "c1"), self.numbered("c1", 1, agent)], proxy="p")
-        record_decisions([self.mark("start", "g1")], proxy="p", organisation_id=globex.pk)
-        record_decisions([self.mark("start", "c2")], proxy="p")
+        record_events([self.mark("start", "c1"), self.numbered("c1", 1, agent)], proxy="p")
+        record_events([self.mark("start", "g1")], proxy="p", organisation_id=globex.pk)
+        record_events([self.mark("start", "c2")], proxy="p")
         killed, others = ProxySession.objects.get(boot="c1"), ProxySession.objects.get(boot="g1")
         assert killed.end == "lost" and killed.ended_at is not None
         assert killed.gap == (
@@ -254,8 +254,8 @@ class TestProxySessions:
 
     def test_a_runner_cannot_count_for_another_proxys_life(self, acme, globex):
         agent = AgentFactory(organisation=acme)
-        record_decisions([self.mark("start", "d1")], proxy="edge", organisation_id=acme.pk)
-        record_decisions(
+        record_events([self.mark("start", "d1")], proxy="edge", organisation_id=acme.pk)
+        record_events(
             [self.numbered("d1", 9, agent), self.mark("stop", "d1", seq=9)],
             proxy="edge",
             organisation_id=globex.pk,
@@ -267,7 +267,7 @@ class TestProxySessions:
     def test_a_malformed_boot_is_refused_and_nothing_is_written(self, acme, boot):
         agent = AgentFactory(organisation=acme)
         with pytest.raises(ValueError, match="boot"):
-            record_decisions([self.numbered(str(boot), 1, agent)], proxy="p")
+            record_events([self.numbered(str(boot), 1, agent)], proxy="p")
         assert not Decision.objects.exists() and not ProxySession.objects.exists()
 
     @pytest.mark.parametrize(
@@ -285,23 +285,23 @@ class TestProxySessions:
     def test_numbers_out_of_bounds_are_refused_and_nothing_is_written(self, acme, fields):
         agent = AgentFactory(organisation=acme)
         with pytest.raises(ValueError):
-            record_decisions([{**self.numbered("f1", 1, agent), **fields}], proxy="p")
+            record_events([{**self.numbered("f1", 1, agent), **fields}], proxy="p")
         assert not Decision.objects.exists() and not ProxySession.objects.exists()
 
     def test_a_nul_a_sandbox_put_in_its_user_name_is_not_kept_and_fails_nothing(self, acme):
         agent = AgentFactory(organisation=acme)
-        record_decisions([{**self.numbered("n1", 1, agent), "username": "ev\x00il"}], proxy="p")
+        record_events([{**self.numbered("n1", 1, agent), "username": "ev\x00il"}], proxy="p")
         assert Decision.objects.get().username == "evil"
 
     def test_the_decision_log_says_when_it_is_not_whole(self, operator_client, acme):
         agent = AgentFactory(organisation=acme)
-        record_decisions([self.mark("start", "e1"), self.numbered("e1", 2, agent)], proxy="p")
+        record_events([self.mark("start", "e1"), self.numbered("e1", 2, agent)], proxy="p")
         page = operator_client.get(reverse("admin:egress_decision_changelist"))
         assert b"This log is not whole" in page.content
         listed = operator_client.get(
             reverse("admin:egress_proxysession_changelist"), {"gap": "yes"}
         )
         assert b"1 of its 2 decisions are not in the log" in listed.content
-        record_decisions([self.numbered("e1", 1, agent)], proxy="p")
+        record_events([self.numbered("e1", 1, agent)], proxy="p")
         page = operator_client.get(reverse("admin:egress_decision_changelist"))
         assert b"This log is not whole" not in page.content

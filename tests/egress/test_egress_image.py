@@ -40,10 +40,11 @@ LOCKED_DOWN = [
 ]
 # The image holds the proxy package and what it imports (its log lines too), nothing else (no
 # Django project).
-APP = {"allowlists", "egress", "jsonbodies", "logs", "status"}
+APP = {"allowlists", "egress", "jsonbodies", "logs", "status", "wire"}
 SOURCES = {
     "allowlists/__init__.py", "allowlists/entries.py", "egress/__init__.py", "egress/policy.py",
-    "logs/__init__.py", "status/__init__.py", "jsonbodies/__init__.py",
+    "logs/__init__.py", "status/__init__.py", "jsonbodies/__init__.py", "wire/__init__.py",
+    "egress/protocol.py",
     "egress/environment.py", "egress/proxy/__init__.py", "egress/proxy/__main__.py",
     "egress/proxy/addon.py", "egress/proxy/answers.py", "egress/proxy/config.py",
     "egress/proxy/control_plane.py", "egress/proxy/desk.py", "egress/proxy/feed.py",

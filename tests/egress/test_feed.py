@@ -4,16 +4,38 @@ process."""
 
 import threading
 import time
+import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
+from egress.policy import Code
+from egress.protocol import (
+    CloseEvent,
+    ConnectionKind,
+    DecisionEvent,
+    PolicySnapshot,
+    ProxyEvent,
+)
 from egress.proxy.feed import DecisionLog, PolicyFeed, Refused
 from egress.proxy.lookups import TokenLookups
 
 
-def snapshot(generation: str) -> dict:
-    return {"generation": generation, "agents": []}
+def snapshot(generation: str) -> PolicySnapshot:
+    return PolicySnapshot(generation=generation, agents=())
+
+
+def decision(host: str) -> DecisionEvent:
+    """A decision event as the addon makes one (what it decided does not matter here)."""
+    return DecisionEvent(
+        id=str(uuid.uuid4()), kind=ConnectionKind.CONNECT, host=host, port=443, allowed=True,
+        reason=Code.ALLOWED, at=time.time(),
+    )  # fmt: skip
+
+
+def as_json(events: list[ProxyEvent]) -> list[dict]:
+    """Events as they go on the wire, for what the tests look at."""
+    return [event.to_json() for event in events]
 
 
 class CountingSource:
@@ -238,12 +260,12 @@ def test_a_look_up_that_gives_up_leaves_the_round_and_the_polling_thread_alone(m
 
 def test_the_decision_log_numbers_decisions_between_its_start_and_its_stop():
     written: list[dict] = []
-    log = DecisionLog(written.extend, interval=3600)
+    log = DecisionLog(lambda events: written.extend(as_json(events)), interval=3600)
     log.start()
     assert [e["event"] for e in written] == ["start"]  # at once, before any batch
     for host in ("a.test", "b.test"):
-        log.add({"event": "decision", "host": host})
-    log.add({"event": "close", "id": "x"})
+        log.add(decision(host))
+    log.add(CloseEvent(id=str(uuid.uuid4()), bytes_up=0, bytes_down=0, at=time.time()))
     log.stop()
     assert [(e["event"], e.get("seq")) for e in written] == [
         ("start", None), ("decision", 1), ("decision", 2), ("close", None), ("stop", 2),
@@ -254,14 +276,15 @@ def test_the_decision_log_numbers_decisions_between_its_start_and_its_stop():
 def test_a_log_that_cannot_write_everything_never_says_it_stopped():
     written: list[dict] = []
 
-    def sink(events: list[dict]) -> None:
+    def sink(sent: list[ProxyEvent]) -> None:
+        events = as_json(sent)
         if any(e["event"] == "decision" for e in events):
             raise OSError("the control plane is gone")
         written.extend(events)
 
     log = DecisionLog(sink, interval=3600)
     log.start()
-    log.add({"event": "decision", "host": "a.test"})
+    log.add(decision("a.test"))
     log.stop()  # the decision is not written: no stop, so the gap is admitted at the next start
     assert [e["event"] for e in written] == ["start"]
     assert log.waiting == 1
@@ -270,14 +293,15 @@ def test_a_log_that_cannot_write_everything_never_says_it_stopped():
 def test_a_control_plane_of_before_sessions_refuses_the_marks_and_gets_the_decisions():
     written: list[dict] = []
 
-    def old_control_plane(events: list[dict]) -> None:  # as record_decisions was: no kind, 400
+    def old_control_plane(sent: list[ProxyEvent]) -> None:  # as record_decisions was: 400
+        events = as_json(sent)  # a start or stop has no kind
         if any("kind" not in e for e in events):
             raise Refused("400 malformed event: KeyError('kind')")
         written.extend(events)
 
     log = DecisionLog(old_control_plane, interval=3600)
     log.start()
-    log.add({"event": "decision", "kind": "connect", "host": "a.test"})
+    log.add(decision("a.test"))
     log.flush()  # not held up behind a start the control plane will never take
     log.stop()
     assert [(e["host"], e["seq"]) for e in written] == [("a.test", 1)]
@@ -288,7 +312,8 @@ def test_only_the_events_refused_for_good_are_dropped_and_the_rest_written():
     written: list[dict] = []
     asked = [0]
 
-    def sink(events: list[dict]) -> None:
+    def sink(sent: list[ProxyEvent]) -> None:
+        events = as_json(sent)
         asked[0] += 1
         if any(e.get("host") == "bad" for e in events):
             raise Refused("400 malformed")
@@ -299,7 +324,7 @@ def test_only_the_events_refused_for_good_are_dropped_and_the_rest_written():
     hosts = [f"h{n}" for n in range(64)]
     hosts[37] = "bad"
     for host in hosts:
-        log.add({"event": "decision", "host": host})
+        log.add(decision(host))
     log.flush()
     log.stop()
     assert [e["host"] for e in written if e["event"] == "decision"] == [
@@ -313,7 +338,8 @@ def test_a_failure_while_halving_puts_back_what_was_not_written():
     written: list[dict] = []
     up = [True]
 
-    def sink(events: list[dict]) -> None:
+    def sink(sent: list[ProxyEvent]) -> None:
+        events = as_json(sent)
         if any(e.get("host") == "bad" for e in events):
             up[0] = False  # and then the control plane goes away
             raise Refused("400 malformed")
@@ -323,7 +349,7 @@ def test_a_failure_while_halving_puts_back_what_was_not_written():
 
     log = DecisionLog(sink, interval=3600)
     for host in ("a", "b", "bad", "c"):
-        log.add({"event": "decision", "host": host})
+        log.add(decision(host))
     with pytest.raises(OSError):
         log.flush()
     assert log.waiting == 4 and [e["event"] for e in written] == ["start"]
@@ -334,7 +360,8 @@ def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():
     written: list[dict] = []
     up = False
 
-    def sink(events: list[dict]) -> None:
+    def sink(sent: list[ProxyEvent]) -> None:
+        events = as_json(sent)
         if not up:
             raise OSError("the control plane is not there yet")
         written.extend(events)
@@ -342,7 +369,7 @@ def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():
     log = DecisionLog(sink, interval=3600, max_buffer=2)
     log.start()
     for host in ("a", "b", "c"):
-        log.add({"event": "decision", "host": host})
+        log.add(decision(host))
     up = True
     log.stop()
     assert [(e["event"], e.get("seq")) for e in written] == [

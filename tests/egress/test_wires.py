@@ -6,14 +6,21 @@ a new control plane, and a new proxy's bodies must be what an old control plane 
 """
 
 import json
+import re
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 from rest_framework.test import APIClient
 
 from egress.models import Decision, ProxySession
+from egress.policy import Code, Policy, hash_token
+from egress.protocol import CloseEvent, ConnectionKind, DecisionBatch, DecisionEvent
+from egress.proxy.control_plane import ControlPlaneSource
+from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.services import issue_token
 from tests.factories import AgentFactory, online_runner
+from wire import ProtocolError
 
 BOOT = "5f0c4b1e9a7d4e2f8b3a6c1d0e9f8a7b"
 AT = 1765000000.25  # time.time() as the proxy sent it
@@ -100,3 +107,99 @@ def test_the_policy_a_proxy_of_one_version_back_reads_keeps_its_shape(acme, sett
     assert all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in entries.values())
     assert set(body) == {"generation", "agents", "built_in"}
     assert body["built_in"] == [{"host": "gateway.example", "port": 8002, "name": "model gateway"}]
+
+
+def test_a_new_proxys_batch_is_the_shape_an_old_control_plane_takes():
+    sent = old_events(7)
+    assert DecisionBatch.from_json({"events": sent}).to_json() == {"events": sent}
+
+
+def test_the_addon_and_the_log_make_events_of_the_old_shape():
+    written: list[dict] = []
+    log = DecisionLog(lambda events: written.extend(e.to_json() for e in events), interval=3600)
+    log.start()
+    log.add(
+        DecisionEvent(
+            id=DECISION_ID, agent_id=7, username="acme.builder", kind=ConnectionKind.CONNECT,
+            host="good.example", port=443, address="203.0.113.9", allowed=True,
+            reason=Code.ALLOWED, detail="agent, template:github", at=AT + 1,
+        )
+    )  # fmt: skip
+    log.add(CloseEvent(id=DECISION_ID, bytes_up=517, bytes_down=4096, at=AT + 3))
+    log.stop()
+    start, decision, close, stop = written
+    old_start, old_decision, _, old_close, old_stop = old_events(7)
+    assert set(start) == set(old_start) and set(stop) == set(old_stop)
+    assert decision == {**old_decision, "boot": log.boot}
+    assert close == old_close
+
+
+@pytest.mark.django_db
+def test_a_malformed_event_is_refused_with_a_400_naming_it_and_nothing_is_written(acme):
+    agent = AgentFactory(organisation=acme)
+    _, token = online_runner(acme)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Runner {token}")
+    events = old_events(agent.pk)
+    events[1] = {**events[1], "port": "443"}
+    events[2] = {**events[2], "reason": "because"}
+    response = client.post(
+        "/api/v1/egress/decisions/", json.dumps({"events": events}), content_type="application/json"
+    )
+    assert response.status_code == 400
+    assert response.json() == {"events": ["events[1].port: expected int, got str"]}
+    assert not Decision.objects.exists() and not ProxySession.objects.exists()
+    events[1] = old_events(agent.pk)[1]
+    response = client.post(
+        "/api/v1/egress/decisions/", json.dumps({"events": events}), content_type="application/json"
+    )
+    (problem,) = response.json()["events"]
+    assert problem.startswith("events[2].reason: 'because' is not one of allowed, ")
+
+
+def served(body: object) -> httpx.MockTransport:
+    """A control plane that answers the policy with ``body`` (JSON)."""
+    return httpx.MockTransport(lambda request: httpx.Response(200, json=body))
+
+
+def test_a_proxy_reads_the_policy_an_old_control_plane_serves():
+    old = {
+        "generation": "g1",
+        "agents": [
+            {
+                "id": 7, "username": "acme.builder", "organisation": "acme", "enabled": True,
+                "budget_exhausted": False, "entries": {"git.example:443": ["agent"]},
+                "tokens": [{"sha256": hash_token("s3cret"), "expires_at": AT}],
+            }
+        ],
+        "built_in": [{"host": "gateway.example", "port": 8002, "name": "model gateway"}],
+    }  # fmt: skip
+    source = ControlPlaneSource("http://control-plane.invalid", lambda: "t")
+    source._client = httpx.Client(base_url=source.url, transport=served(old))
+    snapshot = source(None)
+    assert snapshot is not None and snapshot.to_json() == old
+    policy = Policy.from_snapshot(snapshot)
+    assert policy.identify(("acme.builder", "s3cret"), AT - 1)[0] == policy.agents[7]
+    assert policy.built_in == {("gateway.example", 8002): "model gateway"}
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"generation": "g2", "agents": [{"id": "7"}]}, "PolicySnapshot.agents[0].id"),
+        ({"generation": "g2"}, "PolicySnapshot.agents: missing"),
+        ({"generation": "g2", "agents": [], "built_in": [{"host": "x"}]}, "built_in[0].port"),
+        ([], "PolicySnapshot: expected an object"),
+    ],
+)
+def test_a_proxy_refuses_a_malformed_policy_and_keeps_its_last_good_one(body, named):
+    source = ControlPlaneSource("http://control-plane.invalid", lambda: "t")
+    good = {"generation": "g1", "agents": []}
+    source._client = httpx.Client(base_url=source.url, transport=served(good))
+    feed = PolicyFeed(source, poll=60, grace=60)
+    feed.refresh()
+    source._client = httpx.Client(base_url=source.url, transport=served(body))
+    with pytest.raises(ProtocolError, match=re.escape(named)):
+        feed.refresh()
+    current = feed.current()
+    assert current is not None and current.generation == "g1"

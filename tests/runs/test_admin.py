@@ -10,12 +10,11 @@ from django.utils import timezone
 
 from budgets.models import Charge, Price
 from egress.models import Decision, EgressToken
-from egress.services import record_decisions
 from runners.models import Runner
 from runs import output
 from runs import services as runs
 from runs.models import Run, RunStatus
-from tests.factories import AgentFactory
+from tests.factories import AgentFactory, record_events
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +27,7 @@ def started(run: Run, runner: Runner, minutes_ago: float = 0) -> Run:
 
 
 def decision(agent, host, at, allowed=False):
-    record_decisions(
+    record_events(
         [{"event": "decision", "id": str(uuid.uuid4()), "agent_id": agent.pk, "username": "x",
           "kind": "connect", "host": host, "port": 443, "allowed": allowed,
           "reason": "allowed" if allowed else "not-on-allowlist", "at": at.timestamp()}]

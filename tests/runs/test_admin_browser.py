@@ -9,14 +9,13 @@ import pytest
 from django.utils import timezone
 
 from covey.display import seconds
-from egress.services import record_decisions
 from runners.models import Runner
 from runners.protocol import ReportState, RunReport
 from runs import output
 from runs import services as runs
 from runs.models import Run, RunStatus
 from tests.agents.test_admin_browser import browser, page, window  # noqa: F401 (fixtures)
-from tests.factories import AgentFactory, decision_event
+from tests.factories import AgentFactory, decision_event, record_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,7 +58,7 @@ def test_a_runs_status_times_egress_and_output_follow_it_together(
     started = timezone.now() - timedelta(seconds=30)
     runs.report(str(run.pk), builtin, RunReport(state=ReportState.RUNNING, started_at=started))
     output.append_output(str(run.pk), builtin, 0, "compiling…\n")
-    record_decisions([decision_event(agent, host="evil.example.test", allowed=False)])
+    record_events([decision_event(agent, host="evil.example.test", allowed=False)])
     window.wait_for_function(
         "document.getElementById('run-output').textContent.includes('compiling')"
     )

@@ -25,13 +25,13 @@ from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
 from egress.models import EgressToken
-from egress.services import issue_token, record_decisions, revoke_tokens
+from egress.services import issue_token, revoke_tokens
 from homes.models import HomeOperation
 from organisations.models import Membership
 from runners.models import Probe
 from runners.services import renew_runner_tokens
 from runs import services as runs
-from tests.factories import WorkplaceFactory, decision_event, online_runner
+from tests.factories import WorkplaceFactory, decision_event, online_runner, record_events
 
 pytestmark = [pytest.mark.suite("boundaries"), pytest.mark.django_db]
 
@@ -54,7 +54,7 @@ def things(acme, alice) -> dict[str, Any]:
     budgets.set_budget(agent, Decimal(5))
     held = metering.reserve(agent, model=SONNET, input_bound=10, max_tokens=10, request_id="b1")
     charge = metering.settle(held, Usage(input=5, output=5))
-    record_decisions([decision_event(agent)])
+    record_events([decision_event(agent)])
     token, credentials = issue_token(agent)
     request = approvals.file_egress(agent, "b.example", reason="boundaries", by=alice)
     run = runs.queue_run(agent, "boundaries")
