@@ -9,10 +9,10 @@ from typing import Any
 from celery import Celery, Task, signals
 
 import logs
-from covey import broker
 
+# Reading the settings installs filesystem:// whose messages appear whole
+# (runners/host/broker.py), before the app connects.
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "covey.settings")
-broker.install()  # filesystem:// whose messages appear whole (covey/broker.py)
 
 app = Celery("covey")
 app.config_from_object("django.conf:settings", namespace="CELERY")

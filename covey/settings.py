@@ -9,14 +9,21 @@ from pathlib import Path
 import environ
 
 import logs
+from budgets.gateway.config import GatewayConfig
 from covey import var
 from egress.proxy.config import ProxyConfig
+from runners.host import broker
+from runners.host.config import HostSettings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
-_proxy = ProxyConfig()  # the proxy reads the same variables, with these defaults
-VAR_DIR = var.default_var_dir()
+# The proxy's variables (COVEY_EGRESS_*), read by the proxy's own parser: one parser each.
+_proxy = ProxyConfig.from_environment()
+# The runner host's variables, read by its own parser (runners/host/config.py): those the
+# control plane shares with it (its directory, the broker, the log format...) are taken from it.
+_host = HostSettings.from_environment()
+VAR_DIR = _host.var_dir
 
 
 # --- Django core --------------------------------------------------------------------------
@@ -154,14 +161,14 @@ STATIC_ROOT = Path(env.str("COVEY_STATIC_ROOT", default=str(VAR_DIR / "static"))
 
 # Log lines: "text", or one JSON object per line ("json"), with the run's and agent's ids on
 # those that concern one (logs/).
-COVEY_LOG_FORMAT = logs.check_format(env.str("COVEY_LOG_FORMAT", default="text"))
+COVEY_LOG_FORMAT = logs.check_format(_host.log_format)
 logs.install()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"covey": logs.formatter_config(COVEY_LOG_FORMAT)},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "covey"}},
-    "root": {"handlers": ["console"], "level": env.str("COVEY_LOG_LEVEL", default="INFO")},
+    "root": {"handlers": ["console"], "level": _host.log_level},
     # One line per request to the control plane would drown a runner's own log.
     "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }
@@ -210,18 +217,13 @@ SPECTACULAR_SETTINGS = {
 
 # --- Celery -------------------------------------------------------------------------------
 
-CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
+CELERY_BROKER_URL = _host.broker_url
 if CELERY_BROKER_URL.startswith("filesystem://"):
     # kombu's file-system transport: a broker with no server, for the embedded defaults.
-    CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(var.broker_folder(VAR_DIR, "queue")),
-        "data_folder_out": str(var.broker_folder(VAR_DIR, "queue")),
-        "processed_folder": str(var.broker_folder(VAR_DIR, "processed")),
-        "control_folder": str(var.broker_folder(VAR_DIR, "control")),
-        "store_processed": False,
-        # It polls the folder; the default second would be most of a run's time to start.
-        "polling_interval": 0.05,
-    }
+    CELERY_BROKER_TRANSPORT_OPTIONS = broker.transport_options(VAR_DIR)
+    # Here, as every process that uses the Celery app reads the settings before it connects
+    # (covey/celery.py may not import the runner host: lower apps import it).
+    broker.install()
 # Celery's workers log through LOGGING above in JSON; in text, with Celery's own format.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = COVEY_LOG_FORMAT != "json"
 CELERY_TASK_SERIALIZER = "json"
@@ -237,16 +239,16 @@ COVEY_EGRESS_BASE_ALLOWLIST = env.list("COVEY_EGRESS_BASE_ALLOWLIST", default=["
 # Cooperative level: sandboxes are told to use the proxy (bypassable by design).
 COVEY_EGRESS_ENFORCE = env.bool("COVEY_EGRESS_ENFORCE", default=True)
 # "network": sandboxes sit on an internal network whose only exit is the proxy container.
-COVEY_EGRESS_ISOLATION = env.str("COVEY_EGRESS_ISOLATION", default="none")
-COVEY_EGRESS_NAMESERVERS = env.list("COVEY_EGRESS_NAMESERVERS", default=[])
-COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS = env.list("COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS", default=[])
+COVEY_EGRESS_ISOLATION = _host.isolation_level
+COVEY_EGRESS_NAMESERVERS = list(_proxy.nameservers)
+COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS = list(_proxy.allowed_private_cidrs)
 
 # A runner (built-in or remote) reaches the control plane here, with its runner token.
-COVEY_CONTROL_PLANE_URL = env.str("COVEY_CONTROL_PLANE_URL", default="http://127.0.0.1:8000")
-COVEY_RUNNER_TOKEN = env.str("COVEY_RUNNER_TOKEN", default="")
+COVEY_CONTROL_PLANE_URL = _proxy.control_plane_url or "http://127.0.0.1:8000"
+COVEY_RUNNER_TOKEN = _proxy.runner_token
 
 # /metrics (Prometheus) answers only this bearer token; unset, it refuses everyone.
-COVEY_METRICS_TOKEN = env.str("COVEY_METRICS_TOKEN", default="")
+COVEY_METRICS_TOKEN = _proxy.metrics_token
 
 # The first superuser's password (`make run` generates and prints one when this is unset).
 COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")
@@ -256,20 +258,18 @@ COVEY_ADMIN_PASSWORD = env.str("COVEY_ADMIN_PASSWORD", default="")
 # How long an egress token lives unless the caller says otherwise (seconds).
 COVEY_EGRESS_TOKEN_TTL = env.int("COVEY_EGRESS_TOKEN_TTL", default=4 * 3600)
 # Tunnels held open at once: in total, and by one agent. A full proxy answers 429.
-COVEY_EGRESS_MAX_TUNNELS = env.int("COVEY_EGRESS_MAX_TUNNELS", default=_proxy.max_tunnels)
-COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = env.int(
-    "COVEY_EGRESS_MAX_TUNNELS_PER_AGENT", default=_proxy.max_tunnels_per_agent
-)
+COVEY_EGRESS_MAX_TUNNELS = _proxy.max_tunnels
+COVEY_EGRESS_MAX_TUNNELS_PER_AGENT = _proxy.max_tunnels_per_agent
 # A client connection that has not sent a whole request head this many seconds after it opened
 # (or after its last plain request was answered) is closed: slow clients cannot hold the proxy.
-COVEY_EGRESS_HEAD_TIMEOUT = env.float("COVEY_EGRESS_HEAD_TIMEOUT", default=_proxy.head_timeout)
+COVEY_EGRESS_HEAD_TIMEOUT = _proxy.head_timeout
 # The proxy checks for policy changes this often, and refuses everything once its last good
 # answer from the policy source is older than the grace period (fail closed).
-COVEY_EGRESS_POLICY_POLL = env.float("COVEY_EGRESS_POLICY_POLL", default=_proxy.poll)
-COVEY_EGRESS_POLICY_GRACE = env.float("COVEY_EGRESS_POLICY_GRACE", default=_proxy.grace)
+COVEY_EGRESS_POLICY_POLL = _proxy.poll
+COVEY_EGRESS_POLICY_GRACE = _proxy.grace
 # Where a proxy answers /healthz, /readyz and /metrics (HOST:PORT; "": it does not), apart from
 # the port agents use.
-COVEY_EGRESS_STATUS_LISTEN = env.str("COVEY_EGRESS_STATUS_LISTEN", default="")
+COVEY_EGRESS_STATUS_LISTEN = _proxy.status_listen
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
 
@@ -277,37 +277,21 @@ COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_
 
 # The image of agents without a workplace: the default workplace (make workplace-image), with
 # the Claude runtime.
-COVEY_DEFAULT_IMAGE = env.str("COVEY_DEFAULT_IMAGE", default="covey-workplace:latest")
+COVEY_DEFAULT_IMAGE = _host.default_image
 # The minimal image the egress probe and the proxy check run in (they need python3 alone).
-COVEY_PROBE_IMAGE = env.str("COVEY_PROBE_IMAGE", default="covey-base:trixie")
+COVEY_PROBE_IMAGE = _host.check_image
 # The control-plane host runs sandboxes itself: one built-in runner per organisation.
 COVEY_BUILTIN_RUNNER = env.bool("COVEY_BUILTIN_RUNNER", default=True)
 # Runners send a heartbeat this often; one not heard from for COVEY_RUNNER_STALE_SECONDS is
 # stale (offline) and gets no new work.
-COVEY_RUNNER_HEARTBEAT_SECONDS = env.float("COVEY_RUNNER_HEARTBEAT_SECONDS", default=5.0)
+COVEY_RUNNER_HEARTBEAT_SECONDS = _host.heartbeat
 COVEY_RUNNER_STALE_SECONDS = env.float("COVEY_RUNNER_STALE_SECONDS", default=30.0)
 # What happens to a run whose sandbox vanished (the host rebooted, someone removed it):
 # "fail" marks it failed, "retry" queues it again (its home is kept either way).
 COVEY_RUN_LOST = env.str("COVEY_RUN_LOST", default="fail")
-# Runner host side: where agents' homes live, the egress proxy as sandboxes reach it
-# (host:port; required while COVEY_EGRESS_ENFORCE is on), the Docker network sandboxes join.
-COVEY_RUNNER_HOMES = Path(env.str("COVEY_RUNNER_HOMES", default=str(VAR_DIR / "homes")))
 # The most an agent's home may hold, in MiB, unless the agent says otherwise: a run whose home
 # holds more is refused before its sandbox is built.
 COVEY_HOME_QUOTA_MB = env.int("COVEY_HOME_QUOTA_MB", default=10 * 1024)
-COVEY_RUNNER_PROXY = env.str("COVEY_RUNNER_PROXY", default="")
-COVEY_RUNNER_NETWORK = env.str("COVEY_RUNNER_NETWORK", default="")
-# HOST:PORT where a runner host answers /healthz, /readyz and /metrics ("": nowhere).
-COVEY_RUNNER_STATUS_LISTEN = env.str("COVEY_RUNNER_STATUS_LISTEN", default="")
-# Workplace images (read on the runner host): a sources.list file apt uses instead of the base
-# image's own sources while it installs a workplace's packages (an internal mirror; the image
-# keeps its own), and the Docker network the build runs on ("": Docker's default bridge; "host");
-# the index pip and the registry npm fetch a workplace's packages from on the runner host ("":
-# the host's pip and npm configuration).
-COVEY_WORKPLACE_APT_SOURCES = env.str("COVEY_WORKPLACE_APT_SOURCES", default="")
-COVEY_WORKPLACE_BUILD_NETWORK = env.str("COVEY_WORKPLACE_BUILD_NETWORK", default="")
-COVEY_WORKPLACE_PIP_INDEX_URL = env.str("COVEY_WORKPLACE_PIP_INDEX_URL", default="")
-COVEY_WORKPLACE_NPM_REGISTRY = env.str("COVEY_WORKPLACE_NPM_REGISTRY", default="")
 # Homes from outside (homes/): changes while a run of the agent is active are refused (409)
 # unless this is true; one upload carries at most this many MiB; transfers between a runner
 # and the people asking pass through this folder on the control plane's disk.
@@ -317,42 +301,18 @@ COVEY_HOME_UPLOAD_MAX_MB = env.int("COVEY_HOME_UPLOAD_MAX_MB", default=4096)
 # 503 until one ends (each holds two of the web server's threads while it goes).
 COVEY_HOME_TRANSFERS = env.int("COVEY_HOME_TRANSFERS", default=8)
 COVEY_HOME_SPOOL = Path(env.str("COVEY_HOME_SPOOL", default=str(VAR_DIR / "spool")))
-# Under COVEY_EGRESS_ISOLATION=network (read on the runner host): the image of the runner's proxy
-# container (pinned to its ID when the runner starts), and the control plane's URL as that
-# container reaches it (default: the runner's own URL; a localhost URL is the container's own
-# loopback, the host is host.docker.internal). The proxy also gets the runner host's
-# COVEY_EGRESS_NAMESERVERS and COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS.
-COVEY_RUNNER_PROXY_IMAGE = env.str("COVEY_RUNNER_PROXY_IMAGE", default="covey-egress:latest")
-COVEY_RUNNER_PROXY_CONTROL_PLANE_URL = env.str("COVEY_RUNNER_PROXY_CONTROL_PLANE_URL", default="")
-
 # The egress probe (manage.py egress_probe; runners under isolation run it at start and take no
 # work until it passes). Control plane side: the vendor endpoint that must be reachable through
 # the proxy (default: the first entry of the organisation's base list) and a name that must be
-# refused. Runner host side (ip:port lists): what stands for the internet, private ranges, the
-# cloud metadata address, outside resolvers and IPv6; and how often a failed probe is retried.
+# refused. Runner host side (ip:port lists, checked here too): what stands for the internet,
+# private ranges, the cloud metadata address, outside resolvers and IPv6.
 COVEY_EGRESS_PROBE_ALLOWED = env.str("COVEY_EGRESS_PROBE_ALLOWED", default="")
 COVEY_EGRESS_PROBE_OFF_LIST = env.str("COVEY_EGRESS_PROBE_OFF_LIST", default="example.com:443")
-COVEY_EGRESS_PROBE_INTERNET = env.list(
-    "COVEY_EGRESS_PROBE_INTERNET", default=["1.1.1.1:443", "8.8.8.8:443"]
-)
-COVEY_EGRESS_PROBE_PRIVATE = env.list(
-    "COVEY_EGRESS_PROBE_PRIVATE",
-    default=["10.0.0.1:80", "172.16.0.1:80", "192.168.0.1:80", "192.168.1.1:80"],
-)
-COVEY_EGRESS_PROBE_METADATA = env.list(
-    "COVEY_EGRESS_PROBE_METADATA", default=["169.254.169.254:80"]
-)
-COVEY_EGRESS_PROBE_RESOLVERS = env.list(
-    "COVEY_EGRESS_PROBE_RESOLVERS", default=["1.1.1.1:53", "8.8.8.8:53"]
-)
-COVEY_EGRESS_PROBE_IPV6 = env.list(
-    "COVEY_EGRESS_PROBE_IPV6", default=["[2606:4700:4700::1111]:443"]
-)
-COVEY_RUNNER_PROBE_RETRY_SECONDS = env.float("COVEY_RUNNER_PROBE_RETRY_SECONDS", default=300.0)
-# A launch waits this long for an egress proxy that does not answer (it may be starting beside
-# the runner) before the run fails saying so.
-COVEY_RUNNER_PROXY_WAIT_SECONDS = env.float("COVEY_RUNNER_PROXY_WAIT_SECONDS", default=20.0)
-
+COVEY_EGRESS_PROBE_INTERNET = list(_host.probe_targets.internet)
+COVEY_EGRESS_PROBE_PRIVATE = list(_host.probe_targets.private)
+COVEY_EGRESS_PROBE_METADATA = list(_host.probe_targets.metadata)
+COVEY_EGRESS_PROBE_RESOLVERS = list(_host.probe_targets.resolvers)
+COVEY_EGRESS_PROBE_IPV6 = list(_host.probe_targets.ipv6)
 # Whole run logs (and other uploads) are kept here; a run's whole log is deleted this many days
 # after the run ended (the run, its history and the tail of its output stay).
 MEDIA_ROOT = VAR_DIR / "media"
@@ -375,16 +335,17 @@ COVEY_BUDGET_TIME_ZONE = env.str("COVEY_BUDGET_TIME_ZONE", default="UTC")
 # forwards to and the CAs it trusts for it (a file; "": the system's), the max_tokens it sets on
 # a request that has none (every reservation is bounded), and how many ledger calls run at once.
 COVEY_MODEL_GATEWAY_URL = env.str("COVEY_MODEL_GATEWAY_URL", default="")
-COVEY_MODEL_GATEWAY_LISTEN = env.str("COVEY_MODEL_GATEWAY_LISTEN", default="127.0.0.1:8002")
-COVEY_MODEL_UPSTREAM = env.str("COVEY_MODEL_UPSTREAM", default="https://api.anthropic.com")
-COVEY_OPENAI_UPSTREAM = env.str("COVEY_OPENAI_UPSTREAM", default="https://api.openai.com")
-COVEY_MODEL_CA_BUNDLE = env.str("COVEY_MODEL_CA_BUNDLE", default="")
-COVEY_GATEWAY_DEFAULT_MAX_TOKENS = env.int("COVEY_GATEWAY_DEFAULT_MAX_TOKENS", default=32000)
-COVEY_GATEWAY_LEDGER_THREADS = env.int("COVEY_GATEWAY_LEDGER_THREADS", default=8)
+_gateway = GatewayConfig.from_environment()  # the gateway's parser (budgets/gateway/config.py)
+COVEY_MODEL_GATEWAY_LISTEN = _gateway.listen
+COVEY_MODEL_UPSTREAM = _gateway.upstream
+COVEY_OPENAI_UPSTREAM = _gateway.openai_upstream
+COVEY_MODEL_CA_BUNDLE = _gateway.ca_bundle
+COVEY_GATEWAY_DEFAULT_MAX_TOKENS = _gateway.default_max_tokens
+COVEY_GATEWAY_LEDGER_THREADS = _gateway.threads
 # The longest a request through the gateway may take, answer included; a reservation still open
 # five minutes after that (the gateway died, or its ledger failed at the end) is charged its
 # worst case by the worker.
-COVEY_GATEWAY_MAX_REQUEST_SECONDS = env.int("COVEY_GATEWAY_MAX_REQUEST_SECONDS", default=3600)
+COVEY_GATEWAY_MAX_REQUEST_SECONDS = _gateway.total_timeout
 
 CELERY_BEAT_SCHEDULE = {
     "prune-egress-decisions": {"task": "egress.prune_decisions", "schedule": 3600.0},
@@ -396,3 +357,7 @@ CELERY_BEAT_SCHEDULE = {
     "settle-stale-reservations": {"task": "budgets.settle_stale", "schedule": 300.0},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# The runner host's own settings (where homes live, its proxy, its network, workplace builds,
+# its status address...) are read by runners/host/config.py, not here: the control plane does
+# not use them. docs/configuration.md lists them all.

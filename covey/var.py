@@ -14,16 +14,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runners.host import broker, config
+
 SECRET_KEY_FILE = "secret_key"  # noqa: S105 - a file name
 ENCRYPTION_KEY_FILE = "encryption_key"  # covey.crypto's (a Fernet key)
-BROKER = "broker"
-BROKER_FOLDERS = ("queue", "processed", "control")
+BROKER_FOLDERS = broker.FOLDERS
 STATIC = "static"
 
 
 def default_var_dir() -> Path:
-    """``COVEY_VAR_DIR``, else ``var/`` in the checkout."""
-    return Path(os.environ.get("COVEY_VAR_DIR") or Path(__file__).resolve().parent.parent / "var")
+    """``COVEY_VAR_DIR``, else ``var/`` in the checkout (read where the runner host reads it)."""
+    return config.var_dir()
 
 
 def secret_key(var_dir: Path) -> str:
@@ -44,7 +45,8 @@ def _read(path: Path) -> str:
 
 
 def broker_folder(var_dir: Path, name: str) -> Path:
-    return var_dir / BROKER / name
+    """One of the file-system broker's folders (runners/host/broker.py)."""
+    return broker.folder(var_dir, name)
 
 
 def prepare(var_dir: Path) -> Path:

@@ -2,18 +2,14 @@
 
 An order carries ids, never secrets, with one exception: a renewed runner token, which is
 sealed with a key only the runner and the control plane can derive (from the old token's hash,
-which the control plane stores and the runner can compute), so the broker never sees it.
+which the control plane stores and the runner can compute), so the broker never sees it. The
+task names are the protocol's (runners/protocol.py); the runner host's worker takes them.
 """
 
 from covey.celery import app
 from runners.host.sealing import seal
 from runners.models import Runner
-
-LAUNCH = "covey.runner.launch"
-CANCEL = "covey.runner.cancel"
-RENEW = "covey.runner.renew_token"
-PROBE = "covey.runner.probe"
-HOME = "covey.runner.home"
+from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW
 
 
 def send_launch(runner: Runner, run_id: str) -> None:

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from egress.environment import Isolation
 from organisations.models import TenantQuerySet
+from runners.protocol import BUILTIN_QUEUE
 
 # What a runner host says it enforces, as stored ("": it has not said yet).
 ISOLATION_CHOICES = [(level.value, level.value) for level in Isolation]
@@ -153,9 +154,6 @@ class Runner(models.Model):
     def online(self) -> bool:
         """It has sent a heartbeat recently (COVEY_RUNNER_STALE_SECONDS)."""
         return self.last_seen_at is not None and self.last_seen_at >= stale_before()
-
-
-BUILTIN_QUEUE = "runners.builtin"
 
 
 class ProbeStatus(models.TextChoices):

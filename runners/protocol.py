@@ -15,6 +15,17 @@ from enum import StrEnum
 from wire import Message as Message
 from wire import ProtocolError as ProtocolError
 
+# Orders, as Celery task names: the control plane sends them (runners/dispatch.py) and the runner
+# host's worker takes them (runners/host/worker.py). A runner one version back knows these
+# names: they never change. Each takes the runner's id, then what the order is about.
+LAUNCH = "covey.runner.launch"  # run id
+CANCEL = "covey.runner.cancel"  # run id
+RENEW = "covey.runner.renew_token"  # the new token, sealed (runners/host/sealing.py)
+PROBE = "covey.runner.probe"  # probe id
+HOME = "covey.runner.home"  # home operation id
+# The queue every built-in runner takes its orders from (a remote runner's: runner.<id>).
+BUILTIN_QUEUE = "runners.builtin"
+
 # Why a runner cannot take work, as its host says in a heartbeat: at most this long.
 MAX_PROBLEM_CHARS = 1000
 

@@ -19,6 +19,7 @@ from agents.labels import normalise_labels
 from egress.policy import hash_token
 from organisations.models import Organisation
 from runners import dispatch
+from runners.host import config as host_config
 from runners.models import Installation, RegistrationToken, Runner
 
 BUILTIN_NAME = "builtin"  # with the organisation's slug: builtin_name()
@@ -132,7 +133,7 @@ def heartbeat(runner: Runner, problem: str | None = None) -> None:
 
 def builtin_dir() -> Path:
     """Where the control plane leaves the built-in runners' identities for the runner host."""
-    return Path(settings.VAR_DIR) / "runners" / "builtin"
+    return host_config.builtin_dir(Path(settings.VAR_DIR))
 
 
 def builtin_name(organisation: Organisation) -> str:

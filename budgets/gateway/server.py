@@ -33,6 +33,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 import logs
 from budgets.gateway.anthropic import Messages
 from budgets.gateway.api import Api, Refused
+from budgets.gateway.config import GatewayConfig
 from budgets.gateway.metrics import Meters
 from budgets.gateway.openai import ChatCompletions, Responses
 from budgets.usage import EventStream, Usage
@@ -124,20 +125,6 @@ class Ledger(Protocol):
     def problem(self) -> str:
         """'' when the ledger can answer, else why not, naming no address (readiness)."""
         ...
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    upstream: str = "https://api.anthropic.com"  # COVEY_MODEL_UPSTREAM
-    openai_upstream: str = "https://api.openai.com"  # COVEY_OPENAI_UPSTREAM
-    ca_bundle: str = ""  # COVEY_MODEL_CA_BUNDLE: the CAs to trust for it (empty: the system's)
-    default_max_tokens: int = 32000  # COVEY_GATEWAY_DEFAULT_MAX_TOKENS: when a request has none
-    max_request_bytes: int = 32 * 1024 * 1024  # the Messages API's own limit
-    threads: int = 8  # COVEY_GATEWAY_LEDGER_THREADS: ledger calls at once
-    connect_timeout: float = 10.0
-    read_timeout: float = 600.0  # between two chunks of an answer
-    total_timeout: float = 3600.0  # COVEY_GATEWAY_MAX_REQUEST_SECONDS: answer included
-    metrics_token: str = field(default="", repr=False)  # COVEY_METRICS_TOKEN: /metrics for it
 
 
 def token_of(headers: Mapping[str, str], api: Api) -> str:

@@ -74,7 +74,7 @@ from runners.protocol import (
     ServiceRecord,
 )
 
-__all__ = ["HostSettings", "RunnerHost", "UntrustedError", "current", "set_current"]
+__all__ = ["HostSettings", "RunnerHost", "UntrustedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -1013,18 +1013,3 @@ def _disk_full(home: Path) -> str:
     if stats.f_files and not stats.f_favail:  # f_files 0: the file system sets no such limit
         return "the file system holding its home has no inodes left"
     return ""
-
-
-_current: RunnerHost | None = None
-
-
-def set_current(host: RunnerHost | None) -> None:
-    """Make ``host`` the one this process's runner tasks act for."""
-    global _current
-    _current = host
-
-
-def current() -> RunnerHost:
-    if _current is None:
-        raise RuntimeError("this process is not a runner host (start it with manage.py runner)")
-    return _current

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+import environ
+
 from allowlists.entries import split_host_port
 
 
@@ -239,3 +241,40 @@ def observations(checks: Sequence[Check], printed: Sequence[Mapping[str, Any]]) 
     """Spread the program's observations (one per check tried) over every check."""
     found = iter(printed)
     return [{} if c.skip else next(found, None) for c in checks]
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What stands for the outside world, from this host's settings (``ip:port`` each).
+
+    The defaults are real public addresses and the cloud metadata address; tests and
+    air-gapped sites set their own (COVEY_EGRESS_PROBE_*).
+    """
+
+    internet: Sequence[str] = ("1.1.1.1:443", "8.8.8.8:443")
+    private: Sequence[str] = ("10.0.0.1:80", "172.16.0.1:80", "192.168.0.1:80", "192.168.1.1:80")
+    metadata: Sequence[str] = ("169.254.169.254:80",)
+    resolvers: Sequence[str] = ("1.1.1.1:53", "8.8.8.8:53")
+    ipv6: Sequence[str] = ("[2606:4700:4700::1111]:443",)
+
+    @classmethod
+    def from_environment(cls, environment: Mapping[str, str] | None = None) -> "Targets":
+        """The targets in ``environment`` (the process's by default), unchecked: the runner
+        host checks them at start, the control plane in a system check."""
+        env = environ.Env()
+        if environment is not None:
+            env.ENVIRON = dict(environment)
+        default = cls()
+        return cls(
+            internet=tuple(env.list("COVEY_EGRESS_PROBE_INTERNET", default=default.internet)),
+            private=tuple(env.list("COVEY_EGRESS_PROBE_PRIVATE", default=default.private)),
+            metadata=tuple(env.list("COVEY_EGRESS_PROBE_METADATA", default=default.metadata)),
+            resolvers=tuple(env.list("COVEY_EGRESS_PROBE_RESOLVERS", default=default.resolvers)),
+            ipv6=tuple(env.list("COVEY_EGRESS_PROBE_IPV6", default=default.ipv6)),
+        )
+
+    def check(self) -> None:
+        """ValueError naming the first entry that is not ``ip:port``."""
+        for name in ("internet", "private", "metadata", "resolvers", "ipv6"):
+            for text in getattr(self, name):
+                parse_address(text)

@@ -35,6 +35,7 @@ from runners.probe.checks import (
     Check,
     Expect,
     Result,
+    Targets,
     failure_line,
     judge,
     observations,
@@ -65,27 +66,6 @@ def command(*args: str) -> list[str]:
 
 class ProbeError(Exception):
     """The probe could not be run at all (not: something leaked); the message says why."""
-
-
-@dataclass(frozen=True)
-class Targets:
-    """What stands for the outside world, from this host's settings (``ip:port`` each).
-
-    The defaults are real public addresses and the cloud metadata address; tests and
-    air-gapped sites set their own (COVEY_EGRESS_PROBE_*).
-    """
-
-    internet: Sequence[str] = ("1.1.1.1:443", "8.8.8.8:443")
-    private: Sequence[str] = ("10.0.0.1:80", "172.16.0.1:80", "192.168.0.1:80", "192.168.1.1:80")
-    metadata: Sequence[str] = ("169.254.169.254:80",)
-    resolvers: Sequence[str] = ("1.1.1.1:53", "8.8.8.8:53")
-    ipv6: Sequence[str] = ("[2606:4700:4700::1111]:443",)
-
-    def check(self) -> None:
-        """ValueError naming the first entry that is not ``ip:port``."""
-        for name in ("internet", "private", "metadata", "resolvers", "ipv6"):
-            for text in getattr(self, name):
-                parse_address(text)
 
 
 @dataclass(frozen=True)

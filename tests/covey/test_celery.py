@@ -47,7 +47,7 @@ def test_the_file_system_broker_never_hands_out_a_message_still_being_written(
     worker listing the folder in between took it empty and stopped (celery/kombu#1551)."""
     from kombu import Connection
 
-    from covey import broker
+    from runners.host import broker
 
     folder = tmp_path / "broker"
     folder.mkdir()

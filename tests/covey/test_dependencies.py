@@ -45,7 +45,19 @@ def test_the_proxy_group_is_exactly_what_the_proxy_imports(graph):
     assert declared("proxy") <= declared()
 
 
-@pytest.mark.parametrize(("lock", "group"), [("control-plane", None), ("proxy", "proxy")])
+def test_the_runner_group_is_exactly_what_the_runner_host_imports_and_no_django(graph):
+    host = {"runners.host", *graph.find_descendants("runners.host")}
+    host |= {m for m in graph.find_upstream_modules("runners.host", as_package=True)
+             if m.split(".")[0] in ROOTS}  # fmt: skip
+    assert distributions_imported_by(host, graph) == declared("runner")
+    assert declared("runner") <= declared()
+    assert "redis" in locked("runner")  # celery[redis]: the broker of a production runner
+    assert not {"django", "djangorestframework"} & set(locked("runner"))
+
+
+@pytest.mark.parametrize(
+    ("lock", "group"), [("control-plane", None), ("proxy", "proxy"), ("runner", "runner")]
+)
 def test_each_lock_holds_what_it_is_locked_from_at_the_dev_locks_versions(lock, group):
     assert declared(group) <= set(locked(lock))
     dev = locked("dev")

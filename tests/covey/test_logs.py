@@ -12,7 +12,7 @@ import pytest
 
 import logs
 from covey.celery import _bind_ids, _unbind_ids
-from runners import tasks as runner_tasks
+from runs import tasks as run_tasks
 from tests.egress.conftest import subprocess_database_url
 from tests.processes import control_plane
 
@@ -70,13 +70,8 @@ def test_an_unknown_format_is_refused_naming_the_choices():
 
 def test_a_task_binds_its_name_and_the_ids_among_its_arguments():
     before = dict(logs.current())
-    _bind_ids(task_id="t-1", task=runner_tasks.launch, args=(3,), kwargs={"run_id": "r-9"})
-    assert logs.current() == {
-        **before,
-        "task": runner_tasks.launch.name,
-        "runner_id": 3,
-        "run_id": "r-9",
-    }
+    _bind_ids(task_id="t-1", task=run_tasks.stop_over_budget, args=(3,), kwargs={})
+    assert logs.current() == {**before, "task": run_tasks.stop_over_budget.name, "agent_id": 3}
     _unbind_ids(task_id="t-1")
     assert dict(logs.current()) == before
 

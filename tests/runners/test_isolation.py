@@ -637,18 +637,22 @@ def test_teardown_and_remove_rules_leave_nothing_behind(shape, engine):
     assert preflight(shape, shape.image_id, RUNNER) != []
 
 
-def test_the_proxy_container_takes_the_hosts_proxy_settings(settings):
+def test_the_proxy_container_takes_the_hosts_proxy_settings():
     """Under hard isolation the proxy runs in a container the runner starts: what this host
     sets for it (its deadlines, where it resolves, which private ranges it may reach, its
     metrics token) goes into the container, not the proxy's defaults."""
-    from runners.management.commands.runner import proxy_environment
+    from runners.host.config import HostSettings
 
-    settings.COVEY_EGRESS_POLICY_GRACE = 7.5
-    settings.COVEY_EGRESS_HEAD_TIMEOUT = 12
-    settings.COVEY_EGRESS_NAMESERVERS = ["10.0.0.2", "10.0.0.3@5353"]
-    settings.COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS = ["10.9.0.0/16"]
-    settings.COVEY_METRICS_TOKEN = "scrape-" + "m" * 32
-    assert proxy_environment() == {
+    host = HostSettings.from_environment(
+        {
+            "COVEY_EGRESS_POLICY_GRACE": "7.5",
+            "COVEY_EGRESS_HEAD_TIMEOUT": "12",
+            "COVEY_EGRESS_NAMESERVERS": "10.0.0.2,10.0.0.3@5353",
+            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": "10.9.0.0/16",
+            "COVEY_METRICS_TOKEN": "scrape-" + "m" * 32,
+        }
+    )
+    assert host.proxy_environment == {
         "COVEY_EGRESS_POLICY_GRACE": "7.5",
         "COVEY_EGRESS_HEAD_TIMEOUT": "12",
         "COVEY_EGRESS_NAMESERVERS": "10.0.0.2,10.0.0.3@5353",

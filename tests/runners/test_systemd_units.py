@@ -51,7 +51,7 @@ def test_the_command_it_starts_takes_its_options(unit):
     assert command[0] == str(ROOT / ".venv" / "bin" / "python")
     options = [word for word in command if word.startswith("--")]
     assert options, command
-    # Each option it passes is one the program (python manage.py runner, python -m
+    # Each option it passes is one the program (python -m runners.host, python -m
     # egress.proxy) offers: its --help lists it.
     program = command[:3]
     shown = subprocess.run(

@@ -1,15 +1,16 @@
 """Run the model gateway in the foreground (budgets.gateway.server) over the database ledger."""
 
+from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from aiohttp import web
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from allowlists.entries import split_host_port
+from budgets.gateway.config import GatewayConfig
 from budgets.gateway.ledger import DjangoLedger
-from budgets.gateway.server import Gateway, GatewayConfig
+from budgets.gateway.server import Gateway
 
 
 class Command(BaseCommand):
@@ -29,27 +30,14 @@ class Command(BaseCommand):
             raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
         if not host:  # never every interface by omission
             raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
-        for name in ("COVEY_MODEL_UPSTREAM", "COVEY_OPENAI_UPSTREAM"):
-            parts = urlsplit(getattr(settings, name))
-            if parts.scheme != "https" or not parts.hostname:
-                raise CommandError(
-                    f"{name} {getattr(settings, name)!r}: the vendor is called over https only"
-                    " (its key travels with every request)"
-                )
-            if parts.path.strip("/") or parts.query:
-                raise CommandError(
-                    f"{name} {getattr(settings, name)!r}: give the vendor's root, without a path"
-                    " (the gateway adds /v1/…)"
-                )
-        config = GatewayConfig(
-            upstream=settings.COVEY_MODEL_UPSTREAM,
-            openai_upstream=settings.COVEY_OPENAI_UPSTREAM,
-            ca_bundle=settings.COVEY_MODEL_CA_BUNDLE,
-            default_max_tokens=settings.COVEY_GATEWAY_DEFAULT_MAX_TOKENS,
-            threads=settings.COVEY_GATEWAY_LEDGER_THREADS,
-            total_timeout=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS,
-            metrics_token=settings.COVEY_METRICS_TOKEN,
+        # The settings read the gateway's variables with its own parser: the same values.
+        config = replace(
+            GatewayConfig.from_environment(), metrics_token=settings.COVEY_METRICS_TOKEN
         )
+        try:
+            config.check()
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         gateway = Gateway(DjangoLedger(), config)
         self.stdout.write(
             f"covey: model gateway on http://{host}:{port}/ to {config.upstream} (Anthropic)"
