@@ -88,8 +88,8 @@ def serve(settings: HostSettings, options: Options, say: Callable[[str], None]) 
     app = worker.make_app(host, settings)
     threads = [
         threading.Thread(target=host.watch, name="covey-watch", daemon=True),
-        threading.Thread(target=host.quotas, name="covey-quotas", daemon=True),
-        threading.Thread(target=host.watch_engine, name="covey-engine", daemon=True),
+        threading.Thread(target=host.quotas.run, name="covey-quotas", daemon=True),
+        threading.Thread(target=host.docker.watch, name="covey-engine", daemon=True),
         threading.Thread(
             target=host.heartbeats, args=(settings.heartbeat,), name="covey-heartbeat", daemon=True
         ),

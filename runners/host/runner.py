@@ -17,13 +17,12 @@ checked before every launch; a launch it cannot vouch for is refused (fail close
 without it. Each runner is also probed (runners/probe/host.py) when it starts, on order, and
 again while its last probe failed; until one passes it refuses every launch.
 
-A stream of the Docker engine's events is held open: when it ends, the engine stopped, and what
-was proved of each runner went with it. No runner takes work until the engine is back, its
-shape is rebuilt and a new probe passed (or, at the cooperative level, its proxy answered);
-sandboxes the engine took with it are reported as such.
+The host is made of parts, each in a module of its own: each runner's isolation shape
+(shapes.py), whether it may take work (trust.py), the live output of running sandboxes
+(output.py), the homes of runs launched here and their quotas (quotas.py), and the Docker
+engine's event stream, held open to see it go and come back (engine_watch.py).
 """
 
-import contextlib
 import logging
 import os
 import threading
@@ -31,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,9 +52,10 @@ from runners.host.containers.engine import (
     sandbox_owner,
 )
 from runners.host.containers.isolation import IsolationError, Shape
-from runners.host.homes import Changes, Home, HomeError, Manifest, changes, shown
+from runners.host.engine_watch import EngineWatch
 from runners.host.identity import Identity, runner_name
 from runners.host.output import Outputs
+from runners.host.quotas import OverQuota, Quotas
 from runners.host.sealing import unseal
 from runners.host.serving import HomeLocks, HomeServer
 from runners.host.shapes import Shapes
@@ -64,9 +64,7 @@ from runners.probe import host as probing
 from runners.protocol import (
     DISK_FULL,
     ENGINE_RESTARTED,
-    MAX_LISTED_CHANGES,
     OVER_QUOTA,
-    HomeChanges,
     HomeUsage,
     LaunchSpec,
     ReportState,
@@ -88,12 +86,6 @@ WARN_EVERY_SECONDS = 60.0  # the same trouble comes back every poll: say it once
 # A runner whose heartbeats go unanswered this long (and this many intervals) is not ready.
 HEARTBEAT_SILENCE_SECONDS = 30.0
 HEARTBEAT_SILENCE_TIMES = 3
-# The name of the engine that only asks Docker whether it answers (it owns no container).
-HOST_ENGINE_NAME = "covey-host"
-ENGINE_RETRY_SECONDS = 1.0  # while the Docker engine is gone: how often to ask for it again
-# A sandbox that ended this long before the engine was seen gone, or after (until it was back),
-# ended with the engine: an engine stops its containers before and after it closes its API.
-ENGINE_STOP_SECONDS = 30.0
 
 
 def docker_engine(name: str, installation: str, legacy: str) -> Engine:
@@ -128,6 +120,8 @@ class RunnerHost:
     clock: Callable[[], float] = time.monotonic  # what probes and proxy checks are timed by
     shapes: Shapes = field(init=False)
     trust: Trust = field(init=False)
+    quotas: Quotas = field(init=False)  # the homes of runs launched here, and their quotas
+    docker: EngineWatch = field(init=False)  # whether the Docker engine answers; its outages
     outputs: Outputs = field(init=False, default_factory=Outputs)
     serving: HomeServer = field(init=False)  # homes to people outside
     _engines: dict[int, Engine] = field(default_factory=dict)
@@ -140,20 +134,13 @@ class RunnerHost:
     # Runs being launched right now: the reconcile leaves them alone.
     _launching: set[str] = field(default_factory=set)
     _launching_lock: threading.Lock = field(default_factory=threading.Lock)
-    # Runs launched here: their home's manifest just before (what they changed, at the end).
-    _homes: dict[str, "Watched"] = field(default_factory=dict)
     _home_locks: HomeLocks = field(default_factory=HomeLocks)
     _builder: ImageBuilder | None = None
     # Readiness: when the control plane last answered each runner's heartbeat (the clock's
-    # time), why it did not since, how often they are sent, and what asks Docker if it answers.
+    # time), why it did not since, and how often they are sent.
     _heard: dict[int, float] = field(default_factory=dict)
     _unheard: dict[int, str] = field(default_factory=dict)
     heartbeat_every: float = 0.0
-    _docker: Engine | None = None
-    # The Docker engine's outages seen here (UTC; the end None while it lasts), the last few,
-    # and the event stream held open to see the next (closed at stop).
-    outages: list[tuple[datetime, datetime | None]] = field(default_factory=list)
-    _held: Any = None
     _beat_now: threading.Event = field(default_factory=threading.Event)  # a heartbeat at once
     # Launches by runner and outcome (started, refused), for the host's /metrics.
     launches: Counter[tuple[int, str]] = field(default_factory=Counter)
@@ -166,12 +153,23 @@ class RunnerHost:
             owner=sandbox_owner(),  # what people upload is the agent's to change
         )
         self.shapes = Shapes(self.settings)
+        self.quotas = Quotas(
+            self.serving.ledger, self._home_locks, self._stop_run, clock=self.clock
+        )
         self.trust = Trust(
             self.settings,
             self.shapes,
             engine_of=self.engine,
             make_engine=self.make_engine,
             clock=self.clock,
+        )
+        self.docker = EngineWatch(
+            self.make_engine,
+            lambda: list(self.identities.values()),
+            self.shapes,
+            self.trust,
+            self.settings.hard,
+            self._beat_now.set,
         )
 
     # --- identities ------------------------------------------------------------------------
@@ -259,7 +257,7 @@ class RunnerHost:
             sandbox_spec = self._sandbox_spec(identity, spec, shape, image)
             # Not while a change from outside is being made; from here on they are refused.
             with self._home_locks.of(sandbox_spec.home):
-                usage = self._note_home(
+                usage = self.quotas.note(
                     identity.id, run_id, sandbox_spec.home, spec.home_quota_bytes
                 )
             sandbox = self.engine(identity).launch(sandbox_spec)
@@ -292,6 +290,9 @@ class RunnerHost:
         else:
             self.outputs.follow(identity, self.engine(identity), run_id)
 
+    def _stop_run(self, runner_id: int, run_id: str, grace: int) -> None:
+        self.engine(self.identity(runner_id)).stop(run_id, timeout=grace)
+
     def cancel(self, runner_id: int, run_id: str) -> None:
         """Stop a run's sandbox; the watcher reports how it ended."""
         identity = self.identity(runner_id)
@@ -307,11 +308,8 @@ class RunnerHost:
     def _home_busy(self, runner_id: int, agent_id: int) -> str:
         """Why the agent's home here may not be changed from outside now ('' when it may): a
         sandbox of the agent is being launched or runs."""
-        home = self._home_of(runner_id, agent_id)
-        with self._launching_lock:
-            for run_id, watched in self._homes.items():
-                if watched.home == home and watched.ended is None:
-                    return f"run {run_id} of this agent is active"
+        if run_id := self.quotas.active_run(self._home_of(runner_id, agent_id)):
+            return f"run {run_id} of this agent is active"
         identity = self.identity(runner_id)
         try:
             sandboxes = self.engine(identity).sandboxes()
@@ -476,110 +474,16 @@ class RunnerHost:
 
     def stop(self) -> None:
         self._stop.set()
+        self.quotas.stop()
         self._beat_now.set()
         self.serving.close()
-        held = self._held
-        if held is not None:
-            with contextlib.suppress(Exception):
-                held.close()
-
-    # --- the Docker engine going and coming back -------------------------------------------
-
-    def watch_engine(self) -> None:
-        """Until :meth:`stop`: hold a stream of the Docker engine's events open. It ends when
-        the engine stops (or restarts): :meth:`engine_lost`; once the engine answers again,
-        :meth:`engine_back`, before the runners take work again."""
-        gone = False
-        while not self._stop.is_set():
-            try:
-                gone = self._watch_once(gone)
-            except Exception:
-                # A defect (engine_back's rebuild, say): said, and tried again; the runners
-                # stay distrusted meanwhile, so no work is taken on what was not proved.
-                logger.exception("covey runner: watching the Docker engine failed")
-                gone = True
-            # After a stream that ended or an engine that did not answer: not at once again
-            # (an engine going down may answer a moment more, or refuse the stream).
-            self._stop.wait(ENGINE_RETRY_SECONDS)
-
-    def _watch_once(self, gone: bool) -> bool:
-        """Hold the engine's event stream until it ends; whether the engine is gone after."""
-        try:
-            if self._docker is None:
-                self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
-            self._held = self._docker.open_events()  # an error answer too is an EngineError
-        except EngineError as exc:
-            if not gone:
-                self.engine_lost(str(exc))
-            return True
-        if gone:
-            try:
-                self.engine_back()
-            except Exception:
-                with contextlib.suppress(Exception):
-                    self._held.close()
-                raise
-        with contextlib.suppress(Exception):  # ended, or broken: the engine went either way
-            for _ in self._held:
-                pass
-        if self._stop.is_set():
-            return False
-        self.engine_lost("its event stream ended")
-        return True
-
-    def engine_lost(self, why: str) -> None:
-        """The Docker engine went away: whatever this host proved of its runners' egress went
-        with it (the proxy, the networks, the firewall's place in the chains may come back
-        otherwise). No runner takes work until the engine is back and proved again."""
-        now = datetime.now(UTC)
-        self.outages = [*self.outages[-9:], (now, None)]
-        logger.warning(
-            "covey runner: the Docker engine went away (%s): no launches until it is back, its"
-            " isolation rebuilt and proved again",
-            why,
-        )
-        when = f"{now:%Y-%m-%d %H:%M:%S} UTC"
-        for identity in list(self.identities.values()):
-            level = "a new egress probe passes" if self.settings.hard else "its proxy answers"
-            self.trust.distrust(
-                identity,
-                f"the Docker engine went away at {when}: no work until it is back and {level}",
-            )
-        self._beat_now.set()  # the control plane places no run here meanwhile
-
-    def engine_back(self) -> None:
-        """The Docker engine answers again: rebuild each runner's shape (hard isolation), then
-        prove it: a probe (hard isolation) or a proxy check (cooperative)."""
-        if self.outages and self.outages[-1][1] is None:
-            self.outages[-1] = (self.outages[-1][0], datetime.now(UTC))
-        logger.info("covey runner: the Docker engine is back; rebuilding isolation, proving it")
-        for identity in list(self.identities.values()):
-            self.shapes.ensure(identity)
-            self.trust.prove_again(identity, "the Docker engine restarted")
-        self._beat_now.set()  # work again, as soon as the control plane hears it
-
-    def _ended_with_the_engine(self, sandbox: Sandbox) -> bool:
-        """Did the sandbox end while the engine was going away (stopped with it)?"""
-        began, ended = sandbox.started_at, sandbox.finished_at
-        if ended is None:
-            return False
-        slack = timedelta(seconds=ENGINE_STOP_SECONDS)
-        return any(
-            gone - slack <= ended <= (back or datetime.now(UTC)) + slack
-            and (began is None or began < gone)  # a sandbox started after cannot have been
-            for gone, back in self.outages
-        )
+        self.docker.stop()
 
     # --- readiness ---------------------------------------------------------------------------
 
     def docker_problem(self) -> str:
         """'' when this host's Docker engine answers, else why not."""
-        try:
-            if self._docker is None:
-                self._docker = self.make_engine(HOST_ENGINE_NAME, "", "")
-            return self._docker.problem()
-        except EngineError as exc:
-            return str(exc)
+        return self.docker.problem()
 
     def problems(self, identity: Identity, docker: str | None = None) -> dict[str, str]:
         """What stops the runner taking work, by check ('' for each that holds): Docker
@@ -760,15 +664,13 @@ class RunnerHost:
         run_id = sandbox.run_id
         # The whole log replaces what went live; the count says whether Docker kept all of it.
         total = self.outputs.stop(run_id, wait=5.0)
-        changed, usage = self._home_after(run_id, self._home_of(identity.id, sandbox.agent_id))
-        with self._launching_lock:
-            watched = self._homes.get(run_id)
-        over = watched.stopped_for if watched else ""
+        changed, usage = self.quotas.after(run_id, self._home_of(identity.id, sandbox.agent_id))
+        over = self.quotas.stopped_for(run_id)
         detail = "timeout" if _ran_out(sandbox) else f"{OVER_QUOTA}: {over}" if over else ""
         if not detail and sandbox.exit_code:
             full = _disk_full(self._home_of(identity.id, sandbox.agent_id))
             detail = f"{DISK_FULL}: {full}" if full else ""
-        if not detail and sandbox.exit_code and self._ended_with_the_engine(sandbox):
+        if not detail and sandbox.exit_code and self.docker.ended_with_it(sandbox):
             detail = ENGINE_RESTARTED
         try:
             client.put_log(run_id, engine.logs(run_id), total)  # the tail is kept there too
@@ -794,194 +696,15 @@ class RunnerHost:
         self._timed_out.discard(run_id)
         self._forget(run_id)
 
-    # --- what a run changed in its home ----------------------------------------------------
+    # --- homes ------------------------------------------------------------------------------
 
     def _home_of(self, runner_id: int, agent_id: int) -> Path:
         """Where an agent's home is on this host (each runner's homes in a folder of their own)."""
         return self.settings.homes / str(runner_id) / str(agent_id)
 
-    def _note_home(self, runner_id: int, run_id: str, home: Path, quota: int) -> HomeUsage:
-        """The home's manifest before the run (kept in memory: a runner restarted meanwhile
-        reports no changes for it, rather than wrong ones), and what the home holds.
-        OverQuota when it holds more than ``quota`` (0: none), or when a quota cannot be
-        vouched for because the home cannot be walked whole (fail closed)."""
-        started = self.clock()
-        self.serving.ledger.set(home, None)  # the sandbox changes it: known again at its end
-        try:
-            manifest = Home(home).manifest()
-        except (OSError, HomeError) as exc:
-            raise OverQuota(f"the home could not be read: {exc}") from None
-        usage = _usage(manifest)
-        if quota and not manifest.whole:
-            where, why = manifest.problems[0]
-            raise OverQuota(
-                f"the home could not be measured whole ({len(manifest.problems)} places, the"
-                f" first {shown(where)}: {why}), so its quota cannot be vouched for",
-                usage,
-            )
-        if quota and usage.bytes > quota:
-            raise OverQuota(
-                f"the home holds {_size(usage.bytes)}, more than its quota of {_size(quota)}:"
-                " delete some of what it holds, or raise the agent's home quota",
-                usage,
-            )
-        took = self.clock() - started
-        with self._launching_lock:
-            self._homes[run_id] = Watched(
-                runner_id, home, quota, manifest, started + _check_after(took)
-            )
-        return usage
-
-    def quotas(self) -> None:
-        """Until :meth:`stop`: :meth:`watch_quotas` every second (its own thread: a large
-        home takes a while to walk, and heartbeats must not wait for it)."""
-        while not self._stop.is_set():
-            self.watch_quotas()
-            self._stop.wait(1.0)
-
-    def watch_quotas(self) -> None:
-        """Measure the homes of running sandboxes when due, and stop a run whose home holds
-        more than its quota, or cannot be measured whole (fail closed)."""
-        with self._launching_lock:
-            due = [
-                (run_id, watched)
-                for run_id, watched in self._homes.items()
-                if watched.quota
-                and watched.ended is None  # its report may be sent again: its home is not its
-                and not watched.stopped_for
-                and watched.next_check <= self.clock()
-            ]
-        for run_id, watched in due:
-            try:
-                self._watch_quota(run_id, watched)
-            except Exception:  # a defect, or the engine: the next round tries again
-                logger.exception(
-                    "covey runner: run %s: its home quota could not be checked", run_id
-                )
-
-    def _watch_quota(self, run_id: str, watched: "Watched") -> None:
-        started = self.clock()
-        try:
-            usage = Home(watched.home).usage()
-        except (OSError, HomeError) as exc:
-            usage, why = None, f"its home could not be read ({exc})"
-        watched.next_check = self.clock() + _check_after(self.clock() - started)
-        if usage is not None and not usage.whole:
-            where, problem = usage.problems[0]
-            why = f"its home could not be measured whole ({where}: {problem})"
-        elif usage is not None and usage.bytes <= watched.quota:
-            return
-        elif usage is not None:
-            why = f"its home passed its quota ({_size(usage.bytes)} of {_size(watched.quota)})"
-        with self._launching_lock:
-            if self._homes.get(run_id) is not watched:
-                return  # it ended meanwhile
-            watched.stopped_for = why
-        with logs.bound(run_id=run_id, runner_id=watched.runner_id):
-            logger.info("covey runner: run %s: %s; stopping", run_id, why)
-        engine = self.engine(self.identity(watched.runner_id))
-        engine.stop(run_id, timeout=QUOTA_STOP_GRACE_SECONDS)
-
-    def _home_after(self, run_id: str, home: Path) -> tuple[HomeChanges | None, HomeUsage | None]:
-        """What the run changed in its home (when it was seen before), and what it holds now:
-        measured once, when the sandbox has ended (a report that failed is sent again as is)."""
-        with self._launching_lock:
-            watched = self._homes.get(run_id)
-        if watched is not None and watched.ended is not None:
-            return watched.ended
-        try:
-            after = Home(home).manifest()
-        except (OSError, HomeError) as exc:
-            logger.warning("covey runner: run %s: the home could not be read: %s", run_id, exc)
-            return None, None
-        usage = _usage(after)
-        with self._home_locks.of(home):  # what it holds, for changes from outside from now on
-            self.serving.ledger.set(home, usage if after.whole else None)
-        if watched is None:
-            return None, usage
-        watched.ended = (_changes(changes(watched.manifest, after)), usage)
-        return watched.ended
-
     def _forget(self, run_id: str) -> None:
         """What this host kept about a run that is over (or was never ours)."""
-        with self._launching_lock:
-            self._homes.pop(run_id, None)
-
-
-# A running sandbox's home is measured at most this often (and, for a home that takes long to
-# walk, no more than a twentieth of the time): a run can pass its quota by what it writes
-# between two measurements before it is stopped.
-HOME_CHECK_SECONDS = 10.0
-HOME_CHECK_MOST_SECONDS = 120.0  # however long the walk: a run is never left longer unmeasured
-QUOTA_STOP_GRACE_SECONDS = 1  # a run that passed its quota is not given time to write more
-
-
-def _check_after(walk: float) -> float:
-    return min(max(HOME_CHECK_SECONDS, 20 * walk), HOME_CHECK_MOST_SECONDS)
-
-
-@dataclass
-class Watched:
-    """A sandbox launched here: its runner, home and quota, the manifest from before it ran,
-    when its home is measured next, why it was stopped for its home, and once it has ended,
-    what it changed there and what the home holds."""
-
-    runner_id: int
-    home: Path
-    quota: int
-    manifest: Manifest
-    next_check: float
-    stopped_for: str = ""
-    ended: tuple[HomeChanges | None, HomeUsage | None] | None = None
-
-
-class OverQuota(Exception):
-    """The home holds more than its quota (or cannot be vouched for): no sandbox is built."""
-
-    def __init__(self, message: str, usage: HomeUsage | None = None) -> None:
-        super().__init__(message)
-        self.usage = usage
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} bytes"
-
-
-def _usage(manifest: Manifest) -> HomeUsage:
-    entries = manifest.entries.values()
-    sizes = [size for kind, size, _ in entries if kind != "directory"]
-    files = sum(1 for kind, _, _ in entries if kind == "file")
-    return HomeUsage(bytes=sum(sizes), files=files)
-
-
-MAX_CHANGED_PATH = 1024  # characters of one listed path (longer ones are cut, and say so)
-MAX_CHANGES_TEXT = 256 * 1024  # characters of all listed paths of a report together
-
-
-def _changes(found: Changes) -> HomeChanges:
-    budget = [MAX_CHANGES_TEXT]
-
-    def listed(paths: list[str]) -> tuple[str, ...]:
-        kept = []
-        for path in paths[:MAX_LISTED_CHANGES]:
-            shown = path if len(path) <= MAX_CHANGED_PATH else path[: MAX_CHANGED_PATH - 1] + "…"
-            if len(shown) > budget[0]:
-                break
-            budget[0] -= len(shown)
-            kept.append(shown)
-        return tuple(kept)
-
-    return HomeChanges(
-        added=listed(found.added),
-        changed=listed(found.changed),
-        removed=listed(found.removed),
-        added_total=len(found.added),
-        changed_total=len(found.changed),
-        removed_total=len(found.removed),
-    )
+        self.quotas.forget(run_id)
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

@@ -15,8 +15,12 @@ from runners.host.config import HostSettings
 from tests.covey.test_docs import READ
 from tests.processes import ROOT
 
-PARSERS = ("egress/proxy/config.py", "runners/host/config.py", "budgets/gateway/config.py")
-PARSERS += ("runners/probe/checks.py",)
+PARSERS = (
+    "egress/proxy/config.py",
+    "runners/host/config.py",
+    "budgets/gateway/config.py",
+    "runners/probe/checks.py",
+)
 
 
 def read_in(name: str) -> set[str]:

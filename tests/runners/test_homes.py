@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runners.host import homes
-from runners.host import runner as runner_module
+from runners.host import homes, quotas
 from runners.host.homes import SKIPPED_FILE, UPLOAD_PREFIX, Home, HomeError, changes, names
 from tests.runners.test_runner_logic import RUN, Host, spec
 
@@ -484,8 +483,8 @@ class TestWalks:
                 walks += 1
                 if not usage.whole or not manifest.whole:
                     unwhole.append(usage.problems[:1] or manifest.problems[:1])
-                now[0] += runner_module.HOME_CHECK_SECONDS
-                watched.host.watch_quotas()  # the runner's own check, on the same home
+                now[0] += quotas.HOME_CHECK_SECONDS
+                watched.host.quotas.check()  # the runner's own check, on the same home
                 assert watched.engine.stopped == [], unwhole
             made = rounds()
         assert made > 100 * seconds, f"the build made only {made} directories"

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import status as shared_status
 from egress.environment import Isolation
 from runners.host import status
-from runners.host.runner import HEARTBEAT_SILENCE_SECONDS, HOST_ENGINE_NAME
+from runners.host.engine_watch import HOST_ENGINE_NAME
+from runners.host.runner import HEARTBEAT_SILENCE_SECONDS
 from runners.host.trust import ProbeState
 from tests.fakes import Clock
 from tests.runners.test_runner_logic import Host, proxy_check, spec

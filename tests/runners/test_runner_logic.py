@@ -11,14 +11,10 @@ import pytest
 
 import logs
 from egress.environment import Isolation
+from runners.host import engine_watch, quotas, trust
 from runners.host import runner as host_module
-from runners.host import trust
-from runners.host.runner import (
-    HOST_ENGINE_NAME,
-    RELAUNCH_AFTER_SECONDS,
-    HostSettings,
-    RunnerHost,
-)
+from runners.host.engine_watch import HOST_ENGINE_NAME
+from runners.host.runner import RELAUNCH_AFTER_SECONDS, HostSettings, RunnerHost
 from runners.protocol import (
     ActiveRun,
     EgressGrant,
@@ -235,7 +231,7 @@ def test_a_docker_engine_that_restarts_stops_work_until_it_is_back_and_proved(tm
     checked = Host(tmp_path, proxy, proxy="172.17.0.1:3128")
     assert checked.host.start_proxy_checks() == {1: ""}
     checked.order(spec(enforce=True))
-    watcher = threading.Thread(target=checked.host.watch_engine, daemon=True)
+    watcher = threading.Thread(target=checked.host.docker.watch, daemon=True)
     watcher.start()
     try:
         wait(lambda: getattr(checked.engines.get(HOST_ENGINE_NAME), "held", None) is not None)
@@ -256,7 +252,7 @@ def test_a_docker_engine_that_restarts_stops_work_until_it_is_back_and_proved(tm
         )  # fmt: skip
         for engine in checked.engines.values():
             engine.down = down[0] = ""
-        wait(lambda: checked.host.outages[-1][1] is not None)
+        wait(lambda: checked.host.docker.outages[-1][1] is not None)
         wait(lambda: checked.host.trust.problem(checked.identity) == "")
         again = spec(run="0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a13", enforce=True)
         checked.order(again)
@@ -273,15 +269,15 @@ def test_an_engine_that_answers_the_stream_with_an_error_is_not_taken_for_back(
     """An engine that answers its event stream with an error (one going down) is no engine
     back (Engine.open_events raises: tests/runners/test_engine.py), and the watcher does not
     spin on it."""
-    monkeypatch.setattr(host_module, "ENGINE_RETRY_SECONDS", 0.02)
+    monkeypatch.setattr(engine_watch, "ENGINE_RETRY_SECONDS", 0.02)
     checked = Host(tmp_path, proxy="172.17.0.1:3128")
     docker = checked.host.make_engine(HOST_ENGINE_NAME, "", "")
     docker.down = "the Docker engine refuses its event stream: 500 the daemon is shutting down"
-    watcher = threading.Thread(target=checked.host.watch_engine, daemon=True)
+    watcher = threading.Thread(target=checked.host.docker.watch, daemon=True)
     watcher.start()
     try:
         time.sleep(0.5)  # some 25 rounds
-        assert [back for _, back in checked.host.outages] == [None]  # lost once, never back
+        assert [back for _, back in checked.host.docker.outages] == [None]  # lost once, never back
         assert "the Docker engine went away" in checked.host.trust.problem(checked.identity)
     finally:
         checked.host.stop()
@@ -295,7 +291,7 @@ def test_a_runner_whose_engine_goes_tells_the_control_plane_at_once(tmp_path):
     beating.start()
     try:
         wait(lambda: checked.control.heartbeats == 1)
-        checked.host.engine_lost("its event stream ended")
+        checked.host.docker.lost("its event stream ended")
         wait(lambda: checked.control.heartbeats == 2)  # not an hour later
         assert "the Docker engine went away" in checked.control.problems[-1]
     finally:
@@ -326,7 +322,7 @@ def test_a_probe_begun_before_the_engine_went_proves_nothing_after(tmp_path, mon
     probing = threading.Thread(target=checked.host.trust.probe, args=(checked.identity,))
     probing.start()
     assert began.wait(5)
-    checked.host.engine_lost("its event stream ended")
+    checked.host.docker.lost("its event stream ended")
     finish.set()
     probing.join(5)
     assert checked.host.trust.probe_state(checked.identity).passed
@@ -335,14 +331,14 @@ def test_a_probe_begun_before_the_engine_went_proves_nothing_after(tmp_path, mon
 
 def test_only_a_sandbox_running_when_the_engine_went_is_said_to_have_stopped_with_it(host):
     gone = datetime.now(UTC) - timedelta(minutes=5)
-    host.host.outages = [(gone, gone + timedelta(seconds=20))]
+    host.host.docker.outages = [(gone, gone + timedelta(seconds=20))]
     host.order(spec())
     sandbox = host.engine.sandboxes_by_run[RUN]
     stopped = replace(sandbox, started_at=gone - timedelta(minutes=1), finished_at=gone)
     later = gone + timedelta(seconds=25)
     after = replace(sandbox, started_at=later, finished_at=later + timedelta(seconds=5))
-    assert host.host._ended_with_the_engine(stopped)
-    assert not host.host._ended_with_the_engine(after)  # failed on its own, just after
+    assert host.host.docker.ended_with_it(stopped)
+    assert not host.host.docker.ended_with_it(after)  # failed on its own, just after
 
 
 def wait(condition, timeout: float = 5.0) -> None:
@@ -562,10 +558,10 @@ def test_a_run_whose_home_passes_its_quota_is_stopped_at_the_next_measurement(tm
     (home / "small").write_bytes(b"x" * 50)
     watched.order(replace(spec(), home_quota_bytes=100))
     (home / "grown").write_bytes(b"x" * 200)  # what the run writes
-    watched.host.watch_quotas()  # not due yet: nothing is measured
+    watched.host.quotas.check()  # not due yet: nothing is measured
     assert watched.engine.stopped == []
-    now[0] += host_module.HOME_CHECK_SECONDS
-    watched.host.watch_quotas()
+    now[0] += quotas.HOME_CHECK_SECONDS
+    watched.host.quotas.check()
     assert watched.engine.stopped == [RUN]
     watched.host.sweep(watched.identity)
     exited = watched.control.reports[-1][1]
@@ -578,7 +574,7 @@ def test_a_run_without_a_quota_is_never_measured_while_it_runs(tmp_path):
     free = Host(tmp_path, clock=lambda: now[0])
     free.order(spec())  # home_quota_bytes 0: no limit
     now[0] += 3600
-    free.host.watch_quotas()
+    free.host.quotas.check()
     assert free.engine.stopped == []
 
 
@@ -600,8 +596,8 @@ def test_a_running_home_that_cannot_be_measured_whole_is_stopped(tmp_path):
     home.mkdir(parents=True)
     watched.order(replace(spec(), home_quota_bytes=1024 * 1024))
     home.joinpath(*["d"] * 140).mkdir(parents=True)  # what the run does
-    now[0] += host_module.HOME_CHECK_SECONDS
-    watched.host.watch_quotas()
+    now[0] += quotas.HOME_CHECK_SECONDS
+    watched.host.quotas.check()
     assert watched.engine.stopped == [RUN]
     watched.host.sweep(watched.identity)
     assert "its home could not be measured whole" in watched.control.reports[-1][1].detail
