@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.addonmanager import Loader
@@ -47,9 +47,16 @@ from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.proxy.layers import ConnectRequest, choose_layer, peer
-from egress.proxy.lookups import TokenLookups
+from egress.proxy.lookups import LookUp, TokenLookups
 from egress.proxy.resolver import ResolutionError, Resolver
-from egress.proxy.tunnels import ClientState, Tunnel, answer_now, close_client, pause_reading
+from egress.proxy.tunnels import (
+    ClientState,
+    Tunnel,
+    answer_now,
+    close_client,
+    hand_over,
+    pause_reading,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +64,9 @@ TUNNEL_RECHECK_SECONDS = 1.0
 LOOKUP_SECONDS = 2.0  # how long a request waits for the policy source before it is refused
 
 
-@dataclass(frozen=True)
-class LookUp:
-    """The credential's token is not in the policy: ask the policy source once, then decide
-    again (a run's token is issued moments before its sandbox's first request). Its slot in
-    :class:`TokenLookups` is held until :meth:`CoveyEgress._look_up` ends it."""
-
-    token_hash: str
-    client: str
-
-
 class CoveyEgress:
-    """Per-agent egress policy for every connection through the proxy."""
+    """Per-agent egress policy for every connection through the proxy; the
+    :class:`~egress.proxy.layers.Gate` its layers decide through."""
 
     def __init__(
         self,
@@ -189,8 +187,16 @@ class CoveyEgress:
         return close_client(client_id, state.tunnel if state else None)
 
     def tunnel_of(self, client_id: str) -> Tunnel | None:
+        """The client connection's allowed tunnel, if it has one."""
         state = self.clients.get(client_id)
         return state.tunnel if state else None
+
+    def hand_over(self, client_id: str, tunnel: Tunnel, early: Callable[[], bytes | None]) -> None:
+        """Start handing a tunnel whose first bytes came over to a relay
+        (:func:`~egress.proxy.tunnels.hand_over`), in a task of its own."""
+        tunnel.handover = asyncio.create_task(
+            hand_over(client_id, tunnel, early, self.close_client)
+        )
 
     # --- hooks -------------------------------------------------------------------------------
 

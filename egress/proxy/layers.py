@@ -8,12 +8,15 @@ the CONNECT host; then a :class:`Passthrough` collects the first bytes until the
 (:mod:`egress.proxy.tunnels`) gives the sockets to a relay. A connection that opens with a plain
 HTTP request gets mitmproxy's HTTP layer, whose requests the addon decides in its hooks; a
 CONNECT on such a connection is checked here too (:func:`choose_layer`).
+
+What the layers need of the addon is the :class:`Gate` (the addon is one; the tests use a small
+fake, tests/egress/test_layers.py).
 """
 
-import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mitmproxy import connection, http
 from mitmproxy.connection import ConnectionState
@@ -24,15 +27,44 @@ from mitmproxy.proxy.layers.http import Http1Server, HTTPMode
 
 from egress.policy import Attempt, Code, Decision
 from egress.proxy.answers import refusal
-from egress.proxy.tunnels import Tunnel, hand_over
-
-if TYPE_CHECKING:
-    from egress.proxy.addon import CoveyEgress, LookUp
+from egress.proxy.lookups import LookUp
+from egress.proxy.tunnels import Tunnel
 
 logger = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # a request's head (and what a plain-HTTP client may send ahead)
 CONNECTED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+
+
+class Gate(Protocol):
+    """What the layers ask of the addon (:class:`~egress.proxy.addon.CoveyEgress`): the
+    decision and the state it keeps per client connection."""
+
+    def head_came(self, client_id: str) -> None:
+        """A request head was read whole: the connection no longer waits for one."""
+
+    def decide_now(self, attempt: Attempt, client: str) -> Decision | LookUp:
+        """The decision as far as it goes without waiting: a refusal, an allow with its
+        address, an allow by name whose name must be resolved, or a token to look up (the
+        latter two through the ``covey_decide`` hook)."""
+        ...
+
+    def admit(self, client_id: str, attempt: Attempt, decision: Decision) -> Tunnel | None:
+        """Log an allow and remember it for the connection: its tunnel, for a CONNECT."""
+        ...
+
+    def check_hello(self, tunnel: Tunnel, data: bytes) -> bool | None:
+        """Step 5 on the tunnel's first bytes: True to let them flow, False when refused, None
+        to wait for more."""
+        ...
+
+    def tunnel_of(self, client_id: str) -> Tunnel | None:
+        """The connection's allowed tunnel, if it has one."""
+        ...
+
+    def hand_over(self, client_id: str, tunnel: Tunnel, early: Callable[[], bytes | None]) -> None:
+        """Start handing the tunnel to a relay; ``early()`` gives the client's bytes read since
+        it was last asked, None once the tunnel is closed."""
 
 
 @dataclass
@@ -41,7 +73,7 @@ class ConnectRequest:
     token looked up first; and, once decided, its decision."""
 
     attempt: Attempt
-    pending: "Decision | LookUp"
+    pending: Decision | LookUp
     client_id: str  # the connection's: nothing more is read from it while it waits
     decision: Decision | None = None
 
@@ -63,7 +95,7 @@ class Connect(layer.Layer):
     closes the connection.
     """
 
-    def __init__(self, context: Context, egress: "CoveyEgress") -> None:
+    def __init__(self, context: Context, egress: Gate) -> None:
         super().__init__(context)
         self.egress = egress
         self.buffer = b""
@@ -186,18 +218,22 @@ class Passthrough(layer.Layer):
     until :func:`~egress.proxy.tunnels.hand_over` has sent them upstream and handed both sockets
     to a relay; after that mitmproxy no longer reads the client."""
 
-    def __init__(self, context: Context, egress: "CoveyEgress", tunnel: Tunnel) -> None:
+    def __init__(self, context: Context, egress: Gate, tunnel: Tunnel) -> None:
         super().__init__(context)
         self.egress = egress
         self.tunnel = tunnel
         self.early: list[bytes] = []  # from the client, not yet sent upstream
+        self.handing_over = False
 
     @property
     def forwarding(self) -> bool:
         """The tunnel is open and its bytes flow."""
         return self._handle_event == self._forward
 
-    def take_early(self) -> bytes:
+    def take_early(self) -> bytes | None:
+        """The client's bytes collected since the last call; None once the tunnel is closed."""
+        if not self.forwarding:
+            return None
         data, self.early = b"".join(self.early), []
         return data
 
@@ -215,10 +251,9 @@ class Passthrough(layer.Layer):
                 return
             self.early.append(event.data)
             self.tunnel.bytes_up += len(event.data)
-            if self.tunnel.handover is None:
-                self.tunnel.handover = asyncio.create_task(
-                    hand_over(self, self.egress.close_client)
-                )
+            if not self.handing_over:
+                self.handing_over = True
+                self.egress.hand_over(self.context.client.id, self.tunnel, self.take_early)
         elif isinstance(event, events.ConnectionClosed):
             # The client went (or mitmproxy is tearing the tunnel down): TLS has no use for a
             # half-open tunnel before the relay, and the relay passes half-closes on itself.
@@ -234,7 +269,7 @@ class Passthrough(layer.Layer):
         yield from ()
 
 
-def choose_layer(egress: "CoveyEgress", nextlayer: layer.NextLayer) -> None:
+def choose_layer(egress: Gate, nextlayer: layer.NextLayer) -> None:
     """Which layer handles a connection's new bytes: :class:`Connect` for one that opens with
     CONNECT, mitmproxy's HTTP layer for a plain proxy request; after a CONNECT that the HTTP
     layer let through, a :class:`Passthrough` once the ClientHello is checked; anything else is

@@ -21,8 +21,19 @@ import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{43}")  # secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class LookUp:
+    """The credential's token is not in the policy: ask the policy source once, then decide
+    again (a run's token is issued moments before its sandbox's first request). Its slot in
+    :class:`TokenLookups` is held until the look-up ends (the addon's ``_look_up``)."""
+
+    token_hash: str
+    client: str
 
 
 class TokenLookups:

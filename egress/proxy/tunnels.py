@@ -12,16 +12,13 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from mitmproxy import ctx
 
 import logs
 from egress.policy import Attempt, Decision
 from egress.proxy.relay import Relay
-
-if TYPE_CHECKING:
-    from egress.proxy.layers import Passthrough
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +91,22 @@ def close_client(client_id: str, tunnel: Tunnel | None) -> int:
     return 1
 
 
-async def hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) -> None:
+async def hand_over(
+    client_id: str, tunnel: Tunnel, early: Callable[[], bytes | None], close: Callable[[str], Any]
+) -> None:
     """:func:`_hand_over`, its lines carrying the agent's id (this task's own)."""
-    agent = passthrough.tunnel.decision.agent
+    agent = tunnel.decision.agent
     with logs.bound(agent_id=agent.id if agent is not None else None):
-        await _hand_over(passthrough, close)
+        await _hand_over(client_id, tunnel, early, close)
 
 
-async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) -> None:
+async def _hand_over(
+    client_id: str, tunnel: Tunnel, early: Callable[[], bytes | None], close: Callable[[str], Any]
+) -> None:
     """Dial the vetted address, send the client's first bytes, then give both sockets to a
     :class:`Relay`; ``close(client_id)`` ends the connection when that fails or the relay ends.
+    ``early()`` gives the client's bytes mitmproxy read since it was last asked (the
+    :class:`~egress.proxy.layers.Passthrough` collects them), None once the tunnel is closed.
     Cancelled (by :meth:`Tunnel.discard`) when the client goes first.
 
     The client stops being read; once every byte mitmproxy read from it has been sent upstream
@@ -111,7 +114,6 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
     not read its 200 within HANDOVER_SECONDS is closed.
     """
     await asyncio.sleep(0)  # out of mitmproxy's event handling first
-    client_id, tunnel = passthrough.context.client.id, passthrough.tunnel
     handler = _handler(client_id)
     streams = _streams(handler)
     if streams is None:
@@ -133,10 +135,11 @@ async def _hand_over(passthrough: "Passthrough", close: Callable[[str], Any]) ->
     deadline = loop.time() + HANDOVER_SECONDS
     try:
         while True:
-            if not passthrough.forwarding:
-                return  # closed meanwhile
             _pause(reader, writer)
-            if data := passthrough.take_early():
+            data = early()
+            if data is None:
+                return  # closed meanwhile
+            if data:
                 await loop.sock_sendall(upstream, data)
                 continue
             if _quiet(reader, writer):

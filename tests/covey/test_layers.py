@@ -65,3 +65,15 @@ def test_an_app_imported_by_covey_s_shared_modules_breaks_them(tree):
     assert broken.returncode == 1
     assert "covey.versions is not allowed to import organisations" in broken.stdout
     assert "covey.versions -> organisations.admin" in broken.stdout
+
+
+def test_a_layer_that_names_the_addon_even_for_a_type_breaks_them(tree):
+    layers = tree / "egress" / "proxy" / "layers.py"
+    layers.write_text(
+        layers.read_text()
+        + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        + "    from egress.proxy.addon import CoveyEgress\n"
+    )
+    broken = lint(tree)
+    assert broken.returncode == 1
+    assert "egress.proxy.layers is not allowed to import egress.proxy.addon" in broken.stdout

@@ -18,7 +18,7 @@ from egress.protocol import (
     ProxyEvent,
 )
 from egress.proxy.feed import DecisionLog, PolicyFeed, Refused
-from egress.proxy.lookups import TokenLookups
+from egress.proxy.lookups import LookUp, TokenLookups
 
 
 def snapshot(generation: str) -> PolicySnapshot:
@@ -250,7 +250,7 @@ def test_a_look_up_that_gives_up_leaves_the_round_and_the_polling_thread_alone(m
     egress = addon.CoveyEgress(feed, DecisionLog(lambda events: None))
     try:
         assert egress.lookups.begin(SECRET, "t1", "c")
-        asyncio.run(egress._look_up(addon.LookUp("t1", "c")))  # gives up after 0.05 s
+        asyncio.run(egress._look_up(LookUp("t1", "c")))  # gives up after 0.05 s
         time.sleep(0.5)  # the round it gave up on ends meanwhile
         assert feed._thread.is_alive()
         assert refresh_now(feed, timeout=2) is True
