@@ -13,7 +13,7 @@ from organisations.models import TenantQuerySet
 from runners.protocol import BUILTIN_QUEUE
 
 # What a runner host says it enforces, as stored ("": it has not said yet).
-ISOLATION_CHOICES = [(level.value, level.value) for level in Isolation]
+ISOLATION_CHOICES = [("", "not said"), *((level.value, level.value) for level in Isolation)]
 
 
 def builtin_goes_with_it(collector: Any, field: Any, sub_objs: Any, using: str) -> None:
