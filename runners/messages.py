@@ -1,5 +1,6 @@
 """The runner protocol's messages (runners/protocol.py) as DRF serializers: the control plane
-validates and answers with these, and the OpenAPI schema describes them."""
+validates and answers with these, and the OpenAPI schema describes them. A body is parsed once,
+here: a view gets the message's dataclass, or the caller a 400 naming what does not fit."""
 
 from typing import Any
 
@@ -8,6 +9,77 @@ from rest_framework import serializers
 from rest_framework_dataclasses.serializers import DataclassSerializer
 
 from runners import protocol
+from runners.probe import checks
+
+
+class MessageSerializer(DataclassSerializer):
+    """A message whose own check (its ``__post_init__``: a ValueError that names the field,
+    as wire/ has it) refuses it answers 400 naming that field, not 500."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        try:
+            return super().to_internal_value(data)
+        except ValueError as exc:
+            field, _, why = str(exc).partition(": ")
+            raise serializers.ValidationError({field: [why]}) from None
+
+
+class HeartbeatSerializer(MessageSerializer):
+    class Meta:
+        dataclass = protocol.Heartbeat
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "problem": {
+                "allow_blank": True,
+                "trim_whitespace": False,
+                "max_length": protocol.MAX_PROBLEM_CHARS,
+            },
+        }
+
+
+class PauseOrderSerializer(MessageSerializer):
+    class Meta:
+        dataclass = protocol.PauseOrder
+
+
+class ProbeBeginSerializer(MessageSerializer):
+    class Meta:
+        dataclass = protocol.ProbeBegin
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "reason": {"allow_blank": True, "max_length": 100},
+        }
+
+
+class ProbeResultSerializer(MessageSerializer):
+    class Meta:
+        dataclass = checks.Result
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "category": {"max_length": 40},
+            "target": {"max_length": 300},
+            "observed": {"allow_blank": True, "max_length": 1000},
+        }
+
+
+class ProbeReportSerializer(MessageSerializer):
+    checks = ProbeResultSerializer(many=True)
+
+    class Meta:
+        dataclass = protocol.ProbeReport
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "detail": {"allow_blank": True, "max_length": 2000},
+        }
+
+
+class RunStartSerializer(MessageSerializer):
+    class Meta:
+        dataclass = protocol.RunStart
+
+
+class RegistrationSerializer(MessageSerializer):
+    class Meta:
+        dataclass = protocol.Registration
+        extra_kwargs: dict[str, dict[str, Any]] = {
+            "name": {"max_length": 100},
+        }
 
 
 class LaunchSpecSerializer(DataclassSerializer):

@@ -8,8 +8,12 @@ them), and nothing here imports Django: it is part of the data plane too.
 """
 
 import dataclasses
+import uuid
 from datetime import datetime
 from enum import StrEnum
+
+from egress.environment import Isolation
+from runners.probe.checks import Result
 
 # The generic part (the JSON round-trip) is shared with the egress proxy's messages.
 from wire import Message as Message
@@ -84,6 +88,14 @@ class ModelGrant(Message):
 # with a status saying so, never run without it (an older runner would ignore the fields).
 FEATURE_WORKPLACES = "workplaces"  # packages (a built image) and companion services
 FEATURES = (FEATURE_WORKPLACES,)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart(Message):
+    """A runner's start request: the features it has (names the control plane does not know
+    are ignored: a newer runner may have more; none at all: a runner from before features)."""
+
+    features: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,5 +390,74 @@ class RunnerInfo(Message):
     builtin: bool
     paused: bool
     queue: str
-    isolation: str
+    isolation: str  # an Isolation, or "" while its host has not said (an older runner reads str)
     installation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(Message):
+    """A runner host's heartbeat: what it enforces, and whether it can take work (``problem``
+    '' when it can, else why not; ``ready`` and ``problem`` both None: not said, as a host from
+    before readiness)."""
+
+    isolation: Isolation | None = None
+    ready: bool | None = None
+    problem: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ready is None) != (self.problem is None):
+            raise ValueError("ready: Send 'ready' and 'problem' together, or neither.")
+        if self.ready is not None and self.ready != (self.problem == ""):
+            raise ValueError(
+                "ready: 'ready' is true exactly when 'problem' is empty (it says why not)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseOrder(Message):
+    """Pause (finish what runs, take nothing new) or resume, from the runner host's command
+    line."""
+
+    paused: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeBegin(Message):
+    """A runner begins an egress probe: the one ordered (``probe``), or one of its own (None,
+    saying why in ``reason``), under the isolation it enforces."""
+
+    isolation: Isolation
+    probe: uuid.UUID | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport(Message):
+    """What a runner's egress probe saw: one result per check (runners/probe/checks.py), or
+    none and why it could not run (``detail``)."""
+
+    checks: tuple[Result, ...]
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration(Message):
+    """What a new runner host sends to register: the registration token an operator gave it,
+    its name and labels."""
+
+    registration_token: str = dataclasses.field(repr=False)
+    name: str
+    labels: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered(Message):
+    """What a runner keeps of its registration's answer (runner_register saves it with the
+    control plane's URL; runners/host/identity.py reads it): the runner token is shown once."""
+
+    id: int
+    name: str
+    organisation: int
+    token: str = dataclasses.field(repr=False)
+    installation: str = ""
+    labels: tuple[str, ...] = ()

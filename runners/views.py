@@ -18,22 +18,33 @@ from agents.services import find_agent
 from allowlists.entries import EntryError
 from covey.api import RefusesUnknownFields
 from egress import services as egress
-from egress.environment import Isolation
 from egress.messages import DecisionBatchSerializer, PolicySnapshotSerializer, RecordedSerializer
 from egress.protocol import DecisionBatch
 from organisations.api import OrganisationScoped
 from runners import services
 from runners.auth import RunnerEndpoint
 from runners.messages import (
+    HeartbeatSerializer,
+    PauseOrderSerializer,
+    ProbeBeginSerializer,
     ProbePlanSerializer,
+    ProbeReportSerializer,
     ProbeStatusAnswerSerializer,
     Refusal,
+    RegistrationSerializer,
     RunnerInfoSerializer,
 )
 from runners.models import Probe, Runner
 from runners.probe import service as probes
-from runners.probe.checks import Verdict
-from runners.protocol import MAX_PROBLEM_CHARS, ProbeStatusAnswer, RunnerInfo
+from runners.protocol import (
+    Heartbeat,
+    PauseOrder,
+    ProbeBegin,
+    ProbeReport,
+    ProbeStatusAnswer,
+    Registration,
+    RunnerInfo,
+)
 from wire import ProtocolError
 
 
@@ -157,14 +168,6 @@ class RunnerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Organisati
         return self.get_paginated_response(data)
 
 
-class RegistrationSerializer(serializers.Serializer):
-    """What a new runner host sends to register."""
-
-    registration_token = serializers.CharField()
-    name = serializers.CharField(max_length=100)
-    labels = serializers.ListField(child=serializers.CharField(), required=False, default=list)
-
-
 class RegisteredRunnerSerializer(RunnerSerializer):
     """A runner just registered: its token is in this answer and never again."""
 
@@ -188,9 +191,9 @@ class RegisterRunnerView(APIView):
     def post(self, request: Request) -> Response:
         serializer = RegistrationSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
+        asked: Registration = serializer.validated_data
         runner, token = services.register_runner(
-            data["registration_token"], data["name"], data["labels"]
+            asked.registration_token, asked.name, list(asked.labels)
         )
         body = {
             **RunnerSerializer(runner).data,
@@ -201,25 +204,6 @@ class RegisterRunnerView(APIView):
 
 
 # --- what runners call, with their runner token ------------------------------------------------
-
-
-class HeartbeatSerializer(serializers.Serializer):
-    isolation = serializers.ChoiceField(
-        choices=[level.value for level in Isolation], required=False
-    )
-    ready = serializers.BooleanField(required=False)
-    problem = serializers.CharField(
-        required=False, allow_blank=True, max_length=MAX_PROBLEM_CHARS, trim_whitespace=False
-    )
-
-    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
-        if ("ready" in data) != ("problem" in data):
-            raise serializers.ValidationError("Send 'ready' and 'problem' together, or neither.")
-        if "ready" in data and data["ready"] != (data["problem"] == ""):
-            raise serializers.ValidationError(
-                "'ready' is true exactly when 'problem' is empty (it says why not)."
-            )
-        return data
 
 
 class RunnerSelfView(RunnerEndpoint):
@@ -234,32 +218,24 @@ class RunnerSelfView(RunnerEndpoint):
         """The heartbeat: the runner is alive; waiting runs that fit it are placed."""
         serializer = HeartbeatSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
+        beat: Heartbeat = serializer.validated_data
         runner = self.runner(request)
-        if isolation := serializer.validated_data.get("isolation"):
-            probes.note_isolation(runner, Isolation(isolation))
-        services.heartbeat(runner, serializer.validated_data.get("problem"))
+        if beat.isolation is not None:
+            probes.note_isolation(runner, beat.isolation)
+        services.heartbeat(runner, beat.problem)
         return Response(_me(runner))
-
-
-class RunnerPauseSerializer(serializers.Serializer):
-    paused = serializers.BooleanField()
 
 
 class RunnerPauseView(RunnerEndpoint):
     """Pause or resume from the runner host's command line."""
 
-    @extend_schema(request=RunnerPauseSerializer, responses=RunnerInfoSerializer)
+    @extend_schema(request=PauseOrderSerializer, responses=RunnerInfoSerializer)
     def post(self, request: Request) -> Response:
-        serializer = RunnerPauseSerializer(data=request.data)
+        serializer = PauseOrderSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        runner = services.set_paused(self.runner(request), serializer.validated_data["paused"])
+        order: PauseOrder = serializer.validated_data
+        runner = services.set_paused(self.runner(request), order.paused)
         return Response(_me(runner))
-
-
-class ProbeBeginSerializer(serializers.Serializer):
-    probe = serializers.UUIDField(required=False, allow_null=True)
-    isolation = serializers.ChoiceField(choices=[level.value for level in Isolation])
-    reason = serializers.CharField(required=False, allow_blank=True, max_length=100)
 
 
 class RunnerProbesView(RunnerEndpoint):
@@ -269,30 +245,17 @@ class RunnerProbesView(RunnerEndpoint):
     def post(self, request: Request) -> Response:
         serializer = ProbeBeginSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
-        probe_id = data.get("probe")
+        begun: ProbeBegin = serializer.validated_data
         try:
             order = probes.begin(
                 self.runner(request),
-                None if probe_id is None else str(probe_id),
-                Isolation(data["isolation"]),
-                data.get("reason", ""),
+                None if begun.probe is None else str(begun.probe),
+                begun.isolation,
+                begun.reason,
             )
         except probes.ProbeConflict as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(ProbePlanSerializer(order).data)
-
-
-class ProbeCheckSerializer(serializers.Serializer):
-    category = serializers.CharField(max_length=40)
-    target = serializers.CharField(max_length=300)
-    verdict = serializers.ChoiceField(choices=[v.value for v in Verdict])
-    observed = serializers.CharField(max_length=1000, allow_blank=True)
-
-
-class ProbeReportSerializer(serializers.Serializer):
-    checks = ProbeCheckSerializer(many=True)
-    detail = serializers.CharField(required=False, allow_blank=True, max_length=2000)
 
 
 class RunnerProbeReportView(RunnerEndpoint):
@@ -302,11 +265,9 @@ class RunnerProbeReportView(RunnerEndpoint):
     def post(self, request: Request, probe_id: uuid.UUID) -> Response:
         serializer = ProbeReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
+        report: ProbeReport = serializer.validated_data
         try:
-            probe = probes.finish(
-                self.runner(request), str(probe_id), data["checks"], data.get("detail", "")
-            )
+            probe = probes.finish(self.runner(request), str(probe_id), report.checks, report.detail)
         except probes.ProbeConflict as exc:
             raise Http404(str(exc)) from None
         answer = ProbeStatusAnswer(probe=str(probe.pk), status=probe.status)

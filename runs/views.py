@@ -8,7 +8,6 @@ from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
-    inline_serializer,
 )
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
@@ -25,9 +24,10 @@ from runners.messages import (
     OutputChunkSerializer,
     Refusal,
     RunReportSerializer,
+    RunStartSerializer,
     RunStatusAnswerSerializer,
 )
-from runners.protocol import OUTPUT_TOTAL_HEADER, OutputAnswer, RunStatusAnswer
+from runners.protocol import OUTPUT_TOTAL_HEADER, OutputAnswer, RunStart, RunStatusAnswer
 from runs import output, services
 from runs.models import Run
 from runs.serializers import RunSerializer
@@ -117,17 +117,12 @@ class RunnerRunsView(RunnerEndpoint):
 class RunStartView(RunnerEndpoint):
     """The runner is building the sandbox: the spec, with a fresh egress credential."""
 
-    @extend_schema(
-        request=inline_serializer(
-            "RunStart", {"features": serializers.ListField(child=serializers.CharField())}
-        ),
-        responses={200: LaunchSpecSerializer, 409: Refusal},
-    )
+    @extend_schema(request=RunStartSerializer, responses={200: LaunchSpecSerializer, 409: Refusal})
     def post(self, request: Request, run_id: uuid.UUID) -> Response:
-        features = request.data.get("features") if isinstance(request.data, dict) else None
-        if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
-            features = []  # a runner from before features says none
-        spec = services.start(str(run_id), self.runner(request), frozenset(features))
+        serializer = RunStartSerializer(data=request.data)  # no body: a runner from before features
+        serializer.is_valid(raise_exception=True)
+        asked: RunStart = serializer.validated_data
+        spec = services.start(str(run_id), self.runner(request), frozenset(asked.features))
         if spec is None:
             return Response(
                 {"detail": "this run is not this runner's to start (cancelled or moved)"},

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from egress.environment import Isolation
 from runners.host.client import ControlPlaneError, OutputBehind
 from runners.host.containers.builds import BuildFailed
 from runners.host.containers.engine import (
@@ -295,7 +296,9 @@ class FakeControlPlane:
 
         yield chunks()
 
-    def heartbeat(self, isolation: str = "", problem: str | None = None) -> RunnerInfo:
+    def heartbeat(
+        self, isolation: Isolation | None = None, problem: str | None = None
+    ) -> RunnerInfo:
         self._check()
         self.heartbeats += 1
         self.problems.append(problem)

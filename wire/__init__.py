@@ -13,6 +13,7 @@ boundaries").
 import dataclasses
 import types
 import typing
+import uuid
 from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
@@ -25,7 +26,8 @@ class ProtocolError(ValueError):
 
 class Message:
     """JSON round-trip for the protocol's dataclasses (fields of str, int, float, bool, None,
-    datetimes as ISO 8601, enums, tuples, lists, mappings with text keys and nested messages).
+    datetimes as ISO 8601, UUIDs, enums, tuples, lists, mappings with text keys and nested
+    messages or other frozen dataclasses).
 
     A message may check its values in ``__post_init__``: a ValueError there names the field
     (``"port: …"``), and ``from_json`` says where the message was (``"events[3].port: …"``).
@@ -47,8 +49,12 @@ class Message:
 def _encode(value: Any) -> Any:
     if isinstance(value, Message):
         return value.to_json()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, StrEnum):
         return value.value
+    if isinstance(value, uuid.UUID):
+        return str(value)
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, tuple | list):
@@ -80,7 +86,7 @@ def decode(kind: Any, data: Any, where: str) -> Any:
         if key_kind is not str:  # JSON's keys are text
             raise TypeError(f"{where}: a message's mapping has text keys")
         return {key: decode(item, value, f"{where}[{key!r}]") for key, value in data.items()}
-    if isinstance(kind, type) and issubclass(kind, Message):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return _message(kind, data, where)
     if isinstance(kind, type) and issubclass(kind, StrEnum):
         try:
@@ -88,6 +94,11 @@ def decode(kind: Any, data: Any, where: str) -> Any:
         except ValueError:
             allowed = ", ".join(member.value for member in kind)
             raise ProtocolError(f"{where}: {data!r} is not one of {allowed}") from None
+    if kind is uuid.UUID:
+        try:
+            return uuid.UUID(data)
+        except (TypeError, ValueError, AttributeError):
+            raise ProtocolError(f"{where}: {data!r} is not a UUID") from None
     if kind is datetime:
         if not isinstance(data, str):
             raise ProtocolError(f"{where}: expected an ISO 8601 time")
@@ -102,7 +113,7 @@ def decode(kind: Any, data: Any, where: str) -> Any:
     raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(data).__name__}")
 
 
-def _message(kind: type[Message], data: Any, where: str) -> Message:
+def _message(kind: type[Any], data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
     hints = typing.get_type_hints(kind)

@@ -7,13 +7,16 @@ import selectors
 import socket
 import ssl
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import httpx
 
+from egress.environment import Isolation
+from runners.probe.checks import Result
 from runners.protocol import (
     FEATURES,
     HOME_ANSWER_HEADER,
@@ -21,17 +24,24 @@ from runners.protocol import (
     OUTPUT_TOTAL_HEADER,
     ActiveRun,
     ActiveRuns,
+    Heartbeat,
     HomeAnswer,
     HomeOrder,
     LaunchSpec,
     Message,
     OutputAnswer,
     OutputChunk,
+    PauseOrder,
+    ProbeBegin,
     ProbePlan,
+    ProbeReport,
     ProbeStatusAnswer,
     ProtocolError,
+    Registered,
+    Registration,
     RunnerInfo,
     RunReport,
+    RunStart,
     RunStatusAnswer,
 )
 
@@ -81,41 +91,46 @@ class ControlPlaneClient:
         """Who this runner is (id, name, organisation, labels, paused, queue)."""
         return _answer(RunnerInfo, self._request("GET", "/api/v1/runner/"))
 
-    def heartbeat(self, isolation: str = "", problem: str | None = None) -> RunnerInfo:
-        """Tell the control plane this runner is alive, what it enforces (network or
-        cooperative) and whether it can take work (``problem``: '' when it can, else why
-        not; None: not said); answers like :meth:`me`."""
-        body: dict[str, Any] = {"isolation": isolation} if isolation else {}
+    def heartbeat(
+        self, isolation: Isolation | None = None, problem: str | None = None
+    ) -> RunnerInfo:
+        """Tell the control plane this runner is alive, what it enforces and whether it can
+        take work (``problem``: '' when it can, else why not; None: not said); answers like
+        :meth:`me`."""
         if problem is not None:
-            body["ready"] = not problem
-            body["problem"] = problem[:MAX_PROBLEM_CHARS]
-        return _answer(RunnerInfo, self._request("POST", "/api/v1/runner/", json=body))
+            problem = problem[:MAX_PROBLEM_CHARS]
+        beat = Heartbeat(isolation, None if problem is None else not problem, problem)
+        return _answer(
+            RunnerInfo, self._request("POST", "/api/v1/runner/", json=_without_unsaid(beat))
+        )
 
     def begin_probe(
-        self, probe_id: str | None, isolation: str, reason: str = ""
+        self, probe_id: str | None, isolation: Isolation, reason: str = ""
     ) -> ProbePlan | None:
         """What an egress probe is to try (a new one when ``probe_id`` is None); None when the
         ordered probe is no longer this runner's to run."""
-        body = {"probe": probe_id, "isolation": isolation, "reason": reason}
+        probe = None if probe_id is None else uuid.UUID(probe_id)
+        body = ProbeBegin(isolation, probe, reason).to_json()
         response = self._request("POST", "/api/v1/runner/probes/", json=body, allow=(409,))
         if response.status_code == 409:
             return None
         return _answer(ProbePlan, response)
 
     def report_probe(
-        self, probe_id: str, checks: list[dict[str, str]], detail: str = ""
+        self, probe_id: str, results: Sequence[Result], detail: str = ""
     ) -> ProbeStatusAnswer:
-        """What the probe saw, one entry per check (or why it could not run)."""
+        """What the probe saw, one result per check (or none, and why it could not run)."""
         response = self._request(
             "POST",
             f"/api/v1/runner/probes/{probe_id}/report/",
-            json={"checks": checks, "detail": detail},
+            json=ProbeReport(tuple(results), detail).to_json(),
         )
         return _answer(ProbeStatusAnswer, response)
 
     def pause(self, paused: bool) -> RunnerInfo:
-        response = self._request("POST", "/api/v1/runner/pause/", json={"paused": paused})
-        return _answer(RunnerInfo, response)
+        """Pause the runner (what runs finishes, nothing new starts), or resume it."""
+        body = PauseOrder(paused).to_json()
+        return _answer(RunnerInfo, self._request("POST", "/api/v1/runner/pause/", json=body))
 
     def active_runs(self) -> tuple[ActiveRun, ...]:
         """The runs the control plane expects this runner to have a sandbox for."""
@@ -126,7 +141,7 @@ class ControlPlaneClient:
         response = self._request(
             "POST",
             f"/api/v1/runner/runs/{run_id}/start/",
-            json={"features": list(FEATURES)},
+            json=RunStart(FEATURES).to_json(),
             allow=(409,),
         )
         if response.status_code == 409:
@@ -286,18 +301,13 @@ class ControlPlaneClient:
         return response
 
     @staticmethod
-    def register(
-        url: str, registration_token: str, name: str, labels: Iterable[str]
-    ) -> Mapping[str, Any]:
+    def register(url: str, registration_token: str, name: str, labels: Iterable[str]) -> Registered:
         """Register a new runner; returns its id, name, organisation and runner token."""
+        asked = Registration(registration_token, name, tuple(labels))
         try:
             response = httpx.post(
                 f"{url.rstrip('/')}/api/v1/runners/register/",
-                json={
-                    "registration_token": registration_token,
-                    "name": name,
-                    "labels": list(labels),
-                },
+                json=asked.to_json(),
                 timeout=10,
                 trust_env=False,
             )
@@ -305,8 +315,7 @@ class ControlPlaneClient:
             raise ControlPlaneError(f"cannot reach {url}: {exc}") from exc
         if response.status_code != 201:
             raise ControlPlaneError(f"registration refused: {response.status_code} {response.text}")
-        data: Mapping[str, Any] = response.json()
-        return data
+        return _answer(Registered, response)
 
 
 # A transfer may pause this long between two chunks (a slow disk or client at the other end).
@@ -422,6 +431,12 @@ def _chunks(response: http.client.HTTPResponse, url: str) -> Iterator[bytes]:
 
 
 TRANSFER_CHUNK = 1024 * 1024
+
+
+def _without_unsaid(message: Message) -> dict[str, Any]:
+    """A body without the fields left unsaid (None), as a control plane from before those
+    fields reads it."""
+    return {name: value for name, value in message.to_json().items() if value is not None}
 
 
 def _answer[M: Message](kind: type[M], response: httpx.Response) -> M:

@@ -236,9 +236,7 @@ class Trust:
                     )
                 except (probing.ProbeError, EngineError, IsolationError, ValueError) as exc:
                     report = probing.failed(str(exc))
-                client.report_probe(
-                    order.probe, [r.as_dict() for r in report.results], report.detail
-                )
+                client.report_probe(order.probe, report.results, report.detail)
             summary = report.summary
             self._probes[identity.id] = ProbeState(report.passed, self.clock(), summary)
             if report.passed:

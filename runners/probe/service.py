@@ -9,7 +9,7 @@ one gets its wall probed all the same, and the three checks through the proxy ar
 """
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -167,7 +167,7 @@ def note_isolation(runner: Runner, isolation: Isolation) -> None:
 
 @transaction.atomic
 def finish(
-    runner: Runner, probe_id: str, results: Sequence[Mapping[str, Any]], detail: str = ""
+    runner: Runner, probe_id: str, results: Sequence[checks.Result], detail: str = ""
 ) -> Probe:
     """Store what the runner reported; the runner's trust follows its latest probe."""
     probe_row = (
@@ -177,11 +177,7 @@ def finish(
     )
     if probe_row is None:
         raise ProbeConflict("no pending probe of this runner has that id")
-    try:
-        parsed = [checks.Result.from_dict(item) for item in results]
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ValidationError({"checks": [f"malformed check: {exc}"]}) from None
-    _finish(probe_row, parsed, detail)
+    _finish(probe_row, list(results), detail)
     if probe_row.status == ProbeStatus.PASSED:
         transaction.on_commit(lambda: services.available(runner))
     return probe_row

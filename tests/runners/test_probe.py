@@ -224,12 +224,12 @@ class ProbeWorld:
 
     def probe(self, where: probing.Where | None = None) -> probing.Report:
         """One probe, as the runner host runs it: ordered by the control plane, reported back."""
-        order = self.client.begin_probe(None, "network", "test")
+        order = self.client.begin_probe(None, Isolation.NETWORK, "test")
         assert order is not None and not order.error, order
         report = probing.run(
             self.engine, order, self.targets(), where or self.where(), self.world.stack.tmp
         )
-        self.client.report_probe(order.probe, [r.as_dict() for r in report.results], report.detail)
+        self.client.report_probe(order.probe, report.results, report.detail)
         return report
 
 

@@ -35,7 +35,7 @@ class Command(BaseCommand):
         path = Path(options["config"])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)
-        path.write_text(json.dumps({"url": options["url"], **runner}, indent=2))
+        path.write_text(json.dumps({"url": options["url"], **runner.to_json()}, indent=2))
         self.stdout.write(
-            f"Registered runner {runner['name']!r} (id {runner['id']}); token saved in {path}."
+            f"Registered runner {runner.name!r} (id {runner.id}); token saved in {path}."
         )
