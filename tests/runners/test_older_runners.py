@@ -189,5 +189,7 @@ def test_a_runner_refuses_a_registration_answer_without_its_token():
         Registered.from_json({"id": 1, "name": "edge-1", "organisation": 2})
     with pytest.raises(ProtocolError, match=r"ProbeBegin\.probe: 'x' is not a UUID"):
         ProbeBegin.from_json({"isolation": "network", "probe": "x"})
-    with pytest.raises(ProtocolError, match="Heartbeat.ready: Send 'ready' and 'problem' together"):
+    with pytest.raises(
+        ProtocolError, match=r"Heartbeat\.ready: Send 'ready' and 'problem' together"
+    ):
         Heartbeat.from_json({"ready": True})
