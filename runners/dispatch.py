@@ -9,26 +9,28 @@ task names are the protocol's (runners/protocol.py); the runner host's worker ta
 from covey.celery import app
 from runners.host.sealing import seal
 from runners.models import Runner
-from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW
+from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW, Order
 
 
 def send_launch(runner: Runner, run_id: str) -> None:
-    app.send_task(LAUNCH, args=[runner.pk, run_id], queue=runner.queue)
+    app.send_task(LAUNCH, args=Order(runner.pk, run_id).args(), queue=runner.queue)
 
 
 def send_cancel(runner: Runner, run_id: str) -> None:
-    app.send_task(CANCEL, args=[runner.pk, run_id], queue=runner.queue)
+    app.send_task(CANCEL, args=Order(runner.pk, run_id).args(), queue=runner.queue)
 
 
 def send_probe(runner: Runner, probe_id: str) -> None:
-    app.send_task(PROBE, args=[runner.pk, probe_id], queue=runner.queue)
+    app.send_task(PROBE, args=Order(runner.pk, probe_id).args(), queue=runner.queue)
 
 
 def send_home(runner: Runner, operation_id: str) -> None:
     """An operation on a home the runner holds (it takes the details from the API)."""
     # Not worth doing once its asker has given up (homes.services.TAKE_SECONDS).
-    app.send_task(HOME, args=[runner.pk, operation_id], queue=runner.queue, expires=30)
+    order = Order(runner.pk, operation_id)
+    app.send_task(HOME, args=order.args(), queue=runner.queue, expires=30)
 
 
 def send_token(runner: Runner, old_token_sha256: str, new_token: str) -> None:
-    app.send_task(RENEW, args=[runner.pk, seal(old_token_sha256, new_token)], queue=runner.queue)
+    order = Order(runner.pk, seal(old_token_sha256, new_token))
+    app.send_task(RENEW, args=order.args(), queue=runner.queue)

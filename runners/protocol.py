@@ -30,6 +30,31 @@ HOME = "covey.runner.home"  # home operation id
 # The queue every built-in runner takes its orders from (a remote runner's: runner.<id>).
 BUILTIN_QUEUE = "runners.builtin"
 
+
+@dataclasses.dataclass(frozen=True)
+class Order(Message):
+    """An order on a runner's queue, as the task's positional arguments carry it (a runner one
+    version back sends and takes the same two): the runner it is for, and what it is about (a
+    run's, probe's or home operation's id; a renewal's sealed token). The task's name says
+    which order it is."""
+
+    runner: int
+    subject: str = dataclasses.field(repr=False)  # a renewal's is a secret, if sealed
+
+    def args(self) -> list[int | str]:
+        """The task's arguments."""
+        return [self.runner, self.subject]
+
+    @classmethod
+    def from_args(cls, task: str, runner: object, subject: object) -> "Order":
+        """The order a task was given; ProtocolError naming the task and the argument when
+        it is not one (the runner acts on none of it)."""
+        try:
+            return cls.from_json({"runner": runner, "subject": subject})
+        except ProtocolError as exc:
+            raise ProtocolError(f"{task}: {exc}") from None
+
+
 # Why a runner cannot take work, as its host says in a heartbeat: at most this long.
 MAX_PROBLEM_CHARS = 1000
 

@@ -17,7 +17,7 @@ import logs
 from runners.host import broker
 from runners.host.client import ControlPlaneError
 from runners.host.config import HostSettings
-from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW
+from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW, Order
 
 if TYPE_CHECKING:
     from runners.host.runner import RunnerHost
@@ -52,29 +52,34 @@ def make_app(host: "RunnerHost", settings: HostSettings) -> Celery:
 
     @app.task(name=LAUNCH, **LATE, **RETRY, **MINE)
     def launch(runner_id: int, run_id: str) -> None:
-        with logs.bound(task=LAUNCH, runner_id=runner_id, run_id=run_id):
-            host.launch(runner_id, run_id)
+        order = Order.from_args(LAUNCH, runner_id, run_id)
+        with logs.bound(task=LAUNCH, runner_id=order.runner, run_id=order.subject):
+            host.launch(order.runner, order.subject)
 
     @app.task(name=CANCEL, **LATE, **RETRY, **MINE)
     def cancel(runner_id: int, run_id: str) -> None:
-        with logs.bound(task=CANCEL, runner_id=runner_id, run_id=run_id):
-            host.cancel(runner_id, run_id)
+        order = Order.from_args(CANCEL, runner_id, run_id)
+        with logs.bound(task=CANCEL, runner_id=order.runner, run_id=order.subject):
+            host.cancel(order.runner, order.subject)
 
     @app.task(name=RENEW, **LATE, **MINE)
     def renew_token(runner_id: int, sealed: str) -> None:
-        with logs.bound(task=RENEW, runner_id=runner_id):
-            host.renew_token(runner_id, sealed)
+        order = Order.from_args(RENEW, runner_id, sealed)
+        with logs.bound(task=RENEW, runner_id=order.runner):
+            host.renew_token(order.runner, order.subject)
 
     @app.task(name=PROBE, **LATE, **RETRY, **MINE)
     def probe(runner_id: int, probe_id: str) -> None:
-        with logs.bound(task=PROBE, runner_id=runner_id):
-            host.probe(runner_id, probe_id)
+        order = Order.from_args(PROBE, runner_id, probe_id)
+        with logs.bound(task=PROBE, runner_id=order.runner):
+            host.probe(order.runner, order.subject)
 
     # Not acknowledged late: the person asking waits seconds, not for a redelivery.
     @app.task(name=HOME, **MINE)
     def home(runner_id: int, operation_id: str) -> None:
-        with logs.bound(task=HOME, runner_id=runner_id):
-            host.home(runner_id, operation_id)
+        order = Order.from_args(HOME, runner_id, operation_id)
+        with logs.bound(task=HOME, runner_id=order.runner):
+            host.home(order.runner, order.subject)
 
     return app
 

@@ -17,7 +17,7 @@ from runners.host import worker
 from runners.host.config import HostSettings
 from runners.host.process import HostError, check
 from runners.probe.checks import Targets
-from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW
+from runners.protocol import CANCEL, HOME, LAUNCH, PROBE, RENEW, Order, ProtocolError
 from tests.locks import locked
 from tests.processes import ROOT
 
@@ -57,6 +57,24 @@ def test_each_worker_carries_out_orders_on_the_host_it_was_made_for(tmp_path):
     apps[0].tasks[RENEW](3, "sealed")
     assert first.done == [("launch", 3, "r-1"), ("home", 3, "op-1"), ("renew", 3, "sealed")]
     assert second.done == [("cancel", 4, "r-2"), ("probe", 4, "p-1")]
+
+
+def test_the_worker_refuses_a_malformed_order_naming_it_and_acts_on_none_of_it(tmp_path):
+    host = Host()
+    app = worker.make_app(host, HostSettings(homes=tmp_path, broker_url="memory://"))
+    with pytest.raises(ProtocolError, match=r"covey\.runner\.launch: Order\.runner: expected int"):
+        app.tasks[LAUNCH]("3", "r-1")
+    with pytest.raises(ProtocolError, match=r"covey\.runner\.probe: Order\.subject: expected str"):
+        app.tasks[PROBE](3, None)
+    with pytest.raises(ProtocolError, match=r"covey\.runner\.home: Order\.runner: expected int"):
+        app.tasks[HOME](True, "op-1")
+    assert host.done == []
+
+
+def test_orders_keep_the_arguments_a_runner_one_version_back_takes():
+    """Its tasks take (runner id, subject), positionally, as the control plane sends them."""
+    assert Order(3, "r-1").args() == [3, "r-1"]
+    assert Order.from_args(LAUNCH, 3, "r-1") == Order(3, "r-1")
 
 
 def test_the_worker_takes_the_task_names_the_control_plane_sends_and_has_no_django(tmp_path):
