@@ -405,23 +405,7 @@ def settle(
                 dollars(cost, exact=True),
                 dollars(locked.amount, exact=True),
             )
-        charge = Charge.objects.create(
-            request_id=locked.request_id,
-            organisation_id=locked.organisation_id,
-            agent_id=locked.agent_id,
-            run_id=locked.run_id,
-            model=model or locked.model,
-            input_tokens=usage.input,
-            cache_write_5m_tokens=usage.cache_write_5m,
-            cache_write_1h_tokens=usage.cache_write_1h,
-            cache_read_tokens=usage.cache_read,
-            output_tokens=usage.output,
-            cost=cost,
-            price=locked.price,
-            outcome=outcome,
-            started_at=locked.created_at,
-        )
-        spends = _close(locked, Reservation.Status.SETTLED, spent=cost)
+        charge, spends = _charge(locked, usage, cost, outcome, model=model)
         if cost:
             tell_reached(spends)
     return charge
@@ -442,18 +426,7 @@ def settle_stale(now: datetime | None = None) -> int:
     ).values_list("pk", flat=True):
         with transaction.atomic():
             locked = _open(Reservation(pk=pk))
-            Charge.objects.create(
-                request_id=locked.request_id,
-                organisation_id=locked.organisation_id,
-                agent_id=locked.agent_id,
-                run_id=locked.run_id,
-                model=locked.model,
-                cost=locked.amount,
-                price=locked.price,
-                outcome=Outcome.UNSETTLED,
-                started_at=locked.created_at,
-            )
-            spends = _close(locked, Reservation.Status.SETTLED, spent=locked.amount)
+            _, spends = _charge(locked, Usage(), locked.amount, Outcome.UNSETTLED)
             tell_reached(spends)
         logger.warning(
             "covey: request %s was never settled: charged its worst case, %s",
@@ -462,6 +435,30 @@ def settle_stale(now: datetime | None = None) -> int:
         )
         settled += 1
     return settled
+
+
+def _charge(
+    locked: Reservation, usage: Usage, cost: Decimal, outcome: str, *, model: str = ""
+) -> tuple[Charge, list[int]]:
+    """The ledger's row for a reservation (locked, open), charged ``cost`` at the price it
+    started under, and the reservation settled; the row, and the ids of the spends it held."""
+    row = Charge.objects.create(
+        request_id=locked.request_id,
+        organisation_id=locked.organisation_id,
+        agent_id=locked.agent_id,
+        run_id=locked.run_id,
+        model=model or locked.model,
+        input_tokens=usage.input,
+        cache_write_5m_tokens=usage.cache_write_5m,
+        cache_write_1h_tokens=usage.cache_write_1h,
+        cache_read_tokens=usage.cache_read,
+        output_tokens=usage.output,
+        cost=cost,
+        price=locked.price,
+        outcome=outcome,
+        started_at=locked.created_at,
+    )
+    return row, _close(locked, Reservation.Status.SETTLED, spent=cost)
 
 
 def release(reservation: Reservation) -> None:

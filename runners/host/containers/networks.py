@@ -173,6 +173,19 @@ def _labels(runner: str, role: str) -> dict[str, str]:
     return {LABEL_RUNNER: runner, LABEL_ISOLATION: runner, LABEL_ROLE: role}
 
 
+def _create(client: docker.DockerClient, name: str, runner: str, role: str, **more: Any) -> Any:
+    """A bridge network without IPv6, labelled as the runner's ``role``; APIError as Docker
+    refused it."""
+    return client.networks.create(
+        name,
+        driver="bridge",
+        enable_ipv6=False,
+        check_duplicate=True,
+        labels=_labels(runner, role),
+        **more,
+    )
+
+
 def create_internal(
     client: docker.DockerClient, runner: str, pool: ipaddress.IPv4Network
 ) -> dict[str, Any]:
@@ -193,15 +206,9 @@ def create_internal(
             ]
         )
         try:
-            network = client.networks.create(
-                name,
-                driver="bridge",
-                internal=True,
-                enable_ipv6=False,
-                check_duplicate=True,
-                labels=_labels(runner, "internal"),
-                options={ICC: "false", BRIDGE_NAME: bridge_name(runner)},
-                ipam=ipam,
+            options = {ICC: "false", BRIDGE_NAME: bridge_name(runner)}
+            network = _create(
+                client, name, runner, "internal", internal=True, options=options, ipam=ipam
             )
         except APIError as exc:
             refused = explain(exc)
@@ -216,13 +223,7 @@ def create_outward(client: docker.DockerClient, runner: str) -> dict[str, Any]:
     """Make the network the runner's proxy goes out through; it, inspected."""
     name = outward_network_name(runner)
     try:
-        network = client.networks.create(
-            name,
-            driver="bridge",
-            enable_ipv6=False,
-            check_duplicate=True,
-            labels=_labels(runner, "outward"),
-        )
+        network = _create(client, name, runner, "outward")
     except APIError as exc:
         raise IsolationError(f"cannot create network {name}: {explain(exc)}") from exc
     return dict(client.api.inspect_network(network.id))
