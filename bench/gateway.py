@@ -135,7 +135,8 @@ async def crowd(
     url: str, headers: dict[str, str], seconds: float, ca: ssl.SSLContext
 ) -> tuple[int, int]:
     """CLIENTS clients sending one request after another for ``seconds`` (or until every one
-    is refused): answered requests and refused ones."""
+    is refused; a busy budget's 429 is tried again after its retry-after): answered requests
+    and refused ones."""
     done = refused = 0
     stop = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
@@ -148,6 +149,9 @@ async def crowd(
                 if response.status_code == 402:
                     refused += 1
                     return
+                if response.status_code == 429:  # busy: requests under way hold the rest
+                    await asyncio.sleep(float(response.headers.get("retry-after") or 1))
+                    continue
                 if response.status_code != 200:
                     raise BenchError(f"{url}: {response.status_code} {response.text}")
                 done += 1
