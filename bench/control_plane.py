@@ -53,9 +53,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
 
 from bench.support import (  # noqa: E402 - after the path is set
-    OTHER_SETTINGS,
     BenchError,
     Processes,
+    covey_env,
     django_here,
     free_port,
     percentile,
@@ -122,17 +122,14 @@ def start_postgres(processes: Processes, work: Path) -> int:
     return port
 
 
-def covey_env(work: Path, pg_port: int, redis_port: int) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(OTHER_SETTINGS)}
-    env.update(
-        COVEY_VAR_DIR=str(work / "var"),
+def bench_env(work: Path, pg_port: int, redis_port: int) -> dict[str, str]:
+    """The covey processes' environment: the bench's own PostgreSQL and Redis."""
+    env = covey_env(
+        work / "var",
         DATABASE_URL=f"postgres://covey@127.0.0.1:{pg_port}/postgres",
         CELERY_BROKER_URL=f"redis://127.0.0.1:{redis_port}/0",
         COVEY_BUILTIN_RUNNER="false",  # only the bench's registered runners
         COVEY_EGRESS_ENFORCE="false",
-        DJANGO_ALLOWED_HOSTS="127.0.0.1",
-        DJANGO_SETTINGS_MODULE="covey.settings",
-        PYTHONUNBUFFERED="1",
     )
     if "COVEY_DB_CONN_MAX_AGE" in os.environ:
         env["COVEY_DB_CONN_MAX_AGE"] = os.environ["COVEY_DB_CONN_MAX_AGE"]
@@ -304,7 +301,7 @@ def main() -> int:
     def body(work: Path, processes: Processes, stack: contextlib.ExitStack) -> None:
         step("starting PostgreSQL and Redis of the bench's own")
         redis_port, _ = start_redis(processes, work)
-        env = covey_env(work, start_postgres(processes, work), redis_port)
+        env = bench_env(work, start_postgres(processes, work), redis_port)
         step(f"migrating; an organisation, {RUNNERS} runners and {AGENTS} agents")
         seeded = seed(env, work)
         base = start_control_plane(processes, env)

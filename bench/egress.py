@@ -66,13 +66,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
 
 from bench.support import (  # noqa: E402 - after the path is set
-    OTHER_SETTINGS,
     BenchError,
     BenchStop,
     Processes,
     accepts,
     alive,
+    covey_env,
     django_here,
+    fmt,
     free_port,
     percentile,
     process_tree,
@@ -421,15 +422,8 @@ def start_squid(
 
 def django_env(var_dir: Path) -> dict[str, str]:
     """The environment of every covey process: a SQLite database of its own, no outside name."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(OTHER_SETTINGS)}
-    env.update(
-        COVEY_VAR_DIR=str(var_dir),
-        COVEY_EGRESS_BASE_ALLOWLIST=ECHO_NAME,  # only a default for new organisations
-        DJANGO_ALLOWED_HOSTS="127.0.0.1",
-        DJANGO_SETTINGS_MODULE="covey.settings",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    # The base allowlist is only a default for new organisations.
+    return covey_env(var_dir, COVEY_EGRESS_BASE_ALLOWLIST=ECHO_NAME)
 
 
 @dataclass
@@ -855,10 +849,6 @@ class Results:
     poll_seconds: float | None = None
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def report(results: Results) -> str:
     out: list[str] = []
     add = out.append
@@ -987,14 +977,14 @@ def report(results: Results) -> str:
     gap = None if sq is None or cv is None else cv - sq
     target(
         "added latency p50 within 2 ms of Squid",
-        f"covey +{fmt(cv)} ms, squid +{fmt(sq)} ms: gap {fmt(gap)} ms",
+        f"covey +{fmt(cv, 2)} ms, squid +{fmt(sq, 2)} ms: gap {fmt(gap, 2)} ms",
         None if gap is None else gap <= ADDED_LATENCY_SLACK_MS,
     )
     t_sq, t_cv = tput.get("squid"), tput.get("covey")
     share = None if t_sq is None or t_cv is None else t_cv / t_sq
     target(
         "throughput >= 90% of Squid",
-        f"covey/squid = {fmt(share)}",
+        f"covey/squid = {fmt(share, 2)}",
         None if share is None else share >= THROUGHPUT_RATIO,
     )
     cv_held, sq_held = held.get("covey"), held.get("squid")

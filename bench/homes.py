@@ -75,7 +75,6 @@ import json
 import os
 import platform
 import re
-import secrets
 import shutil
 import statistics
 import subprocess
@@ -98,20 +97,23 @@ BENCH_DIR = Path(__file__).resolve().parent
 # project's ``egress`` package: the project root goes there instead.
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
 
+from bench import support  # noqa: E402 - after the path is set
 from bench.runs import django_env, exceptions_logged, start_redis  # noqa: E402 - after the path
 from bench.support import (  # noqa: E402 - after the path is set
     BenchError,
     Processes,
-    alive,
+    broker_env,
     django_here,
+    fmt,
     free_port,
     percentile,
     ratio,
     run_bench,
+    signed,
+    start_gunicorn,
     step,
+    superuser_token,
     verdict,
-    wait_listening,
-    wait_until,
 )
 from runners.host.homes import Home  # noqa: E402 - after the path is set
 
@@ -157,26 +159,14 @@ class Plan:
 
 
 @dataclass
-class Stack:
+class Stack(support.Stack):
     """One broker's control plane and runner, and what the database holds for it."""
 
-    broker: str
-    port: int
-    runner_id: int = 0
-    runner_token: str = ""
     lister: int = 0  # the agent whose home has 10,000 files in big/
     carrier: int = 0  # the agent whose home the transfers go from and to
     hoarder: int = 0  # the agent whose home has 100,000 files
     control_plane: Any = None  # subprocess.Popen: gunicorn's master
     runner: Any = None  # subprocess.Popen: manage.py runner
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def runner_name(self) -> str:
-        return f"runner-{self.broker}"
 
     @property
     def short(self) -> str:
@@ -194,26 +184,14 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     """Migrate the SQLite database; a superuser and its API token (returned), and for each
     stack an organisation, a registered runner and three agents whose home is on it."""
     django_here(django_env(var_dir), var_dir)
-    from django.contrib.auth import get_user_model
-    from django.core.management import call_command
     from django.db import connections
-    from rest_framework.authtoken.models import Token
 
     from agents import services
     from agents.models import Agent
-    from organisations import services as organisations
-    from runners.services import create_registration_token, register_runner
 
-    call_command("migrate", verbosity=0, interactive=False)
-    user = get_user_model().objects.create_superuser(
-        "bench", "bench@example.test", secrets.token_urlsafe(24)
-    )
-    token = Token.objects.create(user=user).key
+    token = superuser_token()
     for stack in stacks:
-        organisation = organisations.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
-        _, secret = create_registration_token(organisation)
-        runner, stack.runner_token = register_runner(secret, stack.runner_name, [])
-        stack.runner_id = runner.pk
+        organisation, runner = stack.register()
         stack.lister, stack.carrier, stack.hoarder = (
             services.create_agent(organisation, name, runtime_command=["true"]).pk
             for name in ("lister", "carrier", "hoarder")
@@ -225,71 +203,29 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     return token
 
 
-def broker_env(env: dict[str, str], stack: Stack, redis_port: int | None) -> dict[str, str]:
-    if stack.broker == "redis":
-        return {**env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0"}
-    return env  # unset: filesystem:// under COVEY_VAR_DIR/broker
-
-
 def start_control_plane(
     processes: Processes, env: dict[str, str], stack: Stack, work: Path
 ) -> None:
-    gunicorn = str(Path(sys.executable).parent / "gunicorn")
-    args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{stack.port}"]
-    args += ["--workers", str(GUNICORN_WORKERS)]
-    name = f"control-plane-{stack.broker}"
-    stack.control_plane = processes.start(
-        name, args, {**env, "COVEY_HOME_SPOOL": str(stack.spool(work))}
-    )
-    wait_listening(
-        processes,
-        stack.control_plane,
-        name,
-        stack.port,
-        f"the {stack.broker} control plane listening",
-        60,
-    )
+    name, what = f"control-plane-{stack.broker}", f"the {stack.broker} control plane listening"
+    env = {**env, "COVEY_HOME_SPOOL": str(stack.spool(work))}
+    stack.control_plane = start_gunicorn(processes, env, name, stack.port, GUNICORN_WORKERS, what)
 
 
 def start_runner(processes: Processes, env: dict[str, str], stack: Stack, work: Path) -> None:
     """``manage.py runner`` for the stack's runner, with no database settings at all."""
-    config = work / f"runner-{stack.broker}.json"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    with open(os.open(config, flags, 0o600), "w") as file:
-        json.dump(
-            {
-                "url": stack.url,
-                "id": stack.runner_id,
-                "name": stack.runner_name,
-                "token": stack.runner_token,
-            },
-            file,
-        )
-    env = {
-        **env,
-        "COVEY_RUNNER_HOMES": str(work / "homes"),
-        "COVEY_RUNNER_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
-    }
-    if "DATABASE_URL" in env:
-        raise BenchError("the runner must run without DATABASE_URL")
-    args = [sys.executable, "manage.py", "runner", "--config", str(config)]
-    name = f"runner-{stack.broker}"
-    stack.runner = processes.start(name, args, env)
-    wait_until(  # Celery says "ready." once it consumes its queue
-        lambda: alive(stack.runner, name, processes) and " ready." in processes.log(name),
-        60,
-        f"the {stack.broker} runner taking orders",
-        lambda: processes.log(name),
+    stack.runner = support.start_runner(
+        processes,
+        env,
+        stack.runner_name,
+        stack.identity,
+        work,
+        heartbeat_seconds=HEARTBEAT_SECONDS,
+        what=f"the {stack.broker} runner taking orders",
     )
 
 
 def api_client(stack: Stack, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=stack.url,
-        headers={"Authorization": f"Token {token}"},
-        timeout=httpx.Timeout(60.0, connect=5.0),
-        trust_env=False,
-    )
+    return support.api_client(stack.url, token, httpx.Timeout(60.0, connect=5.0))
 
 
 def home_api(agent: int, endpoint: str = "") -> str:
@@ -891,10 +827,6 @@ class Results:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
 
 
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def throughput(size: int, seconds: Sequence[float]) -> float | None:
     return None if not seconds else size / MIB / statistics.median(seconds)
 
@@ -1028,7 +960,7 @@ def report(results: Results) -> str:
             }
             who, rss = f"{process.role} {process.pid}", f"{before} -> {process.peak / MIB:.1f}"
             add(
-                f"  {who:<34}{signed(process.growth_mib):>11}{rss:>18}"
+                f"  {who:<34}{signed(process.growth_mib, 1):>11}{rss:>18}"
                 f"{cpu['download']:>10}{cpu['upload']:>10}"
             )
 
@@ -1120,10 +1052,6 @@ def cell_ratio(
     return ratio(speed(o, kind), speed(o, floor))
 
 
-def signed(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:+.{digits}f}"
-
-
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
@@ -1201,7 +1129,7 @@ def run(
         redis_port, redis_version = start_redis(processes, work)
         step(f"redis-server {redis_version} on 127.0.0.1:{redis_port}")
     for each in stacks:
-        own = broker_env(env, each, redis_port)
+        own = broker_env(env, each.broker, redis_port)
         start_control_plane(processes, own, each, work)
         start_runner(processes, own, each, work)
         step(f"{each.broker}: control plane on {each.url}, runner {each.runner_name} ready")

@@ -78,21 +78,24 @@ BENCH_DIR = Path(__file__).resolve().parent
 # project's ``egress`` package: the project root goes there instead.
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR)]
 
+from bench import support  # noqa: E402 - after the path is set
 from bench.support import (  # noqa: E402 - after the path is set
-    OTHER_SETTINGS,
     BenchError,
     Processes,
-    alive,
+    broker_env,
+    covey_env,
     django_here,
+    fmt,
     free_port,
     percentile,
     ratio,
     run_bench,
+    signed,
+    start_gunicorn,
     start_redis,
     step,
+    superuser_token,
     verdict,
-    wait_listening,
-    wait_until,
 )
 from runners.host.identity import docker_name  # noqa: E402 - after the path is set
 
@@ -177,44 +180,27 @@ def containers(label: str, *, running: bool = False) -> list[str]:
 
 def django_env(var_dir: Path) -> dict[str, str]:
     """The environment of every covey process: the bench's SQLite database and broker folders."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(OTHER_SETTINGS)}
-    env.update(
-        COVEY_VAR_DIR=str(var_dir),
+    return covey_env(
+        var_dir,
         COVEY_EGRESS_ENFORCE="false",  # the sandbox needs no proxy
         COVEY_BUILTIN_RUNNER="false",  # only the bench's remote runners
-        DJANGO_ALLOWED_HOSTS="127.0.0.1",
-        DJANGO_SETTINGS_MODULE="covey.settings",
-        PYTHONUNBUFFERED="1",
         TZ="UTC",  # the runner's log times (Django sets it too)
     )
-    return env
 
 
 @dataclass
-class Stack:
+class Stack(support.Stack):
     """One broker's control plane and runner, and what the database holds for it."""
 
-    broker: str
-    port: int
-    runner_id: int = 0
     installation: str = ""
-    runner_token: str = ""
     clock_agent: int = 0
     sleep_agents: list[int] = field(default_factory=list)  # one per run of a burst: runs of one
     # agent take turns with its home
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def label(self) -> str:
         """The label the runner's engine puts on its containers."""
         return f"covey.runner={docker_name(self.runner_id, self.installation)}"
-
-    @property
-    def runner_name(self) -> str:
-        return f"runner-{self.broker}"
 
 
 def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
@@ -222,27 +208,17 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     stack an organisation, a registered runner and its agents (a clock, and a sleeper per run
     of a burst)."""
     django_here(django_env(var_dir), var_dir)
-    from django.contrib.auth import get_user_model
-    from django.core.management import call_command
     from django.db import connections
-    from rest_framework.authtoken.models import Token
 
     from agents import services
-    from organisations import services as organisations
-    from runners.services import create_registration_token, installation_key, register_runner
+    from runners.services import installation_key
 
-    call_command("migrate", verbosity=0, interactive=False)
-    user = get_user_model().objects.create_superuser(
-        "bench", "bench@example.test", secrets.token_urlsafe(24)
-    )
-    token = Token.objects.create(user=user).key
+    token = superuser_token()
     for stack in stacks:
-        organisation = organisations.create_organisation(f"Bench {stack.broker}", base_allowlist=[])
-        _, secret = create_registration_token(organisation)
-        runner, stack.runner_token = register_runner(secret, stack.runner_name, [])
+        organisation, _ = stack.register()
         # Its containers carry this database's installation key: another covey on this Docker
         # engine (the test suite, make run) never shares their label.
-        stack.runner_id, stack.installation = runner.pk, installation_key()
+        stack.installation = installation_key()
         clock = services.create_agent(
             organisation, "clock", runtime_command=CLOCK_COMMAND, run_timeout=RUN_TIMEOUT
         )
@@ -257,53 +233,22 @@ def prepare_database(var_dir: Path, stacks: Sequence[Stack]) -> str:
     return token
 
 
-def broker_env(env: dict[str, str], stack: Stack, redis_port: int | None) -> dict[str, str]:
-    if stack.broker == "redis":
-        return {**env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0"}
-    return env  # unset: filesystem:// under COVEY_VAR_DIR/broker
-
-
 def start_control_plane(processes: Processes, env: dict[str, str], stack: Stack) -> None:
-    gunicorn = str(Path(sys.executable).parent / "gunicorn")
-    args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{stack.port}"]
-    args += ["--workers", str(GUNICORN_WORKERS)]
-    name = f"control-plane-{stack.broker}"
-    process = processes.start(name, args, env)
-    wait_listening(
-        processes, process, name, stack.port, f"the {stack.broker} control plane listening", 60
-    )
+    name, what = f"control-plane-{stack.broker}", f"the {stack.broker} control plane listening"
+    start_gunicorn(processes, env, name, stack.port, GUNICORN_WORKERS, what)
 
 
 def start_runner(processes: Processes, env: dict[str, str], stack: Stack, work: Path) -> None:
     """``manage.py runner`` for the stack's runner, with no database settings at all."""
-    config = work / f"runner-{stack.broker}.json"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    with open(os.open(config, flags, 0o600), "w") as file:
-        json.dump(
-            {
-                "url": stack.url,
-                "id": stack.runner_id,
-                "name": stack.runner_name,
-                "token": stack.runner_token,
-            },
-            file,
-        )
-    env = {
-        **env,
-        "COVEY_RUNNER_HOMES": str(work / "homes"),
-        "COVEY_RUNNER_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
-    }
-    if "DATABASE_URL" in env:
-        raise BenchError("the runner must run without DATABASE_URL")
-    args = [sys.executable, "manage.py", "runner", "--config", str(config)]
-    args += ["--concurrency", str(RUNNER_CONCURRENCY)]
-    name = runner_log(stack)
-    process = processes.start(name, args, env)
-    wait_until(  # Celery says "ready." once it consumes its queue
-        lambda: alive(process, name, processes) and " ready." in processes.log(name),
-        60,
-        f"the {stack.broker} runner taking orders",
-        lambda: processes.log(name),
+    support.start_runner(
+        processes,
+        env,
+        runner_log(stack),
+        stack.identity,
+        work,
+        heartbeat_seconds=HEARTBEAT_SECONDS,
+        what=f"the {stack.broker} runner taking orders",
+        args=["--concurrency", str(RUNNER_CONCURRENCY)],
     )
 
 
@@ -348,12 +293,7 @@ def printed_time(output: str) -> int:
 
 
 def api_client(stack: Stack, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=stack.url,
-        headers={"Authorization": f"Token {token}"},
-        timeout=30,
-        trust_env=False,
-    )
+    return support.api_client(stack.url, token, 30)
 
 
 def wait_finished(api: httpx.Client, run_id: str, timeout: float) -> dict[str, Any]:
@@ -731,14 +671,6 @@ class Results:
     bursts: dict[str, Burst] = field(default_factory=dict)
 
 
-def fmt(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def signed(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:+.{digits}f}"
-
-
 COLUMN = {
     "docker": "docker run",
     "secured": "secured run",
@@ -973,7 +905,7 @@ def run(
         step(f"redis-server {redis_version} on 127.0.0.1:{redis_port}")
     start_docker_events(processes)
     for each in stacks:
-        own = broker_env(env, each, redis_port)
+        own = broker_env(env, each.broker, redis_port)
         start_control_plane(processes, own, each)
         start_runner(processes, own, each, work)
         step(f"{each.broker}: control plane on {each.url}, runner {each.label} ready")

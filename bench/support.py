@@ -1,8 +1,11 @@
-"""What both benchmarks need: their own processes (started in sessions of their own and stopped
-by pid), polling, a time limit for the whole run, and the figures' arithmetic."""
+"""What the benches share: their own processes (started in sessions of their own and stopped
+by pid), the environment of the covey processes they start, starting a control plane and a
+runner, polling, a time limit for the whole run, and the figures' arithmetic and format."""
 
 import contextlib
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -13,8 +16,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 # Settings from the caller's shell that the benches' own covey processes must not inherit.
@@ -246,3 +253,145 @@ def start_redis(processes: Processes, work: Path) -> tuple[int, str]:
         [binary, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.split()
     return port, next((v[2:] for v in version if v.startswith("v=")), "?")
+
+
+def covey_env(var_dir: Path, **settings: str) -> dict[str, str]:
+    """The environment of a bench's covey processes: none of the caller's own covey, Django,
+    database or broker settings, the bench's var folder (its SQLite database and broker
+    folders unless ``settings`` say otherwise), loopback only, and ``settings``."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(OTHER_SETTINGS)}
+    env.update(
+        COVEY_VAR_DIR=str(var_dir),
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        DJANGO_SETTINGS_MODULE="covey.settings",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(settings)
+    return env
+
+
+def broker_env(env: dict[str, str], broker: str, redis_port: int | None) -> dict[str, str]:
+    """``env`` for a stack on ``broker``: Redis on the bench's own server, or the filesystem
+    broker (CELERY_BROKER_URL unset: filesystem:// under COVEY_VAR_DIR/broker)."""
+    if broker == "redis":
+        return {**env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    return env
+
+
+def superuser_token() -> str:
+    """Migrate the database this process's Django uses (:func:`django_here`) and make a
+    superuser; its API token."""
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from rest_framework.authtoken.models import Token
+
+    call_command("migrate", verbosity=0, interactive=False)
+    user = get_user_model().objects.create_superuser(
+        "bench", "bench@example.test", secrets.token_urlsafe(24)
+    )
+    return str(Token.objects.create(user=user).key)
+
+
+def start_gunicorn(
+    processes: Processes, env: dict[str, str], name: str, port: int, workers: int, what: str
+) -> subprocess.Popen[bytes]:
+    """The control plane's web process (gunicorn, ``workers`` of them) on loopback ``port``,
+    once it accepts connections."""
+    gunicorn = str(Path(sys.executable).parent / "gunicorn")
+    args = [gunicorn, "covey.wsgi", "--bind", f"127.0.0.1:{port}", "--workers", str(workers)]
+    process = processes.start(name, args, env)
+    wait_listening(processes, process, name, port, what, 60)
+    return process
+
+
+def start_runner(
+    processes: Processes,
+    env: dict[str, str],
+    name: str,
+    identity: dict[str, Any],
+    work: Path,
+    *,
+    heartbeat_seconds: float,
+    what: str,
+    args: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
+    """``manage.py runner`` with its ``identity`` (url, id, name, token) in a file of its own
+    and no database settings at all, once it takes orders."""
+    config = work / f"{name}.json"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with open(os.open(config, flags, 0o600), "w") as file:
+        json.dump(identity, file)
+    env = {
+        **env,
+        "COVEY_RUNNER_HOMES": str(work / "homes"),
+        "COVEY_RUNNER_HEARTBEAT_SECONDS": str(heartbeat_seconds),
+    }
+    if "DATABASE_URL" in env:
+        raise BenchError("the runner must run without DATABASE_URL")
+    command = [sys.executable, "manage.py", "runner", "--config", str(config), *args]
+    process = processes.start(name, command, env)
+    wait_until(  # Celery says "ready." once it consumes its queue
+        lambda: alive(process, name, processes) and " ready." in processes.log(name),
+        60,
+        what,
+        lambda: processes.log(name),
+    )
+    return process
+
+
+def api_client(url: str, token: str, timeout: httpx.Timeout | float) -> httpx.Client:
+    """A client of covey's API at ``url`` with an API token, and no proxy of the caller's."""
+    return httpx.Client(
+        base_url=url, headers={"Authorization": f"Token {token}"}, timeout=timeout, trust_env=False
+    )
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    """A figure for the tables ('-' when there is none)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def signed(value: float | None, digits: int = 0) -> str:
+    """A difference for the tables, with its sign ('-' when there is none)."""
+    return "-" if value is None else f"{value:+.{digits}f}"
+
+
+@dataclass
+class Stack:
+    """One broker's control plane and runner, and the runner's registration (the runs and
+    homes benches bring one up a broker); each bench adds what its database holds."""
+
+    broker: str
+    port: int
+    runner_id: int = 0
+    runner_token: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def runner_name(self) -> str:
+        return f"runner-{self.broker}"
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What its runner is told in its file (``manage.py runner --config``)."""
+        return {
+            "url": self.url,
+            "id": self.runner_id,
+            "name": self.runner_name,
+            "token": self.runner_token,
+        }
+
+    def register(self) -> Any:
+        """An organisation of the stack's own, and its runner registered in it (this process's
+        Django: :func:`django_here`); the organisation and the runner."""
+        from organisations import services as organisations
+        from runners.services import create_registration_token, register_runner
+
+        organisation = organisations.create_organisation(f"Bench {self.broker}", base_allowlist=[])
+        _, secret = create_registration_token(organisation)
+        runner, self.runner_token = register_runner(secret, self.runner_name, [])
+        self.runner_id = runner.pk
+        return organisation, runner
