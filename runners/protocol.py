@@ -181,13 +181,22 @@ class LaunchSpec(Message):
     model: ModelGrant | None = None  # None: the control plane runs no model gateway
 
 
+class ActiveStatus(StrEnum):
+    """Where a run the runner should have a sandbox for stands (runs.models.RunStatus's
+    values, the ones a run has between being placed and ending)."""
+
+    PLACED = "placed"  # the runner was told to launch it
+    STARTING = "starting"  # the runner asked for its spec: it is building the sandbox
+    RUNNING = "running"  # the runner said the sandbox started
+
+
 @dataclasses.dataclass(frozen=True)
 class ActiveRun(Message):
     """A run the control plane expects a runner to have a sandbox for (what it reconciles
     against)."""
 
     run: str
-    status: str  # placed, starting or running (runs.models.RunStatus)
+    status: ActiveStatus
     cancel: bool  # cancelling was asked for
     waited: float  # seconds since it was placed
     output_size: int  # bytes of its output the control plane has

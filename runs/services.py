@@ -32,6 +32,7 @@ from runners.protocol import (
     OVER_QUOTA,
     ActiveRun,
     ActiveRuns,
+    ActiveStatus,
     EgressGrant,
     LaunchSpec,
     ModelGrant,
@@ -503,7 +504,7 @@ def runners_active_runs(runner: Runner) -> ActiveRuns:
         runs=tuple(
             ActiveRun(
                 run=str(pk),
-                status=status,
+                status=ActiveStatus(status),
                 cancel=cancel is not None,
                 waited=(now - placed_at).total_seconds() if placed_at else 0.0,
                 output_size=output_size,

@@ -22,6 +22,7 @@ from runners.host.containers.engine import (
 )
 from runners.protocol import (
     ActiveRun,
+    ActiveStatus,
     HomeAnswer,
     HomeOrder,
     LaunchSpec,
@@ -233,7 +234,7 @@ class FakeControlPlane:
         self._check()
         launch = self.specs.get(run_id)
         if launch is not None:
-            self.active[run_id] = ActiveRun(run_id, "starting", False, 0.0, 0)
+            self.active[run_id] = ActiveRun(run_id, ActiveStatus.STARTING, False, 0.0, 0)
         return launch
 
     def active_runs(self) -> tuple[ActiveRun, ...]:
@@ -247,7 +248,7 @@ class FakeControlPlane:
         if run_id not in self.specs and run_id not in self.active:
             raise ControlPlaneError("no such run on this runner", 404)
         if seen.state == ReportState.RUNNING and run_id in self.active:
-            self.active[run_id] = replace(self.active[run_id], status="running")
+            self.active[run_id] = replace(self.active[run_id], status=ActiveStatus.RUNNING)
         elif seen.state != ReportState.RUNNING:
             self.active.pop(run_id, None)  # it has ended
         return RunStatusAnswer(run_id, seen.state.value)

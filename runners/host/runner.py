@@ -65,6 +65,7 @@ from runners.protocol import (
     DISK_FULL,
     ENGINE_RESTARTED,
     OVER_QUOTA,
+    ActiveStatus,
     HomeUsage,
     LaunchSpec,
     ReportState,
@@ -611,7 +612,7 @@ class RunnerHost:
                 self._forget(run_id)
             elif run.cancel and sandbox.status == "running":
                 engine.stop(run_id, timeout=STOP_GRACE_SECONDS)
-            elif run.status != "running" and sandbox.status == "running":
+            elif run.status != ActiveStatus.RUNNING and sandbox.status == "running":
                 # Launched, but the report was lost.
                 client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
             if run is not None and sandbox.status == "running" and not run.cancel:
@@ -626,7 +627,7 @@ class RunnerHost:
         for run_id, run in active.items():
             if run_id in held or run_id in self._launching:
                 continue
-            if run.status == "running":
+            if run.status == ActiveStatus.RUNNING:
                 # The list of sandboxes came first: one launched since is not in it. Ask again.
                 if engine.get(run_id) is None:
                     when = self.removed_at_exit.pop(run_id, "")

@@ -10,6 +10,7 @@ import pytest
 from runners.protocol import (
     ActiveRun,
     ActiveRuns,
+    ActiveStatus,
     EgressGrant,
     LaunchSpec,
     OutputAnswer,
@@ -22,6 +23,7 @@ from runners.protocol import (
     RunReport,
     RunStatusAnswer,
 )
+from runs.models import ACTIVE
 
 SPEC = LaunchSpec(
     run="0b6f6f2e-6c1c-4b7e-9d0c-1f0e5b7c9a11",
@@ -39,7 +41,10 @@ SPEC = LaunchSpec(
 MESSAGES = [
     SPEC,
     ActiveRuns(
-        runs=(ActiveRun("r1", "running", False, 1.5, 10), ActiveRun("r2", "placed", True, 0.0, 0))
+        runs=(
+            ActiveRun("r1", ActiveStatus.RUNNING, False, 1.5, 10),
+            ActiveRun("r2", ActiveStatus.PLACED, True, 0.0, 0),
+        )
     ),
     RunReport(
         ReportState.EXITED, exit_code=3, detail="", started_at=datetime(2026, 1, 1, tzinfo=UTC)
@@ -122,3 +127,20 @@ def test_the_schema_describes_what_runners_send_and_get(client):
                         path,
                         code,
                     )
+
+
+def test_a_run_the_runner_should_have_is_in_one_of_the_active_statuses_of_a_run():
+    """The protocol's ActiveStatus and the control plane's ACTIVE run statuses are one list."""
+    assert {status.value for status in ActiveStatus} == {str(status) for status in ACTIVE}
+
+
+def test_a_runner_refuses_active_runs_in_a_status_it_does_not_know():
+    data = {
+        "runs": [
+            {"run": "r1", "status": "queued", "cancel": False, "waited": 0.0, "output_size": 0}
+        ]
+    }
+    with pytest.raises(
+        ProtocolError, match=r"ActiveRuns\.runs\[0\]\.status: 'queued' is not one of"
+    ):
+        ActiveRuns.from_json(data)
