@@ -224,7 +224,7 @@ def test_the_proxy_enforces_the_control_planes_policy_without_a_database(
         runner = ControlPlaneClient.register(url, secret, "edge-1", ["eu"])
         env = {
             "COVEY_CONTROL_PLANE_URL": url,
-            "COVEY_RUNNER_TOKEN": runner["token"],
+            "COVEY_RUNNER_TOKEN": runner.token,
             "DATABASE_URL": "postgres://nobody@127.0.0.1:1/no-database-here",
             "COVEY_EGRESS_NAMESERVERS": net.dns.nameserver,
             "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": ALLOWED_PRIVATE,
