@@ -98,7 +98,7 @@ def _check_count(name: str, value: int | None, most: int = MAX_COUNT) -> None:
 
 
 def _check_boot(boot: str | None) -> None:
-    if boot is not None and not (0 < len(boot) <= 32 and boot.isascii() and boot.isalnum()):
+    if boot is not None and not (0 < len(boot) <= 32 and boot.isalnum()):
         raise ValueError(f"boot: a proxy's boot is up to 32 letters and digits, not {boot!r}")
 
 
