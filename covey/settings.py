@@ -212,6 +212,9 @@ SPECTACULAR_SETTINGS = {
         "RequestKindEnum": "approvals.models.Kind",
         "RunStatusEnum": "runs.models.RunStatus",
         "ProbeStatusEnum": "runners.models.ProbeStatus",
+        # The level as the wires carry it (labelled by name) and as a runner's record shows it.
+        "IsolationEnum": "egress.environment.Isolation",
+        "RunnerIsolationEnum": "runners.models.ISOLATION_CHOICES",
     },
 }
 

@@ -56,6 +56,14 @@ class DecisionBatchSerializer(serializers.Serializer):
     )
 
 
+class BatchRefusalSerializer(serializers.Serializer):
+    """Why a batch was refused: a body that is not JSON (``detail``), or events that do not fit
+    (``events``, what is wrong with which)."""
+
+    detail = serializers.CharField(required=False)
+    events = serializers.ListField(child=serializers.CharField(), required=False)
+
+
 class RecordedSerializer(serializers.Serializer):
     """How many events of a batch were taken."""
 

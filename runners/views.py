@@ -18,7 +18,12 @@ from agents.services import find_agent
 from allowlists.entries import EntryError
 from covey.api import RefusesUnknownFields
 from egress import services as egress
-from egress.messages import DecisionBatchSerializer, PolicySnapshotSerializer, RecordedSerializer
+from egress.messages import (
+    BatchRefusalSerializer,
+    DecisionBatchSerializer,
+    PolicySnapshotSerializer,
+    RecordedSerializer,
+)
 from egress.protocol import DecisionBatch
 from organisations.api import OrganisationScoped
 from runners import services
@@ -322,7 +327,7 @@ class DecisionIngestView(RunnerEndpoint):
 
     @extend_schema(
         request=DecisionBatchSerializer,
-        responses={201: RecordedSerializer, 400: Refusal},
+        responses={201: RecordedSerializer, 400: BatchRefusalSerializer},
     )
     def post(self, request: Request) -> Response:
         try:

@@ -46,9 +46,14 @@ def test_the_file_system_broker_never_hands_out_a_message_still_being_written(
     """kombu's own transport wrote a message under its final name and filled it afterwards: a
     worker listing the folder in between took it empty and stopped (celery/kombu#1551)."""
     from kombu import Connection
+    from kombu.transport import TRANSPORT_ALIASES
 
     from runners.host import broker
 
+    # What a process on the file-system broker installs (settings, the runner host), whatever
+    # broker this test process was given; undone after.
+    monkeypatch.setitem(TRANSPORT_ALIASES, "filesystem", TRANSPORT_ALIASES["filesystem"])
+    broker.install()
     folder = tmp_path / "broker"
     folder.mkdir()
     options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
