@@ -13,12 +13,17 @@ TEST_ENV := DATABASE_URL=postgres://covey@127.0.0.1:$(TEST_PG_PORT)/covey \
 	CELERY_BROKER_URL=redis://127.0.0.1:$(TEST_REDIS_PORT)/0 \
 	COVEY_TEST_PG_PORT=$(TEST_PG_PORT) COVEY_TEST_REDIS_PORT=$(TEST_REDIS_PORT)
 PYTEST_ARGS ?=
+# make test and make test-fast run the tests in this many pytest-xdist workers (tests/workers.py
+# keeps them apart): two a core, as many tests wait on a process, a container or a socket.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+FAST_MARKERS := not postgres and not redis and not docker and not e2e and not suite
 
-.PHONY: help venv run test security-report soak lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
+.PHONY: help venv run test test-fast security-report soak lint format check services base-image test-debs egress-image control-plane-image workplace-image service-images lock
 
 help:
 	@echo "make run    start the control plane on http://127.0.0.1:8000 (SQLite, no servers needed)"
 	@echo "make test   start PostgreSQL, Redis and Docker if needed, lint, run the whole suite"
+	@echo "make test-fast  the tests that need no service, no Docker and no browser (no setup, under a minute)"
 	@echo "make security-report  run the reliability and security suites, write docs/security.md's table"
 	@echo "make soak   the long load and soak runs (10,000 tunnels, 1,000 held for 10 min, 5 min of load)"
 	@echo "make lint   ruff, mypy and the import contracts only"
@@ -86,12 +91,18 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
 test: venv services base-image test-debs egress-image control-plane-image workplace-image service-images lint check
-	$(TEST_ENV) $(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(TEST_ENV) $(VENV)/bin/pytest --numprocesses $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# No PostgreSQL, Redis, Docker or browser: SQLite and the in-memory fakes, in parallel.
+test-fast: venv
+	env -u DATABASE_URL -u CELERY_BROKER_URL $(VENV)/bin/pytest --numprocesses $(TEST_WORKERS) \
+		--dist worksteal -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The reliability and security suites (the tests marked suite), and their table in
 # docs/security.md, written from their own output.
 security-report: venv services base-image test-debs egress-image control-plane-image workplace-image service-images
-	$(TEST_ENV) scripts/security-report $(PYTEST_ARGS)
+	$(TEST_ENV) COVEY_SOAK_TUNNELS=1000 COVEY_SOAK_HELD_TUNNELS=200 COVEY_SOAK_SECONDS=15 \
+		COVEY_LOAD_SECONDS=15 scripts/security-report $(PYTEST_ARGS)
 
 # The long load and soak runs, which make test runs short: SOAK_TUNNELS tunnels open at once
 # through one proxy (it needs 4 open files per tunnel, ulimit -n of 4 x (SOAK_TUNNELS + 100)

@@ -9,6 +9,9 @@ import logs
 
 worker_class = "gthread"
 threads = 32  # a home transfer holds two (COVEY_HOME_TRANSFERS caps them at 8)
+# gunicorn's control socket (gunicornc) is one path per user, ~/.gunicorn/gunicorn.ctl: a second
+# control plane on the host would take it over and remove it when it stops. covey uses none.
+control_socket_disable = True
 
 # Its own lines (and, with --access-logfile, one per request) in COVEY_LOG_FORMAT, as covey's.
 if os.environ.get("COVEY_LOG_FORMAT", "text") == "json":

@@ -12,22 +12,62 @@ Who may see what:
 import os
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from urllib.parse import urlparse
 
 import pytest
 from django.conf import settings
+from pytest_django.plugin import validate_django_db
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from covey import var
 from organisations.models import Membership, Role
+from tests import workers
 from tests.factories import OrganisationFactory, UserFactory
 
 pytest_plugins = ["tests.suites"]  # the reliability and security suites, counted
 
 IN_CI = os.environ.get("CI") == "true"
+
+workers.apply()  # this test process's own Redis database, before anything connects
+
+# Test users' passwords hashed in microseconds, not a PBKDF2 of 100 ms each (the factories
+# make thousands). Processes the tests start keep the real hashers: tests.factories.server_user.
+QUICK_HASHER = "django.contrib.auth.hashers.MD5PasswordHasher"
+settings.PASSWORD_HASHERS = [QUICK_HASHER, *settings.PASSWORD_HASHERS]
+
+HEAVY = ("docker", "e2e")  # markers of the tests that take seconds to minutes each
+
+
+def _in_a_transaction(item: pytest.Item) -> bool:
+    """A test pytest-django runs inside a transaction (rolled back after): it must run before
+    any transactional one, which empties the tables (the data migrations' rows too)."""
+    marker = item.get_closest_marker("django_db")
+    fixtures = getattr(item, "fixturenames", ())
+    if marker is not None:
+        transaction, reset_sequences, *_ = validate_django_db(marker)
+        if transaction or reset_sequences:
+            return False
+    elif "db" not in fixtures:
+        return False
+    return not {"transactional_db", "live_server"} & set(fixtures)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test in a browser or against a live server is marked e2e; then the heavy tests go
+    first (after pytest-django's order, which this keeps: those in a transaction before the
+    others), so that no worker is left with a long one at the end while the others are idle."""
+    for item in items:
+        if {"browser", "live_server"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+    items.sort(
+        key=lambda item: (
+            not _in_a_transaction(item),
+            not any(item.get_closest_marker(name) for name in HEAVY),
+        )
+    )
 
 
 @cache
@@ -66,6 +106,17 @@ def _required_services(request: pytest.FixtureRequest) -> None:
             if IN_CI:
                 pytest.fail(message)
             pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _firewall_as_covey_left_it(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test of hard isolation reads the host's firewall as covey left it: no other test
+    process makes a hole meanwhile (tests/workers.py)."""
+    if "firewall" not in request.fixturenames:
+        yield
+        return
+    with workers.FIREWALL.shared():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,9 +2,11 @@
 
 import time
 import uuid
+from typing import Any
 
 import factory
 from django.contrib.auth import get_user_model
+from django.contrib.auth.hashers import make_password
 from django.utils import timezone
 
 from agents import services
@@ -26,6 +28,16 @@ class UserFactory(factory.django.DjangoModelFactory):
 
     username = factory.Sequence(lambda n: f"user{n}")
     password = factory.django.Password("a-long-test-password")
+
+
+def server_user(username: str, password: str, **fields: Any) -> Any:
+    """A user who signs in to a control plane the test started (another process): the
+    password hashed by the product's own hasher, not the quick one the tests use
+    (tests/conftest.py)."""
+    user: Any = UserFactory(username=username, **fields)
+    user.password = make_password(password, hasher="pbkdf2_sha256")
+    user.save(update_fields=["password"])
+    return user
 
 
 class OrganisationFactory(factory.Factory):

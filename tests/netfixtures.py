@@ -40,6 +40,8 @@ from dnslib.server import (  # type: ignore[import-untyped]
     DNSServer,
 )
 
+from tests import workers
+
 __all__ = [
     "DnsServer",
     "RecordedRequest",
@@ -60,10 +62,11 @@ type Address = str | IPAddress
 
 
 def loopback_alias(n: int) -> str:
-    """Return 127.0.0.<n>: Linux routes all of 127.0.0.0/8 to lo, so each upstream gets its own."""
+    """Return 127.0.<block>.<n>: Linux routes all of 127.0.0.0/8 to lo, so each upstream gets
+    its own; the block is this test process's own (tests/workers.py), 0 without workers."""
     if not 1 <= n <= 254:
         raise ValueError(f"loopback alias must be 1..254, not {n}")
-    return "127.0.0.%d" % n  # noqa: UP031 - the documented spelling
+    return f"127.0.{workers.loopback_block()}.{n}"
 
 
 def _require_loopback(host: str) -> str:

@@ -16,6 +16,7 @@ import dns.resolver
 import httpx
 import pytest
 
+from tests import workers
 from tests.netfixtures import DnsServer, TestCA, Upstream, loopback_alias
 
 
@@ -178,7 +179,7 @@ def test_dns_refuses_to_bind_outside_loopback() -> None:
 
 
 def test_loopback_alias() -> None:
-    assert loopback_alias(2) == "127.0.0.2"
+    assert loopback_alias(2) == f"127.0.{workers.loopback_block()}.2"
     with pytest.raises(ValueError):
         loopback_alias(0)
 
@@ -231,7 +232,7 @@ def test_tls_upstream_on_an_alias_verifies_with_the_ca_and_records_sni(ca: TestC
         Upstream(loopback_alias(2), name="api", tls=tls) as upstream,
         httpx.Client(verify=ca.client_context()) as client,
     ):
-        assert upstream.url("/") == f"https://127.0.0.2:{upstream.port}/"
+        assert upstream.url("/") == f"https://{loopback_alias(2)}:{upstream.port}/"
         response = client.get(
             upstream.url("/"),
             headers={"Host": "api.test"},

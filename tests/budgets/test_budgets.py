@@ -173,6 +173,7 @@ def test_a_new_period_starts_afresh_and_past_ones_keep_their_spend(acme):
     assert spends["2026-12-01"].reserved == Decimal("0.015")
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_price):
     """Each may cost $0.015; $0.10 holds six of them. Fifty threads, each with a connection of

@@ -23,7 +23,17 @@ from runners.host.containers.engine import Engine
 from tests.budgets.conftest import KEY, ca, vendor  # noqa: F401 - fixtures
 from tests.processes import ROOT, VENV_BIN, free_port, running, wait_for
 from tests.runners.isolation_support import leftovers
-from tests.runners.world import OFF_LIST_NAME, UPSTREAM_NAME, OneName, Outside, Upstream, serve
+from tests.runners.world import (
+    OFF_LIST_NAME,
+    UPSTREAM_NAME,
+    OneName,
+    Outside,
+    Upstream,
+    serve,
+    upstream_address,
+)
+
+pytestmark = pytest.mark.e2e  # each starts make run: the control plane, its worker, runner, proxy
 
 
 def fetch(url):
@@ -345,10 +355,11 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
     with contextlib.ExitStack() as resources:
         host = Engine("address").bridge_address()
         Upstream.body, Upstream.seen = f"hello from upstream {time.time_ns()}".encode(), []
-        upstream = http.server.ThreadingHTTPServer((host, 80), Upstream)
+        upstream_host = upstream_address(resources)
+        upstream = http.server.ThreadingHTTPServer((upstream_host, 80), Upstream)
         serve(resources, upstream)
         quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda _message: None)
-        dns = DNSServer(OneName(UPSTREAM_NAME, host), address=host, port=0, logger=quiet)
+        dns = DNSServer(OneName(UPSTREAM_NAME, upstream_host), address=host, port=0, logger=quiet)
         dns.start_thread()
         resources.callback(dns.stop)
         outside = Outside(base_image)
@@ -359,7 +370,7 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
             "COVEY_EGRESS_PROBE_ALLOWED": f"{UPSTREAM_NAME}:80",
             "COVEY_EGRESS_PROBE_OFF_LIST": f"{OFF_LIST_NAME}:443",
             "COVEY_EGRESS_NAMESERVERS": f"{host}@{dns.server.server_address[1]}",
-            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{host}/32",
+            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{host}/32,{upstream_host}/32",
             **outside.targets(),
         }
         log = tmp_path / "run.log"
@@ -392,7 +403,7 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
                 wait_for(lambda: "egress probe passed" in log.read_text(), 120, "the probe", log)
                 script = (
                     f'echo "via proxy: $(curl -sS --max-time 10 http://{UPSTREAM_NAME}/)";'
-                    f" curl -sS --noproxy '*' --connect-timeout 3 http://{host}/;"
+                    f" curl -sS --noproxy '*' --connect-timeout 3 http://{upstream_host}/;"
                     ' echo "direct: exit $?"'
                 )
                 agent = api.post(

@@ -127,12 +127,14 @@ def test_routine_lines_go_to_the_log_file_only_and_the_box_comes_once_every_proc
     assert result == [0]
     shown = terminal.text().splitlines()
     assert shown[:2] == ["covey: admin at http://x/admin/", "password: hunter2"]  # at once
-    start = shown.index("─" * 78)  # then once all are up, again, in a box
+    # Then once all are up, again, in a box as wide as the terminal (up to 100).
+    start = next(i for i, line in enumerate(shown) if line and set(line) == {"─"})
+    rule = shown[start]
     assert shown[start : start + 4] == [
-        "─" * 78,
+        rule,
         "covey: admin at http://x/admin/",
         "password: hunter2",
-        "─" * 78,
+        rule,
     ]
     assert any("web     | Listening at: http://x" in line for line in shown[2:start])
     assert shown[-1] == STOPPED  # and nothing else after the stop

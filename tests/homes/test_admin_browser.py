@@ -6,7 +6,7 @@ import pytest
 
 from homes.models import HomeChange
 from tests.agents.test_admin_browser import PASSWORD, browser  # noqa: F401 (a fixture)
-from tests.factories import UserFactory
+from tests.factories import server_user
 
 pytestmark = [
     pytest.mark.postgres,
@@ -22,7 +22,7 @@ def test_a_person_uploads_renames_downloads_and_deletes_a_file_in_a_home(
     acme,
     tmp_path,
 ):
-    UserFactory(username="operator", is_staff=True, is_superuser=True, password=PASSWORD)
+    server_user("operator", PASSWORD, is_staff=True, is_superuser=True)
     runner, config = stack.register(acme, "edge-1")
     agent = stack.agent(acme, "Keeper", ["true"])
     upload = tmp_path / "report.txt"

@@ -297,6 +297,7 @@ def test_a_retry_of_a_pending_request_after_its_decision_is_dropped(acme, april,
     assert Webhook.objects.get().last_delivery == "delivered: 204"
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_decision_waits_for_the_pending_event_in_flight(acme, april, monkeypatch):
     """The pending event's try is on its way (a slow receiver) when the request is decided:

@@ -20,6 +20,7 @@ import pytest
 
 from runners.host import homes, quotas
 from runners.host.homes import SKIPPED_FILE, UPLOAD_PREFIX, Home, HomeError, changes, names
+from tests.processes import wait_for
 from tests.runners.test_runner_logic import RUN, Host, spec
 
 SECRET = b"outside the home"
@@ -476,8 +477,16 @@ class TestWalks:
         assert watched.control.states(RUN) == ["running"]
         walks, unwhole = 0, []
         with churning(build) as rounds:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
+            wait_for(lambda: rounds() > 0, 30, "the build's first directories")
+            # The time asked for, and longer on a busy machine until the build has churned as
+            # much as it would on an idle one (up to ten times as long).
+            started = time.monotonic()
+
+            def churning_on() -> bool:
+                elapsed = time.monotonic() - started
+                return elapsed < seconds or (rounds() <= 100 * seconds and elapsed < 10 * seconds)
+
+            while churning_on():
                 usage = home.usage()
                 manifest = home.manifest()
                 walks += 1

@@ -32,6 +32,7 @@ from tests.runners.world import (
     World,
     runner_ids_apart,
 )
+from tests.workers import FIREWALL
 
 pytestmark = [
     pytest.mark.postgres,
@@ -60,7 +61,7 @@ def test_a_sandbox_reaches_its_upstream_through_the_proxy_and_nothing_directly(w
 echo "proxy=$HTTP_PROXY" | sed 's|//.*@|//***@|'
 echo "via proxy: $(curl -sS --max-time 10 http://{UPSTREAM_NAME}/)"
 curl -sS --max-time 10 -o /dev/null -D - http://{OFF_LIST_NAME}/ | tr -d '\\r' | grep -i -e '^HTTP/' -e '^x-covey-deny-reason'
-curl -sS --noproxy '*' --connect-timeout 3 http://{world.host}/; echo "direct upstream: exit $?"
+curl -sS --noproxy '*' --connect-timeout 3 {world.direct}; echo "direct upstream: exit $?"
 curl -sS --noproxy '*' --connect-timeout 3 http://{gateway}:{world.relay_port}/; echo "direct host: exit $?"
 """  # noqa: E501
         agent = world.stack.agent(
@@ -230,18 +231,18 @@ def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world,
         assert "passed: " in printed
 
         # A hole ahead of covey's rules: the preflight before the probe puts them back first.
-        subprocess.run(["iptables", "-w", "10", "-I", *hole[:1], "1", *hole[1:]], check=True)
-        try:
-            call_command("egress_probe", "--runner", str(runner.pk), stdout=io.StringIO())
-            chain = subprocess.run(
-                ["iptables", "-w", "10", "-S", "INPUT"], capture_output=True, text=True
-            ).stdout
-            assert chain.index(f"covey:{docker_name(runner.pk, installation_key())}") < chain.index(
-                OUTSIDE_LABEL
-            ), chain
-            assert "comes before covey's rules; repairing" in process.output()
-        finally:
-            subprocess.run(["iptables", "-w", "10", "-D", *hole], check=True)
+        with FIREWALL.exclusive():  # no other test process sees it (tests/workers.py)
+            subprocess.run(["iptables", "-w", "10", "-I", *hole[:1], "1", *hole[1:]], check=True)
+            try:
+                call_command("egress_probe", "--runner", str(runner.pk), stdout=io.StringIO())
+                chain = subprocess.run(
+                    ["iptables", "-w", "10", "-S", "INPUT"], capture_output=True, text=True
+                ).stdout
+                covey = chain.index(f"covey:{docker_name(runner.pk, installation_key())}")
+                assert covey < chain.index(OUTSIDE_LABEL), chain
+                assert "comes before covey's rules; repairing" in process.output()
+            finally:
+                subprocess.run(["iptables", "-w", "10", "-D", *hole], check=True)
 
         # The vendor out of reach (its name now resolves to loopback, which the proxy refuses):
         # the probe fails, and the runner gets no work until one passes.
@@ -260,7 +261,7 @@ def test_egress_probe_proves_the_runner_and_a_failed_probe_stops_its_work(world,
             assert "isolated-5 failed its egress probe" in run.status_detail
             assert "1 failed; first: allowed" in run.status_detail
         finally:
-            world.names.address = world.host
+            world.names.address = world.upstream_host
 
         # Closed again: the next probe passes and the waiting run goes.
         call_command("egress_probe", "--runner", str(runner.pk), stdout=io.StringIO())
@@ -379,7 +380,7 @@ def test_a_proxy_killed_mid_transfer_cuts_it_opens_nothing_and_comes_back(world,
     proxy = isolation.proxy_container_name(docker_name(runner.pk, installation_key()))
     script = f"""
 curl -sS --max-time 60 -o /dev/null http://{UPSTREAM_NAME}/slow; echo "cut: exit $?"
-curl -sS --noproxy '*' --connect-timeout 3 http://{world.host}/; echo "direct upstream: exit $?"
+curl -sS --noproxy '*' --connect-timeout 3 {world.direct}; echo "direct upstream: exit $?"
 for i in $(seq 90); do
     out=$(curl -sS --max-time 3 http://{UPSTREAM_NAME}/ 2>/dev/null) && break; sleep 1
 done

@@ -33,6 +33,7 @@ from runners.probe.checks import Category, Check, Expect, Result, Verdict, judge
 from runners.protocol import ProbePlan
 from runners.services import installation_key
 from tests.runners.world import UPSTREAM_NAME, World, runner_ids_apart
+from tests.workers import FIREWALL
 
 # The module's rows are committed once (the control plane is another process); a test's own
 # writes roll back. The mark also makes pytest-django create the test database when only these
@@ -254,7 +255,7 @@ def world(
 ) -> Iterator[ProbeWorld]:
     """Committed rows the control plane (another process) reads; deleted when done (only
     these: the shipped templates, from a data migration, must stay)."""
-    with django_db_blocker.unblock():
+    with django_db_blocker.unblock(), FIREWALL.shared():  # the shape's rules, as covey left them
         runner_ids_apart()
         built = World(tmp_path_factory.mktemp("probe"), base_image, egress_image)
         organisation = Organisation.objects.create(name="Probed", slug="probed")
@@ -280,15 +281,16 @@ def rules(*specs: tuple[str, ...]) -> Iterator[None]:
     """Firewall rules put ahead of everything (each its chain's first), removed after."""
     tag = ("-m", "comment", "--comment", HOLE)
     inserted = []
-    try:
-        for chain, *spec in specs:
-            args = [chain, "1", *spec, *tag, "-j", "ACCEPT"]
-            subprocess.run(["iptables", "-w", "10", "-I", *args], check=True)
-            inserted.append([chain, *spec, *tag, "-j", "ACCEPT"])
-        yield
-    finally:
-        for args in inserted:
-            subprocess.run(["iptables", "-w", "10", "-D", *args], check=False)
+    with FIREWALL.exclusive():  # no other test process sees the hole (tests/workers.py)
+        try:
+            for chain, *spec in specs:
+                args = [chain, "1", *spec, *tag, "-j", "ACCEPT"]
+                subprocess.run(["iptables", "-w", "10", "-I", *args], check=True)
+                inserted.append([chain, *spec, *tag, "-j", "ACCEPT"])
+            yield
+        finally:
+            for args in inserted:
+                subprocess.run(["iptables", "-w", "10", "-D", *args], check=False)
 
 
 def to_and_from(bridge: str, address: str, protocol: str, port: int) -> list[tuple[str, ...]]:

@@ -45,6 +45,7 @@ def report(client, probe_id, results, detail=""):
     )
 
 
+@pytest.mark.postgres  # the services it lists name the database server
 def test_a_runner_gets_a_probe_as_the_first_agent_that_may_reach_the_vendor(runner, acme, settings):
     AgentFactory(organisation=acme, slug="locked", enabled=False)
     agent = AgentFactory(organisation=acme, slug="worker")

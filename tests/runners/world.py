@@ -4,8 +4,10 @@ and what the runner's proxy container reaches outside.
 What the proxy container reaches lives on the host's address on Docker's default bridge, which
 is what ``host.docker.internal`` means inside it (Docker 20.10's host-gateway): a relay to the
 control plane (gunicorn listens on loopback only), a DNS server that names the upstream, and the
-upstream itself (port 80: plain HTTP goes only to entries naming port 80). The proxy reaches
-them from its outward network; sandboxes must not reach any of them but through the proxy.
+upstream itself (port 80: plain HTTP goes only to entries naming port 80), which has an
+address of its own, the gateway of a network made for it, so that Worlds in test processes
+side by side do not meet. The proxy reaches them from its outward network; sandboxes must not
+reach any of them but through the proxy.
 """
 
 import http.server
@@ -211,6 +213,18 @@ def serve(stack: ExitStack, server: socketserver.BaseServer) -> None:
     stack.callback(server.shutdown)
 
 
+def upstream_address(resources: ExitStack) -> str:
+    """An address of this host for a World's upstream alone: the gateway of a Docker network
+    made for it (gone with ``resources``). The upstream listens on port 80 (plain HTTP goes
+    only to entries naming port 80), so each World, in each test process, needs its own
+    address; the proxy container reaches the host's addresses as it reaches the relay."""
+    network = f"covey-test-upstream-{uuid4().hex[:12]}"
+    docker("network", "create", "--label", OUTSIDE_LABEL, network)
+    resources.callback(subprocess.run, ["docker", "network", "rm", network], capture_output=True)
+    attrs = json.loads(docker("network", "inspect", network))[0]
+    return str(attrs["IPAM"]["Config"][0]["Gateway"])
+
+
 class World:
     """The control plane, what the proxy reaches on the host, and the runner's cleanup."""
 
@@ -229,13 +243,15 @@ class World:
         self.host = host_bridge_address()
         self.body = f"hello from upstream {uuid4().hex}"
         Upstream.body, Upstream.seen = self.body.encode(), []
+        self.upstream_host = upstream_address(self.resources)
         try:
-            upstream = http.server.ThreadingHTTPServer((self.host, 80), Upstream)
+            upstream = http.server.ThreadingHTTPServer((self.upstream_host, 80), Upstream)
         except OSError as exc:
-            pytest.fail(f"cannot listen on {self.host}:80 for the upstream: {exc}")
+            pytest.fail(f"cannot listen on {self.upstream_host}:80 for the upstream: {exc}")
         serve(self.resources, upstream)
         quiet = DNSLogger(log="-request,-reply,-truncated,-error", logf=lambda _message: None)
-        self.names = OneName(UPSTREAM_NAME, self.host)  # tests may point the name elsewhere
+        # Tests may point the name elsewhere, and back at upstream_host.
+        self.names = OneName(UPSTREAM_NAME, self.upstream_host)
         dns = DNSServer(self.names, address=self.host, port=0, logger=quiet)
         self.dns_port = dns.server.server_address[1]
         dns.start_thread()
@@ -258,6 +274,12 @@ class World:
         self.relay_port = relay.server_address[1]
         serve(self.resources, relay)
 
+    @property
+    def direct(self) -> str:
+        """The upstream's URL by its address: what a sandbox must not reach but through the
+        proxy."""
+        return f"http://{self.upstream_host}/"
+
     def runner_env(self, **changes: str) -> dict[str, str]:
         """The runner host's isolation settings (its proxy gets the last two)."""
         return {
@@ -267,7 +289,7 @@ class World:
                 f"http://host.docker.internal:{self.relay_port}"
             ),
             "COVEY_EGRESS_NAMESERVERS": f"{self.host}@{self.dns_port}",
-            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{self.host}/32",
+            "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": f"{self.host}/32,{self.upstream_host}/32",
             **self.outside.targets(),
             **changes,
         }

@@ -14,7 +14,7 @@ from django.urls import reverse
 from rest_framework.authtoken.models import Token
 
 from tests.egress.conftest import subprocess_database_url
-from tests.factories import AgentFactory, UserFactory
+from tests.factories import AgentFactory, server_user
 from tests.processes import control_plane
 
 pytestmark = [
@@ -67,9 +67,7 @@ def api_answers(api: httpx.Client) -> list[str]:
 
 def test_every_secret_is_shown_once_and_never_again(tmp_path, acme, root, cases):
     password = "pw-" + secrets.token_urlsafe(16)
-    person = UserFactory(username="keeper", is_staff=True)
-    person.set_password(password)
-    person.save()
+    person = server_user("keeper", password, is_staff=True)
     api_token = Token.objects.create(user=root).key
     agent = AgentFactory(organisation=acme, name="Holder")
     admin = Client()
