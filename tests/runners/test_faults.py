@@ -151,7 +151,8 @@ def _each_ran_once(stack: Stack, runner, runs: list[Run]) -> None:
         assert run.status == RunStatus.SUCCEEDED, run.status_detail
         assert run.log_tail.split() == [str(run.pk)], "launched more than once"
         assert history(run) == ["queued", "placed", "starting", "running", "succeeded"]
-    assert not containers_of(runner)
+    # A run is reported finished before its sandbox is removed.
+    wait_for(lambda: not containers_of(runner), 10, "the sandboxes removed")
 
 
 def test_orders_lost_with_a_redis_restart_are_launched_once_all_the_same(
