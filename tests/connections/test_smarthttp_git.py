@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from connections.packs import Commits, PackReader
 from connections.smarthttp import Push, PushReader, Service, pkt_line, refusal, route
 
 Decide = Callable[[Push], dict[str, str]]  # the refused refs and why; none: the push goes on
@@ -41,6 +42,7 @@ class Upstream:
         self.bare = bare
         self.decide: Decide = lambda push: {}
         self.pushes: list[Push] = []
+        self.packs: list[Commits] = []
 
     def advertise(self) -> bytes:
         refs = subprocess.run(
@@ -60,6 +62,10 @@ class Upstream:
         assert push is not None
         assert body.endswith(rest)
         self.pushes.append(push)
+        if rest:
+            packs = PackReader(id_length=push.id_length, max_bytes=len(rest))
+            packs.feed(rest)
+            self.packs.append(packs.finish())
         if reasons := self.decide(push):
             return refusal(push, reasons, message="; ".join(reasons.values()))
         return subprocess.run(
@@ -179,3 +185,21 @@ def test_a_delete_is_read_with_no_pack_after_it(upstream, clone):
     assert result.returncode == 0, result.stderr
     assert served.pushes[-1].commands[0].deletes
     assert not upstream_ref(served, "refs/heads/covey/builder/gone")
+
+
+def test_the_pack_of_a_real_push_tells_a_fast_forward_from_a_force_push(upstream, clone):
+    served, _ = upstream
+    first = commit(clone, "two")
+    git("push", "origin", "HEAD:refs/heads/covey/builder/x", cwd=clone)
+    second = commit(clone, "three")
+    git("push", "origin", "HEAD:refs/heads/covey/builder/x", cwd=clone)
+    (update,) = served.pushes[-1].commands
+    assert (update.old, update.new) == (first, second)
+    assert served.packs[-1].descends(update.new, update.old) is True
+
+    git("commit", "--amend", "-m", "three, again", cwd=clone)
+    result = git("push", "--force", "origin", "HEAD:refs/heads/covey/builder/x", cwd=clone)
+    assert result.returncode == 0, result.stderr
+    (update,) = served.pushes[-1].commands
+    assert update.old == second
+    assert served.packs[-1].descends(update.new, update.old) is None
