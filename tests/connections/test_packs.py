@@ -2,7 +2,6 @@
 deltified, thin, SHA-256, and large; and packs that lie."""
 
 import hashlib
-import os
 import random
 import subprocess
 import tracemalloc
@@ -14,20 +13,13 @@ from hypothesis import strategies as st
 
 from connections.packs import Commits, PackReader, apply_delta
 from connections.smarthttp import Malformed
+from tests.connections.gitenv import git_env
 
 MAX = 1 << 30
 
 
 def git(*args: str, cwd: Path, data: bytes | None = None) -> bytes:
-    env = {
-        **os.environ,
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(cwd),
-        "GIT_AUTHOR_NAME": "Agent",
-        "GIT_AUTHOR_EMAIL": "agent@covey.test",
-        "GIT_COMMITTER_NAME": "Agent",
-        "GIT_COMMITTER_EMAIL": "agent@covey.test",
-    }
+    env = git_env(cwd)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, input=data, capture_output=True, check=True
     ).stdout
@@ -174,11 +166,15 @@ def test_a_pack_cut_short_or_running_on_is_refused(tmp_path):
         (lambda d: b"KCAP" + d[4:], "begin with PACK"),
         (lambda d: d[:4] + (4).to_bytes(4) + d[8:], "version 2 or 3"),
         (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "trailer is not the hash"),
-        # One more object promised than the pack holds: its trailer is read as an object.
+        # One more object, a blob of 5 bytes whose data is not deflated.
         (
-            lambda d: with_trailer(d[:8] + (int.from_bytes(d[8:12]) + 1).to_bytes(4) + d[12:-20]),
+            lambda d: with_trailer(
+                d[:8] + (int.from_bytes(d[8:12]) + 1).to_bytes(4) + d[12:-20] + b"\x35hello"
+            ),
             "no zlib stream",
         ),
+        # One more object promised than the pack holds: the trailer is taken for it.
+        (lambda d: d[:8] + (int.from_bytes(d[8:12]) + 1).to_bytes(4) + d[12:], "."),
         # An object of type 5, which git never makes.
         (lambda d: with_trailer(d[:12] + bytes([(d[12] & 0x8F) | 0x50]) + d[13:-20]), "type 5"),
         # A commit whose header says it is one byte shorter than it is.

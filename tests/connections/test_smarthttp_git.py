@@ -3,7 +3,6 @@ small server on loopback that reads each push's head as the gateway will, then e
 whole body to ``git receive-pack`` (the push lands: the reader took exactly the head) or answers
 with covey's refusal (git prints it per ref; the repository is unchanged)."""
 
-import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -14,21 +13,13 @@ import pytest
 
 from connections.packs import Commits, PackReader
 from connections.smarthttp import Push, PushReader, Service, pkt_line, refusal, route
+from tests.connections.gitenv import git_env
 
 Decide = Callable[[Push], dict[str, str]]  # the refused refs and why; none: the push goes on
 
 
 def git(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "GIT_TERMINAL_PROMPT": "0",
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(cwd),
-        "GIT_AUTHOR_NAME": "Agent",
-        "GIT_AUTHOR_EMAIL": "agent@covey.test",
-        "GIT_COMMITTER_NAME": "Agent",
-        "GIT_COMMITTER_EMAIL": "agent@covey.test",
-    }
+    env = git_env(cwd)
     return subprocess.run(
         ["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=check
     )
