@@ -19,9 +19,12 @@ from django.utils.http import urlencode
 from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
+from connections.grants import EXAMPLE, check_grants
+from connections.services import kinds_of
 from covey.versions import changes_table
 from organisations.admin import StrictJSONField, TenantScoped
 from organisations.readonly import VersionAdmin, VersionInline
+from organisations.services import slug_for
 
 # What an agent without a workplace of its own runs in, wherever that is shown.
 DEFAULT_WORKPLACE = "the default workplace"
@@ -82,9 +85,23 @@ class CommandField(StrictJSONField):
         return command
 
 
+class GrantsField(StrictJSONField):
+    """Grants as a JSON list; empty means none."""
+
+    def to_python(self, value: Any) -> Any:
+        grants = super().to_python(value)
+        return [] if grants in (None, "") else grants
+
+
 class AgentForm(forms.ModelForm):
     required_labels = LabelsField(
         required=False, help_text="Comma-separated; the agent runs only on runners with all."
+    )
+    credential_grants = GrantsField(
+        required=False,
+        initial=list,
+        help_text="What it may do with the organisation's connections, a JSON list of grants,"
+        f" e.g. {EXAMPLE}; defaults are filled in when saved (docs/credentials.md).",
     )
     runtime_command = CommandField(
         required=False,
@@ -121,6 +138,14 @@ class AgentForm(forms.ModelForm):
             self.add_error("home_runner", "The runner belongs to another organisation.")
         if self.instance.pk and organisation and organisation.pk != self.instance.organisation_id:
             self.add_error("organisation", "An agent cannot move to another organisation.")
+        if organisation and "credential_grants" in data:
+            slug = self.instance.slug or slug_for(data.get("name") or "")
+            try:
+                data["credential_grants"] = check_grants(
+                    data["credential_grants"], agent=slug, connections=kinds_of(organisation.pk)
+                )
+            except ValueError as exc:
+                self.add_error("credential_grants", str(exc))
         return data
 
 

@@ -37,6 +37,12 @@ class Agent(models.Model):
         "templates.AllowlistTemplate", blank=True, related_name="agents"
     )
     allowlist = AllowlistField(help_text="The agent's own entries, on top of base and templates.")
+    credential_grants = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="What it may do with the organisation's connections, each grant over one"
+        ' (docs/credentials.md), e.g. [{"connection": "github", "repositories": ["acme/app"]}].',
+    )
     required_labels = models.JSONField(
         default=list, blank=True, help_text="The agent runs only on runners with all these labels."
     )
@@ -138,6 +144,7 @@ AGENT_FIELDS = (
     "workplace",
     "templates",
     "allowlist",
+    "credential_grants",
     "required_labels",
     "runtime_command",
     "cpus",

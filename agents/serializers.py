@@ -7,6 +7,7 @@ from rest_framework import serializers
 from agents import services
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from allowlists.fields import AllowlistSerializerField
+from connections.grants import EXAMPLE
 from covey.api import RefusesUnknownFields
 from organisations.api import OrganisationField, ScopedRelatedField
 from organisations.models import Organisation
@@ -41,6 +42,11 @@ class AgentSerializer(RefusesUnknownFields, serializers.ModelSerializer):
         error_messages={"does_not_exist": "There is no allowlist template {slug_name}={value!r}."},
     )
     allowlist = AllowlistSerializerField(required=False)
+    credential_grants = serializers.JSONField(
+        required=False,
+        help_text="What it may do with the organisation's connections: a list of grants, each"
+        f" over one connection, with its defaults filled in when saved. E.g. {EXAMPLE}",
+    )
     required_labels = serializers.ListField(child=serializers.CharField(), required=False)
     workplace = ScopedRelatedField(
         queryset=Workplace.objects.all(), allow_null=True, required=False

@@ -14,6 +14,8 @@ from agents import models
 from agents.labels import normalise_labels
 from agents.models import COMMAND_RULE, Agent, is_command
 from allowlists.entries import Entry, parse_entry
+from connections.grants import check_grants
+from connections.services import kinds_of
 from covey.versions import record_version
 from organisations.models import Organisation
 from organisations.services import find_one, slug_for
@@ -45,6 +47,7 @@ def agent_config(agent: Agent) -> dict[str, Any]:
         "enabled": agent.enabled,
         "templates": sorted(t.slug for t in agent.templates.all()),
         "allowlist": list(agent.allowlist),
+        "credential_grants": list(agent.credential_grants),
         "required_labels": list(agent.required_labels),
         # Which workplace, not what it holds: that is versioned with the workplace, and a run
         # records the workplace version it was queued at.
@@ -70,6 +73,7 @@ def create_agent(
     enabled: bool = True,
     templates: Iterable[AllowlistTemplate] = (),
     allowlist: Iterable[str] = (),
+    credential_grants: Iterable[dict[str, Any]] = (),
     required_labels: Iterable[str] = (),
     workplace: Workplace | None = None,
     **sandbox: Any,
@@ -85,6 +89,7 @@ def create_agent(
         slug=slug or slug_for(name),
         enabled=enabled,
         allowlist=list(allowlist),
+        credential_grants=list(credential_grants),
         workplace=workplace,
         **sandbox,
     )
@@ -156,6 +161,12 @@ def _validate(agent: Agent) -> None:
         )
     if not is_command(agent.runtime_command):
         raise ValidationError({"runtime_command": [COMMAND_RULE]})
+    try:
+        agent.credential_grants = check_grants(
+            agent.credential_grants, agent=agent.slug, connections=kinds_of(agent.organisation_id)
+        )
+    except ValueError as exc:
+        raise ValidationError({"credential_grants": [str(exc)]}) from None
     agent.full_clean(exclude=["templates"])
     if agent.home_runner is not None and agent.home_runner.organisation_id != agent.organisation_id:
         raise ValidationError({"home_runner": ["the runner belongs to another organisation"]})

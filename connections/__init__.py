@@ -1,5 +1,7 @@
-"""Brokered credentials: organisations' connections to git hosts, APIs and registries, agents'
-grants over them, and what the gateway needs to serve them so that no credential ever enters a
-sandbox (docs/credentials.md). What is here so far is the part without Django: git's smart HTTP
-as the gateway reads it (:mod:`connections.smarthttp`), the commits of a pushed pack
-(:mod:`connections.packs`) and the rules of a grant (:mod:`connections.rules`)."""
+"""Brokered credentials: organisations' connections to git hosts, APIs and registries
+(:mod:`connections.models`, changed through :mod:`connections.services`), agents' grants over
+them (:mod:`connections.grants`; the grants are a field of the agent, versioned with it), and
+what the gateway needs to serve them so that no credential ever enters a sandbox
+(docs/credentials.md). Without Django: git's smart HTTP as the gateway reads it
+(:mod:`connections.smarthttp`), the commits of a pushed pack (:mod:`connections.packs`) and the
+rules of a grant (:mod:`connections.rules`)."""

@@ -96,6 +96,7 @@ INSTALLED_APPS = [
     "organisations",
     "templates",
     "workplaces",
+    "connections",
     "agents",
     "egress",
     "runners",

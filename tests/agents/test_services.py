@@ -33,6 +33,7 @@ def test_an_agent_starts_at_version_one_with_its_whole_configuration(acme):
         "enabled": True,
         "templates": ["go", "npm"],
         "allowlist": ["a.example:80", "b.example"],
+        "credential_grants": [],
         "required_labels": ["eu"],
         "workplace": {"id": workplace.pk, "name": workplace.name},
         "sandbox": {

@@ -13,6 +13,7 @@ from approvals.services import approve, file_egress, file_package
 from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
+from connections.services import create_connection
 from covey.pagination import BoundedPagination
 from covey.urls import router
 from egress.models import Decision
@@ -54,6 +55,9 @@ def make_rows(acme, alice, count):
             slug=f"extra-{AllowlistTemplate.objects.count()}",
             name="Extra",
             entries=["mirror.example"],
+        )
+        create_connection(
+            acme, f"git-{Runner.objects.count()}", "token", "a-token", git_url="https://git.example"
         )
         runner, _ = online_runner(acme, f"edge-{Runner.objects.count()}")
         run = runs.queue_run(agent, "work", by=alice)

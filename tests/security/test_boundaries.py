@@ -24,6 +24,7 @@ from approvals import services as approvals
 from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
+from connections.services import create_connection
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from homes.models import HomeOperation
@@ -65,7 +66,9 @@ def things(acme, alice) -> dict[str, Any]:
     from egress.models import Decision
 
     workplace: Any = WorkplaceFactory(organisation=acme)
+    connection = create_connection(acme, "git", "token", "tok", git_url="https://git.example")
     return {
+        "connections": connection.pk,
         "agents": agent.pk,
         "workplaces": workplace.pk,
         "budgets": Budget.objects.get(agent=agent).pk,

@@ -1,0 +1,134 @@
+"""Admin for connections: made and changed by an organisation's admins, read by its members;
+the credential is typed once (when made, and to rotate it) and never shown."""
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest, HttpResponseRedirect
+from django.urls import reverse
+
+from connections import services
+from connections.models import Connection
+from organisations.admin import TenantScoped
+
+EDITABLE = [
+    "organisation",
+    "name",
+    "kind",
+    "git_url",
+    "api_url",
+    "scheme",
+    "username",
+    "header",
+    "app_id",
+    "installation_id",
+    "index_url",
+    "paths",
+]
+
+
+class ConnectionForm(forms.ModelForm):
+    credential = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 3, "autocomplete": "off"}),
+        help_text="A GitHub App's private key (PEM), a token or a password. Kept encrypted and"
+        " never shown again; on a connection that exists, typing one here rotates it.",
+    )
+
+    class Meta:
+        model = Connection
+        fields = EDITABLE
+
+    def clean(self) -> dict[str, Any]:
+        """The service's own checks, so that what it would refuse is said on the form."""
+        data = super().clean() or {}
+        secret = data.get("credential") or None
+        if self.instance.pk is None and secret is None:
+            self.add_error("credential", "Give the credential.")
+        if self.instance.pk is not None:
+            if data.get("kind") and data["kind"] != self.instance.kind:
+                self.add_error("kind", "A connection keeps its kind: make another.")
+            organisation = data.get("organisation")
+            if organisation and organisation.pk != self.instance.organisation_id:
+                self.add_error("organisation", "A connection cannot move to another organisation.")
+        if self.errors or "organisation" not in data:
+            return data
+        given = {name: data.get(name) for name in EDITABLE}
+        candidate = Connection(pk=self.instance.pk, **given)
+        if self.instance.pk is None:
+            services.with_defaults(candidate)
+        for field, told in services.problems(candidate, secret).items():
+            field = "credential" if field == "secret" else field
+            for text in told:
+                self.add_error(field if field in self.fields else None, text)
+        return data
+
+
+@admin.register(Connection)
+class ConnectionAdmin(TenantScoped, admin.ModelAdmin):
+    form = ConnectionForm
+    list_display = ["name", "organisation", "kind", "host_shown", "secret_set_at", "status_shown"]
+    list_filter = ["kind", "organisation"]
+    list_select_related = ["organisation"]
+    search_fields = ["name", "git_url", "api_url", "index_url"]
+    readonly_fields = ["host_shown", "secret_set_at", "status_shown", "created_at", "updated_at"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fields = [*EDITABLE, "credential"] if self.has_change_permission(request, obj) else EDITABLE
+        return [*fields, *self.readonly_fields]
+
+    @admin.display(description="Host")
+    def host_shown(self, obj: Connection) -> str:
+        return obj.host or "—"
+
+    @admin.display(description="Status")
+    def status_shown(self, obj: Connection) -> str:
+        if not obj.status:
+            return "no refusal seen"
+        return f"{obj.status} ({obj.status_at:%Y-%m-%d %H:%M} UTC)" if obj.status_at else obj.status
+
+    def save_model(self, request: HttpRequest, obj: Connection, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        fields = {name: data[name] for name in EDITABLE if name not in ("organisation", "kind")}
+        try:
+            if not change:
+                made = services.create_connection(
+                    data["organisation"],
+                    fields.pop("name"),
+                    data["kind"],
+                    data["credential"],
+                    by=request.user,
+                    **fields,
+                )
+                obj.pk = made.pk
+                return
+            services.update_connection(obj, by=request.user, **fields)
+            if data.get("credential"):
+                services.rotate_secret(obj, data["credential"], by=request.user)
+                messages.success(request, f"The credential of {obj.name} was rotated.")
+        except ValidationError as exc:  # changed meanwhile: the form checked what it could
+            messages.error(request, "; ".join(exc.messages))
+
+    def get_actions(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        actions = super().get_actions(request, *args, **kwargs)
+        actions.pop("delete_selected", None)  # one at a time: grants may name it
+        return actions
+
+    def delete_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> Any:
+        """Refused, saying which agents' grants name it, while any does."""
+        found = self.get_object(request, object_id)
+        if found is not None and (users := services.granted_to(found)):
+            messages.error(
+                request,
+                f"{found.name} is named by the grants of {', '.join(users)}: remove those first.",
+            )
+            return HttpResponseRedirect(
+                reverse("admin:connections_connection_change", args=[found.pk])
+            )
+        return super().delete_view(request, object_id, extra_context)
+
+    def delete_model(self, request: HttpRequest, obj: Connection) -> None:
+        services.delete_connection(obj, by=request.user)
