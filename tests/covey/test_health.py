@@ -54,7 +54,7 @@ def test_readyz_names_a_database_that_does_not_answer(client, monkeypatch):
 
 
 @pytest.mark.postgres
-def test_the_web_process_serves_them_without_a_session_or_token(tmp_path):
+def test_the_web_process_serves_them_without_a_session_or_token(tmp_path, django_db_setup):
     """The real process (gunicorn), on a database it migrated (the test database), with a
     broker that does not answer: alive, and not ready, saying why."""
     broker = f"redis://127.0.0.1:{free_port()}/0"
