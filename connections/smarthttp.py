@@ -332,3 +332,36 @@ def refusal(push: Push, reasons: dict[str, str], *, message: str) -> bytes:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:500]
+
+
+def default_branch(advertisement: bytes) -> str | None:
+    """The default branch an upload-pack advertisement names (``symref=HEAD:refs/heads/…`` among
+    the first ref's capabilities), or None when it names none or cannot be read: the caller
+    then protects every branch."""
+    position, lines = 0, 0
+    while position + 4 <= len(advertisement) and lines < 3:
+        digits = advertisement[position : position + 4]
+        if not re.fullmatch(rb"[0-9a-f]{4}", digits):
+            return None
+        length = int(digits, 16)
+        if length == 0:
+            position += 4
+            continue
+        if length < 4 or position + length > len(advertisement):
+            return None
+        payload = advertisement[position + 4 : position + length]
+        position += length
+        lines += 1
+        if payload.startswith(b"# service="):
+            continue
+        _, _, listed = payload.rstrip(b"\n").partition(b"\0")
+        for capability in listed.split():
+            if capability.startswith(b"symref=HEAD:"):
+                branch = capability.removeprefix(b"symref=HEAD:").decode(errors="replace")
+                try:
+                    check_ref_name(branch)
+                except Malformed:
+                    return None
+                return branch if branch.startswith("refs/heads/") else None
+        return None
+    return None

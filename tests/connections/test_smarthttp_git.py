@@ -3,6 +3,7 @@ small server on loopback that reads each push's head as the gateway will, then e
 whole body to ``git receive-pack`` (the push lands: the reader took exactly the head) or answers
 with covey's refusal (git prints it per ref; the repository is unchanged)."""
 
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -194,3 +195,27 @@ def test_the_pack_of_a_real_push_tells_a_fast_forward_from_a_force_push(upstream
     (update,) = served.pushes[-1].commands
     assert update.old == second
     assert served.packs[-1].descends(update.new, update.old) is None
+
+
+def test_the_default_branch_is_read_from_a_real_fetch_advertisement(tmp_path):
+    from connections.smarthttp import default_branch
+
+    bare = tmp_path / "t.git"
+    git("init", "--bare", "--initial-branch=trunk", str(bare), cwd=tmp_path)
+    seed = tmp_path / "seed"
+    git("init", "--initial-branch=trunk", str(seed), cwd=tmp_path)
+    (seed / "f").write_text("x\n")
+    git("add", "f", cwd=seed)
+    git("commit", "-m", "x", cwd=seed)
+    git("push", str(bare), "trunk", cwd=seed)
+    refs = subprocess.run(
+        ["git", "upload-pack", "--stateless-rpc", "--advertise-refs", str(bare)],
+        capture_output=True, check=True, env={**os.environ, "GIT_PROTOCOL": ""},
+    ).stdout  # fmt: skip
+    advertisement = pkt_line(b"# service=git-upload-pack\n") + pkt_line(b"") + refs
+    assert default_branch(advertisement) == "refs/heads/trunk"
+    assert default_branch(advertisement[:30]) is None  # cut short
+    assert default_branch(b"zzzz") is None
+    assert default_branch(pkt_line(b"# service=git-upload-pack\n") + b"0000") is None
+    hostile = pkt_line(b"a" * 40 + b" HEAD\0symref=HEAD:refs/heads/../x\n")
+    assert default_branch(hostile) is None

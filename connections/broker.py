@@ -1,0 +1,296 @@
+"""The gateway's git route: a sandbox's git speaks smart HTTP to ``/git/<host>/<owner>/<name>``
+with its run's token, and the gateway speaks to the upstream with the connection's credential,
+within the agent's grant (docs/credentials.md).
+
+Per request: the path is read strictly (:func:`connections.smarthttp.route`; 400 otherwise) →
+exactly one ``Authorization: Bearer <run token>`` (401 otherwise) → the broker says which
+connection and grant cover the repository (a repository not granted is 404, as if it did not
+exist) → the request goes upstream with only git's own headers and the connection's credential
+(nothing the sandbox sent that could authenticate), and the answer streams back. A push is read
+whole first, its pack spooled to disk while its commits are read (bounded memory): every ref
+update is judged by the grant (:func:`connections.rules.judge`) against the upstream's default
+branch, and a push with a refused update is answered by covey, per ref, with nothing sent
+upstream. Every request is recorded through the broker.
+
+No Django: the broker (:class:`Broker`) knows tokens, connections and grants.
+"""
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any, Protocol, TypeVar
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+from connections import smarthttp
+from connections.packs import PackReader
+from connections.rules import GitGrant, judge
+from connections.smarthttp import Malformed, Push, PushReader, Route, Service
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CHUNK = 64 * 1024
+FORWARDED = ("content-type", "content-encoding", "accept", "git-protocol", "user-agent")
+RETURNED = ("content-type", "cache-control", "expires", "pragma")
+RESULT_TYPE = "application/x-git-receive-pack-result"
+
+
+class Unauthenticated(Exception):
+    """The token is no run's that may use the gateway now."""
+
+
+class NotGranted(Exception):
+    """No grant of the agent covers the repository (or the host)."""
+
+
+@dataclass(frozen=True)
+class GitAccess:
+    """What the broker gives for one request: where the repository lives, the credential as
+    the upstream takes it, and the grant over it."""
+
+    connection_id: int
+    base_url: str  # the git root, e.g. https://github.com (the path /owner/name.git follows)
+    headers: Mapping[str, str] = field(repr=False)  # the credential
+    grant: GitGrant
+
+
+@dataclass(frozen=True)
+class RefOutcome:
+    """One ref update of a push and what became of it."""
+
+    ref: str
+    old: str
+    new: str
+    refused: str  # why covey refused it ("" when it went upstream)
+
+
+@dataclass(frozen=True)
+class GitEvent:
+    """One credentialed request, for the record."""
+
+    connection_id: int | None
+    host: str
+    repository: str
+    service: str
+    method: str
+    status: int  # what the sandbox was answered
+    refused: str = ""  # covey's reason, when covey refused
+    refs: tuple[RefOutcome, ...] = ()
+
+
+class Broker(Protocol):
+    """Tokens, connections and grants; called in worker threads."""
+
+    def git_access(self, token: str, host: str, repository: str) -> GitAccess:
+        """The access for a run's token to ``repository`` (``owner/name``) on ``host``;
+        Unauthenticated or NotGranted."""
+        ...
+
+    def record(self, token: str, event: GitEvent) -> None: ...
+
+
+@dataclass
+class GitRoute:
+    """The ``/git/`` route of the gateway."""
+
+    broker: Broker
+    session: Callable[[], ClientSession]  # the gateway's client to upstreams (TLS verified)
+    max_push_bytes: int = 2 * 1024**3
+    spool: str | None = None  # where pushed packs wait while judged (None: the temp folder)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one request under /git/."""
+        try:
+            route = smarthttp.route(
+                request.method, request.rel_url.raw_path, request.rel_url.raw_query_string
+            )
+        except Malformed as exc:
+            return _answer(400, f"covey: {exc}")
+        token = _token(request)
+        if token is None:
+            return _answer(
+                401, "covey: present the run's token, once (Authorization: Bearer <token>)"
+            )
+        try:
+            access = await self._call(self.broker.git_access, token, route.host, route.repository)
+        except Unauthenticated:
+            return _answer(401, "covey: this token is no running agent's")
+        except NotGranted:
+            await self._record(token, None, route, request, 404, "not granted")
+            return _answer(404, f"covey: repository {route.repository} not found")
+        if route.service == Service.RECEIVE_PACK and not route.advertisement:
+            return await self._push(request, route, access, token)
+        body = _body(request) if request.method == "POST" else None
+        answer, problem = await self._forward(request, route, access, body)
+        await self._record(token, access, route, request, answer.status, problem)
+        return answer
+
+    async def _push(
+        self, request: web.Request, route: Route, access: GitAccess, token: str
+    ) -> web.StreamResponse:
+        if request.headers.get("Content-Encoding", "identity") != "identity":
+            return _answer(415, "covey: send the push unencoded (no Content-Encoding)")
+        with tempfile.TemporaryFile(dir=self.spool) as spooled:
+            try:
+                head, push, pack = await self._read_push(request, spooled)
+            except Malformed as exc:
+                await self._record(token, access, route, request, 400, str(exc))
+                return _answer(400, f"covey: {exc}")
+            branch = await self._default_branch(route, access)
+            outcomes = []
+            for command in push.commands:
+                fast_forward = pack.descends(command.new, command.old) if pack else None
+                reason = judge(
+                    access.grant, command, default_branch=branch, fast_forward=fast_forward
+                )
+                outcomes.append(RefOutcome(command.ref, command.old, command.new, reason or ""))
+            reasons = {o.ref: o.refused for o in outcomes if o.refused}
+            if reasons:
+                body = smarthttp.refusal(push, reasons, message="; ".join(reasons.values()))
+                await self._record(token, access, route, request, 200, "refused", tuple(outcomes))
+                return web.Response(body=body, headers={"Content-Type": RESULT_TYPE})
+            spooled.seek(0)
+            answer, problem = await self._forward(request, route, access, _replay(head, spooled))
+        await self._record(token, access, route, request, answer.status, problem, tuple(outcomes))
+        return answer
+
+    async def _read_push(self, request: web.Request, spooled: IO[bytes]) -> tuple[bytes, Push, Any]:
+        """The push's head (as sent), the push, and the commits of its pack (None: no pack),
+        the pack written to ``spooled``."""
+        reader, head, push, pack, size = PushReader(), bytearray(), None, None, 0
+        async for chunk in request.content.iter_chunked(CHUNK):
+            size += len(chunk)
+            if size > self.max_push_bytes:
+                raise Malformed(
+                    f"the push is larger than covey takes ({self.max_push_bytes} bytes)"
+                )
+            if push is None:
+                head += chunk
+                push = reader.feed(chunk)
+                if push is None:
+                    continue
+                del head[len(head) - len(reader.rest) :]
+                chunk = reader.rest
+                pack = PackReader(id_length=push.id_length, max_bytes=self.max_push_bytes)
+            if chunk and pack is not None:
+                await asyncio.to_thread(_take, pack, spooled, chunk)
+        push = reader.finish() if push is None else push
+        if pack is not None and size > len(head):
+            return bytes(head), push, pack.finish()
+        if any(not command.deletes for command in push.commands):
+            raise Malformed("a push that makes or moves a ref carries a pack")
+        return bytes(head), push, None
+
+    async def _default_branch(self, route: Route, access: GitAccess) -> str | None:
+        """The upstream's default branch, from its fetch advertisement (None: not known)."""
+        url = f"{_repository_url(access, route)}/info/refs?service=git-upload-pack"
+        try:
+            async with self.session().get(url, headers=dict(access.headers)) as answer:
+                if answer.status != 200:
+                    return None
+                return smarthttp.default_branch(await answer.content.read(CHUNK))
+        except (ClientError, TimeoutError) as exc:
+            logger.warning("%s: the default branch could not be read: %s", route.host, exc)
+            return None
+
+    async def _forward(
+        self, request: web.Request, route: Route, access: GitAccess, body: Any
+    ) -> tuple[web.StreamResponse, str]:
+        """The upstream's answer, streamed back, and covey's word on it ("" when it answered
+        as it may: a refused credential and an upstream that does not answer are 502s)."""
+        endpoint = "info/refs" if route.advertisement else route.service.value
+        url = f"{_repository_url(access, route)}/{endpoint}"
+        if route.advertisement:
+            url += f"?service={route.service.value}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        headers.update(access.headers)
+        try:
+            upstream = await self.session().request(
+                request.method,
+                url,
+                headers=headers,
+                data=body,
+                timeout=ClientTimeout(total=None, sock_connect=10, sock_read=600),
+                allow_redirects=False,
+            )
+        except (ClientError, TimeoutError) as exc:
+            problem = f"{route.host} did not answer ({type(exc).__name__})"
+            return _answer(502, f"covey: {problem}"), problem
+        async with upstream:
+            if upstream.status in (401, 403):
+                problem = f"{route.host} refused the connection's credential ({upstream.status})"
+                return _answer(502, f"covey: {problem}"), problem
+            answer = web.StreamResponse(status=upstream.status)
+            for name in RETURNED:
+                if name in upstream.headers:
+                    answer.headers[name] = upstream.headers[name]
+            await answer.prepare(request)
+            async for chunk in upstream.content.iter_chunked(CHUNK):
+                await answer.write(chunk)
+            await answer.write_eof()
+            return answer, ""
+
+    async def _call(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(function, *args)
+
+    async def _record(
+        self,
+        token: str,
+        access: GitAccess | None,
+        route: Route,
+        request: web.Request,
+        status: int,
+        refused: str = "",
+        refs: tuple[RefOutcome, ...] = (),
+    ) -> None:
+        event = GitEvent(
+            connection_id=access.connection_id if access else None,
+            host=route.host,
+            repository=route.repository,
+            service=route.service.value,
+            method=request.method,
+            status=status,
+            refused=refused,
+            refs=refs,
+        )
+        try:
+            await self._call(self.broker.record, token, event)
+        except Exception:
+            logger.exception("a git request could not be recorded")
+
+
+def _token(request: web.Request) -> str | None:
+    """The run's token: exactly one Authorization header, a bearer one."""
+    given = request.headers.getall("Authorization", [])
+    if len(given) != 1 or not given[0].startswith("Bearer "):
+        return None
+    token = given[0].removeprefix("Bearer ").strip()
+    return token or None
+
+
+def _take(pack: PackReader, spooled: IO[bytes], chunk: bytes) -> None:
+    pack.feed(chunk)
+    spooled.write(chunk)
+
+
+def _repository_url(access: GitAccess, route: Route) -> str:
+    return f"{access.base_url.rstrip('/')}/{route.owner}/{route.name}.git"
+
+
+async def _body(request: web.Request) -> AsyncIterator[bytes]:
+    async for chunk in request.content.iter_chunked(CHUNK):
+        yield chunk
+
+
+async def _replay(head: bytes, spooled: IO[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    while chunk := await asyncio.to_thread(spooled.read, CHUNK):
+        yield chunk
+
+
+def _answer(status: int, text: str) -> web.Response:
+    return web.Response(status=status, text=text + "\n")
