@@ -25,3 +25,11 @@ if os.environ.get("COVEY_LOG_FORMAT", "text") == "json":
             for name in ("gunicorn.error", "gunicorn.access")
         },
     }
+
+
+def post_worker_init(worker: object) -> None:
+    """Load the URL configuration (the admin, the API, every app's views) as a worker boots,
+    so that its first request does not wait seconds for those imports."""
+    from django.urls import get_resolver
+
+    get_resolver().url_patterns  # noqa: B018

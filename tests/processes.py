@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 from covey import var
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,12 +75,12 @@ def control_plane(
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
+        """Answering, not only listening: a worker has booted (and loaded the URLs)."""
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        except OSError:
+            return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        except httpx.HTTPError:
             return False
-        return True
 
     with running(args, env, log):
-        wait_for(up, 30, "the control plane listening", log)
+        wait_for(up, 60, "the control plane answering /healthz", log)
         yield url
