@@ -192,7 +192,11 @@ class GitRoute:
             async with self.session().get(url, headers=dict(access.headers)) as answer:
                 if answer.status != 200:
                     return None
-                return smarthttp.default_branch(await answer.content.read(CHUNK))
+                # Its first ref line names it; the rest of a large advertisement is not read.
+                start = b""
+                while len(start) < CHUNK and (more := await answer.content.read(CHUNK)):
+                    start += more
+                return smarthttp.default_branch(start)
         except (ClientError, TimeoutError) as exc:
             logger.warning("%s: the default branch could not be read: %s", route.host, exc)
             return None

@@ -57,11 +57,12 @@ class GitHost:
         )  # fmt: skip
         return result.stdout.strip()
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """One request, through ``git http-backend`` as CGI, both ways streamed (a large clone
+        or push holds no more than a chunk of it here)."""
         self.seen.append(Seen(request.method, request.path_qs, dict(request.headers)))
         if request.headers.get("Authorization") != self.authorization:
             return web.Response(status=401, headers={"WWW-Authenticate": 'Basic realm="git"'})
-        body = await request.read()
         env = {
             **git_env(self.root),
             "GIT_PROJECT_ROOT": str(self.root),
@@ -71,24 +72,39 @@ class GitHost:
             "PATH_INFO": request.path,
             "QUERY_STRING": request.query_string,
             "CONTENT_TYPE": request.headers.get("Content-Type", ""),
-            "CONTENT_LENGTH": str(len(body)),
             "GIT_PROTOCOL": request.headers.get("Git-Protocol", ""),
             "HTTP_CONTENT_ENCODING": request.headers.get("Content-Encoding", ""),
         }
+        if request.content_length is not None:
+            env["CONTENT_LENGTH"] = str(request.content_length)
         process = await asyncio.create_subprocess_exec(
             "git", "http-backend", env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        out, _ = await process.communicate(body)
-        head, _, content = out.partition(b"\r\n\r\n")
+        assert process.stdin is not None and process.stdout is not None
+        feeding = asyncio.ensure_future(_feed(request, process.stdin))
         status, headers = 200, {}
-        for line in head.decode().split("\r\n"):
-            name, _, value = line.partition(": ")
+        while (line := (await process.stdout.readline()).rstrip(b"\r\n")) != b"":
+            name, _, value = line.decode().partition(": ")
             if name.lower() == "status":
                 status = int(value.split()[0])
-            elif name:
+            else:
                 headers[name] = value
-        return web.Response(status=status, body=content, headers=headers)
+        answer = web.StreamResponse(status=status, headers=headers)
+        await answer.prepare(request)
+        while chunk := await process.stdout.read(65536):
+            await answer.write(chunk)
+        await feeding
+        await process.wait()
+        await answer.write_eof()
+        return answer
+
+
+async def _feed(request: web.Request, stdin: asyncio.StreamWriter) -> None:
+    async for chunk in request.content.iter_chunked(65536):
+        stdin.write(chunk)
+        await stdin.drain()
+    stdin.close()
 
 
 def run(args: list[str], cwd: Path) -> None:
