@@ -92,8 +92,14 @@ class GitHost:
                 headers[name] = value
         answer = web.StreamResponse(status=status, headers=headers)
         await answer.prepare(request)
-        while chunk := await process.stdout.read(65536):
-            await answer.write(chunk)
+        try:
+            while chunk := await process.stdout.read(65536):
+                await answer.write(chunk)
+        except ConnectionResetError:  # the client read what it wanted (a default branch)
+            process.kill()
+            feeding.cancel()
+            await process.wait()
+            return answer
         await feeding
         await process.wait()
         await answer.write_eof()
