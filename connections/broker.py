@@ -37,6 +37,7 @@ CHUNK = 64 * 1024
 FORWARDED = ("content-type", "content-encoding", "accept", "git-protocol", "user-agent")
 RETURNED = ("content-type", "cache-control", "expires", "pragma")
 RESULT_TYPE = "application/x-git-receive-pack-result"
+PROBE = b"0000"  # the body of git's probe before a large push
 
 
 class Unauthenticated(Exception):
@@ -134,9 +135,16 @@ class GitRoute:
     ) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "identity") != "identity":
             return _answer(415, "covey: send the push unencoded (no Content-Encoding)")
+        start = await request.content.read(4)
+        if start == PROBE and request.content.at_eof():
+            # git's probe before a large push (a flush-pkt alone, no update): the upstream
+            # says whether the credential is good, nothing more.
+            answer, problem = await self._forward(request, route, access, PROBE)
+            await self._record(token, access, route, request, answer.status, problem)
+            return answer
         with tempfile.TemporaryFile(dir=self.spool) as spooled:
             try:
-                head, push, pack = await self._read_push(request, spooled)
+                head, push, pack = await self._read_push(start, request, spooled)
             except Malformed as exc:
                 await self._record(token, access, route, request, 400, str(exc))
                 return _answer(400, f"covey: {exc}")
@@ -158,11 +166,13 @@ class GitRoute:
         await self._record(token, access, route, request, answer.status, problem, tuple(outcomes))
         return answer
 
-    async def _read_push(self, request: web.Request, spooled: IO[bytes]) -> tuple[bytes, Push, Any]:
+    async def _read_push(
+        self, start: bytes, request: web.Request, spooled: IO[bytes]
+    ) -> tuple[bytes, Push, Any]:
         """The push's head (as sent), the push, and the commits of its pack (None: no pack),
-        the pack written to ``spooled``."""
+        the pack written to ``spooled``; ``start``: the body's first bytes, read already."""
         reader, head, push, pack, size = PushReader(), bytearray(), None, None, 0
-        async for chunk in request.content.iter_chunked(CHUNK):
+        async for chunk in _chunks(start, request):
             size += len(chunk)
             if size > self.max_push_bytes:
                 raise Malformed(
@@ -283,6 +293,13 @@ def _take(pack: PackReader, spooled: IO[bytes], chunk: bytes) -> None:
 
 def _repository_url(access: GitAccess, route: Route) -> str:
     return f"{access.base_url.rstrip('/')}/{route.owner}/{route.name}.git"
+
+
+async def _chunks(start: bytes, request: web.Request) -> AsyncIterator[bytes]:
+    if start:
+        yield start
+    async for chunk in request.content.iter_chunked(CHUNK):
+        yield chunk
 
 
 async def _body(request: web.Request) -> AsyncIterator[bytes]:
