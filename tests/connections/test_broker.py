@@ -3,6 +3,7 @@ http-backend over TLS with a test CA): clone, fetch and push within a grant, eve
 the way git prints it, and the upstream never seeing the run's token nor a push that was
 refused."""
 
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -247,3 +248,22 @@ def test_a_push_whose_pkt_lines_lie_is_refused_before_the_host_sees_it(world):
     assert answer.split(b" ")[1] == b"400", answer[:300]
     assert b"ended before its commands" in answer
     assert not [seen for seen in host.seen if seen.method == "POST"]
+
+
+def test_a_push_larger_than_git_s_post_buffer_is_probed_then_streamed(world, tmp_path):
+    host, broker, url = world
+    work = clone(url, tmp_path)
+    (work / "large.bin").write_bytes(os.urandom(512 * 1024))
+    git("add", "large.bin", cwd=work)
+    git("commit", "-qm", "large", cwd=work)
+    pushed = git(
+        "-c", "http.postBuffer=65536", "push", "origin", "HEAD:refs/heads/covey/builder/large",
+        cwd=work, check=False,
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    new = git("rev-parse", "HEAD", cwd=work).stdout.strip()
+    assert host.ref("acme/app", "refs/heads/covey/builder/large") == new
+    posts = [s for s in host.seen if s.method == "POST" and s.path.endswith("git-receive-pack")]
+    assert len(posts) == 2  # the probe, then the push
+    assert posts[1].headers.get("Transfer-Encoding") == "chunked"
+    assert broker.events[-1].refs[0].new == new
