@@ -10,23 +10,10 @@ from django.http import HttpRequest, HttpResponseRedirect
 from django.urls import reverse
 
 from connections import services
-from connections.models import Connection
+from connections.models import CONNECTION_FIELDS, Connection
 from organisations.admin import TenantScoped
 
-EDITABLE = [
-    "organisation",
-    "name",
-    "kind",
-    "git_url",
-    "api_url",
-    "scheme",
-    "username",
-    "header",
-    "app_id",
-    "installation_id",
-    "index_url",
-    "paths",
-]
+EDITABLE = list(CONNECTION_FIELDS)
 
 
 class ConnectionForm(forms.ModelForm):

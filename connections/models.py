@@ -116,3 +116,21 @@ class Connection(models.Model):
         if not parts.hostname:
             return ""
         return parts.hostname + (f":{parts.port}" if parts.port not in (None, 443) else "")
+
+
+# What people set on a connection, in the order forms show it (the credential apart: it is
+# written, never read); changes go through connections.services.
+CONNECTION_FIELDS = (
+    "organisation",
+    "name",
+    "kind",
+    "git_url",
+    "api_url",
+    "scheme",
+    "username",
+    "header",
+    "app_id",
+    "installation_id",
+    "index_url",
+    "paths",
+)

@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from connections import services
-from connections.models import Connection
+from connections.models import CONNECTION_FIELDS, Connection
 from covey.api import RefusesUnknownFields
 from organisations.api import OrganisationField, OrganisationScopedViewSet
 
@@ -36,18 +36,7 @@ class ConnectionSerializer(RefusesUnknownFields, serializers.ModelSerializer):
         model = Connection
         fields = [
             "id",
-            "organisation",
-            "name",
-            "kind",
-            "git_url",
-            "api_url",
-            "scheme",
-            "username",
-            "header",
-            "app_id",
-            "installation_id",
-            "index_url",
-            "paths",
+            *CONNECTION_FIELDS,
             "secret",
             "host",
             "secret_set_at",
