@@ -19,6 +19,7 @@ from django.http import Http404, HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html_join
+from django.utils.safestring import mark_safe
 from rest_framework.authtoken.admin import TokenAdmin
 from rest_framework.authtoken.models import TokenProxy
 from simple_history.admin import SimpleHistoryAdmin
@@ -471,9 +472,16 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         if obj is None:
             return ["created_at"]
-        return ["slug", "webhook_state", "belongings", "created_at"]
+        return ["slug", "base_allowlist_shown", "webhook_state", "belongings", "created_at"]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if obj is not None and not self.has_change_permission(request, obj):
+            # What a member who may not change it reads: no form-only boxes (they would read
+            # "None"), the allowlist one entry a line, the webhook's state but not its URL.
+            return [
+                "name", "slug", "base_allowlist_shown", "request_expiry_minutes",
+                "own_requests", "webhook_state", "belongings", "created_at",
+            ]  # fmt: skip
         fields = [
             "name", "slug", "base_allowlist", "request_expiry_minutes", "own_requests",
             "webhook_url",
@@ -481,6 +489,10 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
         if obj is not None:
             fields += ["new_webhook_secret", "webhook_state", "belongings"]
         return [*fields, "created_at"]
+
+    @admin.display(description="Base allowlist")
+    def base_allowlist_shown(self, obj: Organisation) -> str:
+        return format_html_join(mark_safe("<br>"), "{}", ((entry,) for entry in obj.base_allowlist))
 
     @admin.display(description="Its")
     def belongings(self, obj: Organisation) -> str:
@@ -562,8 +574,10 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
             services.delete_organisation(organisation, by=request.user)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organisation]:
-        """The user's organisations (every one for a superuser), as the API's."""
-        return super().get_queryset(request).annotate(agent_total=Count("agents"))
+        """The user's organisations (every one for a superuser), as the API's, by name (a
+        counting query has no default order: the autocomplete's pages need one)."""
+        counted = super().get_queryset(request).annotate(agent_total=Count("agents"))
+        return counted.order_by("name", "pk")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         """Making organisations is the platform team's (as in the API)."""

@@ -226,3 +226,27 @@ def test_a_deeply_nested_command_in_the_agent_form_is_a_form_error(client, acme,
     answer = client.post(f"/admin/agents/agent/{agent.pk}/change/", data)
     assert answer.status_code == 200
     assert "Not JSON covey takes" in answer.content.decode()
+
+
+def test_a_viewer_reads_the_organisation_without_empty_form_boxes(client, vera, acme):
+    from organisations import webhooks
+
+    acme.base_allowlist = ["api.anthropic.com", "pypi.example"]
+    acme.save()
+    webhooks.set_webhook(acme, "https://hooks.example/covey")
+    client.force_login(vera)
+    page = client.get(f"/admin/organisations/organisation/{acme.pk}/change/").content.decode()
+    assert "api.anthropic.com<br>pypi.example" in page
+    assert "None" not in page
+    assert "hooks.example" not in page  # the URL is the admins'; its state is shown
+    assert "signing secret made" in page
+
+
+def test_the_organisation_autocomplete_pages_in_order(client, root, acme, globex, recwarn):
+    client.force_login(root)
+    url = (
+        "/admin/autocomplete/?app_label=organisations&model_name=membership&field_name=organisation"
+    )
+    answer = client.get(url)
+    assert [row["text"] for row in answer.json()["results"]] == ["Acme", "Globex"]
+    assert not [w for w in recwarn if "unordered object_list" in str(w.message)]
