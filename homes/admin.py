@@ -177,7 +177,10 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
     def change_view(
         self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None
     ) -> HttpResponse:
-        """The browser: a page of one directory, with what may be done there."""
+        """The browser: a page of one directory, with what may be done there. A home the
+        person cannot see is "doesn't exist", as on every admin page, not a bare 404."""
+        if not self.get_queryset(request).filter(pk=_number(object_id)).exists():
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)  # type: ignore[attr-defined]
         agent = self._agent(request, object_id)
         path = request.GET.get("path", "")
         offset = int(request.GET["offset"]) if request.GET.get("offset", "").isdigit() else 0
@@ -382,3 +385,8 @@ class HomeChangeAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     @admin.display(description="How it went")
     def how_it_went(self, obj: HomeChange) -> str:
         return outcome(obj)
+
+
+def _number(text: str) -> int:
+    """A primary key from a URL (-1, which matches nothing, when it is none)."""
+    return int(text) if text.isdigit() and len(text) < 19 else -1

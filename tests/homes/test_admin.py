@@ -100,3 +100,12 @@ def test_the_browser_offers_no_change_while_a_run_holds_the_home(
     settings.COVEY_HOME_WRITES_DURING_RUNS = True
     page = client.get(f"/admin/homes/home/{agent.pk}/change/").content.decode()
     assert 'id="home-upload"' in page
+
+
+def test_a_home_of_another_organisation_or_none_is_said_not_to_exist(client, acme, globex, alice):
+    theirs = AgentFactory(organisation=globex, name="Theirs")
+    client.force_login(alice)
+    for pk in (theirs.pk, 987654, "x1"):
+        answer = client.get(f"/admin/homes/home/{pk}/change/", follow=True)
+        assert answer.redirect_chain[-1][0] == "/admin/", pk
+        assert "doesn’t exist" in answer.content.decode()
