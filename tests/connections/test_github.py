@@ -1,0 +1,174 @@
+"""A GitHub App's installation tokens against a stand-in of GitHub's API (TLS with a test CA)
+that verifies the app's JSON Web Token with the app's public key, as GitHub does."""
+
+import asyncio
+import re
+import time
+from datetime import UTC, datetime, timedelta
+
+import jwt
+import pytest
+from aiohttp import ClientSession, TCPConnector, web
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from connections.github import GitHubApp, GitHubRefused, InstallationTokens, permissions_for
+from tests.connections.githost import Servers
+from tests.netfixtures import TestCA
+
+
+def pem(key: rsa.RSAPrivateKey) -> str:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    ).decode()
+
+
+@pytest.fixture(scope="module")
+def key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+class GitHub:
+    """Installation 34 of app 12, on the account acme, with the repositories it lists."""
+
+    def __init__(self, key: rsa.RSAPrivateKey) -> None:
+        self.public = key.public_key()
+        self.repositories = {"app", "docs"}
+        self.minted: list[dict] = []
+
+    async def access_tokens(self, request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization", "")
+        try:
+            claims = jwt.decode(
+                auth.removeprefix("Bearer "), self.public, algorithms=["RS256"],
+                options={"require": ["iat", "exp", "iss"]},
+            )  # fmt: skip
+        except jwt.PyJWTError as exc:
+            return web.json_response(
+                {"message": f"A JSON web token could not be decoded ({exc})"}, status=401
+            )
+        if claims["iss"] != "12" or claims["exp"] - claims["iat"] > 600:
+            return web.json_response({"message": "'Issuer' claim is wrong"}, status=401)
+        if request.match_info["installation"] != "34":
+            return web.json_response({"message": "Not Found"}, status=404)
+        body = await request.json()
+        if not set(body["repositories"]) <= self.repositories:
+            return web.json_response(
+                {"message": "There is at least one repository that does not exist"}, status=422
+            )
+        self.minted.append(body)
+        expires = datetime.now(UTC) + timedelta(hours=1)
+        return web.json_response(
+            {
+                "token": f"ghs_minted_{len(self.minted)}",
+                "expires_at": expires.isoformat().replace("+00:00", "Z"),
+            },
+            status=201,
+        )
+
+
+@pytest.fixture
+def github(tmp_path, key):
+    ca = TestCA(tmp_path)
+    stand_in = GitHub(key)
+    servers = Servers()
+    app = web.Application()
+    app.router.add_post("/app/installations/{installation}/access_tokens", stand_in.access_tokens)
+    port = servers.serve(app, ca.issue("127.0.0.1"))
+    sessions: list[ClientSession] = []
+
+    async def make() -> None:
+        sessions.append(ClientSession(connector=TCPConnector(ssl=ca.client_context())))
+
+    servers.call(make)
+    try:
+        yield servers, stand_in, f"https://127.0.0.1:{port}", lambda: sessions[0]
+    finally:
+
+        async def close() -> None:
+            await sessions[0].close()
+
+        servers.call(close)
+        servers.close()
+
+
+WRITE = {"metadata": "read", "contents": "write", "pull_requests": "write", "issues": "write"}
+
+
+def test_a_token_is_minted_for_one_repository_and_its_permissions_then_reused(github, key):
+    servers, stand_in, url, session = github
+    now = [time.time()]
+    tokens = InstallationTokens(session, clock=lambda: now[0])
+    app = GitHubApp("12", "34", pem(key), url)
+    first = servers.call(lambda: tokens.token(app, "acme/app", WRITE))
+    assert first == "ghs_minted_1"
+    assert stand_in.minted == [{"repositories": ["app"], "permissions": WRITE}]
+    assert servers.call(lambda: tokens.token(app, "Acme/App", WRITE)) == first  # cached
+    other = servers.call(lambda: tokens.token(app, "acme/docs", WRITE))
+    assert other == "ghs_minted_2"  # another repository, another token
+    now[0] += 3600 - 299  # within five minutes of its end: renewed
+    assert servers.call(lambda: tokens.token(app, "acme/app", WRITE)) == "ghs_minted_3"
+    tokens.forget(app)
+    assert servers.call(lambda: tokens.token(app, "acme/docs", WRITE)) == "ghs_minted_4"
+
+
+def test_a_burst_of_requests_mints_once(github, key):
+    servers, stand_in, url, session = github
+    tokens = InstallationTokens(session)
+    app = GitHubApp("12", "34", pem(key), url)
+
+    async def burst() -> list[str]:
+        return list(
+            await asyncio.gather(*(tokens.token(app, "acme/app", WRITE) for _ in range(20)))
+        )
+
+    assert set(servers.call(burst)) == {"ghs_minted_1"}
+    assert len(stand_in.minted) == 1
+
+
+@pytest.mark.parametrize(
+    ("app_id", "installation", "repository", "other_key", "says"),
+    [
+        ("12", "34", "acme/private", False, "installation 34 lacks acme/private"),
+        ("12", "35", "acme/app", False, "knows no installation 35 of app 12"),
+        ("13", "34", "acme/app", False, "refused the GitHub App's key (app 13)"),
+        ("12", "34", "acme/app", True, "refused the GitHub App's key (app 12)"),
+    ],
+)
+def test_a_refusal_says_what_to_fix(github, key, app_id, installation, repository, other_key, says):
+    servers, stand_in, url, session = github
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048) if other_key else key
+    app = GitHubApp(app_id, installation, pem(signing), url)
+    with pytest.raises(GitHubRefused, match=re.escape(says)):
+        servers.call(lambda: InstallationTokens(session).token(app, repository, WRITE))
+    assert not stand_in.minted
+
+
+def test_a_host_that_does_not_answer_is_named(github, key):
+    servers, _, _, session = github
+    app = GitHubApp("12", "34", pem(key), "https://127.0.0.1:1")
+    with pytest.raises(GitHubRefused, match=r"127\.0\.0\.1:1 did not answer"):
+        servers.call(lambda: InstallationTokens(session).token(app, "acme/app", WRITE))
+
+
+@pytest.mark.parametrize(
+    ("push", "api", "permissions"),
+    [
+        (True, {"read", "pulls", "comments"}, WRITE),
+        (
+            False,
+            {"read"},
+            {"metadata": "read", "contents": "read", "pull_requests": "read", "issues": "read"},
+        ),
+        (False, set(), {"metadata": "read", "contents": "read"}),
+        (
+            True,
+            {"issues"},
+            {"metadata": "read", "contents": "write", "issues": "write", "pull_requests": "read"},
+        ),
+    ],
+)
+def test_a_token_gets_no_more_than_the_grant_allows(push, api, permissions):
+    assert permissions_for(push, frozenset(api)) == permissions
