@@ -88,6 +88,12 @@ def proxy(plan: Dict[str, Any], host: str, port: int, timeout: float) -> Seen:
             if status == 407 and time.monotonic() < deadline:
                 time.sleep(0.2)  # the proxy may not have this token's policy yet
                 continue
+            gateway_error = status in (502, 503, 504) and not headers.get("x-covey-deny-reason")
+            if gateway_error and time.monotonic() < deadline:
+                # Not covey's refusal: its way to the upstream may still be coming up (a
+                # network just remade). Asking again can only show more: reached, or a leak.
+                time.sleep(0.5)
+                continue
             seen: Seen = {
                 "outcome": "answered",
                 "status": status,
