@@ -9,11 +9,13 @@ bridge's traffic through.
 
 import shlex
 import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 DOCKER_USER = "DOCKER-USER"
+SETTLE_SECONDS = 2.0  # how long ensure_rules looks again while Docker reorders FORWARD
 IPV6 = Path("/proc/net/if_inet6")
 
 
@@ -154,7 +156,13 @@ def ensure_rules(wall: Wall) -> None:
     for (binary, chain), specs in _by_chain(rules(wall)).items():
         for spec in reversed(specs):  # each at the top: the first ends up first
             _iptables(binary, "-I", chain, "1", *spec)
-    if problems := check_rules(wall):
+    # Docker moves its DOCKER-USER jump back to the top of FORWARD whenever it makes a
+    # network (delete, then insert): for a moment another rule is first. Look again briefly
+    # before saying the rules did not hold; what stays out of place is refused.
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while (problems := check_rules(wall)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if problems:
         raise FirewallError(f"the firewall rules did not hold: {'; '.join(problems)}")
 
 
