@@ -137,7 +137,7 @@ def test_a_runner_killed_mid_launch_leaves_no_orphan_when_it_comes_back(stack, a
         os.killpg(first.process.pid, signal.SIGKILL)  # no goodbye, no report
         first.process.wait()
     with stack.runner(runner, config):
-        stack.wait(run, *FINISHED)
+        stack.wait(run, *FINISHED, timeout=90)  # a relaunch, on a machine busy with others
         assert run.status == RunStatus.SUCCEEDED, run.status_detail
         assert "done" in run.log_tail
         wait_for(lambda: not containers_of(runner), 10, "the sandbox removed")
