@@ -154,7 +154,7 @@ def test_covey_takes_branches_and_tags_of_a_sane_length_only(name, says):
         check_ref_name(name)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=30))
 def test_no_branch_git_refuses_is_taken(tail):
     name = "refs/heads/" + tail
