@@ -2,7 +2,6 @@
 make, change, rotate and delete them (API and admin), and grants on agents that name them."""
 
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from django.core.exceptions import ValidationError
 
@@ -10,17 +9,10 @@ from agents import services as agents
 from connections import services
 from connections.models import Connection
 from covey.crypto import decrypt
+from tests.connections.keys import pem
 
 pytestmark = pytest.mark.django_db
 TOKEN = "glpat-a-token-only-the-test-knows"
-
-
-def pem(key) -> str:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ).decode()
 
 
 @pytest.fixture(scope="module")

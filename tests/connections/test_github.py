@@ -9,20 +9,12 @@ from datetime import UTC, datetime, timedelta
 import jwt
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from connections.github import GitHubApp, GitHubRefused, InstallationTokens, permissions_for
 from tests.connections.githost import Servers
+from tests.connections.keys import pem
 from tests.netfixtures import TestCA
-
-
-def pem(key: rsa.RSAPrivateKey) -> str:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    ).decode()
 
 
 @pytest.fixture(scope="module")
