@@ -81,6 +81,9 @@ def test_after_its_docker_engine_restarts_a_runner_rebuilds_and_probes_before_wo
             "COVEY_VAR_DIR": "/work/var",
             "COVEY_RUNNER_HOMES": "/work/homes",
             "COVEY_RUNNER_HEARTBEAT_SECONDS": "0.5",
+            # A probe that fails (the remade networks may not carry traffic at once on a busy
+            # machine) is tried again soon; no work is taken until one passes.
+            "COVEY_RUNNER_PROBE_RETRY_SECONDS": "5",
         },
     )
     output = contained.runner_output
@@ -110,8 +113,14 @@ def test_after_its_docker_engine_restarts_a_runner_rebuilds_and_probes_before_wo
     after = world.stack.wait(after, *FINISHED, timeout=180)
     assert after.status == RunStatus.SUCCEEDED, (after.status_detail, after.log_tail, output())
     assert world.body in after.log_tail
-    probe = Probe.objects.filter(runner=runner, reason="the Docker engine restarted").get()
-    assert probe.status == "passed" and probe.finished_at is not None
+    restarted = Probe.objects.filter(runner=runner, reason="the Docker engine restarted").get()
+    # The restart's probe passed, or (on a busy machine) a retry of it soon after did.
+    probe = (
+        Probe.objects.filter(runner=runner, status="passed", created_at__gte=restarted.created_at)
+        .order_by("created_at")
+        .first()
+    )
+    assert probe is not None and probe.finished_at is not None
     assert after.started_at > probe.finished_at  # no work before the new probe passed
     runner = Runner.objects.get(pk=runner.pk)
     assert runner.host_ready and runner.last_probe == probe
@@ -125,7 +134,7 @@ def test_after_its_docker_engine_restarts_a_runner_rebuilds_and_probes_before_wo
         isolation.internal_network_name(name),
         isolation.outward_network_name(name),
     }
-    back_after = (after.started_at - probe.created_at).total_seconds()
+    back_after = (after.started_at - restarted.created_at).total_seconds()
     cases.add(3)
     cases.note(
         f"Docker engine stopped ({gone_for:.1f} s to stop) under a runner with a run: the run"
