@@ -156,14 +156,19 @@ def ensure_rules(wall: Wall) -> None:
     for (binary, chain), specs in _by_chain(rules(wall)).items():
         for spec in reversed(specs):  # each at the top: the first ends up first
             _iptables(binary, "-I", chain, "1", *spec)
-    # Docker moves its DOCKER-USER jump back to the top of FORWARD whenever it makes a
-    # network (delete, then insert): for a moment another rule is first. Look again briefly
-    # before saying the rules did not hold; what stays out of place is refused.
+    if problems := settled_problems(wall):
+        raise FirewallError(f"the firewall rules did not hold: {'; '.join(problems)}")
+
+
+def settled_problems(wall: Wall) -> list[str]:
+    """:func:`check_rules`, looked at again for up to SETTLE_SECONDS while it finds problems:
+    Docker moves its DOCKER-USER jump back to the top of FORWARD whenever it makes a network
+    (delete, then insert), so for a moment another rule is first. What stays out of place is
+    still a problem."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while (problems := check_rules(wall)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if problems:
-        raise FirewallError(f"the firewall rules did not hold: {'; '.join(problems)}")
+    return problems
 
 
 def remove_rules(runner: str) -> None:

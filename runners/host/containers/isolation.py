@@ -312,8 +312,9 @@ def rules(shape: Shape) -> list[firewall.Rule]:
 
 
 def check_rules(shape: Shape) -> list[str]:
-    """What is missing or out of place among the shape's firewall rules (empty: they hold)."""
-    return firewall.check_rules(wall(shape))
+    """What is missing or out of place among the shape's firewall rules (empty: they hold),
+    once Docker's own moves have settled (firewall.settled_problems)."""
+    return firewall.settled_problems(wall(shape))
 
 
 def ensure_rules(shape: Shape) -> None:
