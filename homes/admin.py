@@ -25,6 +25,7 @@ from django.utils.http import urlencode
 
 from agents.models import Agent, size_text
 from covey.display import seconds
+from covey.numbers import whole_number
 from homes import services, wire
 from homes.models import Home, HomeChange
 from homes.services import HomeProblem
@@ -143,8 +144,7 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
         why = self.refusal(request, "change", pk).replace("Changing homes", "Changing a home")
         if request.method == "POST" and kind == HomeOp.WRITE:
             # A refused upload's body is never read: its length is what is known of it.
-            length = str(request.META.get("CONTENT_LENGTH") or "")
-            size = int(length) if length.isdigit() and len(length) < 19 else 0
+            size = whole_number(request.META.get("CONTENT_LENGTH")) or 0
             services.refuse_change(agent, request.user, kind, "", size=size)
         elif request.method == "POST":
             path = request.GET.get("path") or request.POST.get("path", "")
@@ -179,11 +179,11 @@ class HomeAdmin(TenantScoped, admin.ModelAdmin):
     ) -> HttpResponse:
         """The browser: a page of one directory, with what may be done there. A home the
         person cannot see is "doesn't exist", as on every admin page, not a bare 404."""
-        if not self.get_queryset(request).filter(pk=_number(object_id)).exists():
+        if not self.get_queryset(request).filter(pk=whole_number(object_id) or -1).exists():
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)  # type: ignore[attr-defined]
         agent = self._agent(request, object_id)
         path = request.GET.get("path", "")
-        offset = int(request.GET["offset"]) if request.GET.get("offset", "").isdigit() else 0
+        offset = whole_number(request.GET.get("offset")) or 0
         listing, total, problem = None, 0, ""
         can_change, active = self._may_change(request, agent), services.active_run(agent)
         try:
@@ -385,8 +385,3 @@ class HomeChangeAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     @admin.display(description="How it went")
     def how_it_went(self, obj: HomeChange) -> str:
         return outcome(obj)
-
-
-def _number(text: str) -> int:
-    """A primary key from a URL (-1, which matches nothing, when it is none)."""
-    return int(text) if text.isdigit() and len(text) < 19 else -1

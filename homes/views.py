@@ -15,6 +15,7 @@ from rest_framework.response import Response
 
 from agents.models import Agent, size_text
 from covey.api import RefusesUnknownFields
+from covey.numbers import whole_number
 from covey.pagination import BoundedPagination
 from homes import services, wire
 from homes.models import HomeChange
@@ -356,8 +357,7 @@ def _said(request: Request, name: str) -> str:
 
 def _length(request: Request) -> int:
     """The body's length as it says it (0 when it does not, or not as a number)."""
-    raw = request.META.get("CONTENT_LENGTH") or ""
-    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else 0
+    return whole_number(request.META.get("CONTENT_LENGTH")) or 0
 
 
 def _number(request: Request, name: str, default: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 from django.http import HttpRequest
 from rest_framework import exceptions
 
+from covey.numbers import whole_number
 from homes.services import CHUNK, IDLE_SECONDS, HomeProblem, Wire
 
 HTTP_1 = ("HTTP/1.0", "HTTP/1.1")
@@ -110,9 +111,9 @@ def body(request: HttpRequest, *, consume: bool = True) -> tuple[Iterator[bytes]
     body is read from the server's stream (gunicorn ends it: ``wsgi.input_terminated``)."""
     raw = request.META.get("CONTENT_LENGTH")
     if raw:
-        if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+        size = whole_number(raw)
+        if size is None:
             raise exceptions.ParseError("Content-Length: give a number of bytes")
-        size = int(raw)
         return (read(request, size) if consume else iter(())), size
     if request.META.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked" and request.META.get(
         "wsgi.input_terminated"

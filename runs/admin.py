@@ -32,6 +32,7 @@ from budgets.admin import AgentWithSpendAdmin
 from budgets.models import Charge
 from budgets.money import dollars
 from covey.display import linked, moment, seconds
+from covey.numbers import whole_number
 from egress.admin import DecisionAdmin, EgressTokenAdmin
 from egress.models import Decision, EgressToken
 from organisations.admin import MembersRead, TenantScoped
@@ -332,9 +333,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         run = self.get_object(request, str(object_id))
         if run is None or not self.has_view_permission(request, run):
             raise Http404("no such run")
-        offset = request.GET.get("offset", "0")
-        number = offset.isascii() and offset.isdigit() and len(offset) <= 18
-        return run, int(offset) if number else None
+        return run, whole_number(request.GET.get("offset", "0"))
 
     def log_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
         """The run's output as text: the whole log once kept, else what arrived so far; from

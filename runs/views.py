@@ -14,6 +14,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from covey.numbers import whole_number
 from organisations.api import OrganisationScoped
 from organisations.models import Organisation
 from runners.auth import RunnerEndpoint
@@ -163,11 +164,9 @@ class RunLogView(RunnerEndpoint):
     def put(self, request: Request, run_id: uuid.UUID) -> Response:
         text = request.body.decode("utf-8", errors="replace")
         raw = request.headers.get(OUTPUT_TOTAL_HEADER)
-        total = None
-        if raw is not None:
-            if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
-                raise serializers.ValidationError({OUTPUT_TOTAL_HEADER: "a number of bytes"})
-            total = int(raw)
+        total = whole_number(raw)
+        if raw is not None and total is None:
+            raise serializers.ValidationError({OUTPUT_TOTAL_HEADER: "a number of bytes"})
         if output.save_log(str(run_id), self.runner(request), text, total) is None:
             raise Http404("no such run on this runner")
         return Response(status=status.HTTP_204_NO_CONTENT)

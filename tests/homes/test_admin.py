@@ -109,3 +109,10 @@ def test_a_home_of_another_organisation_or_none_is_said_not_to_exist(client, acm
         answer = client.get(f"/admin/homes/home/{pk}/change/", follow=True)
         assert answer.redirect_chain[-1][0] == "/admin/", pk
         assert "doesn’t exist" in answer.content.decode()
+
+
+def test_the_browser_takes_no_unicode_digit_for_a_number(client, acme, alice):
+    agent = AgentFactory(organisation=acme, name="Builder")
+    client.force_login(alice)
+    assert client.get(f"/admin/homes/home/{agent.pk}/change/?offset=²").status_code == 200
+    assert client.get("/admin/homes/home/²/change/", follow=True).redirect_chain[-1][0] == "/admin/"
