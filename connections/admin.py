@@ -13,8 +13,6 @@ from connections import services
 from connections.models import CONNECTION_FIELDS, Connection
 from organisations.admin import TenantScoped
 
-EDITABLE = list(CONNECTION_FIELDS)
-
 
 class ConnectionForm(forms.ModelForm):
     credential = forms.CharField(
@@ -27,7 +25,7 @@ class ConnectionForm(forms.ModelForm):
 
     class Meta:
         model = Connection
-        fields = EDITABLE
+        fields = list(CONNECTION_FIELDS)
 
     def clean(self) -> dict[str, Any]:
         """The service's own checks, so that what it would refuse is said on the form."""
@@ -43,7 +41,7 @@ class ConnectionForm(forms.ModelForm):
                 self.add_error("organisation", "A connection cannot move to another organisation.")
         if self.errors or "organisation" not in data:
             return data
-        given = {name: data.get(name) for name in EDITABLE}
+        given = {name: data.get(name) for name in CONNECTION_FIELDS}
         candidate = Connection(pk=self.instance.pk, **given)
         if self.instance.pk is None:
             services.with_defaults(candidate)
@@ -64,8 +62,8 @@ class ConnectionAdmin(TenantScoped, admin.ModelAdmin):
     readonly_fields = ["host_shown", "secret_set_at", "status_shown", "created_at", "updated_at"]
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        fields = [*EDITABLE, "credential"] if self.has_change_permission(request, obj) else EDITABLE
-        return [*fields, *self.readonly_fields]
+        typed = ["credential"] if self.has_change_permission(request, obj) else []
+        return [*CONNECTION_FIELDS, *typed, *self.readonly_fields]
 
     @admin.display(description="Host")
     def host_shown(self, obj: Connection) -> str:
@@ -79,7 +77,7 @@ class ConnectionAdmin(TenantScoped, admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: Connection, form: Any, change: bool) -> None:
         data = form.cleaned_data
-        fields = {name: data[name] for name in EDITABLE if name not in ("organisation", "kind")}
+        fields = {name: data[name] for name in services.CHANGEABLE}
         try:
             if not change:
                 made = services.create_connection(

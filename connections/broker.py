@@ -20,18 +20,16 @@ import logging
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, Protocol
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from connections import smarthttp
-from connections.packs import PackReader
+from connections.packs import Commits, PackReader
 from connections.rules import GitGrant, judge
 from connections.smarthttp import Malformed, Push, PushReader, Route, Service
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 CHUNK = 64 * 1024
 FORWARDED = ("content-type", "content-encoding", "accept", "git-protocol", "user-agent")
@@ -117,7 +115,9 @@ class GitRoute:
                 401, "covey: present the run's token, once (Authorization: Bearer <token>)"
             )
         try:
-            access = await self._call(self.broker.git_access, token, route.host, route.repository)
+            access = await asyncio.to_thread(
+                self.broker.git_access, token, route.host, route.repository
+            )
         except Unauthenticated:
             return _answer(401, "covey: this token is no running agent's")
         except NotGranted:
@@ -125,7 +125,7 @@ class GitRoute:
             return _answer(404, f"covey: repository {route.repository} not found")
         if route.service == Service.RECEIVE_PACK and not route.advertisement:
             return await self._push(request, route, access, token)
-        body = _body(request) if request.method == "POST" else None
+        body = _chunks(b"", request) if request.method == "POST" else None
         answer, problem = await self._forward(request, route, access, body)
         await self._record(token, access, route, request, answer.status, problem)
         return answer
@@ -168,7 +168,7 @@ class GitRoute:
 
     async def _read_push(
         self, start: bytes, request: web.Request, spooled: IO[bytes]
-    ) -> tuple[bytes, Push, Any]:
+    ) -> tuple[bytes, Push, Commits | None]:
         """The push's head (as sent), the push, and the commits of its pack (None: no pack),
         the pack written to ``spooled``; ``start``: the body's first bytes, read already."""
         reader, head, push, pack, size = PushReader(), bytearray(), None, None, 0
@@ -248,9 +248,6 @@ class GitRoute:
             await answer.write_eof()
             return answer, ""
 
-    async def _call(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.to_thread(function, *args)
-
     async def _record(
         self,
         token: str,
@@ -272,7 +269,7 @@ class GitRoute:
             refs=refs,
         )
         try:
-            await self._call(self.broker.record, token, event)
+            await asyncio.to_thread(self.broker.record, token, event)
         except Exception:
             logger.exception("a git request could not be recorded")
 
@@ -298,11 +295,6 @@ def _repository_url(access: GitAccess, route: Route) -> str:
 async def _chunks(start: bytes, request: web.Request) -> AsyncIterator[bytes]:
     if start:
         yield start
-    async for chunk in request.content.iter_chunked(CHUNK):
-        yield chunk
-
-
-async def _body(request: web.Request) -> AsyncIterator[bytes]:
     async for chunk in request.content.iter_chunked(CHUNK):
         yield chunk
 

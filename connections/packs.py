@@ -121,9 +121,13 @@ class _Object:
     size: int
     base: bytes | None  # a delta's base commit (None: not a commit, or not a delta)
     inflater: "zlib._Decompress"
-    keep: bool  # a commit, or a delta of one: its inflated bytes are kept
     inflated: bytearray = field(default_factory=bytearray)
     length: int = 0  # inflated so far
+
+    @property
+    def keep(self) -> bool:
+        """A commit, or a delta of one: its inflated bytes are kept."""
+        return self.kind == COMMIT or self.base is not None
 
 
 class PackReader:
@@ -205,7 +209,6 @@ class PackReader:
             if shift > 70:
                 raise Malformed("an object's size in the pack runs on")
         base: bytes | None = None
-        keep = kind == COMMIT
         if kind == OFS_DELTA:
             if position >= len(available):
                 return self._need_more(available)
@@ -221,21 +224,19 @@ class PackReader:
             if distance <= 0 or distance > self._offset:
                 raise Malformed("a delta in the pack points outside it")
             base = self._commits_at.get(self._offset - distance)
-            keep = base is not None
         elif kind == REF_DELTA:
             if position + self.id_length // 2 > len(available):
                 return self._need_more(available)
             base_id = available[position : position + self.id_length // 2].hex()
             position += self.id_length // 2
             base = self._commits_by_id.get(base_id)
-            keep = base is not None
         elif kind not in TYPES:
             raise Malformed(f"an object of type {kind} in the pack, which git does not make")
         if kind == COMMIT and size > MAX_COMMIT_BYTES:
             raise Malformed("a commit in the pack is larger than 1 MiB")
         offset = self._offset
         self._take(position)
-        self._current = _Object(offset, kind, size, base, zlib.decompressobj(), keep)
+        self._current = _Object(offset, kind, size, base, zlib.decompressobj())
         return True
 
     def _need_more(self, available: bytes) -> bool:

@@ -16,7 +16,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from connections.models import Connection, Kind, Scheme
+from connections.models import CONNECTION_FIELDS, Connection, Kind, Scheme
 from covey.crypto import encrypt
 from organisations.models import Organisation
 
@@ -28,8 +28,7 @@ FIELDS = {
     Kind.TOKEN: ("git_url", "api_url", "scheme", "username", "header"),
     Kind.BASIC: ("index_url", "username", "paths"),
 }
-OPTIONAL = ("name", "git_url", "api_url", "scheme", "username", "header", "app_id")
-CHANGEABLE = frozenset({*OPTIONAL, "installation_id", "index_url", "paths"})
+CHANGEABLE = frozenset(CONNECTION_FIELDS) - {"organisation", "kind"}  # neither ever changes
 FORBIDDEN_HEADERS = frozenset(
     {"host", "cookie", "connection", "content-length", "transfer-encoding", "proxy-authorization"}
 )

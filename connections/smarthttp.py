@@ -153,8 +153,7 @@ class Push:
 
     @property
     def id_length(self) -> int:
-        """40 hex digits (SHA-1) unless the client said ``object-format=sha256``."""
-        return 64 if "object-format=sha256" in self.capabilities else 40
+        return _id_length(self.capabilities)
 
 
 @dataclass
@@ -220,7 +219,7 @@ class PushReader:
                     raise Malformed(f"more than {MAX_PUSH_OPTIONS} push options")
                 self._options.append(packet.removesuffix(b"\n"))
                 return False
-            self._push = self._push_of(self._lines, self._options)
+            self._push = self._push_of(self._options)
             return True
         if packet:
             if len(self._lines) == MAX_COMMANDS:
@@ -232,18 +231,18 @@ class PushReader:
         if "push-options" in _capabilities(self._first_command()):
             self._options = []
             return False
-        self._push = self._push_of(self._lines, [])
+        self._push = self._push_of([])
         return True
 
     def _first_command(self) -> bytes:
         return next(line for line in self._lines if not line.startswith(b"shallow "))
 
-    def _push_of(self, lines: list[bytes], options: list[bytes]) -> Push:
+    def _push_of(self, options: list[bytes]) -> Push:
         capabilities = _capabilities(self._first_command())
-        id_length = 64 if "object-format=sha256" in capabilities else 40
+        id_length = _id_length(capabilities)
         shallow: list[str] = []
         commands: list[Command] = []
-        for line in lines:
+        for line in self._lines:
             if line.startswith(b"shallow "):
                 if commands:
                     raise Malformed("a shallow line after the ref updates")
@@ -258,6 +257,11 @@ class PushReader:
             tuple(shallow),
             tuple(_text(option, "a push option") for option in options),
         )
+
+
+def _id_length(capabilities: frozenset[str]) -> int:
+    """40 hex digits (SHA-1) unless the client said ``object-format=sha256``."""
+    return 64 if "object-format=sha256" in capabilities else 40
 
 
 def _capabilities(line: bytes) -> frozenset[str]:
