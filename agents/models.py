@@ -41,7 +41,8 @@ class Agent(models.Model):
         default=list,
         blank=True,
         help_text="What it may do with the organisation's connections, each grant over one"
-        ' (docs/credentials.md), e.g. [{"connection": "github", "repositories": ["acme/app"]}].',
+        ' connection (docs/credentials.md), e.g. [{"connection": "github",'
+        ' "repositories": ["acme/app"]}].',
     )
     required_labels = models.JSONField(
         default=list, blank=True, help_text="The agent runs only on runners with all these labels."

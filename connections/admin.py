@@ -14,11 +14,21 @@ from connections.models import CONNECTION_FIELDS, Connection
 from organisations.admin import TenantScoped
 
 
+class WriteOnlyTextarea(forms.Textarea):
+    """A box for a secret (a key is several lines): what was typed is never sent back, not
+    even when the form returns with an error, and is not shown while it is typed."""
+
+    def format_value(self, value: Any) -> None:
+        return None
+
+
 class ConnectionForm(forms.ModelForm):
     credential = forms.CharField(
         required=False,
         strip=False,
-        widget=forms.Textarea(attrs={"rows": 3, "autocomplete": "off"}),
+        widget=WriteOnlyTextarea(
+            attrs={"rows": 3, "autocomplete": "off", "style": "-webkit-text-security: disc"}
+        ),
         help_text="A GitHub App's private key (PEM), a token or a password. Kept encrypted and"
         " never shown again; on a connection that exists, typing one here rotates it.",
     )

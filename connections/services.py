@@ -62,12 +62,9 @@ def update_connection(connection: Connection, *, by: Any = None, **changes: Any)
     if unknown:
         raise TypeError(f"cannot change {', '.join(sorted(unknown))} of a connection")
     locked = Connection.objects.select_for_update().get(pk=connection.pk)
-    old_name = locked.name
     for field, value in changes.items():
         setattr(locked, field, value)
     errors = _errors(locked)
-    if locked.name != old_name and (users := granted_to(locked, name=old_name)):
-        errors["name"] = [f"agents' grants name it ({', '.join(users)}): change those first"]
     if errors:
         raise ValidationError(errors)
     locked._history_user = by  # type: ignore[attr-defined]
@@ -184,6 +181,9 @@ def _errors(connection: Connection) -> dict[str, list[str]]:
     others = Connection.objects.filter(organisation_id=connection.organisation_id)
     if others.exclude(pk=connection.pk).filter(name=connection.name).exists():
         errors["name"] = [f"a connection named {connection.name!r} exists already"]
+    stored = others.filter(pk=connection.pk).values_list("name", flat=True).first()
+    if stored not in (None, connection.name) and (users := granted_to(connection, name=stored)):
+        errors["name"] = [f"agents' grants name it ({', '.join(users)}): change those first"]
     return errors
 
 

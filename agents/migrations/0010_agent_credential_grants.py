@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='agent',
             name='credential_grants',
-            field=models.JSONField(blank=True, default=list, help_text='What it may do with the organisation\'s connections, each grant over one (docs/credentials.md), e.g. [{"connection": "github", "repositories": ["acme/app"]}].'),
+            field=models.JSONField(blank=True, default=list, help_text='What it may do with the organisation\'s connections, each grant over one connection (docs/credentials.md), e.g. [{"connection": "github", "repositories": ["acme/app"]}].'),
         ),
     ]

@@ -349,3 +349,29 @@ def test_the_admin_refuses_to_delete_a_connection_a_grant_names(client, alice, a
     answer = client.get(f"/admin/connections/connection/{connection.pk}/delete/", follow=True)
     assert "named by the grants of builder" in answer.content.decode()
     assert Connection.objects.exists()
+
+
+def test_the_admin_refuses_renaming_a_granted_connection_on_the_form(client, alice, acme):
+    connection = gitlab(acme)
+    agents.create_agent(
+        acme, "Builder", credential_grants=[{"connection": "gitlab", "repositories": ["a/b"]}]
+    )
+    client.force_login(alice)
+    form = {"organisation": acme.pk, "name": "renamed", "kind": "token", "paths": "[]",
+            "git_url": "https://gitlab.example", "scheme": "bearer"}  # fmt: skip
+    answer = client.post(f"/admin/connections/connection/{connection.pk}/change/", form)
+    assert answer.status_code == 200  # the form again, not "changed successfully"
+    assert "grants name it (builder): change those first" in answer.content.decode()
+    assert Connection.objects.get().name == "gitlab"
+    assert connection.history.count() == 1  # nothing recorded as changed
+
+
+def test_a_typed_credential_is_never_sent_back_with_the_form(client, alice, acme):
+    client.force_login(alice)
+    answer = client.post(
+        "/admin/connections/connection/add/",
+        {"organisation": acme.pk, "name": "gitlab", "kind": "token", "paths": "[]",
+         "git_url": "http://gitlab.example", "scheme": "bearer", "credential": TOKEN},
+    )  # fmt: skip
+    assert "https only" in answer.content.decode()
+    assert TOKEN not in answer.content.decode()
