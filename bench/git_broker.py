@@ -72,6 +72,7 @@ def serve_route(port: int, host_port: int, ca_file: str) -> None:
     from aiohttp import ClientSession, TCPConnector, web
 
     from connections.broker import GitAccess, GitRoute, NotGranted, Unauthenticated
+    from connections.github import InstallationTokens
     from connections.rules import GitGrant, default_push
     from tests.connections.githost import GitHost
 
@@ -95,7 +96,12 @@ def serve_route(port: int, host_port: int, ca_file: str) -> None:
         context = ssl.create_default_context(cafile=ca_file)
         sessions.append(ClientSession(connector=TCPConnector(ssl=context)))
 
-    route = GitRoute(Broker(), lambda: sessions[0], max_push_bytes=4 * 1024 * MIB)
+    route = GitRoute(
+        Broker(),
+        lambda: sessions[0],
+        InstallationTokens(lambda: sessions[0]),
+        max_push_bytes=4 * 1024 * MIB,
+    )
     app = web.Application(client_max_size=0)
     app.on_startup.append(start)
     app.router.add_route("*", "/git/{tail:.*}", route.handle)

@@ -3,7 +3,8 @@ with its run's token, and the gateway speaks to the upstream with the connection
 within the agent's grant (docs/credentials.md).
 
 Per request: the path is read strictly (:func:`connections.smarthttp.route`; 400 otherwise) →
-exactly one ``Authorization: Bearer <run token>`` (401 otherwise) → the broker says which
+exactly one ``Authorization: Bearer <run token>`` (403 otherwise: a 401 would have git ask
+for a user name, where only the run's configuration can help) → the broker says which
 connection and grant cover the repository (a repository not granted is 404, as if it did not
 exist) → the request goes upstream with only git's own headers and the connection's credential
 (nothing the sandbox sent that could authenticate), and the answer streams back. A push is read
@@ -19,12 +20,13 @@ import asyncio
 import logging
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any, Protocol
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import BasicAuth, ClientError, ClientSession, ClientTimeout, web
 
 from connections import smarthttp
+from connections.github import GitHubApp, GitHubRefused, InstallationTokens
 from connections.packs import Commits, PackReader
 from connections.rules import GitGrant, judge
 from connections.smarthttp import Malformed, Push, PushReader, Route, Service
@@ -49,12 +51,16 @@ class NotGranted(Exception):
 @dataclass(frozen=True)
 class GitAccess:
     """What the broker gives for one request: where the repository lives, the credential as
-    the upstream takes it, and the grant over it."""
+    the upstream takes it (or the GitHub App that mints it, with the permissions to ask for),
+    and the grant over it. ``problem``: why the credential cannot be used (nothing is sent)."""
 
     connection_id: int
     base_url: str  # the git root, e.g. https://github.com (the path /owner/name.git follows)
     headers: Mapping[str, str] = field(repr=False)  # the credential
     grant: GitGrant
+    github: GitHubApp | None = None
+    permissions: Mapping[str, str] = field(default_factory=dict)
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class GitEvent:
     status: int  # what the sandbox was answered
     refused: str = ""  # covey's reason, when covey refused
     refs: tuple[RefOutcome, ...] = ()
+    problem: str = ""  # why the upstream could not be used (its credential refused, no answer)
 
 
 class Broker(Protocol):
@@ -98,6 +105,7 @@ class GitRoute:
 
     broker: Broker
     session: Callable[[], ClientSession]  # the gateway's client to upstreams (TLS verified)
+    tokens: InstallationTokens  # a GitHub App's, minted with the same client
     max_push_bytes: int = 2 * 1024**3
     spool: str | None = None  # where pushed packs wait while judged (None: the temp folder)
 
@@ -112,23 +120,39 @@ class GitRoute:
         token = _token(request)
         if token is None:
             return _answer(
-                401, "covey: present the run's token, once (Authorization: Bearer <token>)"
+                403, "covey: present the run's token, once (Authorization: Bearer <token>)"
             )
         try:
             access = await asyncio.to_thread(
                 self.broker.git_access, token, route.host, route.repository
             )
         except Unauthenticated:
-            return _answer(401, "covey: this token is no running agent's")
+            return _answer(403, "covey: this token is no running agent's (a run's ends with it)")
         except NotGranted:
-            await self._record(token, None, route, request, 404, "not granted")
+            await self._record(token, None, route, request, 404, refused="not granted")
             return _answer(404, f"covey: repository {route.repository} not found")
+        try:
+            access = await self._credential(access, route)
+        except GitHubRefused as exc:
+            await self._record(token, access, route, request, 502, problem=str(exc))
+            return _answer(502, f"covey: {exc}")
         if route.service == Service.RECEIVE_PACK and not route.advertisement:
             return await self._push(request, route, access, token)
         body = _chunks(b"", request) if request.method == "POST" else None
         answer, problem = await self._forward(request, route, access, body)
-        await self._record(token, access, route, request, answer.status, problem)
+        await self._record(token, access, route, request, answer.status, problem=problem)
         return answer
+
+    async def _credential(self, access: GitAccess, route: Route) -> GitAccess:
+        """``access`` with the credential in its headers: a GitHub App's installation token
+        for the repository is minted (or taken from the cache); GitHubRefused says why not."""
+        if access.problem:
+            raise GitHubRefused(access.problem)
+        if access.github is None:
+            return access
+        token = await self.tokens.token(access.github, route.repository, access.permissions)
+        credential = BasicAuth("x-access-token", token).encode()  # as GitHub's git takes it
+        return replace(access, headers={"Authorization": credential})
 
     async def _push(
         self, request: web.Request, route: Route, access: GitAccess, token: str
@@ -140,13 +164,13 @@ class GitRoute:
             # git's probe before a large push (a flush-pkt alone, no update): the upstream
             # says whether the credential is good, nothing more.
             answer, problem = await self._forward(request, route, access, PROBE)
-            await self._record(token, access, route, request, answer.status, problem)
+            await self._record(token, access, route, request, answer.status, problem=problem)
             return answer
         with tempfile.TemporaryFile(dir=self.spool) as spooled:
             try:
                 head, push, pack = await self._read_push(start, request, spooled)
             except Malformed as exc:
-                await self._record(token, access, route, request, 400, str(exc))
+                await self._record(token, access, route, request, 400, refused=str(exc))
                 return _answer(400, f"covey: {exc}")
             branch = await self._default_branch(route, access)
             outcomes = []
@@ -158,12 +182,17 @@ class GitRoute:
                 outcomes.append(RefOutcome(command.ref, command.old, command.new, reason or ""))
             reasons = {o.ref: o.refused for o in outcomes if o.refused}
             if reasons:
-                body = smarthttp.refusal(push, reasons, message="; ".join(reasons.values()))
-                await self._record(token, access, route, request, 200, "refused", tuple(outcomes))
+                message = "; ".join(dict.fromkeys(reasons.values()))
+                body = smarthttp.refusal(push, reasons, message=message)
+                await self._record(
+                    token, access, route, request, 200, refused=message, refs=tuple(outcomes)
+                )
                 return web.Response(body=body, headers={"Content-Type": RESULT_TYPE})
             spooled.seek(0)
             answer, problem = await self._forward(request, route, access, _replay(head, spooled))
-        await self._record(token, access, route, request, answer.status, problem, tuple(outcomes))
+        await self._record(
+            token, access, route, request, answer.status, problem=problem, refs=tuple(outcomes)
+        )
         return answer
 
     async def _read_push(
@@ -236,6 +265,8 @@ class GitRoute:
             return _answer(502, f"covey: {problem}"), problem
         async with upstream:
             if upstream.status in (401, 403):
+                if access.github is not None:  # a token it minted and then refused: mint anew
+                    self.tokens.forget(access.github)
                 problem = f"{route.host} refused the connection's credential ({upstream.status})"
                 return _answer(502, f"covey: {problem}"), problem
             answer = web.StreamResponse(status=upstream.status)
@@ -255,7 +286,9 @@ class GitRoute:
         route: Route,
         request: web.Request,
         status: int,
+        *,
         refused: str = "",
+        problem: str = "",
         refs: tuple[RefOutcome, ...] = (),
     ) -> None:
         event = GitEvent(
@@ -267,6 +300,7 @@ class GitRoute:
             status=status,
             refused=refused,
             refs=refs,
+            problem=problem,
         )
         try:
             await asyncio.to_thread(self.broker.record, token, event)

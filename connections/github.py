@@ -10,6 +10,7 @@ Django: the gateway calls it.
 """
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,8 +76,10 @@ class InstallationTokens:
 
     async def token(self, app: GitHubApp, repository: str, permissions: Mapping[str, str]) -> str:
         """A token for ``repository`` (``owner/name``) with ``permissions``."""
+        # The key's digest too: a rotated key mints anew (and the old one's tokens are not used).
         key = (app.api_url, app.app_id, app.installation_id, repository.lower(),
-               tuple(sorted(permissions.items())))  # fmt: skip
+               tuple(sorted(permissions.items())),
+               hashlib.sha256(app.private_key.encode()).hexdigest())  # fmt: skip
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             cached = self._cache.get(key)

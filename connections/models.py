@@ -134,3 +134,61 @@ CONNECTION_FIELDS = (
     "index_url",
     "paths",
 )
+
+
+class CredentialedRequest(models.Model):
+    """One request a sandbox made through the gateway under a connection, or tried to: the
+    record (written by the gateway, never changed). ``refused`` says why covey refused it, or
+    why the upstream could not be used; a push lists each ref it would have moved."""
+
+    organisation = models.ForeignKey(
+        Organisation, on_delete=models.CASCADE, related_name="credentialed_requests"
+    )
+    agent = models.ForeignKey(
+        "agents.Agent", on_delete=models.CASCADE, related_name="credentialed_requests"
+    )
+    run = models.ForeignKey(
+        "runs.Run",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="credentialed_requests",
+    )
+    connection = models.ForeignKey(
+        Connection,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="requests",
+        help_text="Empty when no grant covered the request (or the connection is gone).",
+    )
+    at = models.DateTimeField(db_index=True)
+    method = models.CharField(max_length=10)
+    host = models.CharField(max_length=300)
+    repository = models.CharField(max_length=201, help_text="owner/name")
+    service = models.CharField(
+        max_length=30, help_text="What was asked: git-upload-pack (fetch), git-receive-pack (push)."
+    )
+    status = models.PositiveSmallIntegerField(help_text="What the sandbox was answered.")
+    refused = models.CharField(
+        max_length=1000,
+        blank=True,
+        help_text="Why covey refused it, or why the upstream could not be used (empty: passed).",
+    )
+    refs = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="A push's ref updates: ref, old and new object ids, and why one was refused.",
+    )
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [
+            models.Index(fields=["run", "at"], name="credreq_run_at"),
+            models.Index(fields=["agent", "at"], name="credreq_agent_at"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.host}/{self.repository} ({self.service})"

@@ -7,6 +7,7 @@ printable text) and encrypted before it is saved; it is never returned. Every ch
 connection's history, with who made it; a rotation shows there as a new ``secret_set_at``.
 """
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -16,6 +17,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from connections.grants import GIT_KINDS
 from connections.models import CONNECTION_FIELDS, Connection, Kind, Scheme
 from covey.crypto import encrypt
 from organisations.models import Organisation
@@ -112,6 +114,18 @@ def granted_to(connection: Connection, *, name: str | None = None) -> list[str]:
         for agent in agents
         if any(grant.get("connection") == name for grant in agent.credential_grants)
     ]
+
+
+def git_hosts(organisation_id: int, grants: Iterable[Mapping[str, Any]]) -> list[Connection]:
+    """The connections over git hosts that ``grants`` (an agent's) name, in their order."""
+    names = [grant.get("connection") for grant in grants]
+    found = {
+        c.name: c
+        for c in Connection.objects.filter(
+            organisation_id=organisation_id, name__in=names, kind__in=GIT_KINDS
+        ).exclude(git_url="")
+    }
+    return [found[name] for name in names if name in found]
 
 
 def kinds_of(organisation_id: int) -> dict[str, str]:

@@ -109,6 +109,15 @@ class ModelGrant(Message):
     vendors: tuple[str, ...] = ("anthropic",)
 
 
+@dataclasses.dataclass(frozen=True)
+class GitRemote(Message):
+    """A git host the agent's grants name: the sandbox's git reaches ``url`` (a connection's
+    git root) through the model gateway's ``/git/<host>/``, with the run's token there."""
+
+    url: str
+    host: str  # as the gateway's git paths name it (with :port when not 443)
+
+
 # What a runner host can build, sent with every start request: a run that needs more is failed
 # with a status saying so, never run without it (an older runner would ignore the fields).
 FEATURE_WORKPLACES = "workplaces"  # packages (a built image) and companion services
@@ -179,6 +188,7 @@ class LaunchSpec(Message):
     services: tuple[ServiceSpec, ...] = ()
     workplace: str = ""  # which workplace version, as people name it ("dev v3")
     model: ModelGrant | None = None  # None: the control plane runs no model gateway
+    git: tuple[GitRemote, ...] = ()  # brokered through the gateway (needs ``model``)
 
 
 class ActiveStatus(StrEnum):

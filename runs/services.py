@@ -20,6 +20,7 @@ from agents.models import Agent, home_quota_bytes
 from budgets.keys import has_model_key, issue_gateway_token, model_vendors, revoke_gateway_tokens
 from budgets.models import Vendor
 from budgets.services import exhausted, used_up
+from connections.services import git_hosts
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -34,6 +35,7 @@ from runners.protocol import (
     ActiveRuns,
     ActiveStatus,
     EgressGrant,
+    GitRemote,
     LaunchSpec,
     ModelGrant,
     Packages,
@@ -362,6 +364,12 @@ def sandbox_spec(run: Run, credentials: str, model: ModelGrant | None = None) ->
         if run.workplace_version is None
         else f"{workplace.get('name')} v{run.workplace_version.number}",
         model=model,
+        git=()
+        if model is None  # the gateway brokers them
+        else tuple(
+            GitRemote(url=c.git_url, host=c.host)
+            for c in git_hosts(run.agent.organisation_id, config.get("credential_grants") or [])
+        ),
     )
 
 

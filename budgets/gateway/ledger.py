@@ -43,7 +43,7 @@ KEPT_CALLERS = 10_000  # tokens remembered at once (the oldest go first)
 
 
 @contextmanager
-def _database() -> Iterator[None]:
+def database() -> Iterator[None]:
     try:
         yield
     except (OperationalError, InterfaceError):
@@ -63,7 +63,7 @@ class DjangoLedger:
         """'' when the database answers, else 'unreachable' (why, with its address, goes to the
         log for the people who run it, not to whoever asks /readyz)."""
         try:
-            with _database(), connection.cursor() as cursor:
+            with database(), connection.cursor() as cursor:
                 cursor.execute("SELECT 1")
         except (OperationalError, InterfaceError) as exc:
             where = connection.settings_dict.get("HOST") or connection.settings_dict.get("NAME")
@@ -101,7 +101,7 @@ class DjangoLedger:
         return prices
 
     def _authenticate(self, digest: str) -> tuple[datetime, Caller]:
-        with _database():
+        with database():
             found = (
                 GatewayToken.objects.select_related("agent__organisation")
                 .filter(
@@ -149,7 +149,7 @@ class DjangoLedger:
         request_id: str,
     ) -> Hold:
         agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
-        with _database():
+        with database():
             at = timezone.now()
             hold = partial(
                 metering.reserve,
@@ -185,11 +185,11 @@ class DjangoLedger:
         return Hold(reservation.pk, request_id)
 
     def settle(self, hold: Hold, usage: Usage, *, model: str, outcome: str) -> None:
-        with _database():
+        with database():
             metering.settle(
                 Reservation(pk=hold.reservation_id), usage, model=model, outcome=outcome
             )
 
     def release(self, hold: Hold) -> None:
-        with _database():
+        with database():
             metering.release(Reservation(pk=hold.reservation_id))

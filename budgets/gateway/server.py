@@ -15,6 +15,9 @@ vendor's certificate → stream the answer back as it comes, reading its usage o
 the vendor refused the request). A ledger that cannot be written refuses the request (503):
 nothing is ever forwarded unmetered. Counting tokens and listing models are free, and forwarded
 after authentication only; every other path is refused.
+
+With a broker, the gateway also serves connections' git hosts at ``/git/`` (connections/broker.py,
+docs/credentials.md): the same run's token, the organisation's credential put in its place.
 """
 
 import asyncio
@@ -37,6 +40,8 @@ from budgets.gateway.config import GatewayConfig
 from budgets.gateway.metrics import Meters
 from budgets.gateway.openai import ChatCompletions, Responses
 from budgets.usage import EventStream, Usage
+from connections.broker import Broker, GitRoute
+from connections.github import InstallationTokens
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +168,10 @@ ROUTES = [
 class Gateway:
     """The gateway's aiohttp application (:meth:`app`), over ``ledger``."""
 
-    def __init__(self, ledger: Ledger, config: GatewayConfig) -> None:
+    def __init__(self, ledger: Ledger, config: GatewayConfig, broker: Broker | None = None) -> None:
         self.ledger = ledger
         self.config = config
+        self.broker = broker
         self.upstreams = {
             ANTHROPIC.vendor: config.upstream.rstrip("/"),
             CHAT.vendor: config.openai_upstream.rstrip("/"),
@@ -183,6 +189,9 @@ class Gateway:
         app.router.add_get("/metrics", self.meters.serve)
         for method, path, api, metered in ROUTES:
             app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
+        if self.broker is not None:  # credentials brokered (connections/broker.py)
+            route = GitRoute(self.broker, self._session, InstallationTokens(self._session))
+            app.router.add_route("*", "/git/{tail:.*}", route.handle)
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -205,6 +214,10 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _session(self) -> ClientSession:
+        assert self.session is not None  # noqa: S101 - started with the app
+        return self.session
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -66,6 +66,7 @@ from runners.protocol import (
     ENGINE_RESTARTED,
     OVER_QUOTA,
     ActiveStatus,
+    GitRemote,
     HomeUsage,
     LaunchSpec,
     ReportState,
@@ -355,6 +356,8 @@ class RunnerHost:
                     OPENAI_BASE_URL=spec.model.base_url.rstrip("/") + "/openai/v1",
                     OPENAI_API_KEY=spec.model.token,
                 )
+            if spec.git:  # git's own configuration, for the run only: the home is not touched
+                environment.update(git_environment(spec.model.base_url, spec.model.token, spec.git))
             if shape is None:  # on the host's network, the gateway is reached directly
                 direct.append(urlsplit(spec.model.base_url).hostname or "")
         if shape is not None:
@@ -706,6 +709,21 @@ class RunnerHost:
     def _forget(self, run_id: str) -> None:
         """What this host kept about a run that is over (or was never ours)."""
         self.quotas.forget(run_id)
+
+
+def git_environment(gateway: str, token: str, remotes: tuple[GitRemote, ...]) -> dict[str, str]:
+    """git's configuration in the environment (GIT_CONFIG_COUNT, git 2.31 and later): each
+    remote's URLs lead to the gateway's ``/git/<host>/``, and requests there carry the run's
+    token. Nothing is written to the home, so nothing of it outlives the run."""
+    root = gateway.rstrip("/") + "/git/"
+    pairs = [(f"url.{root}{remote.host}/.insteadOf", remote.url.rstrip("/") + "/")
+             for remote in remotes]  # fmt: skip
+    pairs.append((f"http.{root}.extraHeader", f"Authorization: Bearer {token}"))
+    environment = {"GIT_CONFIG_COUNT": str(len(pairs))}
+    for number, (key, value) in enumerate(pairs):
+        environment[f"GIT_CONFIG_KEY_{number}"] = key
+        environment[f"GIT_CONFIG_VALUE_{number}"] = value
+    return environment
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

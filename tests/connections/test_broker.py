@@ -14,6 +14,7 @@ import pytest
 from aiohttp import ClientSession, TCPConnector, web
 
 from connections.broker import GitAccess, GitEvent, GitRoute, NotGranted, Unauthenticated
+from connections.github import InstallationTokens
 from connections.rules import GitGrant, default_push
 from tests.connections.gitenv import git_env
 from tests.connections.githost import GitHost, Servers
@@ -63,7 +64,12 @@ def world(tmp_path: Path) -> Iterator[tuple[GitHost, FakeBroker, str]]:
             session.append(ClientSession(connector=TCPConnector(ssl=ca.client_context())))
 
         servers.call(make_session)
-        route = GitRoute(broker, lambda: session[0], max_push_bytes=10 * 1024 * 1024)
+        route = GitRoute(
+            broker,
+            lambda: session[0],
+            InstallationTokens(lambda: session[0]),
+            max_push_bytes=10 * 1024 * 1024,
+        )
         gateway = web.Application()
         gateway.router.add_route("*", "/git/{tail:.*}", route.handle)
         gateway_port = servers.serve(gateway)
@@ -137,7 +143,10 @@ def test_a_push_to_the_default_branch_is_refused_per_ref_and_never_reaches_the_h
     assert host.ref("acme/app", "refs/heads/main") == before
     assert not host.ref("acme/app", "refs/heads/covey/builder/x")
     assert len([s for s in host.seen if s.method == "POST"]) == posts  # no push went up
-    assert broker.events[-1].refused == "refused"
+    assert (
+        broker.events[-1].refused
+        == "protected by covey: the default branch (HEAD) is never pushed to by an agent"
+    )
 
 
 def test_force_pushes_and_deletes_only_as_the_grant_says(world, tmp_path):
@@ -192,7 +201,7 @@ def test_a_credential_the_host_refuses_is_named_to_the_agent(world, tmp_path):
     assert cloned.returncode != 0
     refused = "git.test refused the connection's credential (401)"
     assert f"remote: covey: {refused}" in cloned.stderr
-    assert (broker.events[-1].status, broker.events[-1].refused) == (502, refused)
+    assert (broker.events[-1].status, broker.events[-1].problem) == (502, refused)
 
 
 def raw(url: str, request: bytes) -> bytes:
@@ -210,16 +219,16 @@ def raw(url: str, request: bytes) -> bytes:
     [
         ("GET /git/git.test/acme/app/../secret/info/refs?service=git-upload-pack", "", b"400"),
         ("GET /git/git.test/acme/%2e%2e/info/refs?service=git-upload-pack", "", b"400"),
-        ("GET /git/git.test/acme/app.git/info/refs?service=git-upload-pack", "", b"401"),
+        ("GET /git/git.test/acme/app.git/info/refs?service=git-upload-pack", "", b"403"),
         (
             "GET /git/git.test/acme/app.git/info/refs?service=git-upload-pack",
             f"Authorization: Bearer {RUN_TOKEN}\r\nAuthorization: Basic eDp5\r\n",
-            b"401",
+            b"403",
         ),
         (
             "GET /git/git.test/acme/app.git/info/refs?service=git-upload-pack",
             "Authorization: Bearer not-a-run-token\r\n",
-            b"401",
+            b"403",
         ),
     ],
 )

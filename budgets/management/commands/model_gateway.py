@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from allowlists.entries import split_host_port
+from budgets.gateway.broker import DjangoBroker
 from budgets.gateway.config import GatewayConfig
 from budgets.gateway.ledger import DjangoLedger
 from budgets.gateway.server import Gateway
@@ -38,10 +39,12 @@ class Command(BaseCommand):
             config.check()
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        gateway = Gateway(DjangoLedger(), config)
+        ledger = DjangoLedger()
+        gateway = Gateway(ledger, config, DjangoBroker(ledger))
         self.stdout.write(
             f"covey: model gateway on http://{host}:{port}/ to {config.upstream} (Anthropic)"
-            f" and {config.openai_upstream} (OpenAI, at /openai/v1)"
+            f" and {config.openai_upstream} (OpenAI, at /openai/v1); connections' git hosts"
+            " at /git/"
         )
         self.stdout.flush()
         try:
