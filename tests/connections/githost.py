@@ -31,10 +31,14 @@ class GitHost:
     root: Path
     credential: str = field(repr=False)
     seen: list[Seen] = field(default_factory=list)
+    minted: list[str] = field(default_factory=list, repr=False)  # a GitHub App's tokens, too
 
     @property
     def authorization(self) -> str:
-        return "Basic " + base64.b64encode(f"x-access-token:{self.credential}".encode()).decode()
+        return _basic(self.credential)
+
+    def accepts(self, authorization: str | None) -> bool:
+        return authorization in {self.authorization, *map(_basic, self.minted)}
 
     def repository(self, owner_name: str, *, branch: str = "main") -> Path:
         """A bare repository with one commit on ``branch`` (its default)."""
@@ -61,7 +65,7 @@ class GitHost:
         """One request, through ``git http-backend`` as CGI, both ways streamed (a large clone
         or push holds no more than a chunk of it here)."""
         self.seen.append(Seen(request.method, request.path_qs, dict(request.headers)))
-        if request.headers.get("Authorization") != self.authorization:
+        if not self.accepts(request.headers.get("Authorization")):
             return web.Response(status=401, headers={"WWW-Authenticate": 'Basic realm="git"'})
         env = {
             **git_env(self.root),
@@ -104,6 +108,10 @@ class GitHost:
         await process.wait()
         await answer.write_eof()
         return answer
+
+
+def _basic(token: str) -> str:
+    return "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
 
 
 async def _feed(request: web.Request, stdin: asyncio.StreamWriter) -> None:

@@ -4,15 +4,14 @@ that verifies the app's JSON Web Token with the app's public key, as GitHub does
 import asyncio
 import re
 import time
-from datetime import UTC, datetime, timedelta
 
-import jwt
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from connections.github import GitHubApp, GitHubRefused, InstallationTokens, permissions_for
 from tests.connections.githost import Servers
+from tests.connections.githubapi import GitHub
 from tests.connections.keys import pem
 from tests.netfixtures import TestCA
 
@@ -20,45 +19,6 @@ from tests.netfixtures import TestCA
 @pytest.fixture(scope="module")
 def key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
-
-
-class GitHub:
-    """Installation 34 of app 12, on the account acme, with the repositories it lists."""
-
-    def __init__(self, key: rsa.RSAPrivateKey) -> None:
-        self.public = key.public_key()
-        self.repositories = {"app", "docs"}
-        self.minted: list[dict] = []
-
-    async def access_tokens(self, request: web.Request) -> web.Response:
-        auth = request.headers.get("Authorization", "")
-        try:
-            claims = jwt.decode(
-                auth.removeprefix("Bearer "), self.public, algorithms=["RS256"],
-                options={"require": ["iat", "exp", "iss"]},
-            )  # fmt: skip
-        except jwt.PyJWTError as exc:
-            return web.json_response(
-                {"message": f"A JSON web token could not be decoded ({exc})"}, status=401
-            )
-        if claims["iss"] != "12" or claims["exp"] - claims["iat"] > 600:
-            return web.json_response({"message": "'Issuer' claim is wrong"}, status=401)
-        if request.match_info["installation"] != "34":
-            return web.json_response({"message": "Not Found"}, status=404)
-        body = await request.json()
-        if not set(body["repositories"]) <= self.repositories:
-            return web.json_response(
-                {"message": "There is at least one repository that does not exist"}, status=422
-            )
-        self.minted.append(body)
-        expires = datetime.now(UTC) + timedelta(hours=1)
-        return web.json_response(
-            {
-                "token": f"ghs_minted_{len(self.minted)}",
-                "expires_at": expires.isoformat().replace("+00:00", "Z"),
-            },
-            status=201,
-        )
 
 
 @pytest.fixture
