@@ -19,6 +19,7 @@ from django.utils.http import urlencode
 from agents import services
 from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
+from connections.admin import requests_link
 from connections.grants import EXAMPLE, check_grants
 from connections.services import kinds_of
 from covey.versions import changes_table
@@ -172,6 +173,7 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
         "home_usage",
         "home_measured_at",
         "home_browser",
+        "credentialed_shown",
         "created_at",
         "updated_at",
     ]
@@ -221,6 +223,11 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
             return "-"
         url = reverse("admin:homes_home_change", args=[obj.pk])  # the homes app's file browser
         return format_html('<a href="{}">list, download, upload, move, delete</a>', url)
+
+    @admin.display(description="Credentialed requests")
+    def credentialed_shown(self, obj: Agent) -> str:
+        """What it did with its organisation's connections (git through the gateway)."""
+        return requests_link(obj.credentialed_requests.all(), agent__id__exact=obj.pk)
 
     @admin.display(description="Templates")
     def template_list(self, obj: Agent) -> str:

@@ -1,17 +1,23 @@
 """Admin for connections: made and changed by an organisation's admins, read by its members;
-the credential is typed once (when made, and to rotate it) and never shown."""
+the credential is typed once (when made, and to rotate it) and never shown. And the record of
+the requests agents made with them (read by every member, written by the gateway only)."""
 
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponseRedirect
 from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
 from connections import services
-from connections.models import CONNECTION_FIELDS, Connection
+from connections.models import CONNECTION_FIELDS, Connection, CredentialedRequest
+from covey.display import moment
 from organisations.admin import TenantScoped
+from organisations.readonly import ReadOnlyAdmin
 
 
 class WriteOnlyTextarea(forms.Textarea):
@@ -127,3 +133,89 @@ class ConnectionAdmin(TenantScoped, admin.ModelAdmin):
 
     def delete_model(self, request: HttpRequest, obj: Connection) -> None:
         services.delete_connection(obj, by=request.user)
+
+
+SERVICES = {"git-upload-pack": "fetch", "git-receive-pack": "push"}  # as people say them
+
+
+class OutcomeFilter(admin.SimpleListFilter):
+    title = "outcome"
+    parameter_name = "outcome"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> Any:
+        return [("refused", "Refused or failed"), ("passed", "Passed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "refused":
+            return queryset.exclude(refused="")
+        if self.value() == "passed":
+            return queryset.filter(refused="")
+        return queryset
+
+
+@admin.register(CredentialedRequest)
+class CredentialedRequestAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
+    """The record of what agents did with connections' credentials: every request the gateway
+    took for them, refused ones standing out."""
+
+    list_display = [
+        "at_shown", "agent", "run_shown", "connection", "method", "request_shown", "status",
+        "outcome_shown",
+    ]  # fmt: skip
+    list_filter = [OutcomeFilter, "organisation", "service", "connection"]
+    list_select_related = ["agent", "connection", "run"]
+    search_fields = ["repository", "host", "agent__name", "refused"]
+    date_hierarchy = "at"
+    fields = [
+        "at_shown", "organisation", "agent", "run_shown", "connection", "method", "host",
+        "repository", "service", "status", "outcome_shown", "refs_shown",
+    ]  # fmt: skip
+    readonly_fields = ["at_shown", "run_shown", "outcome_shown", "refs_shown"]
+
+    at_shown = moment("at", "At", ordered=True)
+
+    @admin.display(description="Run")
+    def run_shown(self, obj: CredentialedRequest) -> str:
+        if obj.run_id is None:
+            return "-"
+        url = reverse("admin:runs_run_change", args=[obj.run_id])
+        return format_html('<a href="{}">{}</a>', url, str(obj.run_id)[:8])
+
+    @admin.display(description="Request")
+    def request_shown(self, obj: CredentialedRequest) -> str:
+        return f"{SERVICES.get(obj.service, obj.service)} {obj.host}/{obj.repository}"
+
+    @admin.display(description="Outcome")
+    def outcome_shown(self, obj: CredentialedRequest) -> str:
+        if not obj.refused:
+            return "passed"
+        return format_html(
+            '<span style="color: #ba2121; font-weight: bold">refused</span>: {}', obj.refused
+        )
+
+    @admin.display(description="Refs")
+    def refs_shown(self, obj: CredentialedRequest) -> str:
+        if not obj.refs:
+            return "-"
+        return format_html(
+            "<table><tr><th>Ref</th><th>Old</th><th>New</th><th>Outcome</th></tr>{}</table>",
+            format_html_join(
+                "",
+                "<tr><td>{}</td><td><code>{}</code></td><td><code>{}</code></td><td>{}</td></tr>",
+                (
+                    (r["ref"], r["old"][:12], r["new"][:12], r["refused"] or "passed")
+                    for r in obj.refs
+                ),
+            ),
+        )
+
+
+def requests_link(queryset: QuerySet[CredentialedRequest], **query: Any) -> str:
+    """'N request(s), M refused' linking to the record filtered by ``query``."""
+    counted = queryset.aggregate(n=Count("pk"), refused=Count("pk", filter=~Q(refused="")))
+    if not counted["n"]:
+        return "none"
+    url = reverse("admin:connections_credentialedrequest_changelist") + "?" + urlencode(query)
+    return format_html(
+        '<a href="{}">{} request(s), {} refused</a>', url, counted["n"], counted["refused"]
+    )

@@ -1,19 +1,21 @@
-"""API resource: connections. A credential is written, never read: it goes in when the
-connection is made and with ``rotate``, and no answer holds it."""
+"""API resources: connections, and the record of the requests agents made with them. A
+credential is written, never read: it goes in when the connection is made and with ``rotate``,
+and no answer holds it."""
 
 from typing import Any
 
 from django.db import transaction
+from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema
-from rest_framework import serializers
+from rest_framework import mixins, serializers
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from connections import services
-from connections.models import CONNECTION_FIELDS, Connection
+from connections.models import CONNECTION_FIELDS, Connection, CredentialedRequest
 from covey.api import RefusesUnknownFields
-from organisations.api import OrganisationField, OrganisationScopedViewSet
+from organisations.api import OrganisationField, OrganisationScoped, OrganisationScopedViewSet
 
 CREDENTIAL_HELP = (
     "The credential: a GitHub App's private key (PEM), a token, or a password. Written once,"
@@ -112,3 +114,48 @@ class ConnectionViewSet(OrganisationScopedViewSet):
     def perform_destroy(self, instance: Connection) -> None:
         with transaction.atomic():
             services.delete_connection(instance, by=self.request.user)
+
+
+class CredentialedRequestSerializer(serializers.ModelSerializer):
+    """One request an agent made through the gateway under a connection, or tried to:
+    ``refused`` says why it did not pass (empty when it did), ``refs`` a push's ref updates."""
+
+    class Meta:
+        model = CredentialedRequest
+        fields = [
+            "id", "organisation", "agent", "run", "connection", "at", "method", "host",
+            "repository", "service", "status", "refused", "refs",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class RefusedFilter(filters.FilterSet):
+    refused = filters.BooleanFilter(
+        method="filter_refused", help_text="true: the refused ones only; false: the others."
+    )
+
+    class Meta:
+        model = CredentialedRequest
+        fields = {
+            "organisation": ["exact"],
+            "agent": ["exact"],
+            "run": ["exact"],
+            "connection": ["exact"],
+            "repository": ["exact"],
+            "at": ["gte", "lt"],
+        }
+
+    def filter_refused(self, queryset: Any, name: str, value: bool) -> Any:
+        return queryset.exclude(refused="") if value else queryset.filter(refused="")
+
+
+class CredentialedRequestViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, OrganisationScoped
+):
+    """The record of what your organisations' agents did with connections' credentials,
+    newest first; never changed."""
+
+    queryset = CredentialedRequest.objects.all()
+    serializer_class = CredentialedRequestSerializer
+    filterset_class = RefusedFilter
+    ordering_fields = ["at"]

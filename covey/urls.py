@@ -19,7 +19,7 @@ from rest_framework.routers import DefaultRouter
 from agents.views import AgentViewSet
 from approvals.views import RequestViewSet, RunnerRequestsView, RunnerRequestView
 from budgets.views import AgentUsageView, BudgetViewSet, ChargeViewSet
-from connections.views import ConnectionViewSet
+from connections.views import ConnectionViewSet, CredentialedRequestViewSet
 from covey.health import healthz, readyz
 from covey.metrics import metrics
 from egress.views import DecisionViewSet, EgressTokenViewSet
@@ -60,6 +60,7 @@ router.register("agents", AgentViewSet)
 router.register("allowlist-templates", AllowlistTemplateViewSet)
 router.register("workplaces", WorkplaceViewSet)
 router.register("connections", ConnectionViewSet)
+router.register("credentialed-requests", CredentialedRequestViewSet)
 router.register("egress-tokens", EgressTokenViewSet)
 router.register("egress-decisions", DecisionViewSet)
 router.register("runners", RunnerViewSet)

@@ -31,6 +31,7 @@ from agents.models import Agent
 from budgets.admin import AgentWithSpendAdmin
 from budgets.models import Charge
 from budgets.money import dollars
+from connections.admin import requests_link
 from covey.display import linked, moment, seconds
 from covey.numbers import whole_number
 from egress.admin import DecisionAdmin, EgressTokenAdmin
@@ -114,6 +115,7 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
         "log_link",
         "egress_shown",
         "model_usage",
+        "credentialed_shown",
         "changes_in_home",
         "output_size",
         "log_start",
@@ -242,6 +244,11 @@ class RunAdmin(TenantScoped, admin.ModelAdmin):
             charged["n"],
             dollars(charged["cost"] or Decimal(0)),
         )
+
+    @admin.display(description="Credentialed requests")
+    def credentialed_shown(self, obj: Run) -> str:
+        """What it did with its organisation's connections (git through the gateway)."""
+        return requests_link(obj.credentialed_requests.all(), run__id__exact=str(obj.pk))
 
     def cancel_view(self, request: HttpRequest, object_id: Any) -> HttpResponseBase:
         """The run page's Cancel button."""

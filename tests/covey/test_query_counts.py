@@ -13,6 +13,7 @@ from approvals.services import approve, file_egress, file_package
 from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
+from connections.models import CredentialedRequest
 from connections.services import create_connection
 from covey.pagination import BoundedPagination
 from covey.urls import router
@@ -56,12 +57,17 @@ def make_rows(acme, alice, count):
             name="Extra",
             entries=["mirror.example"],
         )
-        create_connection(
+        forge = create_connection(
             acme, f"git-{Runner.objects.count()}", "token", "a-token", git_url="https://git.example"
         )
         runner, _ = online_runner(acme, f"edge-{Runner.objects.count()}")
         run = runs.queue_run(agent, "work", by=alice)
         runs.start(str(run.pk), run.runner)
+        CredentialedRequest.objects.create(
+            organisation=acme, agent=agent, run=run, connection=forge, at=timezone.now(),
+            method="GET", host="git.example", repository="acme/app", service="git-upload-pack",
+            status=200,
+        )  # fmt: skip
         issue_token(agent, by=alice)
         refusal = Decision.objects.create(
             agent=agent, kind="connect", host="a.example", port=443, allowed=True,
