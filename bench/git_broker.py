@@ -87,6 +87,9 @@ def serve_route(port: int, host_port: int, ca_file: str) -> None:
                 raise NotGranted
             return GitAccess(1, f"https://127.0.0.1:{host_port}", header, grant)
 
+        def api_access(self, token: str, host: str, repository: str) -> GitAccess:
+            raise NotGranted
+
         def record(self, token: str, event: Any) -> None:
             pass
 

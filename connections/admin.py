@@ -168,7 +168,7 @@ class CredentialedRequestAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
     date_hierarchy = "at"
     fields = [
         "at_shown", "organisation", "agent", "run_shown", "connection", "method", "host",
-        "repository", "service", "status", "outcome_shown", "refs_shown",
+        "repository", "service", "path", "status", "outcome_shown", "refs_shown",
     ]  # fmt: skip
     readonly_fields = ["at_shown", "run_shown", "outcome_shown", "refs_shown"]
 
@@ -183,6 +183,8 @@ class CredentialedRequestAdmin(ReadOnlyAdmin, TenantScoped, admin.ModelAdmin):
 
     @admin.display(description="Request")
     def request_shown(self, obj: CredentialedRequest) -> str:
+        if obj.path:  # an API call
+            return f"{obj.method} {obj.host}{obj.path}"
         return f"{SERVICES.get(obj.service, obj.service)} {obj.host}/{obj.repository}"
 
     @admin.display(description="Outcome")

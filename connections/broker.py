@@ -61,6 +61,7 @@ class GitAccess:
     github: GitHubApp | None = None
     permissions: Mapping[str, str] = field(default_factory=dict)
     problem: str = ""
+    api: frozenset[str] = frozenset()  # the API calls the grant names (connections.apicalls)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class GitEvent:
     refused: str = ""  # covey's reason, when covey refused
     refs: tuple[RefOutcome, ...] = ()
     problem: str = ""  # why the upstream could not be used (its credential refused, no answer)
+    path: str = ""  # an API call's, at the API's root
 
 
 class Broker(Protocol):
@@ -94,6 +96,10 @@ class Broker(Protocol):
     def git_access(self, token: str, host: str, repository: str) -> GitAccess:
         """The access for a run's token to ``repository`` (``owner/name``) on ``host``;
         Unauthenticated or NotGranted."""
+        ...
+
+    def api_access(self, token: str, host: str, repository: str) -> GitAccess:
+        """The same for ``repository`` at the API on ``host`` (its base URL the API's)."""
         ...
 
     def record(self, token: str, event: GitEvent) -> None: ...
@@ -117,7 +123,7 @@ class GitRoute:
             )
         except Malformed as exc:
             return _answer(400, f"covey: {exc}")
-        token = _token(request)
+        token = token_of(request)
         if token is None:
             return _answer(
                 403, "covey: present the run's token, once (Authorization: Bearer <token>)"
@@ -132,7 +138,7 @@ class GitRoute:
             await self._record(token, None, route, request, 404, refused="not granted")
             return _answer(404, f"covey: repository {route.repository} not found")
         try:
-            access = await self._credential(access, route)
+            access = await credential(self.tokens, access, route.repository)
         except GitHubRefused as exc:
             await self._record(token, access, route, request, 502, problem=str(exc))
             return _answer(502, f"covey: {exc}")
@@ -142,17 +148,6 @@ class GitRoute:
         answer, problem = await self._forward(request, route, access, body)
         await self._record(token, access, route, request, answer.status, problem=problem)
         return answer
-
-    async def _credential(self, access: GitAccess, route: Route) -> GitAccess:
-        """``access`` with the credential in its headers: a GitHub App's installation token
-        for the repository is minted (or taken from the cache); GitHubRefused says why not."""
-        if access.problem:
-            raise GitHubRefused(access.problem)
-        if access.github is None:
-            return access
-        token = await self.tokens.token(access.github, route.repository, access.permissions)
-        credential = BasicAuth("x-access-token", token).encode()  # as GitHub's git takes it
-        return replace(access, headers={"Authorization": credential})
 
     async def _push(
         self, request: web.Request, route: Route, access: GitAccess, token: str
@@ -228,7 +223,8 @@ class GitRoute:
         """The upstream's default branch, from its fetch advertisement (None: not known)."""
         url = f"{_repository_url(access, route)}/info/refs?service=git-upload-pack"
         try:
-            async with self.session().get(url, headers=dict(access.headers)) as answer:
+            headers = {**access.headers, "Accept-Encoding": "identity"}
+            async with self.session().get(url, headers=headers) as answer:
                 if answer.status != 200:
                     return None
                 # Its first ref line names it; the rest of a large advertisement is not read.
@@ -251,6 +247,7 @@ class GitRoute:
             url += f"?service={route.service.value}"
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         headers.update(access.headers)
+        headers["Accept-Encoding"] = "identity"  # what is streamed back is what was sent
         try:
             upstream = await self.session().request(
                 request.method,
@@ -308,7 +305,22 @@ class GitRoute:
             logger.exception("a git request could not be recorded")
 
 
-def _token(request: web.Request) -> str | None:
+async def credential(
+    tokens: InstallationTokens, access: GitAccess, repository: str, *, api: bool = False
+) -> GitAccess:
+    """``access`` with the credential in its headers: a GitHub App's installation token for
+    the repository is minted (or taken from the cache), for git (basic) or its API (bearer);
+    GitHubRefused says why there is none."""
+    if access.problem:
+        raise GitHubRefused(access.problem)
+    if access.github is None:
+        return access
+    token = await tokens.token(access.github, repository, access.permissions)
+    sent = f"Bearer {token}" if api else BasicAuth("x-access-token", token).encode()
+    return replace(access, headers={"Authorization": sent})
+
+
+def token_of(request: web.Request) -> str | None:
     """The run's token: exactly one Authorization header, a bearer one."""
     given = request.headers.getall("Authorization", [])
     if len(given) != 1 or not given[0].startswith("Bearer "):

@@ -112,10 +112,19 @@ class Connection(models.Model):
     def host(self) -> str:
         """The git host's name, with ``:port`` when not 443: what the gateway's git paths name
         (``/git/<host>/<owner>/<name>``); empty when it has no git URL."""
-        parts = urlsplit(self.git_url)
-        if not parts.hostname:
-            return ""
-        return parts.hostname + (f":{parts.port}" if parts.port not in (None, 443) else "")
+        return _host(self.git_url)
+
+    @property
+    def api_host(self) -> str:
+        """The same of its API (``/api/<host>/repos/<owner>/<name>/…``); empty: no API."""
+        return _host(self.api_url)
+
+
+def _host(url: str) -> str:
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return ""
+    return parts.hostname + (f":{parts.port}" if parts.port not in (None, 443) else "")
 
 
 # What people set on a connection, in the order forms show it (the credential apart: it is
@@ -167,7 +176,11 @@ class CredentialedRequest(models.Model):
     host = models.CharField(max_length=300)
     repository = models.CharField(max_length=201, help_text="owner/name")
     service = models.CharField(
-        max_length=30, help_text="What was asked: git-upload-pack (fetch), git-receive-pack (push)."
+        max_length=30,
+        help_text="What was asked: git-upload-pack (fetch), git-receive-pack (push), api.",
+    )
+    path = models.CharField(
+        max_length=1000, blank=True, help_text="An API call's path, at the API's root."
     )
     status = models.PositiveSmallIntegerField(help_text="What the sandbox was answered.")
     refused = models.CharField(

@@ -71,10 +71,9 @@ def route(method: str, path: str, query: str) -> Route:
     if len(parts) < 6 or parts[:2] != ["", "git"]:
         raise Malformed("a git path is /git/<host>/<owner>/<name>/<endpoint>")
     host, owner, name, endpoint = parts[2], parts[3], parts[4], "/".join(parts[5:])
-    _check_host(host)
-    for what, segment in (("owner", owner), ("repository name", name)):
-        if not _SEGMENT.fullmatch(segment) or ".." in segment:
-            raise Malformed(f"{what} {segment[:100]!r}: letters, digits, '_', '-' and '.' only")
+    check_host(host)
+    check_segment("owner", owner)
+    check_segment("repository name", name)
     name = name.removesuffix(".git")
     if not name:
         raise Malformed("the repository name is empty")
@@ -90,10 +89,17 @@ def route(method: str, path: str, query: str) -> Route:
     return Route(host, owner, name, _service(endpoint), advertisement=False)
 
 
-def _check_host(host: str) -> None:
+def check_host(host: str) -> None:
+    """Malformed unless ``host`` is a lowercase host name, with ``:port`` if not 443."""
     name, _, port = host.partition(":")
     if not _HOST.fullmatch(name) or (port and (not _PORT.fullmatch(port) or int(port) > 65535)):
         raise Malformed(f"host {host[:100]!r}: a lowercase host name, with a port if not 443")
+
+
+def check_segment(what: str, segment: str) -> None:
+    """Malformed unless ``segment`` is an owner's or a repository's name."""
+    if not _SEGMENT.fullmatch(segment) or ".." in segment:
+        raise Malformed(f"{what} {segment[:100]!r}: letters, digits, '_', '-' and '.' only")
 
 
 def _service(name: str) -> Service:

@@ -124,7 +124,7 @@ class CredentialedRequestSerializer(serializers.ModelSerializer):
         model = CredentialedRequest
         fields = [
             "id", "organisation", "agent", "run", "connection", "at", "method", "host",
-            "repository", "service", "status", "refused", "refs",
+            "repository", "service", "path", "status", "refused", "refs",
         ]  # fmt: skip
         read_only_fields = fields
 

@@ -112,10 +112,13 @@ class ModelGrant(Message):
 @dataclasses.dataclass(frozen=True)
 class GitRemote(Message):
     """A git host the agent's grants name: the sandbox's git reaches ``url`` (a connection's
-    git root) through the model gateway's ``/git/<host>/``, with the run's token there."""
+    git root) through the model gateway's ``/git/<host>/``, and its API (when it has one)
+    through ``/api/<api_host>/``, with the run's token there."""
 
     url: str
     host: str  # as the gateway's git paths name it (with :port when not 443)
+    name: str = ""  # the connection's
+    api_host: str = ""  # its API's host ("" for none)
 
 
 # What a runner host can build, sent with every start request: a run that needs more is failed

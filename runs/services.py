@@ -367,7 +367,7 @@ def sandbox_spec(run: Run, credentials: str, model: ModelGrant | None = None) ->
         git=()
         if model is None  # the gateway brokers them
         else tuple(
-            GitRemote(url=c.git_url, host=c.host)
+            GitRemote(url=c.git_url, host=c.host, name=c.name, api_host=c.api_host)
             for c in git_hosts(run.agent.organisation_id, config.get("credential_grants") or [])
         ),
     )

@@ -46,10 +46,17 @@ class DjangoBroker:
         self._granted: dict[int, _Granted] = {}
 
     def git_access(self, token: str, host: str, repository: str) -> GitAccess:
+        return self._access(token, host, repository, api=False)
+
+    def api_access(self, token: str, host: str, repository: str) -> GitAccess:
+        return self._access(token, host, repository, api=True)
+
+    def _access(self, token: str, host: str, repository: str, *, api: bool) -> GitAccess:
         caller = self._caller(token)
         for connection, grant in self._grants(caller.agent_id):
             rules = git_grant(grant)
-            if connection.host != host or not rules.covers(repository):
+            at = connection.api_host if api else connection.host
+            if not at or at != host or not rules.covers(repository):
                 continue
             try:
                 secret = crypto.decrypt(connection.secret)
@@ -67,12 +74,13 @@ class DjangoBroker:
                 )
             return GitAccess(
                 connection_id=connection.pk,
-                base_url=connection.git_url,
+                base_url=connection.api_url if api else connection.git_url,
                 headers={} if github or not secret else credential_headers(connection, secret),
                 grant=rules,
                 github=github,
                 permissions=permissions_for(bool(rules.push), frozenset(grant["api"])),
                 problem="" if secret else f"covey cannot read the credential of {connection.name}",
+                api=frozenset(grant["api"]),
             )
         raise NotGranted
 
@@ -90,6 +98,7 @@ class DjangoBroker:
                 host=event.host,
                 repository=event.repository,
                 service=event.service,
+                path=event.path[:1000],
                 status=event.status,
                 refused=(event.refused or event.problem)[:1000],
                 refs=[

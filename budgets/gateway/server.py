@@ -16,8 +16,9 @@ the vendor refused the request). A ledger that cannot be written refuses the req
 nothing is ever forwarded unmetered. Counting tokens and listing models are free, and forwarded
 after authentication only; every other path is refused.
 
-With a broker, the gateway also serves connections' git hosts at ``/git/`` (connections/broker.py,
-docs/credentials.md): the same run's token, the organisation's credential put in its place.
+With a broker, the gateway also serves connections' git hosts at ``/git/`` (connections/broker.py)
+and their APIs at ``/api/`` (connections/apibroker.py): the same run's token, the organisation's
+credential put in its place, within the agent's grants (docs/credentials.md).
 """
 
 import asyncio
@@ -40,6 +41,7 @@ from budgets.gateway.config import GatewayConfig
 from budgets.gateway.metrics import Meters
 from budgets.gateway.openai import ChatCompletions, Responses
 from budgets.usage import EventStream, Usage
+from connections.apibroker import ApiRoute
 from connections.broker import Broker, GitRoute
 from connections.github import InstallationTokens
 
@@ -190,8 +192,11 @@ class Gateway:
         for method, path, api, metered in ROUTES:
             app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
         if self.broker is not None:  # credentials brokered (connections/broker.py)
-            route = GitRoute(self.broker, self._session, InstallationTokens(self._session))
-            app.router.add_route("*", "/git/{tail:.*}", route.handle)
+            tokens = InstallationTokens(self._session)
+            git = GitRoute(self.broker, self._session, tokens)
+            app.router.add_route("*", "/git/{tail:.*}", git.handle)
+            calls = ApiRoute(self.broker, self._session, tokens)
+            app.router.add_route("*", "/api/{tail:.*}", calls.handle)
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)

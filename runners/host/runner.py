@@ -25,6 +25,7 @@ engine's event stream, held open to see it go and come back (engine_watch.py).
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -357,7 +358,9 @@ class RunnerHost:
                     OPENAI_API_KEY=spec.model.token,
                 )
             if spec.git:  # git's own configuration, for the run only: the home is not touched
-                environment.update(git_environment(spec.model.base_url, spec.model.token, spec.git))
+                environment.update(
+                    brokered_environment(spec.model.base_url, spec.model.token, spec.git)
+                )
             if shape is None:  # on the host's network, the gateway is reached directly
                 direct.append(urlsplit(spec.model.base_url).hostname or "")
         if shape is not None:
@@ -711,18 +714,26 @@ class RunnerHost:
         self.quotas.forget(run_id)
 
 
-def git_environment(gateway: str, token: str, remotes: tuple[GitRemote, ...]) -> dict[str, str]:
-    """git's configuration in the environment (GIT_CONFIG_COUNT, git 2.31 and later): each
-    remote's URLs lead to the gateway's ``/git/<host>/``, and requests there carry the run's
-    token. Nothing is written to the home, so nothing of it outlives the run."""
+def brokered_environment(
+    gateway: str, token: str, remotes: tuple[GitRemote, ...]
+) -> dict[str, str]:
+    """What a sandbox's tools read to reach its git hosts through the gateway, for the run
+    only (nothing is written to the home): git's configuration (GIT_CONFIG_COUNT, git 2.31 and
+    later), so that each remote's URLs lead to the gateway's ``/git/<host>/`` and requests there
+    carry the run's token; and for each host with an API, ``COVEY_API_<CONNECTION>``, its base
+    URL at the gateway, with the token in ``COVEY_TOKEN``."""
     root = gateway.rstrip("/") + "/git/"
     pairs = [(f"url.{root}{remote.host}/.insteadOf", remote.url.rstrip("/") + "/")
              for remote in remotes]  # fmt: skip
     pairs.append((f"http.{root}.extraHeader", f"Authorization: Bearer {token}"))
-    environment = {"GIT_CONFIG_COUNT": str(len(pairs))}
+    environment = {"GIT_CONFIG_COUNT": str(len(pairs)), "COVEY_TOKEN": token}
     for number, (key, value) in enumerate(pairs):
         environment[f"GIT_CONFIG_KEY_{number}"] = key
         environment[f"GIT_CONFIG_VALUE_{number}"] = value
+    for remote in remotes:
+        if remote.api_host and remote.name:
+            variable = "COVEY_API_" + re.sub(r"[^A-Z0-9]", "_", remote.name.upper())
+            environment[variable] = f"{gateway.rstrip('/')}/api/{remote.api_host}"
     return environment
 
 

@@ -2,6 +2,7 @@
 installation tokens only to a JSON Web Token signed with the app's key, as GitHub does, and
 a git host beside it (tests/connections/githost.py) takes the tokens it minted."""
 
+import base64
 from datetime import UTC, datetime, timedelta
 
 import jwt
@@ -18,6 +19,54 @@ class GitHub:
         self.repositories = {"app", "docs"}
         self.minted: list[dict] = []
         self.tokens = [] if tokens is None else tokens  # each token minted (a git host's list)
+        self.also: set[str] = set()  # tokens its REST API takes besides the minted ones
+        self.pulls: list[dict] = []
+        self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, path, headers
+
+    def routes(self, app: web.Application) -> None:
+        """Its API on ``app``: tokens, a repository, and its pull requests."""
+        app.router.add_post("/app/installations/{installation}/access_tokens", self.access_tokens)
+        app.router.add_get("/repos/{owner}/{name}", self.repository)
+        app.router.add_post("/repos/{owner}/{name}/pulls", self.open_pull)
+        app.router.add_get("/repos/{owner}/{name}/pulls", self.list_pulls)
+        app.router.add_route("*", "/repos/{owner}/{name}/{tail:.*}", self.anything)
+
+    def _authorised(self, request: web.Request) -> bool:
+        self.seen.append((request.method, request.path_qs, dict(request.headers)))
+        sent = request.headers.get("Authorization", "")
+        taken = {*self.tokens, *self.also}
+        if sent.startswith("Basic "):  # as GitHub takes a token in basic authentication too
+            user, _, token = base64.b64decode(sent.removeprefix("Basic ")).decode().partition(":")
+            return user == "x-access-token" and token in taken
+        return sent.removeprefix("Bearer ") in taken
+
+    async def repository(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        owner, name = request.match_info["owner"], request.match_info["name"]
+        return web.json_response({"full_name": f"{owner}/{name}", "default_branch": "main"})
+
+    async def open_pull(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        body = await request.json()
+        self.pulls.append(body)
+        number = len(self.pulls)
+        return web.json_response(
+            {"number": number, "title": body.get("title"), "head": {"ref": body.get("head")},
+             "state": "open"},
+            status=201,
+        )  # fmt: skip
+
+    async def list_pulls(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        return web.json_response([{"number": n + 1, **p} for n, p in enumerate(self.pulls)])
+
+    async def anything(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        return web.json_response({"message": "done", "path": request.path})
 
     async def access_tokens(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization", "")

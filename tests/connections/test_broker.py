@@ -41,6 +41,9 @@ class FakeBroker:
         basic = GitHost(Path("."), self.secret).authorization
         return GitAccess(1, f"https://127.0.0.1:{self.port}", {"Authorization": basic}, self.grant)
 
+    def api_access(self, token: str, host: str, repository: str) -> GitAccess:
+        raise NotGranted
+
     def record(self, token: str, event: GitEvent) -> None:
         self.events.append(event)
 

@@ -41,9 +41,11 @@ NEEDLES = base64.b64encode(f"{SECRET}\nghs_minted_\n".encode()).decode()
 GRANT = {"repositories": ["acme/app"], "force_push": True}  # deleting is not granted
 
 
-def script(remote: str, agent: str) -> str:
+def script(remote: str, agent: str, connection: str) -> str:
     """What the agent does, each outcome said in the log; then it looks for credentials."""
     branch = f"refs/heads/covey/{agent}/work"
+    api = f"$COVEY_API_{connection.upper()}"
+    pull = f'{{"title": "Work", "head": "covey/{agent}/work", "base": "main"}}'
     return f"""
 set -u
 cd "$HOME"
@@ -56,6 +58,11 @@ git -c user.name=Agent -c user.email=agent@covey.test commit -q --amend --allow-
 git push -q --force origin HEAD:{branch} && echo "FORCED $(git rev-parse HEAD)"
 git push origin :{branch} 2>&1 | sed 's/^/delete: /'
 git clone -q {remote}/acme/secret.git secret 2>&1 | sed 's/^/secret: /'
+echo "api: {api}"
+curl -sS -H "Authorization: Bearer $COVEY_TOKEN" -d '{pull}' {api}/repos/acme/app/pulls \\
+    | sed 's/^/pull: /'; echo
+curl -sS -X PUT -H "Authorization: Bearer $COVEY_TOKEN" {api}/repos/acme/app/pulls/1/merge \\
+    | sed 's/^/merge: /'; echo
 env | sort
 ps -eo args
 # What to look for, given encoded: the script is in a process's command line too.
@@ -75,10 +82,11 @@ def stand_in(tmp_path: Path, ca) -> Iterator[tuple[GitHost, GitHub, str]]:  # no
     host.repository("acme/secret")
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     github = GitHub(key, tokens=host.minted)
+    github.also.add(SECRET)  # the access token's connection calls the API with it too
     servers = Servers()
     try:
         app = web.Application()
-        app.router.add_post("/app/installations/{installation}/access_tokens", github.access_tokens)
+        github.routes(app)
         app.router.add_route("*", "/{tail:.*}", host.handle)
         port = servers.serve(app, ca.issue("127.0.0.1"))
         yield host, github, f"https://127.0.0.1:{port}"
@@ -86,7 +94,7 @@ def stand_in(tmp_path: Path, ca) -> Iterator[tuple[GitHost, GitHub, str]]:  # no
         servers.close()
 
 
-def check_the_flow(log: str, host: GitHost, agent: str, remote: str) -> None:
+def check_the_flow(log: str, host: GitHost, github: GitHub, agent: str, remote: str) -> None:
     branch = f"covey/{agent}/work"
     assert "CLONED" in log, log
     pushed = log.split("PUSHED ", 1)[1].split()[0]
@@ -102,8 +110,15 @@ def check_the_flow(log: str, host: GitHost, agent: str, remote: str) -> None:
     assert f"GIT_CONFIG_VALUE_0={remote}/" in log
     assert "no credential in its files" in log and "no credential in its processes" in log
     assert SECRET not in log and "ghs_minted_" not in log
+    # A pull request through the API route; merging it is refused, naming the rule.
+    assert '"number": 1' in log.split("pull: ", 1)[1].splitlines()[0]
+    assert github.pulls == [{"title": "Work", "head": f"covey/{agent}/work", "base": "main"}]
+    merge = log.split("merge: ", 1)[1].splitlines()[0]
+    assert '"rule": "call"' in merge and "PUT /repos/acme/app/pulls/1/merge is no call" in merge
+    assert not [seen for seen in github.seen if seen[1].endswith("/merge")]
     refused = CredentialedRequest.objects.exclude(refused="").values_list("refused", flat=True)
     assert {r.split(":")[0] for r in refused} >= {"protected by covey", "not granted"}
+    assert any(r.startswith("PUT /repos/acme/app/pulls/1/merge is no call") for r in refused)
 
 
 def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
@@ -115,16 +130,17 @@ def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
     ca,  # noqa: F811
     stand_in,
 ):
-    host, _, remote = stand_in
+    host, github, remote = stand_in
     services.create_connection(
-        acme, "forge", "token", SECRET, git_url=remote, scheme="basic", username="x-access-token"
-    )
+        acme, "forge", "token", SECRET, git_url=remote, api_url=remote, scheme="basic",
+        username="x-access-token",
+    )  # fmt: skip
     address = Engine("address").bridge_address(None)  # where sandboxes reach this host
     with start_gateway(tmp_path, vendor, ca, host=address) as gateway:
         stack = Stack(tmp_path, workplace_image, COVEY_MODEL_GATEWAY_URL=gateway.url)
         try:
             runner, config = stack.register(acme, "edge-git")
-            agent = stack.agent(acme, "Pusher", ["sh", "-c", script(remote, "pusher")],
+            agent = stack.agent(acme, "Pusher", ["sh", "-c", script(remote, "pusher", "forge")],
                                 credential_grants=[{"connection": "forge", **GRANT}])  # fmt: skip
             with stack.runner(runner, config):
                 run = run_services.queue_run(agent, "push your branch")
@@ -135,7 +151,7 @@ def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
             stack.close()
         assert SECRET not in gateway.output()
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
-    check_the_flow(log, host, "pusher", remote)
+    check_the_flow(log, host, github, "pusher", remote)
     assert {r.run_id for r in CredentialedRequest.objects.all()} == {run.pk}
 
 
@@ -163,7 +179,7 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
             runner, config = world.register(acme, "isolated-git")
             # Its allowlist names nothing on this machine: the gateway is allowed as built in.
             agent = world.stack.agent(
-                acme, "Isolated pusher", ["sh", "-c", script(remote, "isolated-pusher")],
+                acme, "Isolated pusher", ["sh", "-c", script(remote, "isolated-pusher", "github")],
                 credential_grants=[{"connection": "github", **GRANT}],
             )  # fmt: skip
             budget_services.set_budget(agent, Decimal(5))
@@ -178,7 +194,7 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
         assert "ghs_minted_" not in gateway.output()
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
     assert "HTTP_PROXY=http://" in log  # the gateway was reached through the proxy
-    check_the_flow(log, host, "isolated-pusher", remote)
+    check_the_flow(log, host, github, "isolated-pusher", remote)
     # One token for the repository, with the grant's permissions; git used it.
     assert github.minted == [
         {

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.docker
 TOOLS = (
     "claude --version && node --version && npm --version && python3 -m pip --version"
     " && python3 -m venv /tmp/venv && git --version && curl --version && rg --version"
-    " && jq --version && gh --version && cc --version && make --version && command -v covey-request"
+    " && jq --version && cc --version && make --version && command -v covey-request"
 )
 
 

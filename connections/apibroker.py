@@ -1,0 +1,187 @@
+"""The gateway's API route: a sandbox calls a git host's HTTP API at
+``/api/<host>/repos/<owner>/<name>/…`` with its run's token, and the gateway makes the call at
+the connection's API URL with the connection's credential, when the agent's grant allows it
+(docs/credentials.md).
+
+Per request: the path is read strictly (:func:`connections.apicalls.route`; 400 otherwise) →
+exactly one ``Authorization: Bearer <run token>`` (403 otherwise) → the broker says which
+connection and grant cover the repository (a repository not granted is 404, as GitHub answers
+for a private repository one cannot see) → the method and path must be a call the grant names
+(403 otherwise, the rule named) → the call goes upstream with only the request's own content
+headers and the connection's credential, and the answer streams back. Every refusal is JSON,
+``{"message": …, "rule": …}``, as GitHub's own errors carry a message. Every request is
+recorded through the broker. No Django.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+from connections import apicalls
+from connections.broker import (
+    CHUNK,
+    Broker,
+    GitAccess,
+    GitEvent,
+    NotGranted,
+    Unauthenticated,
+    credential,
+    token_of,
+)
+from connections.github import GitHubRefused, InstallationTokens
+from connections.smarthttp import Malformed
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "api"  # what the record says of an API call
+FORWARDED = (
+    "accept", "content-type", "user-agent", "x-github-api-version", "if-none-match",
+    "if-modified-since",
+)  # fmt: skip
+RETURNED = (
+    "content-type", "etag", "last-modified", "cache-control", "location", "retry-after",
+    "x-github-request-id", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset",
+    "x-ratelimit-used", "x-ratelimit-resource",
+)  # fmt: skip
+
+
+class TooLarge(Exception):
+    """The request's body is larger than the route takes."""
+
+
+@dataclass
+class ApiRoute:
+    """The ``/api/`` route of the gateway."""
+
+    broker: Broker
+    session: Callable[[], ClientSession]  # the gateway's client to upstreams (TLS verified)
+    tokens: InstallationTokens
+    max_body_bytes: int = 25 * 1024 * 1024
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one request under /api/."""
+        try:
+            call = apicalls.route(request.rel_url.raw_path)
+        except Malformed as exc:
+            return refused(400, str(exc), "path")
+        token = token_of(request)
+        if token is None:
+            return refused(
+                403, "present the run's token, once (Authorization: Bearer <token>)", "token"
+            )
+        try:
+            access = await asyncio.to_thread(
+                self.broker.api_access, token, call.host, call.repository
+            )
+        except Unauthenticated:
+            return refused(403, "this token is no running agent's (a run's ends with it)", "token")
+        except NotGranted:
+            await self._record(token, None, call, request, 404, refused="not granted")
+            return refused(404, f"repository {call.repository} not found", "not granted")
+        if why := apicalls.refusal(access.api, request.method, call):
+            await self._record(token, access, call, request, 403, refused=why)
+            return refused(403, why, "call")
+        if request.headers.get("Content-Encoding", "identity") != "identity":
+            return refused(415, "send the body unencoded (no Content-Encoding)", "body")
+        if (request.content_length or 0) > self.max_body_bytes:
+            return refused(413, f"the body is larger than {self.max_body_bytes} bytes", "body")
+        try:
+            access = await credential(self.tokens, access, call.repository, api=True)
+        except GitHubRefused as exc:
+            await self._record(token, access, call, request, 502, problem=str(exc))
+            return refused(502, str(exc), "upstream")
+        answer, problem = await self._forward(request, call, access)
+        await self._record(token, access, call, request, answer.status, problem=problem)
+        return answer
+
+    async def _forward(
+        self, request: web.Request, call: apicalls.Call, access: GitAccess
+    ) -> tuple[web.StreamResponse, str]:
+        url = access.base_url.rstrip("/") + call.path
+        if query := request.rel_url.raw_query_string:
+            url += f"?{query}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        headers.update(access.headers)
+        headers["Accept-Encoding"] = "identity"  # what is streamed back is what was sent
+        body = _Body(request, self.max_body_bytes) if request.body_exists else None
+        try:
+            upstream = await self.session().request(
+                request.method,
+                url,
+                headers=headers,
+                data=body.chunks() if body else None,
+                timeout=ClientTimeout(total=None, sock_connect=10, sock_read=300),
+                allow_redirects=False,
+            )
+        except (ClientError, TimeoutError, TooLarge) as exc:
+            if body is not None and body.too_large:  # however the client said it
+                told = f"the body is larger than {self.max_body_bytes} bytes"
+                return refused(413, told, "body"), ""
+            problem = f"{call.host} did not answer ({type(exc).__name__})"
+            return refused(502, problem, "upstream"), problem
+        async with upstream:
+            if upstream.status == 401:
+                if access.github is not None:  # a token it minted and then refused: mint anew
+                    self.tokens.forget(access.github)
+                problem = f"{call.host} refused the connection's credential (401)"
+                return refused(502, problem, "upstream"), problem
+            answer = web.StreamResponse(status=upstream.status)
+            for name in RETURNED:
+                if name in upstream.headers:
+                    answer.headers[name] = upstream.headers[name]
+            await answer.prepare(request)
+            async for chunk in upstream.content.iter_chunked(CHUNK):
+                await answer.write(chunk)
+            await answer.write_eof()
+            return answer, ""
+
+    async def _record(
+        self,
+        token: str,
+        access: GitAccess | None,
+        call: apicalls.Call,
+        request: web.Request,
+        status: int,
+        *,
+        refused: str = "",
+        problem: str = "",
+    ) -> None:
+        event = GitEvent(
+            connection_id=access.connection_id if access else None,
+            host=call.host,
+            repository=call.repository,
+            service=SERVICE,
+            method=request.method,
+            status=status,
+            refused=refused,
+            problem=problem,
+            path=call.path,
+        )
+        try:
+            await asyncio.to_thread(self.broker.record, token, event)
+        except Exception:
+            logger.exception("an API call could not be recorded")
+
+
+class _Body:
+    """A request's body streamed upstream, stopped at ``limit`` bytes."""
+
+    def __init__(self, request: web.Request, limit: int) -> None:
+        self.request, self.limit, self.too_large = request, limit, False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self.request.content.iter_chunked(CHUNK):
+            size += len(chunk)
+            if size > self.limit:
+                self.too_large = True
+                raise TooLarge
+            yield chunk
+
+
+def refused(status: int, message: str, rule: str) -> web.Response:
+    """covey's JSON refusal: what is wrong, and which rule said so."""
+    return web.json_response({"message": f"covey: {message}", "rule": rule}, status=status)
