@@ -59,17 +59,24 @@ class Call:
         return f"/repos/{self.owner}/{self.name}{self.rest}"
 
 
+def check_path(path: str) -> None:
+    """Malformed for a path (raw, as sent) that could climb or hide once the upstream reads
+    it: a ``.`` or ``..`` segment, an empty one but the last, a backslash, or a percent-encoding
+    of a dot, a slash, a backslash or NUL (or a bare ``%``)."""
+    if "\\" in path or _ENCODED.search(path) or _PERCENT.search(path):
+        raise Malformed("a path has no backslash, no bare '%' and no encoded '.', '/', '\\' or NUL")
+    parts = path.split("/")
+    if any(part in (".", "..") for part in parts) or "" in parts[1:-1]:
+        raise Malformed("a path has no '.' or '..' segment, and no empty one but the last")
+
+
 def route(path: str) -> Call:
     """The route of a request for ``path`` (raw, as sent). Malformed for a path that is not
-    ``/api/<host>/repos/<owner>/<name>…``, that has an empty, ``.`` or ``..`` segment, a
-    backslash, or a percent-encoding of a dot, a slash, a backslash or NUL (or a bare ``%``)."""
-    if "\\" in path or _ENCODED.search(path) or _PERCENT.search(path):
-        raise Malformed(
-            "an API path has no backslash, no bare '%' and no encoded '.', '/', '\\' or NUL"
-        )
+    ``/api/<host>/repos/<owner>/<name>…`` or that :func:`check_path` refuses."""
+    check_path(path)
+    if path.endswith("/"):
+        raise Malformed("an API path does not end in '/'")
     parts = path.split("/")
-    if any(part in ("", ".", "..") for part in parts[1:]):
-        raise Malformed("an API path has no empty, '.' or '..' segment")
     if len(parts) < 6 or parts[:2] != ["", "api"] or parts[3] != "repos":
         raise Malformed("covey's API route serves /api/<host>/repos/<owner>/<name>/… only")
     host, owner, name = parts[2], parts[4], parts[5]

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Protocol
 
-from aiohttp import BasicAuth, ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, encode_basic_auth, web
 
 from connections import smarthttp
 from connections.github import GitHubApp, GitHubRefused, InstallationTokens
@@ -65,6 +65,17 @@ class GitAccess:
 
 
 @dataclass(frozen=True)
+class RegistryAccess:
+    """A registry connection of the agent's grants: where it is, its credential, its paths."""
+
+    connection_id: int
+    base_url: str  # the index URL (the path follows)
+    headers: Mapping[str, str] = field(repr=False)  # the credential
+    paths: tuple[str, ...]
+    problem: str = ""  # why the credential cannot be used (nothing is sent)
+
+
+@dataclass(frozen=True)
 class RefOutcome:
     """One ref update of a push and what became of it."""
 
@@ -100,6 +111,10 @@ class Broker(Protocol):
 
     def api_access(self, token: str, host: str, repository: str) -> GitAccess:
         """The same for ``repository`` at the API on ``host`` (its base URL the API's)."""
+        ...
+
+    def registry_access(self, token: str, name: str) -> RegistryAccess:
+        """The registry connection named ``name`` that the run's agent is granted."""
         ...
 
     def record(self, token: str, event: GitEvent) -> None: ...
@@ -316,7 +331,7 @@ async def credential(
     if access.github is None:
         return access
     token = await tokens.token(access.github, repository, access.permissions)
-    sent = f"Bearer {token}" if api else BasicAuth("x-access-token", token).encode()
+    sent = f"Bearer {token}" if api else encode_basic_auth("x-access-token", token)
     return replace(access, headers={"Authorization": sent})
 
 

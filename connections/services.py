@@ -17,7 +17,6 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from connections.grants import GIT_KINDS
 from connections.models import CONNECTION_FIELDS, Connection, Kind, Scheme
 from covey.crypto import encrypt
 from organisations.models import Organisation
@@ -116,14 +115,12 @@ def granted_to(connection: Connection, *, name: str | None = None) -> list[str]:
     ]
 
 
-def git_hosts(organisation_id: int, grants: Iterable[Mapping[str, Any]]) -> list[Connection]:
-    """The connections over git hosts that ``grants`` (an agent's) name, in their order."""
+def granted(organisation_id: int, grants: Iterable[Mapping[str, Any]]) -> list[Connection]:
+    """The connections that ``grants`` (an agent's) name, in their order."""
     names = [grant.get("connection") for grant in grants]
     found = {
         c.name: c
-        for c in Connection.objects.filter(
-            organisation_id=organisation_id, name__in=names, kind__in=GIT_KINDS
-        ).exclude(git_url="")
+        for c in Connection.objects.filter(organisation_id=organisation_id, name__in=names)
     }
     return [found[name] for name in names if name in found]
 
@@ -232,6 +229,8 @@ def _kind_errors(kind: Kind, connection: Connection) -> dict[str, list[str]]:
             and all(isinstance(p, str) and p.startswith("/") and ".." not in p for p in paths)
         ):
             errors["paths"] = ['a list of paths that start with "/", e.g. ["/simple/"]']
+    if ":" in connection.username or not connection.username.isprintable():
+        errors["username"] = ["basic authentication's user name has no ':' and is printable"]
     return errors
 
 

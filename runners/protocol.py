@@ -121,6 +121,16 @@ class GitRemote(Message):
     api_host: str = ""  # its API's host ("" for none)
 
 
+@dataclasses.dataclass(frozen=True)
+class Registry(Message):
+    """A package index or registry the agent's grants name: the sandbox reads it through the
+    model gateway's ``/registry/<name>/``, with the run's token there; ``paths`` are those the
+    connection's credential is for (an index of Python packages has ``/simple/``)."""
+
+    name: str
+    paths: tuple[str, ...]
+
+
 # What a runner host can build, sent with every start request: a run that needs more is failed
 # with a status saying so, never run without it (an older runner would ignore the fields).
 FEATURE_WORKPLACES = "workplaces"  # packages (a built image) and companion services
@@ -192,6 +202,7 @@ class LaunchSpec(Message):
     workplace: str = ""  # which workplace version, as people name it ("dev v3")
     model: ModelGrant | None = None  # None: the control plane runs no model gateway
     git: tuple[GitRemote, ...] = ()  # brokered through the gateway (needs ``model``)
+    registries: tuple[Registry, ...] = ()  # the same
 
 
 class ActiveStatus(StrEnum):

@@ -20,7 +20,9 @@ from agents.models import Agent, home_quota_bytes
 from budgets.keys import has_model_key, issue_gateway_token, model_vendors, revoke_gateway_tokens
 from budgets.models import Vendor
 from budgets.services import exhausted, used_up
-from connections.services import git_hosts
+from connections.grants import GIT_KINDS
+from connections.models import Kind
+from connections.services import granted
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
 from runners import dispatch
@@ -40,6 +42,7 @@ from runners.protocol import (
     ModelGrant,
     Packages,
     Readiness,
+    Registry,
     ReportState,
     RunReport,
     ServiceSpec,
@@ -342,6 +345,9 @@ def sandbox_spec(run: Run, credentials: str, model: ModelGrant | None = None) ->
     config = run.agent_version.config
     sandbox = config.get("sandbox") or {}
     workplace = _workplace(run)
+    # The gateway brokers the connections the agent's grants name (none without it).
+    grants = config.get("credential_grants") or []
+    connections = granted(run.agent.organisation_id, grants) if model is not None else []
     return LaunchSpec(
         run=str(run.pk),
         agent=run.agent_id,
@@ -364,11 +370,13 @@ def sandbox_spec(run: Run, credentials: str, model: ModelGrant | None = None) ->
         if run.workplace_version is None
         else f"{workplace.get('name')} v{run.workplace_version.number}",
         model=model,
-        git=()
-        if model is None  # the gateway brokers them
-        else tuple(
+        git=tuple(
             GitRemote(url=c.git_url, host=c.host, name=c.name, api_host=c.api_host)
-            for c in git_hosts(run.agent.organisation_id, config.get("credential_grants") or [])
+            for c in connections
+            if c.kind in GIT_KINDS and c.git_url
+        ),
+        registries=tuple(
+            Registry(name=c.name, paths=tuple(c.paths)) for c in connections if c.kind == Kind.BASIC
         ),
     )
 

@@ -14,14 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import BasicAuth
+from aiohttp import encode_basic_auth
 from django.utils import timezone
 
 from agents.models import Agent
 from budgets.gateway.api import Refused
 from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger, database
 from budgets.gateway.server import Caller
-from connections.broker import GitAccess, GitEvent, NotGranted, Unauthenticated
+from connections.broker import (
+    GitAccess,
+    GitEvent,
+    NotGranted,
+    RegistryAccess,
+    Unauthenticated,
+)
 from connections.github import GitHubApp, permissions_for
 from connections.grants import GIT_KINDS, git_grant
 from connections.models import Connection, CredentialedRequest, Kind, Scheme
@@ -32,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Granted:
-    """An agent's grants over git hosts, with their connections, as read at one moment."""
+    """An agent's grants, with their connections, as read at one moment."""
 
     read_at: float
     grants: tuple[tuple[Connection, dict[str, Any]], ...]
@@ -54,16 +60,13 @@ class DjangoBroker:
     def _access(self, token: str, host: str, repository: str, *, api: bool) -> GitAccess:
         caller = self._caller(token)
         for connection, grant in self._grants(caller.agent_id):
+            if connection.kind not in GIT_KINDS:
+                continue
             rules = git_grant(grant)
             at = connection.api_host if api else connection.host
             if not at or at != host or not rules.covers(repository):
                 continue
-            try:
-                secret = crypto.decrypt(connection.secret)
-            except crypto.Undecryptable as exc:
-                logger.error("covey: the credential of connection %s cannot be read (%s)",
-                             connection.name, exc)  # fmt: skip
-                secret = ""
+            secret = self._secret(connection)
             github = None
             if connection.kind == Kind.GITHUB_APP:
                 github = GitHubApp(
@@ -83,6 +86,30 @@ class DjangoBroker:
                 api=frozenset(grant["api"]),
             )
         raise NotGranted
+
+    def registry_access(self, token: str, name: str) -> RegistryAccess:
+        caller = self._caller(token)
+        for connection, _ in self._grants(caller.agent_id):
+            if connection.kind != Kind.BASIC or connection.name != name:
+                continue
+            secret = self._secret(connection)
+            return RegistryAccess(
+                connection_id=connection.pk,
+                base_url=connection.index_url,
+                headers=credential_headers(connection, secret) if secret else {},
+                paths=tuple(connection.paths),
+                problem="" if secret else f"covey cannot read the credential of {connection.name}",
+            )
+        raise NotGranted
+
+    def _secret(self, connection: Connection) -> str:
+        """The connection's credential ('' when no key of COVEY_ENCRYPTION_KEYS opens it)."""
+        try:
+            return crypto.decrypt(connection.secret)
+        except crypto.Undecryptable as exc:
+            logger.error("covey: the credential of connection %s cannot be read (%s)",
+                         connection.name, exc)  # fmt: skip
+            return ""
 
     def record(self, token: str, event: GitEvent) -> None:
         caller = self._caller(token)
@@ -128,10 +155,7 @@ class DjangoBroker:
         with database():
             agent = Agent.objects.only("credential_grants", "organisation_id").get(pk=agent_id)
             named = {
-                c.name: c
-                for c in Connection.objects.filter(
-                    organisation_id=agent.organisation_id, kind__in=GIT_KINDS
-                )
+                c.name: c for c in Connection.objects.filter(organisation_id=agent.organisation_id)
             }
         grants = tuple(
             (named[grant["connection"]], grant)
@@ -146,7 +170,7 @@ class DjangoBroker:
 def credential_headers(connection: Connection, secret: str) -> dict[str, str]:
     """How a token or password goes upstream, as its connection says."""
     if connection.kind == Kind.BASIC or connection.scheme == Scheme.BASIC:
-        return {"Authorization": BasicAuth(connection.username, secret).encode()}
+        return {"Authorization": encode_basic_auth(connection.username, secret)}
     if connection.scheme == Scheme.HEADER:
         return {connection.header: secret}
     return {"Authorization": f"Bearer {secret}"}

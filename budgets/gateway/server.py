@@ -17,8 +17,9 @@ nothing is ever forwarded unmetered. Counting tokens and listing models are free
 after authentication only; every other path is refused.
 
 With a broker, the gateway also serves connections' git hosts at ``/git/`` (connections/broker.py)
-and their APIs at ``/api/`` (connections/apibroker.py): the same run's token, the organisation's
-credential put in its place, within the agent's grants (docs/credentials.md).
+their APIs at ``/api/`` (connections/apibroker.py) and registries at ``/registry/``
+(connections/registry.py): the same run's token, the organisation's credential put in its
+place, within the agent's grants (docs/credentials.md).
 """
 
 import asyncio
@@ -44,6 +45,7 @@ from budgets.usage import EventStream, Usage
 from connections.apibroker import ApiRoute
 from connections.broker import Broker, GitRoute
 from connections.github import InstallationTokens
+from connections.registry import RegistryRoute
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +199,8 @@ class Gateway:
             app.router.add_route("*", "/git/{tail:.*}", git.handle)
             calls = ApiRoute(self.broker, self._session, tokens)
             app.router.add_route("*", "/api/{tail:.*}", calls.handle)
+            registries = RegistryRoute(self.broker, self._session)
+            app.router.add_route("*", "/registry/{tail:.*}", registries.handle)
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)

@@ -70,6 +70,7 @@ from runners.protocol import (
     GitRemote,
     HomeUsage,
     LaunchSpec,
+    Registry,
     ReportState,
     RunReport,
     ServiceRecord,
@@ -357,9 +358,11 @@ class RunnerHost:
                     OPENAI_BASE_URL=spec.model.base_url.rstrip("/") + "/openai/v1",
                     OPENAI_API_KEY=spec.model.token,
                 )
-            if spec.git:  # git's own configuration, for the run only: the home is not touched
+            if spec.git or spec.registries:  # for the run only: the home is not touched
                 environment.update(
-                    brokered_environment(spec.model.base_url, spec.model.token, spec.git)
+                    brokered_environment(
+                        spec.model.base_url, spec.model.token, spec.git, spec.registries
+                    )
                 )
             if shape is None:  # on the host's network, the gateway is reached directly
                 direct.append(urlsplit(spec.model.base_url).hostname or "")
@@ -715,26 +718,45 @@ class RunnerHost:
 
 
 def brokered_environment(
-    gateway: str, token: str, remotes: tuple[GitRemote, ...]
+    gateway: str, token: str, remotes: tuple[GitRemote, ...], registries: tuple[Registry, ...]
 ) -> dict[str, str]:
-    """What a sandbox's tools read to reach its git hosts through the gateway, for the run
-    only (nothing is written to the home): git's configuration (GIT_CONFIG_COUNT, git 2.31 and
-    later), so that each remote's URLs lead to the gateway's ``/git/<host>/`` and requests there
-    carry the run's token; and for each host with an API, ``COVEY_API_<CONNECTION>``, its base
-    URL at the gateway, with the token in ``COVEY_TOKEN``."""
-    root = gateway.rstrip("/") + "/git/"
-    pairs = [(f"url.{root}{remote.host}/.insteadOf", remote.url.rstrip("/") + "/")
-             for remote in remotes]  # fmt: skip
-    pairs.append((f"http.{root}.extraHeader", f"Authorization: Bearer {token}"))
-    environment = {"GIT_CONFIG_COUNT": str(len(pairs)), "COVEY_TOKEN": token}
-    for number, (key, value) in enumerate(pairs):
-        environment[f"GIT_CONFIG_KEY_{number}"] = key
-        environment[f"GIT_CONFIG_VALUE_{number}"] = value
+    """What a sandbox's tools read to reach its connections through the gateway, for the run
+    only (nothing is written to the home), with the run's token in ``COVEY_TOKEN``:
+
+    - git's configuration (GIT_CONFIG_COUNT, git 2.31 and later), so that each remote's URLs
+      lead to the gateway's ``/git/<host>/`` and requests there carry the run's token;
+    - for each git host with an API, ``COVEY_API_<CONNECTION>``: its base URL at the gateway;
+    - for each registry, ``COVEY_REGISTRY_<CONNECTION>``: its URL at the gateway, the token as
+      the password in it; an index of Python packages (``/simple/``) is pip's extra index."""
+    base = gateway.rstrip("/")
+    environment = {"COVEY_TOKEN": token}
+    if remotes:
+        pairs = [(f"url.{base}/git/{remote.host}/.insteadOf", remote.url.rstrip("/") + "/")
+                 for remote in remotes]  # fmt: skip
+        pairs.append((f"http.{base}/git/.extraHeader", f"Authorization: Bearer {token}"))
+        environment["GIT_CONFIG_COUNT"] = str(len(pairs))
+        for number, (key, value) in enumerate(pairs):
+            environment[f"GIT_CONFIG_KEY_{number}"] = key
+            environment[f"GIT_CONFIG_VALUE_{number}"] = value
     for remote in remotes:
         if remote.api_host and remote.name:
-            variable = "COVEY_API_" + re.sub(r"[^A-Z0-9]", "_", remote.name.upper())
-            environment[variable] = f"{gateway.rstrip('/')}/api/{remote.api_host}"
+            environment[_variable("COVEY_API_", remote.name)] = f"{base}/api/{remote.api_host}"
+    parts = urlsplit(base)
+    indexes = []
+    for registry in registries:
+        url = f"{parts.scheme}://covey:{token}@{parts.netloc}{parts.path}/registry/{registry.name}"
+        environment[_variable("COVEY_REGISTRY_", registry.name)] = url
+        if "/simple/" in registry.paths:
+            indexes.append(f"{url}/simple/")
+    if indexes:
+        environment["PIP_EXTRA_INDEX_URL"] = " ".join(indexes)
+        if parts.scheme == "http":  # pip reads plain HTTP only from hosts it is told to trust
+            environment["PIP_TRUSTED_HOST"] = parts.netloc
     return environment
+
+
+def _variable(prefix: str, name: str) -> str:
+    return prefix + re.sub(r"[^A-Z0-9]", "_", name.upper())
 
 
 def _overdue(sandbox: Sandbox, now: datetime) -> bool:

@@ -12,7 +12,7 @@ from aiohttp import ClientSession, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from connections.apibroker import ApiRoute
-from connections.broker import GitAccess, GitEvent, NotGranted, Unauthenticated
+from connections.broker import GitAccess, GitEvent, NotGranted, RegistryAccess, Unauthenticated
 from connections.github import InstallationTokens
 from connections.rules import GitGrant, default_push
 from tests.connections.githost import Servers
@@ -44,6 +44,9 @@ class FakeBroker:
             raise NotGranted
         headers = {"Authorization": f"Bearer {self.secret}"}
         return GitAccess(1, f"https://127.0.0.1:{self.port}", headers, grant, api=self.api)
+
+    def registry_access(self, token: str, name: str) -> RegistryAccess:
+        raise NotGranted
 
     def record(self, token: str, event: GitEvent) -> None:
         self.events.append(event)

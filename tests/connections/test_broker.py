@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
 
-from connections.broker import GitAccess, GitEvent, GitRoute, NotGranted, Unauthenticated
+from connections.broker import (
+    GitAccess,
+    GitEvent,
+    GitRoute,
+    NotGranted,
+    RegistryAccess,
+    Unauthenticated,
+)
 from connections.github import InstallationTokens
 from connections.rules import GitGrant, default_push
 from tests.connections.gitenv import git_env
@@ -42,6 +49,9 @@ class FakeBroker:
         return GitAccess(1, f"https://127.0.0.1:{self.port}", {"Authorization": basic}, self.grant)
 
     def api_access(self, token: str, host: str, repository: str) -> GitAccess:
+        raise NotGranted
+
+    def registry_access(self, token: str, name: str) -> RegistryAccess:
         raise NotGranted
 
     def record(self, token: str, event: GitEvent) -> None:

@@ -25,6 +25,7 @@ from tests.budgets.conftest import KEY, ca, start_gateway, vendor  # noqa: F401 
 from tests.connections.githost import GitHost, Servers
 from tests.connections.githubapi import GitHub
 from tests.connections.keys import pem
+from tests.connections.registryhost import PROJECT, WHEEL, WORD, Index
 from tests.runners.conftest import egress_image, firewall  # noqa: F401 - fixtures
 from tests.runners.stack import Stack
 from tests.runners.world import World, runner_ids_apart
@@ -37,11 +38,17 @@ pytestmark = [
 ]
 
 SECRET = "glpat-the-organisations-own-token-0123456789"
-NEEDLES = base64.b64encode(f"{SECRET}\nghs_minted_\n".encode()).decode()
+INDEX_PASSWORD = "the-private-index-password-0123456789"
+NEEDLES = base64.b64encode(f"{SECRET}\nghs_minted_\n{INDEX_PASSWORD}\n".encode()).decode()
+PIP = f"""
+python3 -m pip install -q --no-deps --target /tmp/pkgs --root-user-action ignore \\
+    --index-url "$COVEY_REGISTRY_INDEX/simple/" {PROJECT} 2>&1 | sed 's/^/pip: /'
+PYTHONPATH=/tmp/pkgs python3 -c "import covey_demo; print('IMPORTED', covey_demo.WORD)"
+"""
 GRANT = {"repositories": ["acme/app"], "force_push": True}  # deleting is not granted
 
 
-def script(remote: str, agent: str, connection: str) -> str:
+def script(remote: str, agent: str, connection: str, more: str = "") -> str:
     """What the agent does, each outcome said in the log; then it looks for credentials."""
     branch = f"refs/heads/covey/{agent}/work"
     api = f"$COVEY_API_{connection.upper()}"
@@ -63,6 +70,7 @@ curl -sS -H "Authorization: Bearer $COVEY_TOKEN" -d '{pull}' {api}/repos/acme/ap
     | sed 's/^/pull: /'; echo
 curl -sS -X PUT -H "Authorization: Bearer $COVEY_TOKEN" {api}/repos/acme/app/pulls/1/merge \\
     | sed 's/^/merge: /'; echo
+{more}
 env | sort
 ps -eo args
 # What to look for, given encoded: the script is in a process's command line too.
@@ -75,8 +83,9 @@ cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' \\
 
 
 @pytest.fixture
-def stand_in(tmp_path: Path, ca) -> Iterator[tuple[GitHost, GitHub, str]]:  # noqa: F811
-    """A git host with acme/app and acme/secret, and GitHub's API beside it, on loopback."""
+def stand_in(tmp_path: Path, ca) -> Iterator[tuple[GitHost, GitHub, str, Index, str]]:  # noqa: F811
+    """A git host with acme/app and acme/secret, and GitHub's API beside it, on loopback; and
+    a private package index."""
     host = GitHost(tmp_path / "host", SECRET)
     host.repository("acme/app")
     host.repository("acme/secret")
@@ -89,7 +98,11 @@ def stand_in(tmp_path: Path, ca) -> Iterator[tuple[GitHost, GitHub, str]]:  # no
         github.routes(app)
         app.router.add_route("*", "/{tail:.*}", host.handle)
         port = servers.serve(app, ca.issue("127.0.0.1"))
-        yield host, github, f"https://127.0.0.1:{port}"
+        index = Index("deploy", INDEX_PASSWORD)
+        packages = web.Application()
+        index.routes(packages)
+        index_port = servers.serve(packages, ca.issue("127.0.0.1"))
+        yield host, github, f"https://127.0.0.1:{port}", index, f"https://127.0.0.1:{index_port}"
     finally:
         servers.close()
 
@@ -130,18 +143,24 @@ def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
     ca,  # noqa: F811
     stand_in,
 ):
-    host, github, remote = stand_in
+    host, github, remote, index, index_url = stand_in
     services.create_connection(
         acme, "forge", "token", SECRET, git_url=remote, api_url=remote, scheme="basic",
         username="x-access-token",
+    )  # fmt: skip
+    services.create_connection(
+        acme, "index", "basic", INDEX_PASSWORD, index_url=index_url, username="deploy",
+        paths=["/simple/", "/packages/"],
     )  # fmt: skip
     address = Engine("address").bridge_address(None)  # where sandboxes reach this host
     with start_gateway(tmp_path, vendor, ca, host=address) as gateway:
         stack = Stack(tmp_path, workplace_image, COVEY_MODEL_GATEWAY_URL=gateway.url)
         try:
             runner, config = stack.register(acme, "edge-git")
-            agent = stack.agent(acme, "Pusher", ["sh", "-c", script(remote, "pusher", "forge")],
-                                credential_grants=[{"connection": "forge", **GRANT}])  # fmt: skip
+            agent = stack.agent(
+                acme, "Pusher", ["sh", "-c", script(remote, "pusher", "forge", PIP)],
+                credential_grants=[{"connection": "forge", **GRANT}, {"connection": "index"}],
+            )  # fmt: skip
             with stack.runner(runner, config):
                 run = run_services.queue_run(agent, "push your branch")
                 stack.wait(run, *FINISHED, timeout=120)
@@ -153,6 +172,10 @@ def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
     check_the_flow(log, host, github, "pusher", remote)
     assert {r.run_id for r in CredentialedRequest.objects.all()} == {run.pk}
+    # pip read the private index through the gateway, told of it by the run's environment.
+    assert f"IMPORTED {WORD}" in log and "PIP_EXTRA_INDEX_URL=http://covey:" in log
+    assert [path for _, path, _ in index.seen] == [f"/simple/{PROJECT}/", f"/packages/{WHEEL}"]
+    assert INDEX_PASSWORD not in log
 
 
 def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
@@ -166,7 +189,7 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
     stand_in,
 ):
     runner_ids_apart()
-    host, github, remote = stand_in
+    host, github, remote, _, _ = stand_in
     services.create_connection(
         acme, "github", "github-app", pem(github.key), git_url=remote, api_url=remote,
         app_id="12", installation_id="34",

@@ -96,6 +96,13 @@ def test_a_token_a_registry_and_a_host_with_a_port(acme):
             'start with "/"',
         ),
         ("basic", "p", {"index_url": "https://r.example"}, "username", "user name"),
+        (
+            "basic",
+            "p",
+            {"index_url": "https://r.example", "username": "a:b"},
+            "username",
+            "has no ':'",
+        ),
         ("nope", "p", {}, "kind", "not a valid choice"),
     ],
 )
