@@ -16,6 +16,8 @@ class GatewayConfig:
     upstream: str = "https://api.anthropic.com"  # COVEY_MODEL_UPSTREAM
     openai_upstream: str = "https://api.openai.com"  # COVEY_OPENAI_UPSTREAM
     ca_bundle: str = ""  # COVEY_MODEL_CA_BUNDLE: the CAs to trust for it (empty: the system's)
+    # COVEY_CONNECTIONS_CA_BUNDLE: CAs to trust for connections' hosts besides the system's
+    connections_ca_bundle: str = ""
     default_max_tokens: int = 32000  # COVEY_GATEWAY_DEFAULT_MAX_TOKENS: when a request has none
     max_request_bytes: int = 32 * 1024 * 1024  # the Messages API's own limit
     threads: int = 8  # COVEY_GATEWAY_LEDGER_THREADS: ledger calls at once
@@ -37,6 +39,7 @@ class GatewayConfig:
             upstream=env.str("COVEY_MODEL_UPSTREAM", default=default.upstream),
             openai_upstream=env.str("COVEY_OPENAI_UPSTREAM", default=default.openai_upstream),
             ca_bundle=env.str("COVEY_MODEL_CA_BUNDLE", default=""),
+            connections_ca_bundle=env.str("COVEY_CONNECTIONS_CA_BUNDLE", default=""),
             default_max_tokens=env.int(
                 "COVEY_GATEWAY_DEFAULT_MAX_TOKENS", default=default.default_max_tokens
             ),

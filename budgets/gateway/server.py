@@ -181,7 +181,8 @@ class Gateway:
             CHAT.vendor: config.openai_upstream.rstrip("/"),
         }
         self.pool = ThreadPoolExecutor(config.threads, thread_name_prefix="covey-ledger")
-        self.session: ClientSession | None = None
+        self.session: ClientSession | None = None  # to the model vendors
+        self.connections_session: ClientSession | None = None
         self.meters = Meters(config.metrics_token)
 
     def app(self) -> web.Application:
@@ -194,12 +195,12 @@ class Gateway:
         for method, path, api, metered in ROUTES:
             app.router.add_route(method, path, partial(self.handle, api=api, metered=metered))
         if self.broker is not None:  # credentials brokered (connections/broker.py)
-            tokens = InstallationTokens(self._session)
-            git = GitRoute(self.broker, self._session, tokens)
+            tokens = InstallationTokens(self._upstreams)
+            git = GitRoute(self.broker, self._upstreams, tokens)
             app.router.add_route("*", "/git/{tail:.*}", git.handle)
-            calls = ApiRoute(self.broker, self._session, tokens)
+            calls = ApiRoute(self.broker, self._upstreams, tokens)
             app.router.add_route("*", "/api/{tail:.*}", calls.handle)
-            registries = RegistryRoute(self.broker, self._session)
+            registries = RegistryRoute(self.broker, self._upstreams)
             app.router.add_route("*", "/registry/{tail:.*}", registries.handle)
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
@@ -218,15 +219,28 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
+        if self.broker is not None:
+            # Connections' hosts: the system's CAs, and those the platform adds (a private
+            # CA of a GitHub Enterprise Server); never the model vendors' bundle.
+            trusted = ssl.create_default_context()
+            if self.config.connections_ca_bundle:
+                trusted.load_verify_locations(cafile=self.config.connections_ca_bundle)
+            self.connections_session = ClientSession(
+                connector=TCPConnector(ssl=trusted, limit=0),
+                timeout=ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
+                auto_decompress=False,
+            )
 
     async def _stop(self, app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.connections_session):
+            if session is not None:
+                await session.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _session(self) -> ClientSession:
-        assert self.session is not None  # noqa: S101 - started with the app
-        return self.session
+    def _upstreams(self) -> ClientSession:
+        """The client to connections' hosts."""
+        assert self.connections_session is not None  # noqa: S101 - started with the app
+        return self.connections_session
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -66,6 +66,7 @@ def start_gateway(
         "COVEY_MODEL_UPSTREAM": vendor.url,
         "COVEY_OPENAI_UPSTREAM": vendor.url,
         "COVEY_MODEL_CA_BUNDLE": str(ca.ca_file),
+        "COVEY_CONNECTIONS_CA_BUNDLE": str(ca.ca_file),  # stand-ins of git hosts, too
         "COVEY_GATEWAY_DEFAULT_MAX_TOKENS": "1000",
         "COVEY_METRICS_TOKEN": metrics_token,
         "PYTHONUNBUFFERED": "1",
