@@ -6,13 +6,15 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import (
+    Http404,
     HttpRequest,
     HttpResponse,
     HttpResponseRedirect,
 )
-from django.urls import reverse
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
@@ -21,9 +23,11 @@ from agents.labels import normalise_labels
 from agents.models import AGENT_FIELDS, COMMAND_RULE, Agent, AgentVersion, is_command
 from connections.admin import requests_link
 from connections.grants import EXAMPLE, check_grants
+from connections.models import Connection
 from connections.services import kinds_of
 from covey.versions import changes_table
 from organisations.admin import StrictJSONField, TenantScoped
+from organisations.models import Organisation
 from organisations.readonly import VersionAdmin, VersionInline
 from organisations.services import slug_for
 
@@ -150,6 +154,56 @@ class AgentForm(forms.ModelForm):
         return data
 
 
+HISTORY_LIMIT = 200  # rows of each kind on an organisation's credential history
+
+
+def credential_history(organisation: Organisation, limit: int) -> list[dict[str, Any]]:
+    """Its connections made, changed, rotated and deleted, and its agents' grants as they
+    changed (each version that set them), newest first."""
+    rows: list[dict[str, Any]] = []
+    records = (
+        Connection.history.filter(organisation_id=organisation.pk)
+        .select_related("history_user")
+        .order_by("-history_date", "-history_id")[:limit]
+    )
+    for record in records:
+        kind = record.history_type
+        previous = record.prev_record if kind == "~" else None
+        if kind == "+":
+            what, detail = f"connection {record.name} made", record.get_kind_display()
+        elif kind == "-":
+            what, detail = f"connection {record.name} deleted", ""
+        elif previous is not None and previous.secret_set_at != record.secret_set_at:
+            what, detail = f"credential of {record.name} rotated", ""
+        else:
+            changed = record.diff_against(previous).changed_fields if previous else []
+            what, detail = f"connection {record.name} changed", ", ".join(changed)
+        url = (
+            "" if kind == "-" else reverse("admin:connections_connection_change", args=[record.id])
+        )
+        rows.append({"at": record.history_date, "by": record.history_user, "what": what,
+                     "detail": detail, "url": url})  # fmt: skip
+    versions = (
+        AgentVersion.objects.filter(agent__organisation=organisation)
+        .filter(Q(changes__has_key="credential_grants") | Q(number=1))
+        .select_related("agent", "created_by")
+        .order_by("-created_at")[:limit]
+    )
+    for version in versions:
+        grants = version.config.get("credential_grants") or []
+        if version.number == 1 and not grants:
+            continue
+        named = ", ".join(str(g.get("connection")) for g in grants) or "none"
+        rows.append({
+            "at": version.created_at, "by": version.created_by,
+            "what": f"grants of {version.agent.name} (version {version.number})",
+            "detail": f"connections: {named}",
+            "url": reverse("admin:agents_agent_change", args=[version.agent_id]),
+        })  # fmt: skip
+    rows.sort(key=lambda row: row["at"], reverse=True)
+    return rows
+
+
 @admin.register(Agent)
 class AgentAdmin(TenantScoped, admin.ModelAdmin):
     form = AgentForm
@@ -223,6 +277,33 @@ class AgentAdmin(TenantScoped, admin.ModelAdmin):
             return "-"
         url = reverse("admin:homes_home_change", args=[obj.pk])  # the homes app's file browser
         return format_html('<a href="{}">list, download, upload, move, delete</a>', url)
+
+    def get_urls(self) -> list[Any]:
+        history = self.admin_site.admin_view(self.credential_history_view)
+        return [
+            path(
+                "credentials/<int:organisation_id>/",
+                history,
+                name="agents_agent_credential_history",
+            ),
+            *super().get_urls(),
+        ]
+
+    def credential_history_view(self, request: HttpRequest, organisation_id: int) -> HttpResponse:
+        """An organisation's credential history (linked from its page): every member reads it."""
+        organisation = (
+            Organisation.objects.for_user(request.user).filter(pk=organisation_id).first()
+        )
+        if organisation is None:
+            raise Http404("no such organisation")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Credential history of {organisation}",
+            "organisation": organisation,
+            "rows": credential_history(organisation, HISTORY_LIMIT),
+            "limit": HISTORY_LIMIT,
+        }
+        return TemplateResponse(request, "admin/agents/credential_history.html", context)
 
     @admin.display(description="Credentialed requests")
     def credentialed_shown(self, obj: Agent) -> str:

@@ -18,7 +18,7 @@ from django.forms.fields import InvalidJSONInput
 from django.http import Http404, HttpRequest
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html_join
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from rest_framework.authtoken.admin import TokenAdmin
 from rest_framework.authtoken.models import TokenProxy
@@ -496,20 +496,27 @@ class OrganisationAdmin(TenantScoped, SimpleHistoryAdmin):
 
     @admin.display(description="Its")
     def belongings(self, obj: Organisation) -> str:
-        """Links to its agents, runners and runs (the apps above name them; the admin's URL
-        names are all this needs of them)."""
+        """Links to its agents, runners, runs and connections, and its credential history (the
+        apps above name them; the admin's URL names are all this needs of them)."""
         lists = (
             ("agents_agent", "organisation__id__exact", f"{obj.agents.count()} agent(s)"),
             ("runners_runner", "organisation__id__exact", f"{obj.runners.count()} runner(s)"),
             ("runs_run", "agent__organisation__id__exact", "runs"),
         )
-        return format_html_join(
-            ", ",
-            '<a href="{}?{}={}">{}</a>',
-            (
-                (reverse(f"admin:{name}_changelist"), lookup, obj.pk, text)
-                for name, lookup, text in lists
+        return format_html(
+            '{}, <a href="{}?organisation__id__exact={}">connections</a> (<a href="{}">their'
+            " history, and grants'</a>)",
+            format_html_join(
+                ", ",
+                '<a href="{}?{}={}">{}</a>',
+                (
+                    (reverse(f"admin:{name}_changelist"), lookup, obj.pk, text)
+                    for name, lookup, text in lists
+                ),
             ),
+            reverse("admin:connections_connection_changelist"),
+            obj.pk,
+            reverse("admin:agents_agent_credential_history", args=[obj.pk]),
         )
 
     @admin.display(description="Webhook")

@@ -5,6 +5,7 @@ nobody changes it; another organisation's is not there."""
 import pytest
 from django.utils import timezone
 
+from agents import services as agent_services
 from connections import services
 from connections.models import CredentialedRequest
 from runs import services as runs
@@ -93,3 +94,28 @@ def test_another_organisation_s_record_is_not_in_the_admin(client, gary, records
     assert page.status_code in (302, 404)
     listed = client.get("/admin/connections/credentialedrequest/").content.decode()
     assert "globex/hidden" in listed and "acme/app" not in listed
+
+
+def test_the_organisation_s_credential_history_shows_connections_rotations_and_grants(
+    client, alice, vera, gary, acme
+):
+    forge = services.create_connection(
+        acme, "forge", "token", "t0ken", git_url="https://git.example", by=alice
+    )
+    services.rotate_secret(forge, "n3w-t0ken", by=alice)
+    agent = AgentFactory(organisation=acme, name="Builder")
+    agent_services.update_agent(
+        agent, by=alice, credential_grants=[{"connection": "forge", "repositories": ["acme/app"]}]
+    )
+    client.force_login(vera)
+    org_page = client.get(f"/admin/organisations/organisation/{acme.pk}/change/").content.decode()
+    url = f"/admin/agents/agent/credentials/{acme.pk}/"
+    assert url in org_page
+    page = client.get(url)
+    text = page.content.decode()
+    assert page.status_code == 200
+    for said in ("connection forge made", "credential of forge rotated", "grants of Builder"):
+        assert said in text
+    assert "t0ken" not in text and "n3w-t0ken" not in text and "alice" in text
+    client.force_login(gary)
+    assert client.get(url).status_code == 404
