@@ -100,6 +100,7 @@ READY = {
     "runner": CELERY_READY,
     "proxy": re.compile(r"egress proxy listening on "),
     "gateway": re.compile(r"model gateway on "),
+    "forge": re.compile(r"demo forge on "),
 }
 
 

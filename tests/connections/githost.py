@@ -1,10 +1,8 @@
-"""A stand-in git host for the broker's tests: ``git http-backend`` behind a small TLS server
-on loopback (a certificate from the test's CA), holding bare repositories that answer only to
-one credential (HTTP basic, as GitHub takes an installation token), and remembering every
-request's path and headers."""
+"""A stand-in git host for the broker's tests: the demo forge (connections/forge.py, ``git
+http-backend`` behind a small TLS server) on loopback with a certificate from the test's CA,
+remembering every request's path and headers, and taking a stand-in GitHub App's tokens too."""
 
 import asyncio
-import base64
 import subprocess
 import threading
 from collections.abc import Callable
@@ -12,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import encode_basic_auth, web
 
+from connections.forge import Forge
 from tests.connections.gitenv import git_env
 
 
@@ -25,11 +24,10 @@ class Seen:
 
 
 @dataclass
-class GitHost:
-    """Bare repositories under ``root`` (``owner/name.git``), served to ``credential``."""
+class GitHost(Forge):
+    """Bare repositories under ``root`` (``owner/name.git``), served to ``credential`` (and to
+    tokens a stand-in GitHub App minted)."""
 
-    root: Path
-    credential: str = field(repr=False)
     seen: list[Seen] = field(default_factory=list)
     minted: list[str] = field(default_factory=list, repr=False)  # a GitHub App's tokens, too
 
@@ -61,64 +59,17 @@ class GitHost:
         )  # fmt: skip
         return result.stdout.strip()
 
+    def environment(self) -> dict[str, str]:
+        return git_env(self.root)
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """One request, through ``git http-backend`` as CGI, both ways streamed (a large clone
-        or push holds no more than a chunk of it here)."""
+        """One request, remembered, then served as the forge serves it."""
         self.seen.append(Seen(request.method, request.path_qs, dict(request.headers)))
-        if not self.accepts(request.headers.get("Authorization")):
-            return web.Response(status=401, headers={"WWW-Authenticate": 'Basic realm="git"'})
-        env = {
-            **git_env(self.root),
-            "GIT_PROJECT_ROOT": str(self.root),
-            "GIT_HTTP_EXPORT_ALL": "1",
-            "REMOTE_USER": "x-access-token",
-            "REQUEST_METHOD": request.method,
-            "PATH_INFO": request.path,
-            "QUERY_STRING": request.query_string,
-            "CONTENT_TYPE": request.headers.get("Content-Type", ""),
-            "GIT_PROTOCOL": request.headers.get("Git-Protocol", ""),
-            "HTTP_CONTENT_ENCODING": request.headers.get("Content-Encoding", ""),
-        }
-        if request.content_length is not None:
-            env["CONTENT_LENGTH"] = str(request.content_length)
-        process = await asyncio.create_subprocess_exec(
-            "git", "http-backend", env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        assert process.stdin is not None and process.stdout is not None
-        feeding = asyncio.ensure_future(_feed(request, process.stdin))
-        status, headers = 200, {}
-        while (line := (await process.stdout.readline()).rstrip(b"\r\n")) != b"":
-            name, _, value = line.decode().partition(": ")
-            if name.lower() == "status":
-                status = int(value.split()[0])
-            else:
-                headers[name] = value
-        answer = web.StreamResponse(status=status, headers=headers)
-        await answer.prepare(request)
-        try:
-            while chunk := await process.stdout.read(65536):
-                await answer.write(chunk)
-        except ConnectionResetError:  # the client read what it wanted (a default branch)
-            process.kill()
-            feeding.cancel()
-            await process.wait()
-            return answer
-        await feeding
-        await process.wait()
-        await answer.write_eof()
-        return answer
+        return await super().handle(request)
 
 
 def _basic(token: str) -> str:
-    return "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
-
-
-async def _feed(request: web.Request, stdin: asyncio.StreamWriter) -> None:
-    async for chunk in request.content.iter_chunked(65536):
-        stdin.write(chunk)
-        await stdin.drain()
-    stdin.close()
+    return encode_basic_auth("x-access-token", token)
 
 
 def run(args: list[str], cwd: Path) -> None:

@@ -60,6 +60,7 @@ def run_env(tmp_path, port: int, proxy: str = "") -> dict[str, str]:
         "COVEY_BIND": f"127.0.0.1:{port}",
         **({"COVEY_PROXY_LISTEN": proxy} if proxy else {"COVEY_PROXY_PORT": str(free_port())}),
         "COVEY_MODEL_GATEWAY_PORT": str(free_port()),  # never the 8002 of someone's make run
+        "COVEY_DEMO_FORGE_PORT": str(free_port()),  # nor its 8003
         "PATH": f"{VENV_BIN}:{env['PATH']}",
         "PYTHONUNBUFFERED": "1",
     }
@@ -78,6 +79,13 @@ def admin_api(base: str, env: dict[str, str]) -> Iterator[tuple[httpx.Client, in
         organisation = api.post("/api/v1/organisations/", json={"name": "Acme"}).json()
         assert "id" in organisation, organisation
         yield api, organisation["id"]
+
+
+def readme_block(containing: str) -> str:
+    """The README's shell block that holds ``containing``."""
+    blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    (block,) = [b for b in blocks if containing in b]
+    return str(block)
 
 
 def finished(api: httpx.Client, run: dict, process, log, deadline: float) -> dict:
@@ -301,6 +309,23 @@ def test_a_new_installation_prints_how_to_run_its_demo_agent_and_the_claude_runt
         assert "Hello, world!" in with_key.stdout
         run_id = with_key.stdout.splitlines()[0].strip()
         token = export.split("COVEY_TOKEN=")[1]
+
+        # README.md's brokered git, as written (the demo forge on this test's port; var/ here).
+        forge_lines = readme_block("/api/v1/connections/").replace(
+            "127.0.0.1:8003", f"127.0.0.1:{env['COVEY_DEMO_FORGE_PORT']}"
+        )
+        added = subprocess.run(
+            ["bash", "-ec", f"{export.strip()}\n{forge_lines}"], cwd=tmp_path, env=shell_env,
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stdout + added.stderr
+        pushed = paste()
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr + log.read_text()[-3000:]
+        assert "refs/heads/covey/demo/hello" in pushed.stdout  # what the forge lists after
+        assert "! [remote rejected] HEAD -> main (protected by covey" in pushed.stdout
+        assert "GIT_CONFIG_KEY_1=http.http://" in pushed.stdout
+        forge_token = (tmp_path / "var" / "demo-forge" / "token").read_text().strip()
+        assert forge_token not in pushed.stdout and forge_token not in log.read_text()
         with httpx.Client(base_url=base, headers={"Authorization": f"Token {token}"}) as api:
             run = api.get(f"/api/v1/runs/{run_id}/").json()
             usage = api.get(f"/api/v1/agents/{run['agent']}/usage/").json()
