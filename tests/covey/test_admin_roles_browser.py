@@ -9,10 +9,14 @@ from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
+from agents import services as agent_services
 from approvals import services as approvals
 from approvals.models import Request, Status
 from budgets.models import Budget
+from connections import services as connections
+from connections.models import CredentialedRequest
 from organisations.models import Membership, Role
 from runs import services as runs
 from tests.agents.test_admin_browser import PASSWORD, browser, signed_in  # noqa: F401
@@ -43,14 +47,26 @@ def world(orders):
         Membership.objects.create(organisation=acme, user=people[role], role=role)
     gary = UserFactory(username="gary", password=PASSWORD)
     Membership.objects.create(organisation=globex, user=gary, role=Role.ADMIN)
-    for organisation, agent_name, place, edge, host in (
-        (acme, "Builder", "AcmePlace", "edge-1", "evil.example.test"),
-        (globex, "Spy", "GlobexPlace", "their-edge", "their.example.test"),
+    for organisation, agent_name, place, edge, host, slug in (
+        (acme, "Builder", "AcmePlace", "edge-1", "evil.example.test", "acme"),
+        (globex, "Spy", "GlobexPlace", "their-edge", "their.example.test", "globex"),
     ):
         workplace = WorkplaceFactory(organisation=organisation, name=place)
         agent = AgentFactory(organisation=organisation, name=agent_name, workplace=workplace)
         approvals.file_egress(agent, host, reason="it needs it")
-        runs.queue_run(agent, f"work of {agent_name}")
+        run = runs.queue_run(agent, f"work of {agent_name}")
+        forge = connections.create_connection(
+            organisation, f"{edge}-forge", "token", "t0ken-of-the-test", git_url=f"https://{host}"
+        )
+        agent_services.update_agent(
+            agent, credential_grants=[{"connection": forge.name, "repositories": [f"{slug}/app"]}]
+        )
+        CredentialedRequest.objects.create(
+            organisation=organisation, agent=agent, run=run, connection=forge, at=timezone.now(),
+            method="POST", host=host, repository=f"{slug}/app", service="git-receive-pack",
+            status=200, refused="protected by covey: the default branch (HEAD) is never pushed to",
+            refs=[{"ref": "refs/heads/main", "old": "1" * 40, "new": "2" * 40, "refused": "x"}],
+        )  # fmt: skip
         online_runner(organisation, edge)
         Budget.objects.create(organisation=organisation, agent=agent, amount=Decimal(10))
         record_events([decision_event(agent, host=host, allowed=False, reason="not-on-allowlist")])
@@ -131,8 +147,22 @@ def test_a_viewer_reads_every_page_of_acme_and_nothing_of_globex(sign_in, world)
     visited = visit_everything(page)
     for listing in ("/admin/agents/agent/", "/admin/runs/run/", "/admin/approvals/request/",
                     "/admin/budgets/budget/", "/admin/runners/runner/", "/admin/egress/decision/",
-                    "/admin/homes/home/", "/admin/workplaces/workplace/"):  # fmt: skip
+                    "/admin/homes/home/", "/admin/workplaces/workplace/",
+                    "/admin/connections/connection/",
+                    "/admin/connections/credentialedrequest/"):  # fmt: skip
         assert listing in visited, (listing, visited)
+    # From the run's page to its credentialed requests, the refused push in red; from the
+    # organisation's page to its credential history.
+    run = world["acme"].agents.get().runs.get()
+    page.goto(f"/admin/runs/run/{run.pk}/change/")
+    page.click("text=1 request(s), 1 refused")
+    assert "refused: protected by covey" in page.inner_text("#result_list")
+    assert_styled_and_tenant_clean(page, "the run's credentialed requests")
+    page.goto(f"/admin/organisations/organisation/{world['acme'].pk}/change/")
+    page.click("text=their history, and grants'")
+    history = page.inner_text("#credential-history")
+    assert "connection edge-1-forge made" in history and "grants of Builder" in history
+    assert_styled_and_tenant_clean(page, "Acme's credential history")
     page.goto("/admin/agents/agent/")
     assert "Builder" in page.inner_text("#result_list")
     # The requests list: no decide button for a viewer, and nothing of Globex in its filters.

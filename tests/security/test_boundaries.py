@@ -15,6 +15,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -24,6 +25,7 @@ from approvals import services as approvals
 from budgets import metering
 from budgets import services as budgets
 from budgets.usage import Usage
+from connections.models import CredentialedRequest
 from connections.services import create_connection
 from egress.models import EgressToken
 from egress.services import issue_token, revoke_tokens
@@ -67,8 +69,14 @@ def things(acme, alice) -> dict[str, Any]:
 
     workplace: Any = WorkplaceFactory(organisation=acme)
     connection = create_connection(acme, "git", "token", "tok", git_url="https://git.example")
+    recorded = CredentialedRequest.objects.create(
+        organisation=acme, agent=agent, run=run, connection=connection, at=timezone.now(),
+        method="GET", host="git.example", repository="acme/app", service="git-upload-pack",
+        status=200,
+    )  # fmt: skip
     return {
         "connections": connection.pk,
+        "credentialed-requests": recorded.pk,
         "agents": agent.pk,
         "workplaces": workplace.pk,
         "budgets": Budget.objects.get(agent=agent).pk,
