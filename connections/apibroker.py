@@ -15,14 +15,15 @@ recorded through the broker. No Django.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from connections import apicalls
 from connections.broker import (
     CHUNK,
+    UNAVAILABLE,
     Broker,
     GitAccess,
     GitEvent,
@@ -37,12 +38,15 @@ from connections.smarthttp import Malformed
 logger = logging.getLogger(__name__)
 
 SERVICE = "api"  # what the record says of an API call
+METHODS = ("GET", "HEAD", "POST", "PATCH", "PUT", "DELETE")  # what an API call may be
+REDIRECT = "redirect: "  # _forward's word for a redirect it did not pass on
 FORWARDED = (
     "accept", "content-type", "user-agent", "x-github-api-version", "if-none-match",
     "if-modified-since",
 )  # fmt: skip
+# Not Location: a redirect may lead off the connection (a download URL with a token of its own).
 RETURNED = (
-    "content-type", "etag", "last-modified", "cache-control", "location", "retry-after",
+    "content-type", "etag", "last-modified", "cache-control", "retry-after",
     "x-github-request-id", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset",
     "x-ratelimit-used", "x-ratelimit-resource",
 )  # fmt: skip
@@ -81,25 +85,53 @@ class ApiRoute:
         except NotGranted:
             await self._record(token, None, call, request, 404, refused="not granted")
             return refused(404, f"repository {call.repository} not found", "not granted")
-        if why := apicalls.refusal(access.api, request.method, call):
-            await self._record(token, access, call, request, 403, refused=why)
-            return refused(403, why, "call")
+        except Exception:
+            logger.exception("covey: the broker failed")
+            return refused(503, UNAVAILABLE, "unavailable")
+        if access.repository:  # the repository as the grant spells it (hosts may mind case)
+            owner, _, name = access.repository.partition("/")
+            call = replace(call, owner=owner, name=name)
+        if request.method not in METHODS:
+            why = f"{request.method[:20]} is no method of an API call covey makes"
+            await self._record(token, access, call, request, 405, refused=why)
+            return refused(405, why, "call")
+        if said := apicalls.refusal(access.api, request.method, call):
+            await self._record(token, access, call, request, 403, refused=said)
+            return refused(403, said, "call")
+        why = ""
         if request.headers.get("Content-Encoding", "identity") != "identity":
-            return refused(415, "send the body unencoded (no Content-Encoding)", "body")
-        if (request.content_length or 0) > self.max_body_bytes:
-            return refused(413, f"the body is larger than {self.max_body_bytes} bytes", "body")
+            status, why = 415, "send the body unencoded (no Content-Encoding)"
+        elif (request.content_length or 0) > self.max_body_bytes:
+            status, why = 413, f"the body is larger than {self.max_body_bytes} bytes"
+        if why:
+            await self._record(token, access, call, request, status, refused=why)
+            return refused(status, why, "body")
         try:
             access = await credential(self.tokens, access, call.repository, api=True)
         except GitHubRefused as exc:
             await self._record(token, access, call, request, 502, problem=str(exc))
             return refused(502, str(exc), "upstream")
-        answer, problem = await self._forward(request, call, access)
-        await self._record(token, access, call, request, answer.status, problem=problem)
+
+        async def passed(status: int) -> None:
+            await self._record(token, access, call, request, status)
+
+        answer, problem = await self._forward(request, call, access, passed)
+        if problem.startswith(REDIRECT):
+            why = problem.removeprefix(REDIRECT)
+            await self._record(token, access, call, request, answer.status, refused=why)
+        elif problem:
+            await self._record(token, access, call, request, answer.status, problem=problem)
         return answer
 
     async def _forward(
-        self, request: web.Request, call: apicalls.Call, access: GitAccess
+        self,
+        request: web.Request,
+        call: apicalls.Call,
+        access: GitAccess,
+        passed: Callable[[int], Awaitable[None]],
     ) -> tuple[web.StreamResponse, str]:
+        """The API's answer, streamed back and recorded (``passed``) before its end is sent;
+        or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
         url = access.base_url.rstrip("/") + call.path
         if query := request.rel_url.raw_query_string:
             url += f"?{query}"
@@ -128,6 +160,10 @@ class ApiRoute:
                     self.tokens.forget(access.github)
                 problem = f"{call.host} refused the connection's credential (401)"
                 return refused(502, problem, "upstream"), problem
+            if 300 <= upstream.status < 400 and upstream.status != 304:
+                # Recorded as covey's refusal: nothing is wrong with the credential.
+                why = f"{call.host} answered {upstream.status}, a redirect covey does not pass on"
+                return refused(502, why, "redirect"), REDIRECT + why
             answer = web.StreamResponse(status=upstream.status)
             for name in RETURNED:
                 if name in upstream.headers:
@@ -135,6 +171,7 @@ class ApiRoute:
             await answer.prepare(request)
             async for chunk in upstream.content.iter_chunked(CHUNK):
                 await answer.write(chunk)
+            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 

@@ -11,15 +11,15 @@ repositories, the installation).
 
 import re
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from connections.smarthttp import Malformed, check_host, check_segment
 
 # The calls a grant names (connections.grants.API_CALLS says them in words): method and the
 # path under /repos/{owner}/{name}, as a regular expression.
-_READ = (
-    "contents|readme|branches|commits|compare|git|tags|releases|pulls|issues|languages"
-    "|topics|statuses|check-runs|check-suites"
-)
+# (Not statuses or check runs: they need permissions of a GitHub App's beyond those
+# docs/credentials.md sets up, and a token asking for those is refused whole.)
+_READ = "contents|readme|branches|commits|compare|git|tags|releases|pulls|issues|languages|topics"
 CALLS: dict[str, tuple[tuple[str, str], ...]] = {
     "read": (("GET", rf"(/({_READ})(/.*)?)?"),),
     "pulls": (("POST", r"/pulls"), ("PATCH", r"/pulls/[0-9]+")),
@@ -35,8 +35,10 @@ _COMPILED = {
     name: tuple((method, re.compile(pattern)) for method, pattern in calls)
     for name, calls in CALLS.items()
 }
-# Percent-encodings that would let a segment climb or split once the upstream decodes it.
-_ENCODED = re.compile(r"%(2e|2f|5c|00)", re.IGNORECASE)
+# Percent-encodings no path of covey's routes needs: of a dot, a backslash, NUL, a semicolon
+# (path parameters: some servers read `..;` as `..`) and of '%' itself (a second decoding).
+_ENCODED = re.compile(r"%(2e|5c|00|3b|25)", re.IGNORECASE)
+_SLASH = re.compile(r"%2f", re.IGNORECASE)
 _PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
@@ -59,15 +61,29 @@ class Call:
         return f"/repos/{self.owner}/{self.name}{self.rest}"
 
 
-def check_path(path: str) -> None:
-    """Malformed for a path (raw, as sent) that could climb or hide once the upstream reads
-    it: a ``.`` or ``..`` segment, an empty one but the last, a backslash, or a percent-encoding
-    of a dot, a slash, a backslash or NUL (or a bare ``%``)."""
-    if "\\" in path or _ENCODED.search(path) or _PERCENT.search(path):
-        raise Malformed("a path has no backslash, no bare '%' and no encoded '.', '/', '\\' or NUL")
-    parts = path.split("/")
-    if any(part in (".", "..") for part in parts) or "" in parts[1:-1]:
-        raise Malformed("a path has no '.' or '..' segment, and no empty one but the last")
+def check_path(path: str, *, encoded_slash: bool = False) -> str:
+    """The path (raw, as sent) decoded, or Malformed for one that could climb or hide once the
+    upstream reads it, raw or decoded: a segment that is ``.`` or ``..`` or starts with a dot
+    and holds a ``;``, an empty segment but the last, a backslash or a ``;`` anywhere, a
+    percent-encoding of a dot, a backslash, NUL, ``;`` or ``%``, a bare ``%``, and (unless
+    ``encoded_slash``: an npm package's name is ``@scope%2fname``) an encoded slash."""
+    if (
+        "\\" in path
+        or ";" in path
+        or _ENCODED.search(path)
+        or _PERCENT.search(path)
+        or (not encoded_slash and _SLASH.search(path))
+    ):
+        raise Malformed(
+            "a path has no backslash, no ';', no bare '%' and no encoded '.', '\\', NUL, ';', '%'"
+            + ("" if encoded_slash else " or '/'")
+        )
+    decoded = unquote(path)
+    for form in (path, decoded):
+        parts = form.split("/")
+        if any(part in (".", "..") for part in parts) or "" in parts[1:-1]:
+            raise Malformed("a path has no '.' or '..' segment, and no empty one but the last")
+    return decoded
 
 
 def route(path: str) -> Call:

@@ -19,7 +19,7 @@ No Django: the broker (:class:`Broker`) knows tokens, connections and grants.
 import asyncio
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Protocol
 
@@ -32,6 +32,8 @@ from connections.rules import GitGrant, judge
 from connections.smarthttp import Malformed, Push, PushReader, Route, Service
 
 logger = logging.getLogger(__name__)
+
+UNAVAILABLE = "covey cannot read its records just now, so it sends nothing: try again shortly"
 
 CHUNK = 64 * 1024
 FORWARDED = ("content-type", "content-encoding", "accept", "git-protocol", "user-agent")
@@ -62,6 +64,7 @@ class GitAccess:
     permissions: Mapping[str, str] = field(default_factory=dict)
     problem: str = ""
     api: frozenset[str] = frozenset()  # the API calls the grant names (connections.apicalls)
+    repository: str = ""  # owner/name as the grant spells it ("": as the request did)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,12 @@ class GitRoute:
         except NotGranted:
             await self._record(token, None, route, request, 404, refused="not granted")
             return _answer(404, f"covey: repository {route.repository} not found")
+        except Exception:
+            logger.exception("covey: the broker failed")
+            return _answer(503, "covey: " + UNAVAILABLE)
+        if access.repository:  # the repository as the grant spells it (hosts may mind case)
+            owner, _, name = access.repository.partition("/")
+            route = replace(route, owner=owner, name=name)
         try:
             access = await credential(self.tokens, access, route.repository)
         except GitHubRefused as exc:
@@ -160,21 +169,32 @@ class GitRoute:
         if route.service == Service.RECEIVE_PACK and not route.advertisement:
             return await self._push(request, route, access, token)
         body = _chunks(b"", request) if request.method == "POST" else None
-        answer, problem = await self._forward(request, route, access, body)
-        await self._record(token, access, route, request, answer.status, problem=problem)
+
+        async def passed(status: int) -> None:
+            await self._record(token, access, route, request, status)
+
+        answer, problem = await self._forward(request, route, access, body, passed)
+        if problem:
+            await self._record(token, access, route, request, answer.status, problem=problem)
         return answer
 
     async def _push(
         self, request: web.Request, route: Route, access: GitAccess, token: str
     ) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "identity") != "identity":
-            return _answer(415, "covey: send the push unencoded (no Content-Encoding)")
+            why = "send the push unencoded (no Content-Encoding)"
+            await self._record(token, access, route, request, 415, refused=why)
+            return _answer(415, f"covey: {why}")
         start = await request.content.read(4)
         if start == PROBE and request.content.at_eof():
             # git's probe before a large push (a flush-pkt alone, no update): the upstream
             # says whether the credential is good, nothing more.
-            answer, problem = await self._forward(request, route, access, PROBE)
-            await self._record(token, access, route, request, answer.status, problem=problem)
+            async def probed(status: int) -> None:
+                await self._record(token, access, route, request, status)
+
+            answer, problem = await self._forward(request, route, access, PROBE, probed)
+            if problem:
+                await self._record(token, access, route, request, answer.status, problem=problem)
             return answer
         with tempfile.TemporaryFile(dir=self.spool) as spooled:
             try:
@@ -199,10 +219,17 @@ class GitRoute:
                 )
                 return web.Response(body=body, headers={"Content-Type": RESULT_TYPE})
             spooled.seek(0)
-            answer, problem = await self._forward(request, route, access, _replay(head, spooled))
-        await self._record(
-            token, access, route, request, answer.status, problem=problem, refs=tuple(outcomes)
-        )
+
+            async def pushed(status: int) -> None:
+                await self._record(token, access, route, request, status, refs=tuple(outcomes))
+
+            answer, problem = await self._forward(
+                request, route, access, _replay(head, spooled), pushed
+            )
+        if problem:
+            await self._record(
+                token, access, route, request, answer.status, problem=problem, refs=tuple(outcomes)
+            )
         return answer
 
     async def _read_push(
@@ -239,7 +266,10 @@ class GitRoute:
         url = f"{_repository_url(access, route)}/info/refs?service=git-upload-pack"
         try:
             headers = {**access.headers, "Accept-Encoding": "identity"}
-            async with self.session().get(url, headers=headers) as answer:
+            timeout = ClientTimeout(total=60, sock_connect=10)
+            async with self.session().get(
+                url, headers=headers, timeout=timeout, allow_redirects=False
+            ) as answer:
                 if answer.status != 200:
                     return None
                 # Its first ref line names it; the rest of a large advertisement is not read.
@@ -252,10 +282,17 @@ class GitRoute:
             return None
 
     async def _forward(
-        self, request: web.Request, route: Route, access: GitAccess, body: Any
+        self,
+        request: web.Request,
+        route: Route,
+        access: GitAccess,
+        body: Any,
+        passed: Callable[[int], Awaitable[None]],
     ) -> tuple[web.StreamResponse, str]:
         """The upstream's answer, streamed back, and covey's word on it ("" when it answered
-        as it may: a refused credential and an upstream that does not answer are 502s)."""
+        as it may: a refused credential and an upstream that does not answer are 502s, not
+        yet sent). An answer streamed back is recorded (``passed``) before its end is sent, so
+        that what the sandbox has seen end is on the record."""
         endpoint = "info/refs" if route.advertisement else route.service.value
         url = f"{_repository_url(access, route)}/{endpoint}"
         if route.advertisement:
@@ -288,6 +325,7 @@ class GitRoute:
             await answer.prepare(request)
             async for chunk in upstream.content.iter_chunked(CHUNK):
                 await answer.write(chunk)
+            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 

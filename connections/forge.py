@@ -9,6 +9,7 @@ for real work. No Django.
 
 import asyncio
 import datetime
+import hmac
 import ipaddress
 import os
 import secrets
@@ -37,7 +38,8 @@ class Forge:
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether a request with this ``Authorization`` header may read and push."""
-        return authorization == encode_basic_auth("x-access-token", self.credential)
+        expected = encode_basic_auth("x-access-token", self.credential)
+        return hmac.compare_digest((authorization or "").encode(), expected.encode())
 
     def environment(self) -> dict[str, str]:
         """What ``git http-backend`` runs with (no prompt for a password, ever)."""
@@ -157,40 +159,42 @@ def _names(certificate: Path) -> set[str]:
 
 
 def _certify(directory: Path, host: str) -> None:
-    """A CA of the forge's own (kept when there is one) and a certificate for ``host``, with
-    the key identifiers strict verification asks for (Python 3.13's default)."""
+    """A CA of the forge's own, which may certify ``host`` only (a name constraint: the
+    gateway trusts it for every connection, so it must vouch for nothing else; its key is
+    dropped once it has signed, so it never signs anything else), and a
+    certificate for ``host``, with the key identifiers strict verification asks for (Python
+    3.13's default)."""
     now = datetime.datetime.now(datetime.UTC)
-    ca_key_file = directory / "ca-key.pem"
-    if ca_key_file.exists() and (directory / CA_FILE).exists():
-        ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), None)
-        ca = x509.load_pem_x509_certificate((directory / CA_FILE).read_bytes())
-    else:
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "covey demo forge CA")])
-        ca = (
-            x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
-            )
-            .add_extension(
-                x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                              content_commitment=False, key_encipherment=False,
-                              data_encipherment=False, key_agreement=False,
-                              encipher_only=False, decipher_only=False),
-                critical=True,
-            )
-            .sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
-        _write(ca_key_file, _pem_key(ca_key))
-        (directory / CA_FILE).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     try:
         alternative: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        permitted: x509.GeneralName = x509.IPAddress(ipaddress.ip_network(host))
     except ValueError:
-        alternative = x509.DNSName(host)
+        alternative = permitted = x509.DNSName(host)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "covey demo forge CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.NameConstraints(permitted_subtrees=[permitted], excluded_subtrees=None),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
+        .add_extension(
+            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                          content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False,
+                          encipher_only=False, decipher_only=False),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    (directory / CA_FILE).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     key = ec.generate_private_key(ec.SECP256R1())
     certificate = (
         x509.CertificateBuilder()
@@ -207,7 +211,7 @@ def _certify(directory: Path, host: str) -> None:
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+        .sign(ca_key, hashes.SHA256())
     )  # fmt: skip
     _write(directory / KEY_FILE, _pem_key(key))
     (directory / CERT_FILE).write_bytes(certificate.public_bytes(serialization.Encoding.PEM))

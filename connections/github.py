@@ -21,6 +21,7 @@ import jwt
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
 MARGIN_SECONDS = 300  # a cached token is renewed this long before it expires
+REFUSED_SECONDS = 30  # a refusal is said again, without asking, for this long
 JWT_SECONDS = 540  # GitHub takes at most ten minutes; the clock may be a little off
 API_VERSION = "2022-11-28"
 
@@ -39,19 +40,22 @@ class GitHubApp:
     api_url: str = "https://api.github.com"
 
 
-def permissions_for(push: bool, api: frozenset[str]) -> dict[str, str]:
-    """The installation token's permissions for a grant that may ``push`` (or not) and make
-    the ``api`` calls (connections.grants.API_CALLS): no more than those."""
-    permissions = {"metadata": "read", "contents": "write" if push else "read"}
-    if "pulls" in api:
+def git_permissions(push: bool) -> dict[str, str]:
+    """An installation token's permissions for git, for a grant that may ``push`` or not."""
+    return {"metadata": "read", "contents": "write" if push else "read"}
+
+
+def api_permissions(api: frozenset[str]) -> dict[str, str]:
+    """An installation token's permissions for the ``api`` calls a grant names
+    (connections.apicalls.CALLS): no more than those need. Review comments on a pull request
+    need ``pull_requests: write``, and comments on its conversation ``issues: write``."""
+    permissions = {"metadata": "read"}
+    if "read" in api:
+        permissions |= {"contents": "read", "pull_requests": "read", "issues": "read"}
+    if api & {"pulls", "comments"}:
         permissions["pull_requests"] = "write"
-    elif "read" in api:
-        permissions["pull_requests"] = "read"
     if api & {"comments", "issues"}:
         permissions["issues"] = "write"
-        permissions.setdefault("pull_requests", "read")
-    elif "read" in api:
-        permissions["issues"] = "read"
     return permissions
 
 
@@ -72,6 +76,7 @@ class InstallationTokens:
         self.session = session
         self.clock = clock
         self._cache: dict[tuple[Any, ...], _Minted] = {}
+        self._refused: dict[tuple[Any, ...], tuple[float, str]] = {}  # until, what was said
         self._locks: dict[tuple[Any, ...], asyncio.Lock] = {}
 
     async def token(self, app: GitHubApp, repository: str, permissions: Mapping[str, str]) -> str:
@@ -85,7 +90,17 @@ class InstallationTokens:
             cached = self._cache.get(key)
             if cached is not None and self.clock() < cached.renew_at:
                 return cached.token
-            minted = await self._mint(app, repository, permissions)
+            # A repository the installation lacks, asked for again and again, asks GitHub once
+            # a while: the app's rate limit is the whole organisation's.
+            refused = self._refused.get(key)
+            if refused is not None and self.clock() < refused[0]:
+                raise GitHubRefused(refused[1])
+            try:
+                minted = await self._mint(app, repository, permissions)
+            except GitHubRefused as exc:
+                self._refused[key] = (self.clock() + REFUSED_SECONDS, str(exc))
+                raise
+            self._refused.pop(key, None)
             self._cache[key] = minted
             return minted.token
 
@@ -95,6 +110,7 @@ class InstallationTokens:
             k for k in self._cache if k[:3] == (app.api_url, app.app_id, app.installation_id)
         ]:
             del self._cache[key]
+        self._refused.clear()
 
     async def _mint(
         self, app: GitHubApp, repository: str, permissions: Mapping[str, str]
@@ -120,7 +136,11 @@ class InstallationTokens:
         host = app.api_url.split("//", 1)[-1].split("/", 1)[0]
         try:
             async with self.session().post(
-                url, json=body, headers=headers, timeout=ClientTimeout(total=30)
+                url,
+                json=body,
+                headers=headers,
+                timeout=ClientTimeout(total=30),
+                allow_redirects=False,
             ) as answer:
                 status = answer.status
                 data = await answer.json(content_type=None) if status < 500 else {}

@@ -122,9 +122,13 @@ class Connection(models.Model):
 
 def _host(url: str) -> str:
     parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # refused when saved (connections.services): it names no host
+        return ""
     if not parts.hostname:
         return ""
-    return parts.hostname + (f":{parts.port}" if parts.port not in (None, 443) else "")
+    return parts.hostname + (f":{port}" if port not in (None, 443) else "")
 
 
 # What people set on a connection, in the order forms show it (the credential apart: it is

@@ -12,15 +12,16 @@ import asyncio
 import base64
 import binascii
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from connections.apibroker import refused
+from connections.apibroker import REDIRECT, refused
 from connections.apicalls import check_path
 from connections.broker import (
     CHUNK,
+    UNAVAILABLE,
     Broker,
     GitEvent,
     NotGranted,
@@ -50,7 +51,7 @@ class RegistryRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Serve one request under /registry/."""
         try:
-            name, path = _route(request.rel_url.raw_path)
+            name, path, decoded = _route(request.rel_url.raw_path)
         except Malformed as exc:
             return refused(400, str(exc), "path")
         token = run_token(request)
@@ -61,8 +62,6 @@ class RegistryRoute:
                 " password of the index URL you were given)",
                 "token",
             )
-        if request.method not in METHODS:
-            return refused(405, f"registries are read only: {request.method} is refused", "read")
         try:
             access = await asyncio.to_thread(self.broker.registry_access, token, name)
         except Unauthenticated:
@@ -70,20 +69,42 @@ class RegistryRoute:
         except NotGranted:
             await self._record(token, None, name, path, request, 404, refused="not granted")
             return refused(404, f"no registry {name} is granted to this agent", "not granted")
-        if not any(path.startswith(allowed) for allowed in access.paths):
+        except Exception:
+            logger.exception("covey: the broker failed")
+            return refused(503, UNAVAILABLE, "unavailable")
+        if request.method not in METHODS:
+            why = f"registries are read only: {request.method[:20]} is refused"
+            await self._record(token, access, name, path, request, 405, refused=why)
+            return refused(405, why, "read")
+        if not any(under(decoded, allowed) for allowed in access.paths):
             why = f"{path} is under none of the paths of {name} ({', '.join(access.paths)})"
             await self._record(token, access, name, path, request, 403, refused=why)
             return refused(403, why, "paths")
         if access.problem:
             await self._record(token, access, name, path, request, 502, problem=access.problem)
             return refused(502, access.problem, "upstream")
-        answer, problem = await self._forward(request, access, name, path)
-        await self._record(token, access, name, path, request, answer.status, problem=problem)
+
+        async def passed(status: int) -> None:
+            await self._record(token, access, name, path, request, status)
+
+        answer, problem = await self._forward(request, access, name, path, passed)
+        if problem.startswith(REDIRECT):
+            why = problem.removeprefix(REDIRECT)
+            await self._record(token, access, name, path, request, answer.status, refused=why)
+        elif problem:
+            await self._record(token, access, name, path, request, answer.status, problem=problem)
         return answer
 
     async def _forward(
-        self, request: web.Request, access: RegistryAccess, name: str, path: str
+        self,
+        request: web.Request,
+        access: RegistryAccess,
+        name: str,
+        path: str,
+        passed: Callable[[int], Awaitable[None]],
     ) -> tuple[web.StreamResponse, str]:
+        """The registry's answer, streamed back and recorded (``passed``) before its end is
+        sent; or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
         url = access.base_url.rstrip("/") + path
         if query := request.rel_url.raw_query_string:
             url += f"?{query}"
@@ -102,9 +123,14 @@ class RegistryRoute:
             problem = f"registry {name} did not answer ({type(exc).__name__})"
             return refused(502, problem, "upstream"), problem
         async with upstream:
-            if upstream.status in (401, 403):
-                problem = f"registry {name} refused the connection's credential ({upstream.status})"
+            if upstream.status == 401:  # (a 403 may be a path it forbids: passed on as it is)
+                problem = f"registry {name} refused the connection's credential (401)"
                 return refused(502, problem, "upstream"), problem
+            if 300 <= upstream.status < 400 and upstream.status != 304:
+                why = (
+                    f"registry {name} answered {upstream.status}, a redirect covey does not pass on"
+                )
+                return refused(502, why, "redirect"), REDIRECT + why
             answer = web.StreamResponse(status=upstream.status)
             for header in RETURNED:
                 if header in upstream.headers:
@@ -113,6 +139,7 @@ class RegistryRoute:
             if request.method != "HEAD":
                 async for chunk in upstream.content.iter_chunked(CHUNK):
                     await answer.write(chunk)
+            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 
@@ -145,14 +172,22 @@ class RegistryRoute:
             logger.exception("a registry read could not be recorded")
 
 
-def _route(path: str) -> tuple[str, str]:
-    """The connection's name and the path under its index URL."""
-    check_path(path)
+def _route(path: str) -> tuple[str, str, str]:
+    """The connection's name, and the path under its index URL as sent and decoded."""
+    decoded = check_path(path, encoded_slash=True)
     parts = path.split("/")
     if len(parts) < 4 or parts[:2] != ["", "registry"]:
         raise Malformed("covey's registry route serves /registry/<connection>/<path> only")
     check_segment("connection", parts[2])
-    return parts[2], "/" + "/".join(parts[3:])
+    prefix = f"/registry/{parts[2]}"
+    return parts[2], path.removeprefix(prefix), decoded.removeprefix(prefix)
+
+
+def under(path: str, allowed: str) -> bool:
+    """Whether ``path`` (decoded) is ``allowed`` or below it, segment by segment."""
+    if allowed.endswith("/"):
+        return path.startswith(allowed)
+    return path == allowed or path.startswith(allowed + "/")
 
 
 def run_token(request: web.Request) -> str | None:

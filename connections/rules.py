@@ -94,12 +94,22 @@ class GitGrant:
     def covers(self, repository: str) -> bool:
         """Whether ``repository`` (``owner/name``) is granted; names match ignoring case, as
         the big git hosts treat them."""
-        owner, _, name = repository.lower().partition("/")
+        return self.spelled(repository) is not None
+
+    def spelled(self, repository: str) -> str | None:
+        """``repository`` as the grant spells it (an exact grant's spelling; with ``owner/*``,
+        the grant's owner and the name as asked), or None when it is not granted: what goes
+        upstream, so that a host that minds case gets the repository granted, not another."""
+        owner, _, name = repository.partition("/")
         for granted in self.repositories:
-            granted_owner, _, granted_name = granted.lower().partition("/")
-            if granted_owner == owner and granted_name in ("*", name):
-                return True
-        return False
+            granted_owner, _, granted_name = granted.partition("/")
+            if granted_owner.lower() != owner.lower():
+                continue
+            if granted_name == "*":
+                return f"{granted_owner}/{name}"
+            if granted_name.lower() == name.lower():
+                return granted
+        return None
 
 
 def judge(

@@ -242,6 +242,12 @@ def _url_problem(url: str) -> str | None:
         return "no user name or password in the URL: the credential is kept apart"
     if parts.query or parts.fragment:
         return "no query or fragment: give the root"
+    try:
+        parts.port  # noqa: B018 - read to be checked
+    except ValueError:
+        return "the port is a number from 1 to 65535"
+    if not parts.hostname:
+        return "give the host, e.g. https://git.example.com"
     return None
 
 

@@ -92,7 +92,11 @@ def route(method: str, path: str, query: str) -> Route:
 def check_host(host: str) -> None:
     """Malformed unless ``host`` is a lowercase host name, with ``:port`` if not 443."""
     name, _, port = host.partition(":")
-    if not _HOST.fullmatch(name) or (port and (not _PORT.fullmatch(port) or int(port) > 65535)):
+    if (
+        len(name) > 253
+        or not _HOST.fullmatch(name)
+        or (port and (not _PORT.fullmatch(port) or int(port) > 65535))
+    ):
         raise Malformed(f"host {host[:100]!r}: a lowercase host name, with a port if not 443")
 
 

@@ -28,7 +28,7 @@ from connections.broker import (
     RegistryAccess,
     Unauthenticated,
 )
-from connections.github import GitHubApp, permissions_for
+from connections.github import GitHubApp, api_permissions, git_permissions
 from connections.grants import GIT_KINDS, git_grant
 from connections.models import Connection, CredentialedRequest, Kind, Scheme
 from covey import crypto
@@ -64,7 +64,8 @@ class DjangoBroker:
                 continue
             rules = git_grant(grant)
             at = connection.api_host if api else connection.host
-            if not at or at != host or not rules.covers(repository):
+            spelled = rules.spelled(repository)
+            if not at or at != host or spelled is None:
                 continue
             secret = self._secret(connection)
             github = None
@@ -81,9 +82,12 @@ class DjangoBroker:
                 headers={} if github or not secret else credential_headers(connection, secret),
                 grant=rules,
                 github=github,
-                permissions=permissions_for(bool(rules.push), frozenset(grant["api"])),
+                permissions=api_permissions(frozenset(grant["api"]))
+                if api
+                else git_permissions(bool(rules.push)),
                 problem="" if secret else f"covey cannot read the credential of {connection.name}",
                 api=frozenset(grant["api"]),
+                repository=spelled,
             )
         raise NotGranted
 
@@ -121,9 +125,9 @@ class DjangoBroker:
                 run_id=caller.run_id,
                 connection_id=event.connection_id,
                 at=now,
-                method=event.method,
-                host=event.host,
-                repository=event.repository,
+                method=event.method[:10],
+                host=event.host[:300],
+                repository=event.repository[:201],
                 service=event.service,
                 path=event.path[:1000],
                 status=event.status,
@@ -138,14 +142,18 @@ class DjangoBroker:
             said = Connection.objects.filter(pk=event.connection_id)
             if event.problem:  # what the person sees on the connection's page
                 said.update(status=event.problem[:300], status_at=now)
-            elif event.status < 400:
+            elif event.status < 400 and not event.refused:  # it went upstream and passed
                 said.exclude(status="").update(status="", status_at=now)
 
     def _caller(self, token: str) -> Caller:
+        """The run a token is of: only a run's token is brokered (a grant is for runs)."""
         try:
-            return self.ledger.authenticate(token)
+            caller = self.ledger.authenticate(token)
         except Refused:
             raise Unauthenticated from None
+        if caller.run_id is None:
+            raise Unauthenticated
+        return caller
 
     def _grants(self, agent_id: int) -> tuple[tuple[Connection, dict[str, Any]], ...]:
         kept = self._granted.get(agent_id)

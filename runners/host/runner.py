@@ -727,7 +727,9 @@ def brokered_environment(
       lead to the gateway's ``/git/<host>/`` and requests there carry the run's token;
     - for each git host with an API, ``COVEY_API_<CONNECTION>``: its base URL at the gateway;
     - for each registry, ``COVEY_REGISTRY_<CONNECTION>``: its URL at the gateway, the token as
-      the password in it; an index of Python packages (``/simple/``) is pip's extra index."""
+      the password in it, and pip told to trust the gateway's plain HTTP. No index is made
+      pip's own: an extra index beside the public one invites dependency confusion (pip takes
+      the highest version of a name wherever it is), so the agent names the index it means."""
     base = gateway.rstrip("/")
     environment = {"COVEY_TOKEN": token}
     if remotes:
@@ -742,16 +744,11 @@ def brokered_environment(
         if remote.api_host and remote.name:
             environment[_variable("COVEY_API_", remote.name)] = f"{base}/api/{remote.api_host}"
     parts = urlsplit(base)
-    indexes = []
     for registry in registries:
         url = f"{parts.scheme}://covey:{token}@{parts.netloc}{parts.path}/registry/{registry.name}"
         environment[_variable("COVEY_REGISTRY_", registry.name)] = url
-        if "/simple/" in registry.paths:
-            indexes.append(f"{url}/simple/")
-    if indexes:
-        environment["PIP_EXTRA_INDEX_URL"] = " ".join(indexes)
-        if parts.scheme == "http":  # pip reads plain HTTP only from hosts it is told to trust
-            environment["PIP_TRUSTED_HOST"] = parts.netloc
+    if registries and parts.scheme == "http":  # pip reads plain HTTP only from trusted hosts
+        environment["PIP_TRUSTED_HOST"] = parts.netloc
     return environment
 
 

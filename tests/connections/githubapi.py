@@ -18,6 +18,7 @@ class GitHub:
         self.public = key.public_key()
         self.repositories = {"app", "docs"}
         self.minted: list[dict] = []
+        self.asked = 0  # requests for a token, minted or not
         self.tokens = [] if tokens is None else tokens  # each token minted (a git host's list)
         self.also: set[str] = set()  # tokens its REST API takes besides the minted ones
         self.pulls: list[dict] = []
@@ -29,6 +30,7 @@ class GitHub:
         app.router.add_get("/repos/{owner}/{name}", self.repository)
         app.router.add_post("/repos/{owner}/{name}/pulls", self.open_pull)
         app.router.add_get("/repos/{owner}/{name}/pulls", self.list_pulls)
+        app.router.add_get("/repos/{owner}/{name}/releases/assets/{id}", self.asset)
         app.router.add_route("*", "/repos/{owner}/{name}/{tail:.*}", self.anything)
 
     def _authorised(self, request: web.Request) -> bool:
@@ -63,12 +65,20 @@ class GitHub:
             return web.json_response({"message": "Bad credentials"}, status=401)
         return web.json_response([{"number": n + 1, **p} for n, p in enumerate(self.pulls)])
 
+    async def asset(self, request: web.Request) -> web.Response:
+        """A release asset: a redirect to storage, with a token of its own in the URL."""
+        if not self._authorised(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        where = "https://objects.example.test/asset?token=presigned-download-token"
+        return web.Response(status=302, headers={"Location": where})
+
     async def anything(self, request: web.Request) -> web.Response:
         if not self._authorised(request):
             return web.json_response({"message": "Bad credentials"}, status=401)
         return web.json_response({"message": "done", "path": request.path})
 
     async def access_tokens(self, request: web.Request) -> web.Response:
+        self.asked += 1
         auth = request.headers.get("Authorization", "")
         try:
             claims = jwt.decode(

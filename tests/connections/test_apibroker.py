@@ -141,6 +141,32 @@ def test_a_call_the_grant_does_not_name_is_refused_naming_the_rule(world, method
     assert world.github.seen == []
 
 
+def test_a_redirect_is_not_passed_on(world):
+    answer = world.call(
+        "GET", "/repos/acme/app/releases/assets/7", headers={"Accept": "application/octet-stream"}
+    )
+    assert answer.status_code == 502 and "location" not in answer.headers
+    assert answer.json()["rule"] == "redirect" and "presigned" not in answer.text
+    assert world.broker.events[-1].refused.endswith("a redirect covey does not pass on")
+    assert world.broker.events[-1].problem == ""  # the credential is fine
+
+
+def test_a_method_no_api_call_has_is_refused_and_recorded(world):
+    answer = world.call("UNSUBSCRIBE", "/repos/acme/app")
+    assert answer.status_code == 405 and answer.json()["rule"] == "call"
+    assert world.broker.events[-1].method == "UNSUBSCRIBE" and world.github.seen == []
+
+
+def test_a_broker_that_fails_is_503_and_nothing_is_sent(world):
+    def fail(*args):
+        raise RuntimeError("the database is down")
+
+    world.broker.api_access = fail
+    answer = world.call("GET", "/repos/acme/app")
+    assert answer.status_code == 503 and answer.json()["rule"] == "unavailable"
+    assert world.github.seen == []
+
+
 def test_another_repository_is_not_found_and_never_asked_for(world):
     answer = world.call("GET", "/repos/acme/secret")
     assert answer.status_code == 404

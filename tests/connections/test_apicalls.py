@@ -2,8 +2,9 @@
 
 import pytest
 
-from connections.apicalls import CALLS, Call, refusal, route
+from connections.apicalls import CALLS, Call, check_path, refusal, route
 from connections.grants import API_CALLS
+from connections.registry import under
 from connections.smarthttp import Malformed
 
 DEFAULT = frozenset({"read", "pulls", "comments"})
@@ -26,6 +27,10 @@ def test_a_path_names_host_repository_and_the_rest():
         "/api/h.test/repos/acme/./app",
         "/api/h.test/repos/acme/%2E%2E/secret",
         "/api/h.test/repos/acme/app/contents/a%2fb",
+        "/api/h.test/repos/acme/app/contents/..;/x",
+        "/api/h.test/repos/acme/app;x/pulls",
+        "/api/h.test/repos/acme/app/contents/a%252e%252e",
+        "/api/h.test/repos/acme/app/contents/%3b",
         "/api/h.test/repos/acme/app/contents/a%5Cb",
         "/api/h.test/repos/acme/app/contents/a%00",
         "/api/h.test/repos/acme/app/contents/100%",
@@ -81,3 +86,35 @@ def test_a_call_passes_only_when_a_named_call_allows_its_method_and_path(
 
 def test_every_call_a_grant_may_name_has_rules():
     assert set(CALLS) == set(API_CALLS)
+
+
+@pytest.mark.parametrize(
+    ("path", "decoded"),
+    [
+        ("/registry/npm/@acme%2fwidget", "/registry/npm/@acme/widget"),
+        ("/registry/pypi/simple/covey-demo/", "/registry/pypi/simple/covey-demo/"),
+    ],
+)
+def test_a_registry_path_may_hold_an_encoded_slash_and_is_read_decoded(path, decoded):
+    assert check_path(path, encoded_slash=True) == decoded
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/registry/x/packages%2f..%2fadmin",  # a '..' once decoded
+        "/registry/x/simple/..;/..;/other",
+        "/registry/x/simple/%2e%2e/other",
+        "/registry/x/simple/%252f",
+    ],
+)
+def test_a_registry_path_that_climbs_once_decoded_is_refused(path):
+    with pytest.raises(Malformed):
+        check_path(path, encoded_slash=True)
+
+
+def test_a_registry_s_paths_are_matched_segment_by_segment():
+    assert under("/packages/acme/a.whl", "/packages/acme")
+    assert under("/packages/acme", "/packages/acme")
+    assert not under("/packages/acme-private/a.whl", "/packages/acme")
+    assert under("/simple/x/", "/simple/") and not under("/simplex/", "/simple/")

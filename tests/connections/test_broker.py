@@ -289,3 +289,15 @@ def test_a_push_larger_than_git_s_post_buffer_is_probed_then_streamed(world, tmp
     assert len(posts) == 2  # the probe, then the push
     assert posts[1].headers.get("Transfer-Encoding") == "chunked"
     assert broker.events[-1].refs[0].new == new
+
+
+def test_a_broker_that_fails_is_503_and_nothing_goes_upstream(world, tmp_path):
+    host, broker, url = world
+
+    def fail(*args):
+        raise RuntimeError("the database is down")
+
+    broker.git_access = fail
+    cloned = git("clone", f"{url}/acme/app.git", str(tmp_path / "a"), cwd=tmp_path, check=False)
+    assert cloned.returncode != 0 and "covey cannot read its records just now" in cloned.stderr
+    assert host.seen == []

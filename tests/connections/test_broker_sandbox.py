@@ -173,7 +173,8 @@ def test_a_sandbox_clones_and_pushes_within_its_grant_holding_no_credential(
     check_the_flow(log, host, github, "pusher", remote)
     assert {r.run_id for r in CredentialedRequest.objects.all()} == {run.pk}
     # pip read the private index through the gateway, told of it by the run's environment.
-    assert f"IMPORTED {WORD}" in log and "PIP_EXTRA_INDEX_URL=http://covey:" in log
+    assert f"IMPORTED {WORD}" in log and "COVEY_REGISTRY_INDEX=http://covey:" in log
+    assert "PIP_EXTRA_INDEX_URL" not in log  # no index beside the public one (confusion)
     assert [path for _, path, _ in index.seen] == [f"/simple/{PROJECT}/", f"/packages/{WHEEL}"]
     assert INDEX_PASSWORD not in log
 
@@ -218,16 +219,17 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
     assert "HTTP_PROXY=http://" in log  # the gateway was reached through the proxy
     check_the_flow(log, host, github, "isolated-pusher", remote)
-    # One token for the repository, with the grant's permissions; git used it.
+    # A token for git and one for the API, each for the repository and what it needs.
     assert github.minted == [
+        {"repositories": ["app"], "permissions": {"metadata": "read", "contents": "write"}},
         {
             "repositories": ["app"],
             "permissions": {
                 "metadata": "read",
-                "contents": "write",
+                "contents": "read",
                 "pull_requests": "write",
                 "issues": "write",
             },
-        }
+        },
     ]
     assert host.seen[-1].headers["Authorization"] != host.authorization

@@ -71,6 +71,7 @@ def test_a_token_a_registry_and_a_host_with_a_port(acme):
         ("token", "t", {"git_url": "http://g.example"}, "git_url", "https only"),
         ("token", "t", {"git_url": "https://u:p@g.example"}, "git_url", "no user name"),
         ("token", "t", {"git_url": "https://g.example/?a=1"}, "git_url", "no query"),
+        ("token", "t", {"git_url": "https://g.example:99999"}, "git_url", "port"),
         ("token", "t", {"api_url": "https://a.example", "scheme": "basic"}, "username", "user"),
         (
             "token",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -21,6 +22,7 @@ from budgets.gateway.ledger import KEPT_SECONDS
 from budgets.models import GatewayToken
 from connections import services
 from connections.models import Connection, CredentialedRequest
+from runs import services as runs
 from tests.budgets.conftest import Gateway, ca, start_gateway, vendor  # noqa: F401 - fixtures
 from tests.connections.gitenv import git_env
 from tests.connections.githost import GitHost, Servers
@@ -92,7 +94,8 @@ def world(tmp_path: Path, acme, upstream, gateway) -> World:
     agent = agent_services.create_agent(
         acme, "Builder", credential_grants=[{"connection": "forge", "repositories": ["acme/app"]}]
     )
-    token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    run = runs.queue_run(agent, "work on acme/app")
+    token = keys.issue_gateway_token(agent, run_id=run.pk, ttl=timedelta(hours=1))
     url = f"{gateway.url}/git/127.0.0.1:{port}/acme/app.git"
     return World(host, connection, agent, token, url, tmp_path)
 
@@ -167,3 +170,29 @@ def test_a_token_whose_run_ended_is_refused(world):
         refused.stderr
     )
     assert not world.host.seen
+
+
+def test_a_token_of_no_run_is_refused(world):
+    token = keys.issue_gateway_token(world.agent, run_id=None, ttl=timedelta(hours=1))
+    world.token = token
+    refused = world.git("ls-remote", world.url)
+    assert "this token is no running agent's" in refused.stderr and not world.host.seen
+
+
+def test_the_repository_goes_upstream_as_the_grant_spells_it(world):
+    """git http-backend minds case, as some hosts do: another spelling of a granted name
+    reaches the granted repository, never another one."""
+    listed = world.git("ls-remote", world.url.replace("acme/app", "ACME/App"))
+    assert listed.returncode == 0, listed.stderr
+    assert {seen.path.split(".git")[0] for seen in world.host.seen} == {"/acme/app"}
+    assert {r.repository for r in CredentialedRequest.objects.all()} == {"acme/app"}
+
+
+def test_every_refusal_is_recorded_even_with_a_method_longer_than_the_column(world):
+    api = world.url.replace("/git/", "/api/").replace("/acme/app.git", "")
+    answer = httpx.request(
+        "UNSUBSCRIBE", f"{api}/repos/acme/app", headers={"Authorization": f"Bearer {world.token}"}
+    )
+    assert answer.status_code == 404  # the forge has no API: nothing is granted there
+    recorded = CredentialedRequest.objects.get()
+    assert (recorded.method, recorded.refused) == ("UNSUBSCRIB", "not granted")

@@ -9,7 +9,13 @@ import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from connections.github import GitHubApp, GitHubRefused, InstallationTokens, permissions_for
+from connections.github import (
+    GitHubApp,
+    GitHubRefused,
+    InstallationTokens,
+    api_permissions,
+    git_permissions,
+)
 from tests.connections.githost import Servers
 from tests.connections.githubapi import GitHub
 from tests.connections.keys import pem
@@ -106,21 +112,33 @@ def test_a_host_that_does_not_answer_is_named(github, key):
 
 
 @pytest.mark.parametrize(
-    ("push", "api", "permissions"),
+    ("api", "permissions"),
     [
-        (True, {"read", "pulls", "comments"}, WRITE),
-        (
-            False,
-            {"read"},
-            {"metadata": "read", "contents": "read", "pull_requests": "read", "issues": "read"},
-        ),
-        (False, set(), {"metadata": "read", "contents": "read"}),
-        (
-            True,
-            {"issues"},
-            {"metadata": "read", "contents": "write", "issues": "write", "pull_requests": "read"},
-        ),
+        ({"read", "pulls", "comments"}, {
+            "metadata": "read", "contents": "read", "pull_requests": "write", "issues": "write",
+        }),
+        ({"read"}, {
+            "metadata": "read", "contents": "read", "pull_requests": "read", "issues": "read",
+        }),
+        (set(), {"metadata": "read"}),
+        ({"issues"}, {"metadata": "read", "issues": "write"}),
+        ({"comments"}, {"metadata": "read", "pull_requests": "write", "issues": "write"}),
     ],
-)
-def test_a_token_gets_no_more_than_the_grant_allows(push, api, permissions):
-    assert permissions_for(push, frozenset(api)) == permissions
+)  # fmt: skip
+def test_an_api_token_gets_no_more_than_the_grant_s_calls_need(api, permissions):
+    assert api_permissions(frozenset(api)) == permissions
+
+
+def test_a_git_token_gets_contents_only():
+    assert git_permissions(True) == {"metadata": "read", "contents": "write"}
+    assert git_permissions(False) == {"metadata": "read", "contents": "read"}
+
+
+def test_a_refusal_is_said_again_without_asking_for_a_while(github, key):
+    servers, stand_in, url, session = github
+    app = GitHubApp("12", "34", pem(key), url)
+    tokens = InstallationTokens(session)
+    for _ in range(3):
+        with pytest.raises(GitHubRefused, match="lacks acme/secret"):
+            servers.call(lambda: tokens.token(app, "acme/secret", git_permissions(False)))
+    assert stand_in.asked == 1

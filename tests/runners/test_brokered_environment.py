@@ -29,7 +29,7 @@ def test_git_is_led_to_the_gateway_with_the_run_s_token_and_apis_are_named():
     }
 
 
-def test_a_python_index_is_pip_s_extra_index_and_every_registry_has_its_url():
+def test_every_registry_has_its_url_and_none_is_made_pip_s_own():
     registries = (
         Registry(name="pypi-private", paths=("/simple/", "/packages/")),
         Registry(name="npm", paths=("/",)),
@@ -40,6 +40,5 @@ def test_a_python_index_is_pip_s_extra_index_and_every_registry_has_its_url():
         "COVEY_TOKEN": TOKEN,
         "COVEY_REGISTRY_PYPI_PRIVATE": index,
         "COVEY_REGISTRY_NPM": f"http://covey:{TOKEN}@172.17.0.1:8002/registry/npm",
-        "PIP_EXTRA_INDEX_URL": f"{index}/simple/",
         "PIP_TRUSTED_HOST": "172.17.0.1:8002",
     }
