@@ -91,12 +91,12 @@ check: venv services
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 
 test: venv services base-image test-debs egress-image control-plane-image workplace-image service-images lint check
-	$(TEST_ENV) $(VENV)/bin/pytest --numprocesses $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
+	$(TEST_ENV) $(VENV)/bin/pytest --numprocesses $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # No PostgreSQL, Redis, Docker or browser: SQLite and the in-memory fakes, in parallel.
 test-fast: venv
 	env -u DATABASE_URL -u CELERY_BROKER_URL $(VENV)/bin/pytest --numprocesses $(TEST_WORKERS) \
-		--dist load -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+		--dist worksteal -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The reliability and security suites (the tests marked suite), and their table in
 # docs/security.md, written from their own output.

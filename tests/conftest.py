@@ -14,11 +14,12 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from functools import cache
+from importlib import import_module
 from urllib.parse import urlparse
 
 import pytest
 from django.conf import settings
-from pytest_django.plugin import validate_django_db
+from pytest_django.plugin import blocking_manager_key, validate_django_db
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -39,6 +40,42 @@ QUICK_HASHER = "django.contrib.auth.hashers.MD5PasswordHasher"
 settings.PASSWORD_HASHERS = [QUICK_HASHER, *settings.PASSWORD_HASHERS]
 
 HEAVY = ("docker", "e2e")  # markers of the tests that take seconds to minutes each
+
+
+# What the data migrations ship (in migration order): a transactional test's teardown empties
+# every table, and the next test of its worker must find them as a new installation has them.
+SHIPPED = (
+    ("templates.migrations.0002_shipped_templates", "install"),
+    ("budgets.migrations.0002_shipped_prices", "ship"),
+    ("budgets.migrations.0009_openai_prices", "ship"),
+    ("budgets.migrations.0010_runtime_models", "ship"),
+)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a transactional test's flush, the shipped rows again, so that every test finds
+    them whatever ran before it on its worker (the tests may then be handed out in any order:
+    make test steals work between workers)."""
+    yield
+    if not _flushes(item):
+        return
+    from django.apps import apps
+
+    with item.config.stash[blocking_manager_key].unblock():
+        for module, name in SHIPPED:
+            getattr(import_module(module), name)(apps, None)
+
+
+def _flushes(item: pytest.Item) -> bool:
+    """A test whose teardown empties the tables (pytest-django's transactional ones)."""
+    marker = item.get_closest_marker("django_db")
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if marker is not None:
+        transaction, reset_sequences, *_ = validate_django_db(marker)
+        if transaction or reset_sequences:
+            return True
+    return bool({"transactional_db", "live_server"} & fixtures)
 
 
 def _in_a_transaction(item: pytest.Item) -> bool:
