@@ -130,7 +130,7 @@ class ApiRoute:
         access: GitAccess,
         passed: Callable[[int], Awaitable[None]],
     ) -> tuple[web.StreamResponse, str]:
-        """The API's answer, streamed back and recorded (``passed``) before its end is sent;
+        """The API's answer, recorded (``passed``) before any of it is sent, streamed back;
         or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
         url = access.base_url.rstrip("/") + call.path
         if query := request.rel_url.raw_query_string:
@@ -164,6 +164,7 @@ class ApiRoute:
                 # Recorded as covey's refusal: nothing is wrong with the credential.
                 why = f"{call.host} answered {upstream.status}, a redirect covey does not pass on"
                 return refused(502, why, "redirect"), REDIRECT + why
+            await passed(upstream.status)  # on the record before the sandbox sees any of it
             answer = web.StreamResponse(status=upstream.status)
             for name in RETURNED:
                 if name in upstream.headers:
@@ -171,7 +172,6 @@ class ApiRoute:
             await answer.prepare(request)
             async for chunk in upstream.content.iter_chunked(CHUNK):
                 await answer.write(chunk)
-            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 

@@ -291,8 +291,8 @@ class GitRoute:
     ) -> tuple[web.StreamResponse, str]:
         """The upstream's answer, streamed back, and covey's word on it ("" when it answered
         as it may: a refused credential and an upstream that does not answer are 502s, not
-        yet sent). An answer streamed back is recorded (``passed``) before its end is sent, so
-        that what the sandbox has seen end is on the record."""
+        yet sent). An answer streamed back is recorded (``passed``) before any of it is sent,
+        so that what the sandbox has seen is on the record."""
         endpoint = "info/refs" if route.advertisement else route.service.value
         url = f"{_repository_url(access, route)}/{endpoint}"
         if route.advertisement:
@@ -318,6 +318,7 @@ class GitRoute:
                     self.tokens.forget(access.github)
                 problem = f"{route.host} refused the connection's credential ({upstream.status})"
                 return _answer(502, f"covey: {problem}"), problem
+            await passed(upstream.status)  # on the record before the sandbox sees any of it
             answer = web.StreamResponse(status=upstream.status)
             for name in RETURNED:
                 if name in upstream.headers:
@@ -325,7 +326,6 @@ class GitRoute:
             await answer.prepare(request)
             async for chunk in upstream.content.iter_chunked(CHUNK):
                 await answer.write(chunk)
-            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 

@@ -103,8 +103,8 @@ class RegistryRoute:
         path: str,
         passed: Callable[[int], Awaitable[None]],
     ) -> tuple[web.StreamResponse, str]:
-        """The registry's answer, streamed back and recorded (``passed``) before its end is
-        sent; or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
+        """The registry's answer, recorded (``passed``) before any of it is sent, streamed
+        back; or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
         url = access.base_url.rstrip("/") + path
         if query := request.rel_url.raw_query_string:
             url += f"?{query}"
@@ -131,6 +131,7 @@ class RegistryRoute:
                     f"registry {name} answered {upstream.status}, a redirect covey does not pass on"
                 )
                 return refused(502, why, "redirect"), REDIRECT + why
+            await passed(upstream.status)  # on the record before the sandbox sees any of it
             answer = web.StreamResponse(status=upstream.status)
             for header in RETURNED:
                 if header in upstream.headers:
@@ -139,7 +140,6 @@ class RegistryRoute:
             if request.method != "HEAD":
                 async for chunk in upstream.content.iter_chunked(CHUNK):
                     await answer.write(chunk)
-            await passed(upstream.status)
             await answer.write_eof()
             return answer, ""
 

@@ -42,6 +42,7 @@ settings.PASSWORD_HASHERS = [QUICK_HASHER, *settings.PASSWORD_HASHERS]
 HEAVY = ("docker", "e2e")  # markers of the tests that take seconds to minutes each
 
 
+NOT_THE_TESTS = settings.DATABASES["default"]["NAME"]  # before pytest-django puts the tests' in
 # What the data migrations ship (in migration order): a transactional test's teardown empties
 # every table, and the next test of its worker must find them as a new installation has them.
 SHIPPED = (
@@ -58,11 +59,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     them whatever ran before it on its worker (the tests may then be handed out in any order:
     make test steals work between workers)."""
     yield
-    if not _flushes(item):
+    # The last test's teardown has ended the session too (the test database is gone): none.
+    if nextitem is None or not _flushes(item):
         return
     from django.apps import apps
+    from django.db import connection
 
     with item.config.stash[blocking_manager_key].unblock():
+        if connection.settings_dict["NAME"] == NOT_THE_TESTS:
+            return  # never the database the tests were not given
         for module, name in SHIPPED:
             getattr(import_module(module), name)(apps, None)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from django.utils import timezone
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 
 from organisations.models import Membership, Organisation, Role
 from runners.models import Runner
@@ -103,9 +103,11 @@ def hidden_columns(page, columns: list[str]) -> dict[str, str]:
 def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, settings):
     settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com"]
     page.goto("/admin/organisations/organisation/add/")
+    page.wait_for_load_state("networkidle")  # the admin's scripts have bound their handlers
     assert page.input_value("#id_base_allowlist") == "api.anthropic.com"
     page.locator("#id_name").press_sequentially("Initech")
-    assert page.input_value("#id_slug") == "initech"  # prepopulated as the name is typed
+    # Prepopulated as the name is typed (a busy machine's browser may take a moment).
+    expect(page.locator("#id_slug")).to_have_value("initech")
     page.click("input[name=_save]")
     page.wait_for_url("**/admin/organisations/organisation/")
     assert "was added successfully" in page.content()
