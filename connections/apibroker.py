@@ -30,6 +30,8 @@ from connections.broker import (
     NotGranted,
     Unauthenticated,
     credential,
+    record,
+    stream_back,
     token_of,
 )
 from connections.github import GitHubRefused, InstallationTokens
@@ -164,16 +166,7 @@ class ApiRoute:
                 # Recorded as covey's refusal: nothing is wrong with the credential.
                 why = f"{call.host} answered {upstream.status}, a redirect covey does not pass on"
                 return refused(502, why, "redirect"), REDIRECT + why
-            await passed(upstream.status)  # on the record before the sandbox sees any of it
-            answer = web.StreamResponse(status=upstream.status)
-            for name in RETURNED:
-                if name in upstream.headers:
-                    answer.headers[name] = upstream.headers[name]
-            await answer.prepare(request)
-            async for chunk in upstream.content.iter_chunked(CHUNK):
-                await answer.write(chunk)
-            await answer.write_eof()
-            return answer, ""
+            return await stream_back(request, upstream, RETURNED, passed), ""
 
     async def _record(
         self,
@@ -197,10 +190,7 @@ class ApiRoute:
             problem=problem,
             path=call.path,
         )
-        try:
-            await asyncio.to_thread(self.broker.record, token, event)
-        except Exception:
-            logger.exception("an API call could not be recorded")
+        await record(self.broker, token, event)
 
 
 class _Body:

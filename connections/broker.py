@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Protocol
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, encode_basic_auth, web
+from aiohttp import (
+    ClientError,
+    ClientResponse,
+    ClientSession,
+    ClientTimeout,
+    encode_basic_auth,
+    web,
+)
 
 from connections import smarthttp
 from connections.github import GitHubApp, GitHubRefused, InstallationTokens
@@ -318,16 +325,7 @@ class GitRoute:
                     self.tokens.forget(access.github)
                 problem = f"{route.host} refused the connection's credential ({upstream.status})"
                 return _answer(502, f"covey: {problem}"), problem
-            await passed(upstream.status)  # on the record before the sandbox sees any of it
-            answer = web.StreamResponse(status=upstream.status)
-            for name in RETURNED:
-                if name in upstream.headers:
-                    answer.headers[name] = upstream.headers[name]
-            await answer.prepare(request)
-            async for chunk in upstream.content.iter_chunked(CHUNK):
-                await answer.write(chunk)
-            await answer.write_eof()
-            return answer, ""
+            return await stream_back(request, upstream, RETURNED, passed), ""
 
     async def _record(
         self,
@@ -352,10 +350,38 @@ class GitRoute:
             refs=refs,
             problem=problem,
         )
-        try:
-            await asyncio.to_thread(self.broker.record, token, event)
-        except Exception:
-            logger.exception("a git request could not be recorded")
+        await record(self.broker, token, event)
+
+
+async def stream_back(
+    request: web.Request,
+    upstream: ClientResponse,
+    returned: tuple[str, ...],
+    passed: Callable[[int], Awaitable[None]],
+) -> web.StreamResponse:
+    """The upstream's answer to ``request``, recorded (``passed``) before any of it is sent
+    (so that what the sandbox has seen is on the record), with only the ``returned`` headers,
+    its body streamed (none for HEAD)."""
+    await passed(upstream.status)
+    answer = web.StreamResponse(status=upstream.status)
+    for name in returned:
+        if name in upstream.headers:
+            answer.headers[name] = upstream.headers[name]
+    await answer.prepare(request)
+    if request.method != "HEAD":
+        async for chunk in upstream.content.iter_chunked(CHUNK):
+            await answer.write(chunk)
+    await answer.write_eof()
+    return answer
+
+
+async def record(broker: "Broker", token: str, event: GitEvent) -> None:
+    """``event`` on the record, through the broker (a record that cannot be written is
+    logged: the answer has gone already, or goes anyway)."""
+    try:
+        await asyncio.to_thread(broker.record, token, event)
+    except Exception:
+        logger.exception("a credentialed request could not be recorded")
 
 
 async def credential(

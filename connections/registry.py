@@ -20,13 +20,14 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from connections.apibroker import REDIRECT, refused
 from connections.apicalls import check_path
 from connections.broker import (
-    CHUNK,
     UNAVAILABLE,
     Broker,
     GitEvent,
     NotGranted,
     RegistryAccess,
     Unauthenticated,
+    record,
+    stream_back,
 )
 from connections.smarthttp import Malformed, check_segment
 
@@ -131,17 +132,7 @@ class RegistryRoute:
                     f"registry {name} answered {upstream.status}, a redirect covey does not pass on"
                 )
                 return refused(502, why, "redirect"), REDIRECT + why
-            await passed(upstream.status)  # on the record before the sandbox sees any of it
-            answer = web.StreamResponse(status=upstream.status)
-            for header in RETURNED:
-                if header in upstream.headers:
-                    answer.headers[header] = upstream.headers[header]
-            await answer.prepare(request)
-            if request.method != "HEAD":
-                async for chunk in upstream.content.iter_chunked(CHUNK):
-                    await answer.write(chunk)
-            await answer.write_eof()
-            return answer, ""
+            return await stream_back(request, upstream, RETURNED, passed), ""
 
     async def _record(
         self,
@@ -166,10 +157,7 @@ class RegistryRoute:
             problem=problem,
             path=path,
         )
-        try:
-            await asyncio.to_thread(self.broker.record, token, event)
-        except Exception:
-            logger.exception("a registry read could not be recorded")
+        await record(self.broker, token, event)
 
 
 def _route(path: str) -> tuple[str, str, str]:
