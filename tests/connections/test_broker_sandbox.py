@@ -190,10 +190,14 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
     stand_in,
 ):
     runner_ids_apart()
-    host, github, remote, _, _ = stand_in
+    host, github, remote, index, index_url = stand_in
     services.create_connection(
         acme, "github", "github-app", pem(github.key), git_url=remote, api_url=remote,
         app_id="12", installation_id="34",
+    )  # fmt: skip
+    services.create_connection(
+        acme, "index", "basic", INDEX_PASSWORD, index_url=index_url, username="deploy",
+        paths=["/simple/", "/packages/"],
     )  # fmt: skip
     keys.set_model_key(acme, KEY)
     address = Engine("address").bridge_address(None)  # what the proxy container reaches
@@ -203,8 +207,9 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
             runner, config = world.register(acme, "isolated-git")
             # Its allowlist names nothing on this machine: the gateway is allowed as built in.
             agent = world.stack.agent(
-                acme, "Isolated pusher", ["sh", "-c", script(remote, "isolated-pusher", "github")],
-                credential_grants=[{"connection": "github", **GRANT}],
+                acme, "Isolated pusher",
+                ["sh", "-c", script(remote, "isolated-pusher", "github", PIP)],
+                credential_grants=[{"connection": "github", **GRANT}, {"connection": "index"}],
             )  # fmt: skip
             budget_services.set_budget(agent, Decimal(5))
             with world.stack.runner(runner, config, **world.runner_env()):
@@ -219,6 +224,8 @@ def test_under_hard_isolation_a_github_app_s_minted_tokens_stay_in_the_gateway(
     assert run.status == RunStatus.SUCCEEDED, (run.status_detail, log)
     assert "HTTP_PROXY=http://" in log  # the gateway was reached through the proxy
     check_the_flow(log, host, github, "isolated-pusher", remote)
+    assert f"IMPORTED {WORD}" in log  # pip read the private index through the proxy too
+    assert [path for _, path, _ in index.seen] == [f"/simple/{PROJECT}/", f"/packages/{WHEEL}"]
     # A token for git and one for the API, each for the repository and what it needs.
     assert github.minted == [
         {"repositories": ["app"], "permissions": {"metadata": "read", "contents": "write"}},
