@@ -181,6 +181,7 @@ class ApiRoute:
     ) -> None:
         event = GitEvent(
             connection_id=access.connection_id if access else None,
+            credential_at=access.credential_at if access else "",
             host=call.host,
             repository=call.repository,
             service=SERVICE,

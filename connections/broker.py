@@ -72,6 +72,7 @@ class GitAccess:
     problem: str = ""
     api: frozenset[str] = frozenset()  # the API calls the grant names (connections.apicalls)
     repository: str = ""  # owner/name as the grant spells it ("": as the request did)
+    credential_at: str = ""  # when the credential used was set (what the upstream said is of it)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RegistryAccess:
     headers: Mapping[str, str] = field(repr=False)  # the credential
     paths: tuple[str, ...]
     problem: str = ""  # why the credential cannot be used (nothing is sent)
+    credential_at: str = ""  # when the credential used was set (what the upstream said is of it)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class GitEvent:
     refs: tuple[RefOutcome, ...] = ()
     problem: str = ""  # why the upstream could not be used (its credential refused, no answer)
     path: str = ""  # an API call's, at the API's root
+    credential_at: str = ""  # the access's: a status is said of that credential only
 
 
 class Broker(Protocol):
@@ -341,6 +344,7 @@ class GitRoute:
     ) -> None:
         event = GitEvent(
             connection_id=access.connection_id if access else None,
+            credential_at=access.credential_at if access else "",
             host=route.host,
             repository=route.repository,
             service=route.service.value,

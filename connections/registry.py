@@ -148,6 +148,7 @@ class RegistryRoute:
     ) -> None:
         event = GitEvent(
             connection_id=access.connection_id if access else None,
+            credential_at=access.credential_at if access else "",
             host=name,
             repository="",
             service=SERVICE,

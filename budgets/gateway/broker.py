@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from aiohttp import encode_basic_auth
@@ -88,6 +89,7 @@ class DjangoBroker:
                 problem="" if secret else f"covey cannot read the credential of {connection.name}",
                 api=frozenset(grant["api"]),
                 repository=spelled,
+                credential_at=connection.secret_set_at.isoformat(),
             )
         raise NotGranted
 
@@ -103,6 +105,7 @@ class DjangoBroker:
                 headers=credential_headers(connection, secret) if secret else {},
                 paths=tuple(connection.paths),
                 problem="" if secret else f"covey cannot read the credential of {connection.name}",
+                credential_at=connection.secret_set_at.isoformat(),
             )
         raise NotGranted
 
@@ -140,6 +143,8 @@ class DjangoBroker:
             if event.connection_id is None:
                 return
             said = Connection.objects.filter(pk=event.connection_id)
+            if event.credential_at:  # a rotation since: the new credential has said nothing yet
+                said = said.filter(secret_set_at=datetime.fromisoformat(event.credential_at))
             if event.problem:  # what the person sees on the connection's page
                 said.update(status=event.problem[:300], status_at=now)
             elif event.status < 400 and not event.refused:  # it went upstream and passed

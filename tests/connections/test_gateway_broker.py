@@ -196,3 +196,32 @@ def test_every_refusal_is_recorded_even_with_a_method_longer_than_the_column(wor
     assert answer.status_code == 404  # the forge has no API: nothing is granted there
     recorded = CredentialedRequest.objects.get()
     assert (recorded.method, recorded.refused) == ("UNSUBSCRIB", "not granted")
+
+
+def test_what_a_host_said_of_a_rotated_credential_is_not_the_new_one_s_status(world):
+    """A request in flight with the old credential, answered after a rotation, leaves the
+    connection's status to the new one."""
+    from budgets.gateway.broker import DjangoBroker
+    from budgets.gateway.ledger import DjangoLedger
+    from connections.broker import GitEvent
+
+    host = world.url.split("/git/", 1)[1].split("/", 1)[0]
+
+    def refused_now(broker: DjangoBroker) -> GitEvent:
+        access = broker.git_access(world.token, host, "acme/app")
+        return GitEvent(
+            connection_id=world.connection.pk, host=host, repository="acme/app",
+            service="git-upload-pack", method="GET", status=502,
+            problem=f"{host} refused the connection's credential (401)",
+            credential_at=access.credential_at,
+        )  # fmt: skip
+
+    in_flight = refused_now(DjangoBroker(DjangoLedger()))
+    services.rotate_secret(world.connection, ROTATED)
+    DjangoBroker(DjangoLedger()).record(world.token, in_flight)
+    world.connection.refresh_from_db()
+    assert world.connection.status == ""
+    broker = DjangoBroker(DjangoLedger())
+    broker.record(world.token, refused_now(broker))
+    world.connection.refresh_from_db()
+    assert world.connection.status.endswith("refused the connection's credential (401)")
