@@ -2,11 +2,13 @@
 threads and its status listener, take orders until stopped, then stop cleanly. With no Django:
 ``python -m runners.host`` runs it, and ``manage.py runner`` is a thin wrapper around it."""
 
+import contextlib
 import json
 import logging
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +83,8 @@ def serve(settings: HostSettings, options: Options, say: Callable[[str], None]) 
     if removed_note.exists():
         host.removed_at_exit.update(json.loads(removed_note.read_text() or "{}"))
         removed_note.unlink()
-    start(host, name, say)
+    with _stopped_by_sigterm():
+        start(host, name, say)
     status_server = None
     if settings.status_listen:
         status_server = status_listener(host, settings.status_listen, settings.metrics_token)
@@ -119,6 +122,25 @@ def serve(settings: HostSettings, options: Options, say: Callable[[str], None]) 
             say(f"covey runner {name}: removed {removed} sandbox(es) at exit")
             if host.removed_at_exit:
                 removed_note.write_text(json.dumps(host.removed_at_exit))
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """While the host starts (its checks launch containers), SIGTERM ends it as Ctrl-C would,
+    so that each check's clean-up runs and removes its container; by default the signal ends
+    the process where it stands. The worker installs its own handlers afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def start(host: RunnerHost, name: str, say: Callable[[str], None]) -> None:

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -81,6 +82,23 @@ def admin_api(base: str, env: dict[str, str]) -> Iterator[tuple[httpx.Client, in
         yield api, organisation["id"]
 
 
+def left_behind(var: Path) -> list[str]:
+    """The containers a make run kept in ``var`` left on this host's Docker engine (none
+    when there is no engine)."""
+    if shutil.which("docker") is None or not (var / "covey.sqlite3").exists():
+        return []
+    with contextlib.closing(sqlite3.connect(var / "covey.sqlite3")) as database:
+        keys = [row[0] for row in database.execute("SELECT key FROM runners_installation")]
+    names: list[str] = []
+    for key in keys:
+        names += subprocess.run(
+            ["docker", "ps", "-a", "--format", "{{.Names}}", "--filter",
+             f"label=covey.installation={key}"],
+            capture_output=True, text=True, check=False, timeout=30,
+        ).stdout.split()  # fmt: skip
+    return names
+
+
 def readme_block(containing: str) -> str:
     """The README's shell block that holds ``containing``."""
     blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
@@ -124,6 +142,9 @@ def test_run_serves_the_admin_login_and_the_schema_and_prints_a_generated_passwo
     output = log.read_text()
     assert "Created superuser 'admin' with password: " in output
     assert (tmp_path / "var" / "covey.sqlite3").exists()
+    # Stopped as it started (its runner checking a proxy sandboxes cannot reach): nothing of
+    # this installation is left on the Docker engine.
+    assert left_behind(tmp_path / "var") == []
 
 
 def test_run_repeats_what_to_read_in_a_box_logs_routine_lines_apart_and_stops_on_ctrl_c(tmp_path):
