@@ -15,8 +15,9 @@ recorded through the broker. No Django.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -27,6 +28,7 @@ from connections.broker import (
     Broker,
     GitAccess,
     GitEvent,
+    Note,
     NotGranted,
     Unauthenticated,
     credential,
@@ -41,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "api"  # what the record says of an API call
 METHODS = ("GET", "HEAD", "POST", "PATCH", "PUT", "DELETE")  # what an API call may be
-REDIRECT = "redirect: "  # _forward's word for a redirect it did not pass on
 FORWARDED = (
     "accept", "content-type", "user-agent", "x-github-api-version", "if-none-match",
     "if-modified-since",
@@ -114,26 +115,19 @@ class ApiRoute:
             await self._record(token, access, call, request, 502, problem=str(exc))
             return refused(502, str(exc), "upstream")
 
-        async def passed(status: int) -> None:
-            await self._record(token, access, call, request, status)
-
-        answer, problem = await self._forward(request, call, access, passed)
-        if problem.startswith(REDIRECT):
-            why = problem.removeprefix(REDIRECT)
-            await self._record(token, access, call, request, answer.status, refused=why)
-        elif problem:
-            await self._record(token, access, call, request, answer.status, problem=problem)
-        return answer
+        return await self._forward(
+            request, call, access, partial(self._record, token, access, call, request)
+        )
 
     async def _forward(
         self,
         request: web.Request,
         call: apicalls.Call,
         access: GitAccess,
-        passed: Callable[[int], Awaitable[None]],
-    ) -> tuple[web.StreamResponse, str]:
-        """The API's answer, recorded (``passed``) before any of it is sent, streamed back;
-        or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
+        note: Note,
+    ) -> web.StreamResponse:
+        """The API's answer, or covey's in its place (a refused credential, no answer, a
+        redirect), recorded (``note``) before any of it is sent."""
         url = access.base_url.rstrip("/") + call.path
         if query := request.rel_url.raw_query_string:
             url += f"?{query}"
@@ -153,20 +147,23 @@ class ApiRoute:
         except (ClientError, TimeoutError, TooLarge) as exc:
             if body is not None and body.too_large:  # however the client said it
                 told = f"the body is larger than {self.max_body_bytes} bytes"
-                return refused(413, told, "body"), ""
+                await note(413, refused=told)
+                return refused(413, told, "body")
             problem = f"{call.host} did not answer ({type(exc).__name__})"
-            return refused(502, problem, "upstream"), problem
+            await note(502, problem=problem)
+            return refused(502, problem, "upstream")
         async with upstream:
             if upstream.status == 401:
                 if access.github is not None:  # a token it minted and then refused: mint anew
                     self.tokens.forget(access.github)
                 problem = f"{call.host} refused the connection's credential (401)"
-                return refused(502, problem, "upstream"), problem
+                await note(502, problem=problem)
+                return refused(502, problem, "upstream")
             if 300 <= upstream.status < 400 and upstream.status != 304:
-                # Recorded as covey's refusal: nothing is wrong with the credential.
                 why = f"{call.host} answered {upstream.status}, a redirect covey does not pass on"
-                return refused(502, why, "redirect"), REDIRECT + why
-            return await stream_back(request, upstream, RETURNED, passed), ""
+                await note(502, refused=why)  # the credential is fine
+                return refused(502, why, "redirect")
+            return await stream_back(request, upstream, RETURNED, note)
 
     async def _record(
         self,

@@ -21,6 +21,7 @@ import logging
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import IO, Any, Protocol
 
 from aiohttp import (
@@ -39,6 +40,9 @@ from connections.rules import GitGrant, judge
 from connections.smarthttp import Malformed, Push, PushReader, Route, Service
 
 logger = logging.getLogger(__name__)
+
+# A route's record of one request: note(status, refused="", problem="").
+Note = Callable[..., Awaitable[None]]
 
 UNAVAILABLE = "covey cannot read its records just now, so it sends nothing: try again shortly"
 
@@ -179,14 +183,8 @@ class GitRoute:
         if route.service == Service.RECEIVE_PACK and not route.advertisement:
             return await self._push(request, route, access, token)
         body = _chunks(b"", request) if request.method == "POST" else None
-
-        async def passed(status: int) -> None:
-            await self._record(token, access, route, request, status)
-
-        answer, problem = await self._forward(request, route, access, body, passed)
-        if problem:
-            await self._record(token, access, route, request, answer.status, problem=problem)
-        return answer
+        note = partial(self._record, token, access, route, request)
+        return await self._forward(request, route, access, body, note)
 
     async def _push(
         self, request: web.Request, route: Route, access: GitAccess, token: str
@@ -199,13 +197,8 @@ class GitRoute:
         if start == PROBE and request.content.at_eof():
             # git's probe before a large push (a flush-pkt alone, no update): the upstream
             # says whether the credential is good, nothing more.
-            async def probed(status: int) -> None:
-                await self._record(token, access, route, request, status)
-
-            answer, problem = await self._forward(request, route, access, PROBE, probed)
-            if problem:
-                await self._record(token, access, route, request, answer.status, problem=problem)
-            return answer
+            note = partial(self._record, token, access, route, request)
+            return await self._forward(request, route, access, PROBE, note)
         with tempfile.TemporaryFile(dir=self.spool) as spooled:
             try:
                 head, push, pack = await self._read_push(start, request, spooled)
@@ -229,18 +222,8 @@ class GitRoute:
                 )
                 return web.Response(body=body, headers={"Content-Type": RESULT_TYPE})
             spooled.seek(0)
-
-            async def pushed(status: int) -> None:
-                await self._record(token, access, route, request, status, refs=tuple(outcomes))
-
-            answer, problem = await self._forward(
-                request, route, access, _replay(head, spooled), pushed
-            )
-        if problem:
-            await self._record(
-                token, access, route, request, answer.status, problem=problem, refs=tuple(outcomes)
-            )
-        return answer
+            note = partial(self._record, token, access, route, request, refs=tuple(outcomes))
+            return await self._forward(request, route, access, _replay(head, spooled), note)
 
     async def _read_push(
         self, start: bytes, request: web.Request, spooled: IO[bytes]
@@ -297,12 +280,11 @@ class GitRoute:
         route: Route,
         access: GitAccess,
         body: Any,
-        passed: Callable[[int], Awaitable[None]],
-    ) -> tuple[web.StreamResponse, str]:
-        """The upstream's answer, streamed back, and covey's word on it ("" when it answered
-        as it may: a refused credential and an upstream that does not answer are 502s, not
-        yet sent). An answer streamed back is recorded (``passed``) before any of it is sent,
-        so that what the sandbox has seen is on the record."""
+        note: Note,
+    ) -> web.StreamResponse:
+        """The upstream's answer, streamed back; a refused credential and an upstream that
+        does not answer are 502s that name the host. Each is recorded (``note``) before any of
+        it is sent, so that what the sandbox has seen is on the record."""
         endpoint = "info/refs" if route.advertisement else route.service.value
         url = f"{_repository_url(access, route)}/{endpoint}"
         if route.advertisement:
@@ -321,14 +303,16 @@ class GitRoute:
             )
         except (ClientError, TimeoutError) as exc:
             problem = f"{route.host} did not answer ({type(exc).__name__})"
-            return _answer(502, f"covey: {problem}"), problem
+            await note(502, problem=problem)
+            return _answer(502, f"covey: {problem}")
         async with upstream:
             if upstream.status in (401, 403):
                 if access.github is not None:  # a token it minted and then refused: mint anew
                     self.tokens.forget(access.github)
                 problem = f"{route.host} refused the connection's credential ({upstream.status})"
-                return _answer(502, f"covey: {problem}"), problem
-            return await stream_back(request, upstream, RETURNED, passed), ""
+                await note(502, problem=problem)
+                return _answer(502, f"covey: {problem}")
+            return await stream_back(request, upstream, RETURNED, note)
 
     async def _record(
         self,
@@ -361,12 +345,12 @@ async def stream_back(
     request: web.Request,
     upstream: ClientResponse,
     returned: tuple[str, ...],
-    passed: Callable[[int], Awaitable[None]],
+    note: Note,
 ) -> web.StreamResponse:
-    """The upstream's answer to ``request``, recorded (``passed``) before any of it is sent
+    """The upstream's answer to ``request``, recorded (``note``) before any of it is sent
     (so that what the sandbox has seen is on the record), with only the ``returned`` headers,
     its body streamed (none for HEAD)."""
-    await passed(upstream.status)
+    await note(upstream.status)
     answer = web.StreamResponse(status=upstream.status)
     for name in returned:
         if name in upstream.headers:

@@ -12,17 +12,19 @@ import asyncio
 import base64
 import binascii
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from connections.apibroker import REDIRECT, refused
+from connections.apibroker import refused
 from connections.apicalls import check_path
 from connections.broker import (
     UNAVAILABLE,
     Broker,
     GitEvent,
+    Note,
     NotGranted,
     RegistryAccess,
     Unauthenticated,
@@ -85,16 +87,8 @@ class RegistryRoute:
             await self._record(token, access, name, path, request, 502, problem=access.problem)
             return refused(502, access.problem, "upstream")
 
-        async def passed(status: int) -> None:
-            await self._record(token, access, name, path, request, status)
-
-        answer, problem = await self._forward(request, access, name, path, passed)
-        if problem.startswith(REDIRECT):
-            why = problem.removeprefix(REDIRECT)
-            await self._record(token, access, name, path, request, answer.status, refused=why)
-        elif problem:
-            await self._record(token, access, name, path, request, answer.status, problem=problem)
-        return answer
+        note = partial(self._record, token, access, name, path, request)
+        return await self._forward(request, access, name, path, note)
 
     async def _forward(
         self,
@@ -102,10 +96,10 @@ class RegistryRoute:
         access: RegistryAccess,
         name: str,
         path: str,
-        passed: Callable[[int], Awaitable[None]],
-    ) -> tuple[web.StreamResponse, str]:
-        """The registry's answer, recorded (``passed``) before any of it is sent, streamed
-        back; or covey's answer, not yet sent, and why (a redirect: REDIRECT and why)."""
+        note: Note,
+    ) -> web.StreamResponse:
+        """The registry's answer, or covey's in its place (a refused credential, no answer, a
+        redirect), recorded (``note``) before any of it is sent."""
         url = access.base_url.rstrip("/") + path
         if query := request.rel_url.raw_query_string:
             url += f"?{query}"
@@ -122,17 +116,20 @@ class RegistryRoute:
             )
         except (ClientError, TimeoutError) as exc:
             problem = f"registry {name} did not answer ({type(exc).__name__})"
-            return refused(502, problem, "upstream"), problem
+            await note(502, problem=problem)
+            return refused(502, problem, "upstream")
         async with upstream:
             if upstream.status == 401:  # (a 403 may be a path it forbids: passed on as it is)
                 problem = f"registry {name} refused the connection's credential (401)"
-                return refused(502, problem, "upstream"), problem
+                await note(502, problem=problem)
+                return refused(502, problem, "upstream")
             if 300 <= upstream.status < 400 and upstream.status != 304:
                 why = (
                     f"registry {name} answered {upstream.status}, a redirect covey does not pass on"
                 )
-                return refused(502, why, "redirect"), REDIRECT + why
-            return await stream_back(request, upstream, RETURNED, passed), ""
+                await note(502, refused=why)  # the credential is fine
+                return refused(502, why, "redirect")
+            return await stream_back(request, upstream, RETURNED, note)
 
     async def _record(
         self,

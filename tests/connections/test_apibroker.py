@@ -222,6 +222,8 @@ def test_a_body_larger_than_the_route_takes_is_refused(world):
 
     streamed = world.call("PATCH", "/repos/acme/app/pulls/1", content=chunks())
     assert streamed.status_code == 413
+    assert [e.status for e in world.broker.events] == [413, 413]  # both on the record
+    assert world.broker.events[-1].refused == "the body is larger than 4096 bytes"
 
 
 def test_a_credential_the_api_refuses_is_named_to_the_agent(world):
