@@ -274,6 +274,11 @@ COVEY_EGRESS_POLICY_GRACE = _proxy.grace
 # Where a proxy answers /healthz, /readyz and /metrics (HOST:PORT; "": it does not), apart from
 # the port agents use.
 COVEY_EGRESS_STATUS_LISTEN = _proxy.status_listen
+# The policy stream (`manage.py policy_stream`, egress/stream/): where it listens, and the URL
+# runner hosts' proxies reach it at ("": not told, and they poll). The web process tells every
+# proxy that polls (a header of the policy's answer); a proxy follows the stream from then on.
+COVEY_EGRESS_STREAM_LISTEN = env.str("COVEY_EGRESS_STREAM_LISTEN", default="127.0.0.1:8004")
+COVEY_EGRESS_STREAM_URL = env.str("COVEY_EGRESS_STREAM_URL", default="")
 # Decision log rows older than this are pruned.
 COVEY_EGRESS_DECISION_RETENTION_DAYS = env.int("COVEY_EGRESS_DECISION_RETENTION_DAYS", default=30)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from allowlists.entries import Entry, EntryError, IPLiteralError, parse_entry
 
 if TYPE_CHECKING:  # egress/protocol.py builds on this module (its Code)
-    from egress.protocol import PolicySnapshot
+    from egress.protocol import PolicyDelta, PolicySnapshot
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -213,6 +213,21 @@ class Policy:
         except ValueError as exc:
             raise ValueError(f"malformed policy snapshot: {exc}") from None
         return cls(generation=snapshot.generation, agents=agents, tokens=tokens, built_in=built_in)
+
+    def apply(self, delta: "PolicyDelta") -> "Policy":
+        """This policy with ``delta``'s agents in place of theirs (their tokens too) and its
+        removed agents gone; only the changed agents' entries are parsed. ValueError when the
+        delta is not from this generation, or an entry is not one."""
+        if delta.since != self.generation:
+            raise ValueError(f"a delta from {delta.since}, and this policy is {self.generation}")
+        from egress.protocol import PolicySnapshot  # egress/protocol.py builds on this module
+
+        changed = Policy.from_snapshot(PolicySnapshot(delta.generation, delta.agents))
+        touched = {*changed.agents, *delta.removed}
+        agents = {i: a for i, a in self.agents.items() if i not in touched} | dict(changed.agents)
+        tokens = {h: t for h, t in self.tokens.items() if t.agent_id not in touched}
+        tokens.update(changed.tokens)
+        return Policy(delta.generation, agents, tokens, self.built_in)
 
     def identify(
         self, credentials: tuple[str, str] | None, now: float

@@ -67,6 +67,59 @@ class PolicySnapshot(Message):
     built_in: tuple[BuiltIn, ...] = ()
 
 
+# The policy stream (egress/stream/): a proxy on a runner host holds one request open and reads
+# a line of JSON for each change of its organisation's policy, and at least one every
+# STREAM_KEEPALIVE seconds while nothing changes (each line says the stream is still current).
+STREAM_KEEPALIVE = 5.0
+# The header of the policy's answer (GET /api/v1/egress/policy/) that names the stream's URL.
+STREAM_HEADER = "Covey-Policy-Stream"
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDelta(Message):
+    """What changed from generation ``since`` to ``generation``: the agents added or changed
+    (each whole) and the ids of agents gone. Built-in destinations never change in a stream."""
+
+    since: str
+    generation: str
+    agents: tuple[AgentSnapshot, ...] = ()
+    removed: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Current(Message):
+    """Nothing changed: the proxy's ``generation`` is still the current one."""
+
+    generation: str
+
+
+StreamLine = PolicySnapshot | PolicyDelta | Current
+STREAM_LINES: dict[str, type[StreamLine]] = {
+    "snapshot": PolicySnapshot,
+    "delta": PolicyDelta,
+    "current": Current,
+}
+
+
+def stream_line_to_json(line: StreamLine) -> dict[str, Any]:
+    """One line of the stream: ``{"snapshot": …}``, ``{"delta": …}`` or ``{"current": …}``."""
+    tag = next(tag for tag, kind in STREAM_LINES.items() if isinstance(line, kind))
+    return {tag: line.to_json()}
+
+
+def stream_line_from_json(data: Any) -> StreamLine:
+    """The line in ``data``; ProtocolError naming what does not fit. A line of a kind this
+    proxy does not know is refused (the stream is dropped, and the proxy polls)."""
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ProtocolError("a stream line is an object with one key")
+    ((tag, body),) = data.items()
+    kind = STREAM_LINES.get(tag)
+    if kind is None:
+        raise ProtocolError(f"{tag!r} is not one of {', '.join(STREAM_LINES)}")
+    line: StreamLine = decode(kind, body, tag)
+    return line
+
+
 class EventKind(StrEnum):
     """What an event in the decision log says (its ``event`` field)."""
 

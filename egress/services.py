@@ -3,7 +3,7 @@
 import hashlib
 import secrets
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -113,42 +113,50 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
 
 def build_snapshot(organisation_id: int | None = None) -> PolicySnapshot:
     """Everything the proxy needs: agents, their effective lists and live tokens."""
-    now = timezone.now()
     with transaction.atomic():  # one consistent read
         generation = policy_fingerprint(organisation_id)
-        agents = _scoped(
-            Agent.objects.select_related("organisation").prefetch_related(
-                "templates",
-                Prefetch(
-                    "tokens",
-                    queryset=EgressToken.objects.filter(
-                        revoked_at__isnull=True, expires_at__gt=now
-                    ),
-                    to_attr="live_tokens",
-                ),
+        agents = agent_snapshots(organisation_id)
+    return PolicySnapshot(generation=generation, agents=tuple(agents), built_in=built_in())
+
+
+def agent_snapshots(
+    organisation_id: int | None, ids: Collection[int] | None = None
+) -> list[AgentSnapshot]:
+    """The organisation's agents as the proxy decides for them: all of them, or those of
+    ``ids`` that exist (the policy stream reads only the agents a change named)."""
+    now = timezone.now()
+    agents = _scoped(
+        Agent.objects.select_related("organisation").prefetch_related(
+            "templates",
+            Prefetch(
+                "tokens",
+                queryset=EgressToken.objects.filter(revoked_at__isnull=True, expires_at__gt=now),
+                to_attr="live_tokens",
             ),
-            organisation_id,
-            "organisation_id",
+        ),
+        organisation_id,
+        "organisation_id",
+    )
+    if ids is not None:
+        agents = agents.filter(pk__in=list(ids))
+    used_up = exhausted(organisation_id)
+    return [
+        AgentSnapshot(
+            id=agent.pk,
+            username=agent_username(agent),
+            organisation=agent.organisation.slug,
+            enabled=agent.enabled,
+            budget_exhausted=agent.pk in used_up[0] or agent.organisation_id in used_up[1],
+            entries={
+                str(entry): tuple(sources) for entry, sources in effective_allowlist(agent).items()
+            },
+            tokens=tuple(
+                TokenSnapshot(sha256=t.sha256, expires_at=t.expires_at.timestamp())
+                for t in agent.live_tokens
+            ),
         )
-        items = []
-        used_up = exhausted(organisation_id)
-        for agent in agents:
-            entries = effective_allowlist(agent)
-            items.append(
-                AgentSnapshot(
-                    id=agent.pk,
-                    username=agent_username(agent),
-                    organisation=agent.organisation.slug,
-                    enabled=agent.enabled,
-                    budget_exhausted=agent.pk in used_up[0] or agent.organisation_id in used_up[1],
-                    entries={str(entry): tuple(sources) for entry, sources in entries.items()},
-                    tokens=tuple(
-                        TokenSnapshot(sha256=t.sha256, expires_at=t.expires_at.timestamp())
-                        for t in agent.live_tokens
-                    ),
-                )
-            )
-    return PolicySnapshot(generation=generation, agents=tuple(items), built_in=built_in())
+        for agent in agents
+    ]
 
 
 def built_in() -> tuple[BuiltIn, ...]:

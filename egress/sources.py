@@ -1,16 +1,17 @@
 """Where a proxy gets its policy and sends its decisions: the database, or the control plane.
 
 A proxy on the control-plane host reads the database directly; a proxy on a runner host has
-no database credentials and asks the control plane over HTTP with its runner token.
+no database credentials and asks the control plane over HTTP with its runner token, or
+follows the policy stream (egress/stream/), which reads the database through DatabaseStore.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from django.db import DataError, connection, transaction
 
-from egress.protocol import PolicySnapshot, ProxyEvent
+from egress.protocol import AgentSnapshot, PolicySnapshot, ProxyEvent
 
 # The proxy never waits on a lock: a batch or a refresh that would wait is retried next round,
 # and a migration or bulk delete in the control plane is never stuck behind (or deadlocked
@@ -19,7 +20,7 @@ LOCK_TIMEOUT = "500ms"
 
 
 @contextmanager
-def _brief_transaction() -> Iterator[None]:
+def brief_transaction() -> Iterator[None]:
     connection.close_if_unusable_or_obsolete()  # per CONN_MAX_AGE and CONN_HEALTH_CHECKS
     try:
         with transaction.atomic():
@@ -41,7 +42,7 @@ class DatabaseSource:
     def __call__(self, known_generation: str | None) -> "PolicySnapshot | None":
         from egress.services import build_snapshot, policy_fingerprint
 
-        with _brief_transaction():
+        with brief_transaction():
             if known_generation == policy_fingerprint(self.organisation_id):
                 return None
             return build_snapshot(self.organisation_id)
@@ -58,7 +59,7 @@ class DatabaseSink:
         from egress.services import MALFORMED, record_decisions
 
         try:
-            with _brief_transaction():
+            with brief_transaction():
                 record_decisions(events, proxy=self.proxy)
         except (*MALFORMED, DataError) as exc:  # for good: sending them again would not help
             raise Refused(repr(exc)) from exc
@@ -88,3 +89,43 @@ class DatabaseDesk:
         except Exception:
             connection.close()
             raise
+
+
+class DatabaseStore:
+    """The policy the stream reads (egress.stream.hub.Store), from the database; each call is
+    one brief transaction, and a connection that failed is replaced on the next. Who follows
+    (runners, by their tokens) is read by runners/streaming.py, which builds on this."""
+
+    def load(self, organisation_id: int) -> PolicySnapshot:
+        from egress.services import build_snapshot
+
+        with brief_transaction():
+            return build_snapshot(organisation_id)
+
+    def agents(self, organisation_id: int, ids: Collection[int] | None) -> list[AgentSnapshot]:
+        from egress.services import agent_snapshots
+
+        with brief_transaction():
+            return agent_snapshots(organisation_id, ids)
+
+    def used_up(self, organisation_id: int) -> set[int]:
+        from agents.models import Agent
+        from budgets.services import exhausted
+
+        with brief_transaction():
+            agents, organisations = exhausted(organisation_id)
+            if organisation_id in organisations:
+                return set(
+                    Agent.objects.filter(organisation_id=organisation_id).values_list(
+                        "pk", flat=True
+                    )
+                )
+            return agents
+
+    def fingerprint(self) -> str:
+        """The whole policy's fingerprint (where the database sends no notices, the stream
+        reads it a few times a second)."""
+        from egress.services import policy_fingerprint
+
+        with brief_transaction():
+            return policy_fingerprint()

@@ -4,6 +4,7 @@ the endpoints runners themselves call with their runner token (``/api/v1/runner/
 import uuid
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
@@ -24,7 +25,7 @@ from egress.messages import (
     PolicySnapshotSerializer,
     RecordedSerializer,
 )
-from egress.protocol import DecisionBatch
+from egress.protocol import STREAM_HEADER, DecisionBatch
 from organisations.api import OrganisationScoped
 from runners import services
 from runners.auth import RunnerEndpoint
@@ -304,7 +305,9 @@ def _me(runner: Runner) -> Any:
 class EgressPolicyView(RunnerEndpoint):
     """For proxies on runners: the egress policy of the runner's organisation.
 
-    Answers 304 when ``If-None-Match`` names the current generation.
+    Answers 304 when ``If-None-Match`` names the current generation. Where the policy stream
+    runs (COVEY_EGRESS_STREAM_URL), every answer names it in ``Covey-Policy-Stream``, and a
+    proxy follows it from then on instead of polling (egress/stream/).
     """
 
     seen_as = "proxy"
@@ -313,11 +316,14 @@ class EgressPolicyView(RunnerEndpoint):
     def get(self, request: Request) -> Response:
         runner = self.runner(request)
         generation = egress.policy_fingerprint(runner.organisation_id)
-        etag = f'"{generation}"'
-        if request.headers.get("If-None-Match") == etag:
-            return Response(status=status.HTTP_304_NOT_MODIFIED, headers={"ETag": etag})
+        headers = {"ETag": f'"{generation}"'}
+        if settings.COVEY_EGRESS_STREAM_URL:
+            headers[STREAM_HEADER] = settings.COVEY_EGRESS_STREAM_URL
+        if request.headers.get("If-None-Match") == headers["ETag"]:
+            return Response(status=status.HTTP_304_NOT_MODIFIED, headers=headers)
         snapshot = egress.build_snapshot(runner.organisation_id)
-        return Response(snapshot.to_json(), headers={"ETag": f'"{snapshot.generation}"'})
+        headers["ETag"] = f'"{snapshot.generation}"'
+        return Response(snapshot.to_json(), headers=headers)
 
 
 class DecisionIngestView(RunnerEndpoint):

@@ -84,3 +84,29 @@ def control_plane(
     with running(args, env, log):
         wait_for(up, 60, "the control plane answering /healthz", log)
         yield url
+
+
+@contextmanager
+def policy_stream(tmp_path: Path, database_url: str, *, port: int | None = None) -> Iterator[str]:
+    """The policy stream (``manage.py policy_stream``) on a loopback port; yields its URL, once
+    it hears the database's notices."""
+    port = port or free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "PYTHONUNBUFFERED": "1",
+        "COVEY_VAR_DIR": str(tmp_path / "control-plane-var"),
+    }
+    args = [str(VENV_BIN / "python"), "manage.py", "policy_stream", "--listen", f"127.0.0.1:{port}"]
+    log = tmp_path / f"policy-stream-{port}-{time.monotonic_ns()}.log"
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with running(args, env, log):
+        wait_for(ready, 60, "the policy stream ready", log)
+        yield f"{base}/api/v1/egress/policy/stream/"

@@ -1,6 +1,7 @@
 """``python -m egress.proxy --listen HOST:PORT``: the proxy of a runner host, with no database.
 
-Policy comes from the control plane (``COVEY_CONTROL_PLANE_URL``) with the runner's token
+Policy comes from the control plane (``COVEY_CONTROL_PLANE_URL``: polled, or followed on the
+policy stream its answers name) with the runner's token
 (``COVEY_RUNNER_TOKEN``, or ``--runner-config``: the runner's file, re-read when a renewal
 rewrites it). The egress image runs this.
 """
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             say=lambda line: print(line, flush=True),
             verbose=args.verbose,
             desk=Desk(source.file_request, source.request_status),
+            stream=source,
         )
     except (ProxyError, ValueError, OSError) as exc:
         print(f"covey egress proxy: {exc}", file=sys.stderr)

@@ -1,23 +1,37 @@
-"""How a proxy on a runner host reaches the control plane: policy and decisions over HTTP with
-the runner's token (no Django: it runs in the egress image, with no database).
+"""How a proxy on a runner host reaches the control plane: policy (polled, or followed on the
+policy stream the control plane names) and decisions over HTTP with the runner's token (no
+Django: it runs in the egress image, with no database).
 
 The token comes from ``COVEY_RUNNER_TOKEN`` or from the runner's file (``runner_register``
 writes it; every token renewal rewrites it), which is re-read whenever it changes, so a proxy
 follows its runner's renewed token without a restart.
 """
 
+import contextlib
 import json
+import logging
+import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
-from egress.protocol import DecisionBatch, PolicySnapshot, ProxyEvent
+from egress.protocol import (
+    STREAM_HEADER,
+    STREAM_KEEPALIVE,
+    DecisionBatch,
+    PolicySnapshot,
+    ProxyEvent,
+    StreamLine,
+    stream_line_from_json,
+)
 from egress.proxy.config import ProxyConfig
 from egress.proxy.feed import Refused
+
+logger = logging.getLogger(__name__)
 
 
 class RunnerFile:
@@ -50,7 +64,7 @@ class RunnerFile:
 
 
 class ControlPlaneSource:
-    """The policy source and decision sink of a proxy on a runner host."""
+    """The policy source, policy stream and decision sink of a proxy on a runner host."""
 
     def __init__(self, url: str, token: Callable[[], str], *, timeout: float = 5.0) -> None:
         self.url = url.rstrip("/")
@@ -60,18 +74,66 @@ class ControlPlaneSource:
             timeout=timeout,
             trust_env=False,  # never through a proxy
         )
+        # A stream is silent at most STREAM_KEEPALIVE seconds; one silent for longer is lost.
+        self._stream_client = httpx.Client(
+            timeout=httpx.Timeout(timeout, read=2 * STREAM_KEEPALIVE + 2), trust_env=False
+        )
+        self.stream_url: str | None = None  # as the control plane's last answer named it
+        self._following: httpx.Response | None = None
 
     def __call__(self, known_generation: str | None) -> PolicySnapshot | None:
         """The runner's organisation's egress policy; None when it has not changed. A body
-        that is not a snapshot raises ProtocolError (the feed keeps its last good policy)."""
+        that is not a snapshot raises ProtocolError (the feed keeps its last good policy).
+        The answer also says where the policy stream is, if anywhere."""
         headers = self._headers()
         if known_generation:
             headers["If-None-Match"] = f'"{known_generation}"'
         response = self._client.get("/api/v1/egress/policy/", headers=headers)
         if response.status_code == 304:
+            self.stream_url = _stream_url(response)
             return None
         response.raise_for_status()
-        return PolicySnapshot.from_json(response.json())
+        snapshot = PolicySnapshot.from_json(response.json())
+        self.stream_url = _stream_url(response)
+        return snapshot
+
+    def follow(self, known_generation: str | None) -> Iterator[StreamLine] | None:
+        """The policy stream's lines from ``known_generation`` on (egress/stream/); None
+        when the control plane named no stream. Raises when the stream refuses or fails."""
+        url = self.stream_url
+        if url is None:
+            return None
+        return self._lines(url, known_generation)
+
+    def _lines(self, url: str, known_generation: str | None) -> Iterator[StreamLine]:
+        headers = self._headers()
+        if known_generation:
+            headers["If-None-Match"] = f'"{known_generation}"'
+        with self._stream_client.stream("GET", url, headers=headers) as response:
+            if response.status_code != 200:
+                response.read()
+                raise OSError(
+                    f"the policy stream answered {response.status_code}: {response.text[:200]}"
+                )
+            self._following = response
+            try:
+                for line in response.iter_lines():
+                    if line:
+                        yield stream_line_from_json(json.loads(line))
+            finally:
+                self._following = None
+
+    def interrupt(self) -> None:
+        """End the stream being followed (from another thread): its socket is shut, and the
+        read in progress returns."""
+        response = self._following
+        if response is None:
+            return
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def post_decisions(self, events: list[ProxyEvent]) -> None:
         """Send a batch of decision events to the control plane's log (:class:`Refused`: it
@@ -110,6 +172,20 @@ class ControlPlaneSource:
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Runner {self._token()}"}
+
+
+def _stream_url(response: httpx.Response) -> str | None:
+    """The stream the control plane names, if it names one that is an HTTP URL."""
+    url = response.headers.get(STREAM_HEADER, "").strip()
+    if not url:
+        return None
+    try:
+        if httpx.URL(url).scheme in ("http", "https"):
+            return url
+    except httpx.InvalidURL:
+        pass
+    logger.warning("covey: the control plane names a policy stream that is no URL: %r", url)
+    return None
 
 
 def remote_source(

@@ -1,4 +1,5 @@
-"""Background work of the proxy, kept off the connection path: policy refresh and log flush.
+"""Background work of the proxy, kept off the connection path: policy refresh (a stream of
+changes followed, or polls) and log flush.
 
 No Django and no mitmproxy here: the sources and sinks are plain callables, so the same feed
 serves a proxy that reads the database and one that asks the control plane over HTTP.
@@ -10,12 +11,22 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Protocol
 
 from egress.policy import Policy
-from egress.protocol import DecisionEvent, PolicySnapshot, ProxyEvent, StartEvent, StopEvent
+from egress.protocol import (
+    Current,
+    DecisionEvent,
+    PolicyDelta,
+    PolicySnapshot,
+    ProxyEvent,
+    StartEvent,
+    StopEvent,
+    StreamLine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +43,29 @@ class Refused(Exception):
     they are dropped, not retried, so that they never hold up the events behind them."""
 
 
-class PolicyFeed:
-    """Keeps the current :class:`Policy` fresh by polling a source in a thread.
+class PolicyStream(Protocol):
+    """A stream of the policy's changes (egress/proxy/control_plane.py follows the control
+    plane's)."""
 
-    ``current()`` answers from memory. Once the last good answer from the source is older
-    than ``grace`` seconds it returns None, and the proxy refuses everything (fail closed).
+    def follow(self, known_generation: str | None) -> Iterator[StreamLine] | None:
+        """The lines from ``known_generation`` on, until the stream ends or fails (it raises
+        then); None when there is no stream to follow now."""
+        ...
+
+    def interrupt(self) -> None:
+        """End a ``follow`` in progress, from another thread."""
+        ...
+
+
+class PolicyFeed:
+    """Keeps the current :class:`Policy` fresh: by following a stream of its changes where there
+    is one, else by polling a source, in a thread.
+
+    ``current()`` answers from memory. Once the last good answer from the source (or line of
+    the stream) is older than ``grace`` seconds it returns None, and the proxy refuses
+    everything (fail closed). While a stream is followed, the source is not polled; when the
+    stream fails the feed polls at once and then every ``poll`` seconds, and tries the stream
+    again every ``stream_retry`` seconds.
     """
 
     def __init__(
@@ -45,12 +74,17 @@ class PolicyFeed:
         *,
         poll: float,
         grace: float,
+        stream: PolicyStream | None = None,
+        stream_retry: float = 5.0,
         on_change: Callable[[Policy], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
         self._poll = poll
         self._grace = grace
+        self._stream = stream
+        self._stream_retry = stream_retry
+        self._stream_after = float("inf")  # when to try the stream: after the first poll
         self._on_change = on_change
         self._clock = clock
         self._policy: Policy | None = None
@@ -59,25 +93,25 @@ class PolicyFeed:
         self._ready = threading.Event()
         self._wake = threading.Event()  # ask now, not at the next poll
         # What callers of refresh_soon() wait for: the end of the next round (one that starts
-        # after they asked), shared by all who ask before it starts.
+        # after they asked), or the next line of the stream, shared by all who ask before it.
         self._rounds = threading.Lock()
         self._next_round: Future[bool] | None = None
         self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
         self.failures = 0
+        self.streaming = False  # following the stream now
 
     def start(self) -> None:
         """Start polling."""
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop polling and wait for the thread."""
+        """Stop polling (or following) and wait for the thread."""
         self._stop.set()
         self._wake.set()
+        if self._stream is not None and self.streaming:
+            self._stream.interrupt()
         self._thread.join(timeout=10)
-        with self._rounds:
-            if self._next_round is not None:  # nobody will ask the source for them now
-                self._next_round.set_result(False)
-                self._next_round = None
+        self._answer_waiting(False)  # nobody will ask the source for them now
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until a first policy is loaded."""
@@ -96,10 +130,11 @@ class PolicyFeed:
         return self._policy
 
     def refresh_soon(self) -> "Future[bool]":
-        """Have the polling thread ask the source at once. The future is done when a round that
-        started after this call has ended: True when the source answered, False when it did
-        not. Callers that come before that round starts share it: the source is asked once for
-        all of them."""
+        """Have the polling thread ask the source at once (while a stream is followed: wait for
+        its next line). The future is done when a round that started after this call has ended,
+        or the next line has come: True when the source answered, False when it did not.
+        Callers that come before that round starts share it: the source is asked once for all
+        of them."""
         if not self._thread.is_alive():
             # Never started (a feed driven by hand, as in tests): ask here. Stopped: nobody
             # will ask, and the caller refuses (no source I/O on the caller's thread).
@@ -125,44 +160,128 @@ class PolicyFeed:
         known = self._policy.generation if self._policy else None
         snapshot = self._source(known)
         if snapshot is not None:
-            policy = Policy.from_snapshot(snapshot)
-            self._policy = policy
-            logger.info(
-                "covey: egress policy %s loaded (%d agents)", policy.generation, len(policy.agents)
-            )
-            if self._on_change is not None:
-                self._on_change(policy)
+            self._replace(Policy.from_snapshot(snapshot))
+        self._confirmed()
+
+    def take(self, line: StreamLine) -> None:
+        """Take one line of the stream: a snapshot or a delta replaces the policy atomically;
+        each line confirms it. ValueError when the line does not follow what is held."""
+        match line:
+            case PolicySnapshot():
+                self._replace(Policy.from_snapshot(line))
+            case PolicyDelta():
+                if self._policy is None:
+                    raise ValueError("a delta, and no policy to apply it to")
+                self._replace(self._policy.apply(line))
+            case Current():
+                held = self._policy.generation if self._policy else None
+                if line.generation != held:
+                    raise ValueError(f"the stream is at {line.generation}, this proxy at {held}")
+        self._confirmed()
+        self._answer_waiting(True)
+
+    def _replace(self, policy: Policy) -> None:
+        self._policy = policy
+        logger.info(
+            "covey: egress policy %s loaded (%d agents)", policy.generation, len(policy.agents)
+        )
+        if self._on_change is not None:
+            self._on_change(policy)
+
+    def _confirmed(self) -> None:
         self._confirmed_at = self._clock()
         self._ready.set()
 
+    def _answer_waiting(self, answered: bool) -> None:
+        with self._rounds:
+            waiting, self._next_round = self._next_round, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(answered)
+
     def _run(self) -> None:
-        last_warning = float("-inf")
+        next_poll = self._clock()
         while not self._stop.is_set():
-            with self._rounds:
-                self._wake.clear()
-                waiting, self._next_round = self._next_round, None
-            answered = False
-            try:
-                self.refresh()
-                answered = True
-            except Exception as exc:
-                self.failures += 1
-                # Once when it starts failing, then every 30 s: the poll runs many times a second.
-                if self._clock() - last_warning >= 30:
-                    last_warning = self._clock()
-                    logger.warning("covey: could not refresh the egress policy: %s", exc)
-                logger.debug("policy refresh failure", exc_info=True)
+            if self._stream is not None and self._clock() >= self._stream_after:
+                if self._follow():
+                    next_poll = self._clock()  # the stream followed is away: poll at once
+                if self._stop.is_set():
+                    break
+            if self._clock() >= next_poll or self._wake.is_set():
+                self._round()
+                next_poll = self._clock() + self._poll
+                if self._stream_after == float("inf"):  # the poll may have named a stream
+                    self._stream_after = self._clock()
+                # Rounds asked for come at most every MIN_ROUND_SECONDS, however many ask.
+                self._stop.wait(MIN_ROUND_SECONDS)
+            until = min(next_poll, self._stream_after)
+            self._wake.wait(max(0.0, until - self._clock()))
+
+    def _round(self) -> None:
+        """Poll the source once (the answer to whoever asked before it started)."""
+        with self._rounds:
+            self._wake.clear()
+            waiting, self._next_round = self._next_round, None
+        answered = False
+        try:
+            self.refresh()
+            answered = True
+        except Exception as exc:
+            self.failures += 1
+            # Once when it starts failing, then every 30 s: the poll runs many times a second.
+            if self._clock() - self._last_warning >= 30:
+                self._last_warning = self._clock()
+                logger.warning("covey: could not refresh the egress policy: %s", exc)
+            logger.debug("policy refresh failure", exc_info=True)
+        else:
+            if self.failures:
+                logger.warning("covey: egress policy source answers again")
+                self.failures = 0
+                self._last_warning = float("-inf")
+        finally:
+            if waiting is not None and not waiting.done():
+                waiting.set_result(answered)
+
+    _last_warning = float("-inf")
+    _stream_warning = float("-inf")
+
+    def _follow(self) -> bool:
+        """Follow the stream until it ends; True when it was followed (a line came, whether
+        or not it was good), False when there is none to follow now, or it failed before its
+        first line (a refused connection: the feed polls on its schedule meanwhile)."""
+        assert self._stream is not None  # noqa: S101
+        known = self._policy.generation if self._policy else None
+        followed = False
+        try:
+            lines = self._stream.follow(known)
+            if lines is None:
+                self._stream_after = float("inf")  # asked again after the next poll
+                return False
+            self.streaming = True
+            for line in lines:
+                came_before, followed = followed, True
+                self.take(line)
+                if not came_before:
+                    logger.info("covey: following the egress policy stream")
+                    self._stream_warning = float("-inf")
+                if self._stop.is_set():
+                    break
             else:
-                if self.failures:
-                    logger.warning("covey: egress policy source answers again")
-                    self.failures = 0
-                    last_warning = float("-inf")
-            finally:
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(answered)
-            # Rounds asked for come at most every MIN_ROUND_SECONDS, however many ask.
-            self._stop.wait(MIN_ROUND_SECONDS)
-            self._wake.wait(max(0.0, self._poll - MIN_ROUND_SECONDS))
+                raise ConnectionError("the stream ended")
+        except Exception as exc:
+            if not self._stop.is_set() and self._clock() - self._stream_warning >= 30:
+                self._stream_warning = self._clock()
+                logger.warning(
+                    "covey: the egress policy stream is away (%s): polling every %g s, and"
+                    " trying it again every %g s",
+                    exc,
+                    self._poll,
+                    self._stream_retry,
+                )
+            logger.debug("policy stream failure", exc_info=True)
+        finally:
+            self.streaming = False
+        self._stream_after = self._clock() + self._stream_retry
+        return followed
 
 
 class DecisionLog:

@@ -14,7 +14,7 @@ from allowlists.entries import split_host_port
 from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
-from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource
+from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource, PolicyStream
 from egress.proxy.status import ProxyStatus
 
 
@@ -73,10 +73,12 @@ def serve(
     say: Callable[[str], None],
     verbose: bool = False,
     desk: Desk | None = None,
+    stream: PolicyStream | None = None,
 ) -> None:
-    """Run the proxy on ``listen`` (HOST:PORT) with policy from ``source`` and decisions to
-    ``sink`` until SIGTERM or SIGINT. ``say`` gets the line that announces it listens (what
-    supervisors and tests wait for) and warnings; ``where`` names the policy source in it."""
+    """Run the proxy on ``listen`` (HOST:PORT) with policy from ``source`` (and ``stream``,
+    where the source names one) and decisions to ``sink`` until SIGTERM or SIGINT. ``say``
+    gets the line that announces it listens (what supervisors and tests wait for) and
+    warnings; ``where`` names the policy source in it."""
     host, port = parse_listen(listen)
     config = within_open_files(config, say)
     if not verbose:
@@ -84,7 +86,7 @@ def serve(
         # second); covey keeps its own decision log and says when the source fails.
         for noisy in ("mitmproxy", "httpx"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    feed = PolicyFeed(source, poll=config.poll, grace=config.grace)
+    feed = PolicyFeed(source, poll=config.poll, grace=config.grace, stream=stream)
     log = DecisionLog(sink)
     addon = CoveyEgress(feed, log, desk=desk)
     status = None

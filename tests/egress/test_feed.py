@@ -2,6 +2,7 @@
 refresh_soon) and the bounds on such look-ups (egress/proxy/lookups.py): no database, no proxy
 process."""
 
+import queue
 import threading
 import time
 import uuid
@@ -11,11 +12,15 @@ import pytest
 
 from egress.policy import Code
 from egress.protocol import (
+    AgentSnapshot,
     CloseEvent,
     ConnectionKind,
+    Current,
     DecisionEvent,
+    PolicyDelta,
     PolicySnapshot,
     ProxyEvent,
+    TokenSnapshot,
 )
 from egress.proxy.feed import DecisionLog, PolicyFeed, Refused
 from egress.proxy.lookups import LookUp, TokenLookups
@@ -376,3 +381,136 @@ def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():
         ("start", None), ("decision", 2), ("decision", 3), ("stop", 3),
     ]  # fmt: skip
     assert log.dropped == 1
+
+
+# --- following a stream of changes (egress/stream/ on the control plane's side) ---------------
+
+
+def agent_snapshot(agent_id: int, host: str, token: str) -> AgentSnapshot:
+    return AgentSnapshot(
+        id=agent_id, username=f"acme.a{agent_id}", organisation="acme", enabled=True,
+        budget_exhausted=False, entries={host: ("agent",)},
+        tokens=(TokenSnapshot(sha256=token, expires_at=4e9),),
+    )  # fmt: skip
+
+
+class FakeStream:
+    """A stream the test writes lines to; ``fail()`` ends it with an error; a stream that is
+    away (``away``) raises at once, as a refused connection does."""
+
+    def __init__(self) -> None:
+        self.lines: queue.Queue = queue.Queue()
+        self.follows: list[str | None] = []
+        self.away = False
+        self.interrupted = threading.Event()
+
+    def follow(self, known):
+        self.follows.append(known)
+        if self.away:
+            raise OSError("connection refused")
+        return self._lines()
+
+    def _lines(self):
+        while True:
+            line = self.lines.get()
+            if isinstance(line, Exception):
+                raise line
+            yield line
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+        self.lines.put(OSError("interrupted"))
+
+    def fail(self) -> None:
+        self.lines.put(OSError("the stream broke"))
+
+
+def eventually(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "never"
+        time.sleep(0.005)
+
+
+def test_a_feed_follows_the_stream_the_source_names_and_polls_no_more():
+    source, stream = CountingSource(), FakeStream()
+    feed = PolicyFeed(source, poll=0.05, grace=120, stream=stream)
+    feed.start()
+    try:
+        eventually(lambda: feed.streaming)
+        assert stream.follows == ["1"]  # what the first poll gave it
+        asks = source.asks
+        stream.lines.put(PolicySnapshot("s.0", (agent_snapshot(1, "a.test", "t1"),)))
+        eventually(lambda: feed.current().generation == "s.0")
+        stream.lines.put(
+            PolicyDelta("s.0", "s.1", (agent_snapshot(2, "b.test", "t2"),), removed=(1,))
+        )
+        eventually(lambda: feed.current().generation == "s.1")
+        policy = feed.current()
+        assert set(policy.agents) == {2} and set(policy.tokens) == {"t2"}
+        time.sleep(0.3)  # six polls' worth: none is made while the stream is followed
+        assert source.asks == asks
+        # A look-up waits for the stream's next line, not for a poll.
+        waiting = feed.refresh_soon()
+        stream.lines.put(Current("s.1"))
+        assert waiting.result(2) is True
+        assert source.asks == asks
+    finally:
+        feed.stop()
+    assert stream.interrupted.is_set()  # stopping ended the follow in progress
+
+
+def test_a_feed_polls_at_once_when_the_stream_fails_and_tries_it_again_later():
+    source, stream = CountingSource(), FakeStream()
+    feed = PolicyFeed(source, poll=30, grace=120, stream=stream, stream_retry=0.3)
+    feed.start()
+    try:
+        eventually(lambda: feed.streaming)
+        stream.lines.put(PolicySnapshot("s.0", ()))
+        eventually(lambda: feed.current().generation == "s.0")
+        asks = source.asks
+        stream.away = True
+        stream.fail()
+        eventually(lambda: source.asks == asks + 1)  # at once, though the poll is 30 s
+        assert feed.current().generation == str(asks + 1)
+        eventually(lambda: len(stream.follows) >= 3)  # tried again, every 0.3 s
+        stream.away = False
+        eventually(lambda: feed.streaming)
+        assert source.asks == asks + 1  # the poll stays at 30 s meanwhile
+    finally:
+        feed.stop()
+
+
+def test_a_line_that_does_not_follow_what_the_feed_holds_drops_the_stream():
+    source, stream = CountingSource(), FakeStream()
+    feed = PolicyFeed(source, poll=30, grace=120, stream=stream, stream_retry=30)
+    feed.start()
+    try:
+        eventually(lambda: feed.streaming)
+        asks = source.asks
+        stream.lines.put(PolicyDelta("not-this", "s.9", ()))
+        eventually(lambda: not feed.streaming)
+        eventually(lambda: source.asks == asks + 1)  # polled instead
+        assert feed.current().generation == str(asks + 1)
+    finally:
+        feed.stop()
+
+
+def test_each_line_of_the_stream_keeps_the_policy_trusted():
+    now = [0.0]
+    source, stream = CountingSource(), FakeStream()
+    feed = PolicyFeed(source, poll=30, grace=10, stream=stream, clock=lambda: now[0])
+    feed.start()
+    try:
+        eventually(lambda: feed.streaming)
+        stream.lines.put(PolicySnapshot("s.0", ()))
+        eventually(lambda: feed.current() is not None and feed.current().generation == "s.0")
+        now[0] = 9.0
+        stream.lines.put(Current("s.0"))
+        eventually(lambda: feed.age() == 0.0)
+        now[0] = 18.0  # 9 s after the last line: trusted
+        assert feed.current() is not None
+        now[0] = 19.5
+        assert feed.current() is None  # no line for longer than the grace: refuse all
+    finally:
+        feed.stop()

@@ -21,7 +21,7 @@ from egress.policy import (
     parse_networks,
     status_of,
 )
-from egress.protocol import PolicySnapshot
+from egress.protocol import PolicyDelta, PolicySnapshot
 
 NOW = 1_000_000.0
 
@@ -360,3 +360,35 @@ class TestBuiltIn:
     def test_without_one_the_address_is_what_it_always_was(self):
         plain = from_json(snapshot())
         assert self.ask(plain, "172.17.0.1", 8002).code is Code.IP_LITERAL
+
+
+# --- a delta from the policy stream ----------------------------------------------------------
+
+
+def test_a_delta_replaces_its_agents_and_their_tokens_and_removes_the_gone():
+    builder = snapshot()["agents"][0]
+    other = {**builder, "id": 8, "username": "acme.other",
+             "tokens": [{"sha256": hash_token("other"), "expires_at": NOW + 60}]}  # fmt: skip
+    policy = from_json({**snapshot(), "agents": [builder, other]})
+    changed = {
+        **builder,
+        "entries": {"new.example": ["agent"]},
+        "tokens": [{"sha256": hash_token("fresh"), "expires_at": NOW + 60}],
+    }
+    delta = PolicyDelta.from_json(
+        {"since": policy.generation, "generation": "g2", "agents": [changed], "removed": [8]}
+    )
+    applied = policy.apply(delta)
+    assert applied.generation == "g2"
+    assert set(applied.agents) == {7}
+    assert [str(e) for e in applied.agents[7].entries] == ["new.example"]
+    # The changed agent's old token is gone with it; the removed agent's too.
+    assert set(applied.tokens) == {hash_token("fresh")}
+    assert applied.built_in == policy.built_in
+    assert set(policy.agents) == {7, 8}  # the old policy is untouched (decisions in flight)
+
+
+def test_a_delta_from_another_generation_is_refused():
+    policy = from_json(snapshot())
+    with pytest.raises(ValueError, match="a delta from g0"):
+        policy.apply(PolicyDelta(since="g0", generation="g1"))

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from egress.proxy.config import ProxyConfig
 from egress.proxy.control_plane import remote_source
 from egress.proxy.desk import Desk
-from egress.proxy.feed import DecisionSink, PolicySource
+from egress.proxy.feed import DecisionSink, PolicySource, PolicyStream
 from egress.proxy.server import ProxyError, parse_listen, serve
 from egress.sources import DatabaseDesk, DatabaseSink, DatabaseSource
 
@@ -56,6 +56,7 @@ class Command(BaseCommand):
             name = options["name"] or f"{socket.gethostname()}:{port}"
             source: PolicySource
             sink: DecisionSink
+            stream: PolicyStream | None = None
             if options["runner_config"] or options["runner_token"] or config.runner_token:
                 remote = remote_source(
                     config,
@@ -64,6 +65,7 @@ class Command(BaseCommand):
                     options["runner_config"],
                 )
                 source, sink, where = remote, remote.post_decisions, remote.url
+                stream = remote
                 desk = Desk(remote.file_request, remote.request_status)
             elif options["control_plane"]:
                 raise ProxyError("--control-plane needs a runner token (--runner-token)")
@@ -84,6 +86,7 @@ class Command(BaseCommand):
                 say=self._say,
                 verbose=options["verbosity"] >= 2,
                 desk=desk,
+                stream=stream,
             )
         except (ProxyError, ValueError) as exc:
             raise CommandError(str(exc)) from None

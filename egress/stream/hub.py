@@ -1,0 +1,461 @@
+"""The stream's state: each followed organisation's policy, kept current by change notices, and
+the proxies that follow it. No Django, no aiohttp: the database is a :class:`Store`, the notices
+an async iterator (egress/stream/notices.py), the proxies :class:`Follower` queues.
+
+How it stays exact:
+- notices are heard before anything is read (a change committed after a read is noticed
+  after it, and read again);
+- a notice names what changed (an agent, an organisation, its budgets, or everything), and only
+  that is read; an agent read that equals what is held is no change;
+- one reader applies the notices, in the order they came, and a change becomes a new generation
+  that every follower gets as one delta line, in order;
+- while notices cannot be heard (the database connection is lost), nothing is held: followers'
+  streams end and new ones are refused, so that no proxy is told it is current when it may not be
+  (it polls instead, and its grace rule applies as before).
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from typing import Protocol
+
+from egress.protocol import (
+    AgentSnapshot,
+    Current,
+    PolicyDelta,
+    PolicySnapshot,
+    StreamLine,
+    stream_line_to_json,
+)
+
+logger = logging.getLogger(__name__)
+
+HISTORY = 64  # deltas kept per organisation, for a proxy that comes back a few changes behind
+FOLLOWER_BACKLOG = 256  # lines a follower may be behind before its stream is ended
+SWEEP_SECONDS = 10.0  # followers' tokens checked (and their proxies marked seen), budgets re-read
+IDLE_SECONDS = 60.0  # an organisation nobody follows is dropped after this long
+RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)  # hearing notices again after the connection was lost
+
+
+class Unavailable(Exception):
+    """The stream cannot be current now (it does not hear the database's notices)."""
+
+
+class Unauthorized(Exception):
+    """The runner token is no runner's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """What a notice names. ``organisation_id`` None: everything (a template changed, or the
+    notices were lost); ``agent_id`` None: every agent of the organisation; ``budgets``: only
+    whose budget is used up."""
+
+    organisation_id: int | None
+    agent_id: int | None = None
+    budgets: bool = False
+
+
+EVERYTHING = Change(None)
+
+
+def parse_notice(payload: str) -> Change | None:
+    """The change a notice's payload names (egress/migrations/0003 writes them): ``a:ORG:AGENT``,
+    ``o:ORG``, ``b:ORG`` or ``*``; None for one that names no organisation (an agent's rows
+    removed with it: the agent's own notice says so)."""
+    kind, _, rest = payload.partition(":")
+    organisation, _, agent = rest.partition(":")
+    try:
+        if kind == "*":
+            return EVERYTHING
+        if not organisation:
+            return None
+        if kind == "a":
+            return Change(int(organisation), int(agent))
+        if kind == "o":
+            return Change(int(organisation))
+        if kind == "b":
+            return Change(int(organisation), budgets=True)
+    except ValueError:
+        pass
+    logger.warning(
+        "covey: a policy notice of no known shape: %r (everything is read again)", payload
+    )
+    return EVERYTHING
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """Whose proxy follows: the runner its token proves."""
+
+    organisation_id: int
+    token_sha256: str
+    name: str
+
+
+class Store(Protocol):
+    """What the stream reads from the database (egress/sources.py, ``DatabaseStore``)."""
+
+    def load(self, organisation_id: int) -> PolicySnapshot:
+        """The organisation's whole policy (its generation is not used)."""
+        ...
+
+    def agents(self, organisation_id: int, ids: Collection[int] | None) -> list[AgentSnapshot]:
+        """Those of ``ids`` that are the organisation's agents now (None: all of them)."""
+        ...
+
+    def used_up(self, organisation_id: int) -> set[int]:
+        """The organisation's agents whose budget, or the organisation's, is used up now."""
+        ...
+
+    def runner(self, token: str) -> Runner | None:
+        """The runner a runner token proves, or None."""
+        ...
+
+    def touch(self, token_hashes: Collection[str]) -> set[str]:
+        """Those tokens (SHA-256) that are still runners', their proxies marked seen now."""
+        ...
+
+
+def encode(line: StreamLine) -> bytes:
+    """One line of the stream, as sent."""
+    return json.dumps(stream_line_to_json(line), separators=(",", ":")).encode() + b"\n"
+
+
+class Follower:
+    """One proxy's stream: the lines it has yet to be sent (None: its stream ends)."""
+
+    def __init__(self, runner: Runner, organisation: "Organisation") -> None:
+        self.runner = runner
+        self.organisation = organisation
+        self.lines: asyncio.Queue[bytes | None] = asyncio.Queue(FOLLOWER_BACKLOG)
+        self.ended = False
+
+    def send(self, line: bytes) -> None:
+        """Queue a line; a follower too far behind is ended (it comes back with its generation,
+        and is sent what it missed)."""
+        if self.ended:
+            return
+        try:
+            self.lines.put_nowait(line)
+        except asyncio.QueueFull:
+            logger.warning("covey: the proxy of runner %s fell behind its stream", self.runner.name)
+            self.end()
+
+    def end(self) -> None:
+        """End the stream after what is queued (or at once, when the queue is full)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.lines.full():
+            self.lines.get_nowait()
+        self.lines.put_nowait(None)
+
+    def current(self) -> bytes:
+        """The line that says nothing changed."""
+        return encode(Current(self.organisation.generation))
+
+
+class Organisation:
+    """One organisation's policy as its followers hold it, numbered by generation."""
+
+    def __init__(self, organisation_id: int, boot: str, snapshot: PolicySnapshot) -> None:
+        self.id = organisation_id
+        self.boot = boot
+        self.number = 0
+        self.agents: dict[int, AgentSnapshot] = {a.id: a for a in snapshot.agents}
+        self.built_in = snapshot.built_in
+        self.history: deque[tuple[str, frozenset[int]]] = deque(maxlen=HISTORY)
+        self.followers: set[Follower] = set()
+        self.idle_since: float | None = time.monotonic()
+        self._snapshot: bytes | None = None
+
+    @property
+    def generation(self) -> str:
+        return f"{self.boot}.{self.number}"
+
+    def update(self, agents: Iterable[AgentSnapshot], gone: Iterable[int]) -> PolicyDelta | None:
+        """Take what was read: a new generation when anything differs, sent to every follower
+        as one delta; None when nothing does."""
+        changed = tuple(a for a in agents if self.agents.get(a.id) != a)
+        removed = tuple(sorted({i for i in gone if i in self.agents}))
+        if not changed and not removed:
+            return None
+        since = self.generation
+        self.number += 1
+        for agent in changed:
+            self.agents[agent.id] = agent
+        for agent_id in removed:
+            del self.agents[agent_id]
+        self.history.append((since, frozenset([*(a.id for a in changed), *removed])))
+        self._snapshot = None
+        delta = PolicyDelta(since, self.generation, changed, removed)
+        line = encode(delta)
+        for follower in tuple(self.followers):
+            follower.send(line)
+        return delta
+
+    def catch_up(self, known: str | None) -> bytes:
+        """What a proxy that holds generation ``known`` is sent first: that it is current, the
+        agents changed since (when ``known`` is recent), or the whole snapshot."""
+        if known == self.generation:
+            return encode(Current(known))
+        for n, (since, _) in enumerate(self.history):
+            if since == known:
+                touched = frozenset().union(*(ids for _, ids in list(self.history)[n:]))
+                return encode(
+                    PolicyDelta(
+                        known,
+                        self.generation,
+                        tuple(self.agents[i] for i in sorted(touched) if i in self.agents),
+                        tuple(sorted(i for i in touched if i not in self.agents)),
+                    )
+                )
+        if self._snapshot is None:
+            snapshot = PolicySnapshot(self.generation, tuple(self.agents.values()), self.built_in)
+            self._snapshot = encode(snapshot)
+        return self._snapshot
+
+    def end_all(self) -> None:
+        for follower in tuple(self.followers):
+            follower.end()
+        self.followers.clear()
+
+
+Notices = Callable[[], AsyncIterator[Change | None]]
+
+
+class Hub:
+    """Every followed organisation and its followers; :meth:`run` keeps them current."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        sweep: float = SWEEP_SECONDS,
+        idle: float = IDLE_SECONDS,
+    ) -> None:
+        self.store = store
+        self.boot = secrets.token_hex(4)  # generations of this process are never another's
+        self.sweep_seconds = sweep
+        self.idle_seconds = idle
+        self.listening = False
+        self.organisations: dict[int, Organisation] = {}
+        self._loading: dict[int, asyncio.Future[Organisation]] = {}
+        self._held_back: dict[int, list[Change]] = {}  # noticed while the organisation loads
+        self._pending: list[Change] = []
+        self._wake = asyncio.Event()
+        self.changes = 0  # generations made (for metrics)
+
+    @property
+    def followers(self) -> int:
+        return sum(len(o.followers) for o in self.organisations.values())
+
+    async def follow(self, token: str, known: str | None) -> tuple[Follower, bytes]:
+        """A new follower for the runner ``token`` proves, and its first line.
+        Raises Unauthorized or Unavailable."""
+        if not self.listening:
+            raise Unavailable("the policy stream does not hear the database now")
+        runner = await asyncio.to_thread(self.store.runner, token)
+        if runner is None:
+            raise Unauthorized("unknown runner token")
+        organisation = await self._organisation(runner.organisation_id)
+        # No await from here on: the first line and the queue are taken at one generation.
+        follower = Follower(runner, organisation)
+        organisation.followers.add(follower)
+        organisation.idle_since = None
+        return follower, organisation.catch_up(known)
+
+    def unfollow(self, follower: Follower) -> None:
+        """The follower's stream has ended."""
+        organisation = follower.organisation
+        organisation.followers.discard(follower)
+        if not organisation.followers and organisation.idle_since is None:
+            organisation.idle_since = time.monotonic()
+
+    async def _organisation(self, organisation_id: int) -> Organisation:
+        held = self.organisations.get(organisation_id)
+        if held is not None:
+            return held
+        loading = self._loading.get(organisation_id)
+        if loading is not None:
+            return await asyncio.shield(loading)
+        future: asyncio.Future[Organisation] = asyncio.get_running_loop().create_future()
+        self._loading[organisation_id] = future
+        self._held_back[organisation_id] = []
+        try:
+            snapshot = await asyncio.to_thread(self.store.load, organisation_id)
+            if not self.listening:  # notices were lost while it loaded
+                raise Unavailable("the policy stream does not hear the database now")
+            organisation = Organisation(organisation_id, self.boot, snapshot)
+            self.organisations[organisation_id] = organisation
+            held_back = self._held_back.pop(organisation_id, [])
+            if held_back:  # noticed after the load began: read again, in order
+                self._notice(held_back)
+            future.set_result(organisation)
+            return organisation
+        except BaseException as exc:
+            future.set_exception(exc if isinstance(exc, Exception) else Unavailable(str(exc)))
+            future.exception()  # retrieved: nobody else may be waiting
+            self._held_back.pop(organisation_id, None)
+            raise
+        finally:
+            del self._loading[organisation_id]
+
+    def _notice(self, changes: Iterable[Change]) -> None:
+        for change in changes:
+            if change.organisation_id in self._held_back:
+                self._held_back[change.organisation_id].append(change)
+            elif change.organisation_id is None:
+                for held_back in self._held_back.values():
+                    held_back.append(change)
+                self._pending.append(change)
+            else:
+                self._pending.append(change)
+        if self._pending:
+            self._wake.set()
+
+    async def run(self, notices: Notices) -> None:
+        """Hear notices and apply them, and sweep, until cancelled."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._hear(notices))
+            tasks.create_task(self._apply())
+            tasks.create_task(self._sweep())
+
+    async def _hear(self, notices: Notices) -> None:
+        failures = 0
+        while True:
+            try:
+                async for change in notices():
+                    if change is None:  # listening now: what is held may be behind
+                        self.listening = True
+                        failures = 0
+                        logger.info("covey: the policy stream hears the database's notices")
+                        self._notice([EVERYTHING])
+                    else:
+                        self._notice([change])
+                raise ConnectionError("the notices ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._lost(f"the database's notices are lost: {exc}", deaf=True)
+                await asyncio.sleep(RETRY_SECONDS[min(failures, len(RETRY_SECONDS) - 1)])
+                failures += 1
+
+    def _lost(self, why: str, *, deaf: bool = False) -> None:
+        """Nothing held can be trusted: end every stream and hold nothing (``deaf``: and take
+        no new one until notices are heard again)."""
+        if self.listening or self.organisations:
+            logger.warning("covey: %s; every proxy's stream ends (they poll meanwhile)", why)
+        if deaf:
+            self.listening = False
+        for organisation in self.organisations.values():
+            organisation.end_all()
+        self.organisations.clear()
+        self._pending.clear()
+
+    async def _apply(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            changes, self._pending = self._pending, []
+            wanted = _by_organisation(changes, set(self.organisations))
+            if not wanted:
+                continue
+            # Read for these very objects: one dropped and loaded again meanwhile is newer.
+            targets = {i: self.organisations[i] for i in wanted}
+            try:
+                read = await asyncio.to_thread(self._read, wanted, targets)
+            except Exception as exc:
+                self._lost(f"the policy could not be read: {exc}")
+                continue
+            for organisation_id, (agents, gone) in read.items():
+                organisation = targets[organisation_id]
+                if self.organisations.get(organisation_id) is not organisation:
+                    continue
+                if organisation.update(agents, gone) is not None:
+                    self.changes += 1
+
+    def _read(
+        self,
+        wanted: dict[int, tuple[set[int] | None, bool]],
+        targets: dict[int, Organisation],
+    ) -> dict[int, tuple[list[AgentSnapshot], set[int]]]:
+        """In a thread: what each organisation's changes name, as read now."""
+        read = {}
+        for organisation_id, (ids, budgets) in wanted.items():
+            organisation = targets[organisation_id]
+            held = set(organisation.agents)
+            if ids is None:
+                agents = self.store.agents(organisation_id, None)
+                gone = held - {a.id for a in agents}
+            elif ids:
+                agents = self.store.agents(organisation_id, ids)
+                gone = ids - {a.id for a in agents}
+            else:
+                agents, gone = [], set()
+            if budgets:
+                fresh = {a.id for a in agents}
+                used_up = self.store.used_up(organisation_id)
+                agents += [
+                    dataclasses.replace(agent, budget_exhausted=agent.id in used_up)
+                    for agent in list(organisation.agents.values())
+                    if agent.id not in fresh and agent.budget_exhausted != (agent.id in used_up)
+                ]
+            read[organisation_id] = (agents, gone)
+        return read
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_seconds)
+            try:
+                await self.sweep()
+            except Exception as exc:
+                self._lost(f"the sweep could not read the database: {exc}")
+
+    async def sweep(self) -> None:
+        """End the streams of tokens no runner holds now (and mark the others' proxies seen),
+        read every organisation's budgets again (a period may have ended), and drop the
+        organisations nobody has followed for a while."""
+        now = time.monotonic()
+        for organisation_id, organisation in list(self.organisations.items()):
+            if (
+                organisation.idle_since is not None
+                and now - organisation.idle_since > self.idle_seconds
+            ):
+                del self.organisations[organisation_id]
+        followers = [f for o in self.organisations.values() for f in o.followers]
+        if followers:
+            valid = await asyncio.to_thread(
+                self.store.touch, {f.runner.token_sha256 for f in followers}
+            )
+            for follower in followers:
+                if follower.runner.token_sha256 not in valid:
+                    follower.end()
+                    self.unfollow(follower)
+        self._notice(Change(o, budgets=True) for o in self.organisations)
+
+
+def _by_organisation(
+    changes: Iterable[Change], loaded: set[int]
+) -> dict[int, tuple[set[int] | None, bool]]:
+    """Changes gathered per loaded organisation: the agent ids to read (None: all) and whether
+    its budgets are to be read."""
+    wanted: dict[int, tuple[set[int] | None, bool]] = {}
+    for change in changes:
+        targets = loaded if change.organisation_id is None else {change.organisation_id} & loaded
+        for organisation_id in targets:
+            ids, budgets = wanted.get(organisation_id, (set(), False))
+            if change.budgets:
+                budgets = True
+            elif change.agent_id is None or change.organisation_id is None:
+                ids = None
+            elif ids is not None:
+                ids.add(change.agent_id)
+            wanted[organisation_id] = (ids, budgets)
+    return wanted

@@ -1,0 +1,114 @@
+"""The stream's HTTP side (aiohttp): ``GET /api/v1/egress/policy/stream/`` with the runner's
+token, and the process's health.
+
+The request says the generation the proxy holds (``If-None-Match``, as a poll does). The answer
+is ``application/x-ndjson``, a line of JSON each (egress/protocol.py, ``StreamLine``): first
+what brings the proxy up to date (that it is current, the agents changed since, or the whole
+snapshot), then a delta for each change, and a ``current`` line whenever nothing has been sent
+for ``STREAM_KEEPALIVE`` seconds. The stream ends when the runner's token stops being valid or
+the process stops hearing the database; the proxy polls then, and comes back.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from egress.protocol import STREAM_KEEPALIVE
+from egress.stream.hub import Hub, Notices, Unauthorized, Unavailable
+
+logger = logging.getLogger(__name__)
+
+PATH = "/api/v1/egress/policy/stream/"
+HUB: web.AppKey[Hub] = web.AppKey("hub", Hub)
+
+
+def _problem(status: int, detail: str) -> web.Response:
+    return web.json_response({"detail": detail}, status=status)
+
+
+def _token(request: web.Request) -> str | None:
+    keyword, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() or None if keyword == "Runner" else None
+
+
+def _generation(request: web.Request) -> str | None:
+    value = request.headers.get("If-None-Match", "").strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    return value.strip('"') or None
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """A runner's proxy follows its organisation's policy."""
+    hub = request.app[HUB]
+    token = _token(request)
+    if token is None:
+        return _problem(401, "give the runner token: Authorization: Runner <token>")
+    try:
+        follower, first = await hub.follow(token, _generation(request))
+    except Unauthorized:
+        return _problem(401, "unknown runner token")
+    except Unavailable as exc:
+        return _problem(503, str(exc))
+    try:
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"}
+        )
+        await response.prepare(request)
+        await response.write(first)
+        while True:
+            try:
+                line = await asyncio.wait_for(follower.lines.get(), STREAM_KEEPALIVE)
+            except TimeoutError:
+                line = follower.current()
+            if line is None:
+                break
+            await response.write(line)
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+    except ConnectionError:  # the proxy went away
+        pass
+    finally:
+        hub.unfollow(follower)
+    return response
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when it hears the database's notices (else it refuses every stream)."""
+    hub = request.app[HUB]
+    if not hub.listening:
+        return _problem(503, "the policy stream does not hear the database now")
+    return web.json_response(
+        {"status": "ok", "followers": hub.followers, "organisations": len(hub.organisations)}
+    )
+
+
+def make_app(hub: Hub, notices: Notices) -> web.Application:
+    """The stream's application; the hub runs as long as it does."""
+    app = web.Application()
+    app[HUB] = hub
+    app.router.add_get(PATH, stream)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+
+    async def run_hub(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(hub.run(notices))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def end_streams(app: web.Application) -> None:  # before handlers are waited for
+        for organisation in hub.organisations.values():
+            organisation.end_all()
+
+    app.cleanup_ctx.append(run_hub)
+    app.on_shutdown.append(end_streams)
+    return app

@@ -1,0 +1,142 @@
+"""The policy stream, end to end: the real stream process over PostgreSQL's notices, the control
+plane (gunicorn) that names it, and a runner host's proxy (no database) that follows it.
+
+Each proxy here polls every 30 s, so a change enforced within a second came by the stream."""
+
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from agents import services as agent_services
+from approvals import services as approvals
+from egress.services import issue_token
+from runners.services import create_registration_token, register_runner
+from tests.egress.conftest import connect, start_proxy, subprocess_database_url
+from tests.processes import control_plane, free_port, policy_stream, wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+NO_DATABASE = "postgres://nobody@127.0.0.1:1/no-database-here"
+
+
+def followers(stream_url: str) -> int:
+    base = stream_url.split("/api/")[0]
+    try:
+        answer = httpx.get(f"{base}/readyz", timeout=5)
+    except httpx.HTTPError:
+        return -1
+    return answer.json().get("followers", -1) if answer.status_code == 200 else -1
+
+
+def seconds_until(condition, most: float) -> float:
+    """How long until condition() held (checked every 10 ms), or fail after ``most`` s."""
+    began = time.monotonic()
+    while time.monotonic() - began < most:
+        if condition():
+            return time.monotonic() - began
+        time.sleep(0.01)
+    raise AssertionError(f"not within {most} s")
+
+
+def runner_proxy(stack, tmp_path, net, url, token, **env):
+    return stack.enter_context(
+        start_proxy(
+            tmp_path,
+            net,
+            DATABASE_URL=NO_DATABASE,
+            EXTRA_ARGS=f"--control-plane {url} --runner-token {token}",
+            **env,
+        )
+    )
+
+
+def test_an_approval_reaches_a_runner_proxy_through_the_stream_within_a_second(
+    net, tmp_path, acme, globex, april
+):
+    target = f"good.test:{net.tls.port}"
+    agent = agent_services.create_agent(acme, "builder", allowlist=[])
+    _, credentials = issue_token(agent)
+    _, secret = create_registration_token(acme)
+    _, token = register_runner(secret, "edge-1", [])
+    other = agent_services.create_agent(globex, "builder", allowlist=[target])
+    _, their_credentials = issue_token(other)
+    database = subprocess_database_url()
+    with ExitStack() as stack:
+        stream = stack.enter_context(policy_stream(tmp_path, database))
+        url = stack.enter_context(control_plane(tmp_path, database, COVEY_EGRESS_STREAM_URL=stream))
+        proxy = runner_proxy(stack, tmp_path, net, url, token, COVEY_EGRESS_POLICY_POLL="30")
+        wait_for(lambda: followers(stream) == 1, 15, "the proxy following the stream")
+        refused = connect(proxy, target, credentials)
+        assert refused.headers["x-covey-deny-reason"] == "not-on-allowlist"
+
+        request = approvals.file_egress(agent, target, reason="the build needs it")
+        approvals.approve(request, by=april, note="fine")
+        took = seconds_until(lambda: connect(proxy, target, credentials).status == 200, 5)
+        assert took < 1.0, f"the approval took {took:.2f} s to reach the proxy"
+
+        agent_services.update_agent(agent, enabled=False)
+        took = seconds_until(lambda: connect(proxy, target, credentials).status == 403, 5)
+        assert took < 1.0, f"disabling took {took:.2f} s to reach the proxy"
+
+        # A token issued now is known to the proxy within a second too (a run's first request
+        # comes moments after its token is issued).
+        agent_services.update_agent(agent, enabled=True)
+        _, fresh = issue_token(agent)
+        took = seconds_until(lambda: connect(proxy, target, fresh).status == 200, 5)
+        assert took < 1.0, f"a new token took {took:.2f} s to reach the proxy"
+        # Another organisation's agents are never this runner's proxy's.
+        assert connect(proxy, target, their_credentials).status == 407
+        assert "following the egress policy stream" in proxy.output()
+
+
+def test_a_runner_proxy_polls_while_the_stream_is_away_and_follows_it_when_back(
+    net, tmp_path, acme
+):
+    target = f"good.test:{net.tls.port}"
+    agent = agent_services.create_agent(acme, "builder", allowlist=[target])
+    _, credentials = issue_token(agent)
+    _, secret = create_registration_token(acme)
+    _, token = register_runner(secret, "edge-1", [])
+    database = subprocess_database_url()
+    port = free_port()
+    with ExitStack() as stack:
+        away = stack.enter_context(ExitStack())
+        stream = away.enter_context(policy_stream(tmp_path, database, port=port))
+        url = stack.enter_context(control_plane(tmp_path, database, COVEY_EGRESS_STREAM_URL=stream))
+        proxy = runner_proxy(
+            stack,
+            tmp_path,
+            net,
+            url,
+            token,
+            COVEY_EGRESS_POLICY_POLL="1",
+            COVEY_EGRESS_POLICY_GRACE="3",
+        )
+        wait_for(lambda: followers(stream) == 1, 15, "the proxy following the stream")
+        assert connect(proxy, target, credentials).status == 200
+
+        away.close()  # the stream stops: the proxy polls, and its policy stays trusted
+        wait_for(lambda: "policy stream is away" in proxy.output(), 10, "the proxy noticing")
+        agent_services.update_agent(agent, enabled=False)
+        wait_for(lambda: connect(proxy, target, credentials).status == 403, 5, "a polled change")
+        time.sleep(4)  # past the grace period: polls keep the policy trusted
+        answer = connect(proxy, target, credentials)
+        assert answer.headers["x-covey-deny-reason"] == "agent-disabled"
+
+        # Back: the proxy follows it again, and changes come within a second.
+        stream = stack.enter_context(policy_stream(tmp_path, database, port=port))
+        wait_for(lambda: followers(stream) == 1, 15, "the proxy following the stream again")
+        agent_services.update_agent(agent, enabled=True)
+        took = seconds_until(lambda: connect(proxy, target, credentials).status == 200, 5)
+        assert took < 1.0, f"the change took {took:.2f} s once the stream was back"
+
+
+def test_the_stream_refuses_what_is_no_runners_token(tmp_path, acme):
+    with policy_stream(tmp_path, subprocess_database_url()) as stream:
+        assert httpx.get(stream, timeout=5).status_code == 401
+        headers = {"Authorization": "Runner covey-run-no"}
+        answer = httpx.get(stream, headers=headers, timeout=5)
+        assert answer.status_code == 401
+        assert answer.json() == {"detail": "unknown runner token"}
