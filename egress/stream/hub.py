@@ -65,9 +65,9 @@ EVERYTHING = Change(None)
 
 
 def parse_notice(payload: str) -> Change | None:
-    """The change a notice's payload names (egress/migrations/0003 writes them): ``a:ORG:AGENT``,
-    ``o:ORG``, ``b:ORG`` or ``*``; None for one that names no organisation (an agent's rows
-    removed with it: the agent's own notice says so)."""
+    """The change a notice's payload names (egress/migrations/0003_policy_notices.py writes
+    them): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG`` or ``*``; None for one that names no
+    organisation (an agent's rows removed with it: the agent's own notice says so)."""
     kind, _, rest = payload.partition(":")
     organisation, _, agent = rest.partition(":")
     try:
@@ -99,7 +99,7 @@ class Runner:
 
 
 class Store(Protocol):
-    """What the stream reads from the database (egress/sources.py, ``DatabaseStore``)."""
+    """What the stream reads from the database (runners/streaming.py, ``RunnersStore``)."""
 
     def load(self, organisation_id: int) -> PolicySnapshot:
         """The organisation's whole policy (its generation is not used)."""

@@ -12,7 +12,8 @@ from typing import Any
 
 from egress.stream.hub import EVERYTHING, Change, parse_notice
 
-CHANNEL = "covey_policy"  # what egress/migrations/0003's triggers notify
+# What the triggers of egress/migrations/0003_policy_notices.py notify.
+CHANNEL = "covey_policy"
 # How long the connection may be silent before it is asked whether it is there: a lost one
 # must be found within a proxy's grace (COVEY_EGRESS_POLICY_GRACE, 15 s by default).
 QUIET_SECONDS = 2.0

@@ -12,17 +12,47 @@ the process stops hearing the database; the proxy polls then, and comes back.
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from egress.protocol import STREAM_KEEPALIVE
 from egress.stream.hub import Hub, Notices, Unauthorized, Unavailable
+from status import metrics_refusal
 
 logger = logging.getLogger(__name__)
 
 PATH = "/api/v1/egress/policy/stream/"
 HUB: web.AppKey[Hub] = web.AppKey("hub", Hub)
+
+
+class _Meters:
+    """The stream's metrics, read from the hub when scraped (a prometheus_client collector)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        hub = self.hub
+        yield GaugeMetricFamily(
+            "covey_stream_followers", "Proxies following the stream now.", value=hub.followers
+        )
+        yield GaugeMetricFamily(
+            "covey_stream_organisations",
+            "Organisations whose policy is held.",
+            value=len(hub.organisations),
+        )
+        yield GaugeMetricFamily(
+            "covey_stream_listening",
+            "1 while the stream hears the database's notices (else it refuses every stream).",
+            value=int(hub.listening),
+        )
+        yield CounterMetricFamily(
+            "covey_stream_changes", "Policy changes sent, one delta each.", value=hub.changes
+        )
 
 
 def _problem(status: int, detail: str) -> web.Response:
@@ -90,13 +120,25 @@ async def readyz(request: web.Request) -> web.Response:
     )
 
 
-def make_app(hub: Hub, notices: Notices) -> web.Application:
+def make_app(hub: Hub, notices: Notices, *, metrics_token: str = "") -> web.Application:
     """The stream's application; the hub runs as long as it does."""
     app = web.Application()
     app[HUB] = hub
+    registry = CollectorRegistry()
+    registry.register(_Meters(hub))
+
+    async def metrics(request: web.Request) -> web.Response:
+        """The stream's metrics, for a bearer of COVEY_METRICS_TOKEN."""
+        if refusal := metrics_refusal(request.headers.get("Authorization", ""), metrics_token):
+            return _problem(*refusal)
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
     app.router.add_get(PATH, stream)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
 
     async def run_hub(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(hub.run(notices))

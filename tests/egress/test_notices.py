@@ -1,6 +1,6 @@
-"""PostgreSQL's notices of policy changes (egress/migrations/0003): every table the policy is
-made of says what changed at commit, and nothing else does (a model call's settlement is not a
-change of the policy)."""
+"""PostgreSQL's notices of policy changes (egress/migrations/0003_policy_notices.py): every
+table the policy is made of says what changed at commit, and nothing else does (a model call's
+settlement is not a change of the policy)."""
 
 from datetime import timedelta
 from decimal import Decimal

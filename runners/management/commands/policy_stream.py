@@ -50,7 +50,7 @@ class Command(BaseCommand):
         self.stdout.flush()
         try:
             web.run_app(
-                make_app(Hub(store), notices),
+                make_app(Hub(store), notices, metrics_token=settings.COVEY_METRICS_TOKEN),
                 host=host,
                 port=port,
                 print=None,
