@@ -87,7 +87,9 @@ def control_plane(
 
 
 @contextmanager
-def policy_stream(tmp_path: Path, database_url: str, *, port: int | None = None) -> Iterator[str]:
+def policy_stream(
+    tmp_path: Path, database_url: str, *, port: int | None = None, **env_overrides: str
+) -> Iterator[str]:
     """The policy stream (``manage.py policy_stream``) on a loopback port; yields its URL, once
     it hears the database's notices."""
     port = port or free_port()
@@ -96,6 +98,7 @@ def policy_stream(tmp_path: Path, database_url: str, *, port: int | None = None)
         "DATABASE_URL": database_url,
         "PYTHONUNBUFFERED": "1",
         "COVEY_VAR_DIR": str(tmp_path / "control-plane-var"),
+        **env_overrides,
     }
     args = [str(VENV_BIN / "python"), "manage.py", "policy_stream", "--listen", f"127.0.0.1:{port}"]
     log = tmp_path / f"policy-stream-{port}-{time.monotonic_ns()}.log"

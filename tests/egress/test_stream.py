@@ -133,10 +133,21 @@ def test_a_runner_proxy_polls_while_the_stream_is_away_and_follows_it_when_back(
         assert took < 1.0, f"the change took {took:.2f} s once the stream was back"
 
 
-def test_the_stream_refuses_what_is_no_runners_token(tmp_path, acme):
-    with policy_stream(tmp_path, subprocess_database_url()) as stream:
+def test_the_stream_refuses_what_is_no_runners_token_and_shows_metrics_to_their_bearer(
+    tmp_path, acme
+):
+    database = subprocess_database_url()
+    with policy_stream(tmp_path, database, COVEY_METRICS_TOKEN="m" * 32) as stream:
         assert httpx.get(stream, timeout=5).status_code == 401
         headers = {"Authorization": "Runner covey-run-no"}
         answer = httpx.get(stream, headers=headers, timeout=5)
         assert answer.status_code == 401
         assert answer.json() == {"detail": "unknown runner token"}
+        base = stream.split("/api/")[0]
+        assert httpx.get(f"{base}/metrics", timeout=5).status_code == 401
+        metrics = httpx.get(
+            f"{base}/metrics", headers={"Authorization": "Bearer " + "m" * 32}, timeout=5
+        )
+        assert metrics.status_code == 200
+        assert "covey_stream_followers 0.0" in metrics.text
+        assert "covey_stream_listening 1.0" in metrics.text
