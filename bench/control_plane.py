@@ -33,6 +33,7 @@ bounded in time (an alarm; SIGTERM stops it cleanly).
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -63,6 +64,7 @@ from bench.support import (  # noqa: E402 - after the path is set
     run_bench,
     start_redis,
     step,
+    verdict,
     wait_listening,
 )
 
@@ -143,7 +145,7 @@ class Seeded:
     agents: list[int]
 
 
-def seed(env: dict[str, str], work: Path) -> Seeded:
+def seed(env: dict[str, str], work: Path, runners: int = RUNNERS) -> Seeded:
     django_here(env, work / "var")
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
@@ -158,7 +160,7 @@ def seed(env: dict[str, str], work: Path) -> Seeded:
     user = get_user_model().objects.create_superuser("bench", "", secrets.token_urlsafe(24))
     organisation = organisations.create_organisation("Bench", base_allowlist=[])
     tokens = []
-    for n in range(RUNNERS):
+    for n in range(runners):
         _, secret = create_registration_token(organisation)
         tokens.append(register_runner(secret, f"runner-{n}", [])[1])
     agents = [
@@ -291,12 +293,172 @@ def report(measured: dict[str, Load]) -> None:
         )
 
 
+# --- the fleet: N runner hosts at once, their proxies following the stream or polling --------
+
+FLEET = 1000
+# Today's polling beside it: 44 hosts polling every 0.25 s (the default), and 175 every 1 s,
+# which the same control plane holds at its poll capacity.
+POLLING = ((44, 0.25), (175, 1.0))
+CHANGES = 20
+TARGET_P50, TARGET_P99 = 0.250, 1.0  # seconds from the API call to every proxy
+TARGET_IDLE_CPU = 0.10  # of one core, the control plane's while idle with N connected
+TARGET_INGEST = 5000  # decision rows per second, on PostgreSQL
+
+
+def start_stream(processes: Processes, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    args = [sys.executable, "manage.py", "policy_stream", "--listen", f"127.0.0.1:{port}"]
+    process = processes.start("stream", args, env)
+    wait_listening(processes, process, "stream", port, "the policy stream listening", 60)
+    return process, f"http://127.0.0.1:{port}/api/v1/egress/policy/stream/"
+
+
+@dataclass
+class FleetRun:
+    """What bench/fleet.py reports of one run (its JSON)."""
+
+    mode: str
+    hosts: int
+    connect_seconds: float
+    idle_cpu: dict[str, float]  # process → share of one core
+    change_latencies: list[float]  # seconds, for each proxy and each change
+    hold_cpu: dict[str, float]
+    hold_seconds: float
+    stream_drops: int
+    policy_errors: int
+    heartbeats: int
+    heartbeat_errors: int
+    heartbeat_p50: float
+    heartbeat_p99: float
+    polls: int
+    errors_seen: list[str]
+    ingest: dict[str, float] | None = None
+
+    @property
+    def errors(self) -> int:
+        return self.stream_drops + self.policy_errors + self.heartbeat_errors
+
+    def latency(self, q: float) -> float:
+        return percentile(self.change_latencies, q)
+
+
+def generate(processes: Processes, work: Path, mode: str, hosts: int, **flags: object) -> FleetRun:
+    """Run bench/fleet.py (a process of its own) and return its report."""
+    args = [sys.executable, str(BENCH_DIR / "fleet.py"), "--mode", mode, "--hosts", str(hosts)]
+    for name, value in flags.items():
+        args += [f"--{name}", str(value)]
+    log = work / f"fleet-{mode}-{hosts}.log"
+    with log.open("wb") as out:
+        finished = subprocess.run(  # noqa: S603 - our own load generator
+            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, timeout=1800, check=False
+        )
+    if finished.returncode != 0:
+        raise BenchError(f"the load generator failed:\n{log.read_text()[-3000:]}")
+    return FleetRun(**json.loads(finished.stdout.decode().strip().splitlines()[-1]))
+
+
+def fleet(work: Path, processes: Processes, quick: bool) -> list[FleetRun]:
+    step("starting PostgreSQL and Redis of the bench's own")
+    redis_port, _ = start_redis(processes, work)
+    postgres_port = start_postgres(processes, work)
+    postgres = processes.started[-1]
+    env = bench_env(work, postgres_port, redis_port)
+    step(f"migrating; an organisation, {FLEET} runners and {AGENTS} agents")
+    seeded = seed(env, work, runners=FLEET)
+    tokens = work / "tokens.json"
+    tokens.write_text(json.dumps(seeded.runner_tokens))
+    stream_process, stream = start_stream(processes, env)
+    base = start_control_plane(processes, {**env, "COVEY_EGRESS_STREAM_URL": stream})
+    web = processes.started[-1]
+    pids = json.dumps({"web": web.pid, "stream": stream_process.pid, "postgres": postgres.pid})
+    common = {
+        "base": base, "tokens": tokens, "user": seeded.user_token, "agent": seeded.agents[0],
+        "pids": pids, "changes": CHANGES, "idle": 10 if quick else 30,
+    }  # fmt: skip
+    hold = 60 if quick else 300
+    step(f"stream: {FLEET} hosts, held {hold} s with heartbeats, then decision ingest")
+    runs = [
+        generate(processes, work, "stream", FLEET, stream=stream, hold=hold, ingest=10, **common)
+    ]
+    for hosts, every in POLLING:
+        step(f"polling as before: {hosts} hosts every {every:g} s")
+        hold = 30 if quick else 60
+        runs.append(generate(processes, work, "poll", hosts, poll=every, hold=hold, **common))
+    for name in ("control-plane", "stream"):
+        if "Traceback" in processes.log(name):
+            raise BenchError(f"the {name} logged an exception:\n{processes.log(name)[-3000:]}")
+    return runs
+
+
+def report_fleet(runs: list[FleetRun]) -> None:
+    print()
+    print(
+        "| proxies get policy by | hosts | all connected in | a change at every proxy,"
+        " p50 / p99 / max | CPU while idle: web + stream + PostgreSQL | held | errors |"
+        " heartbeats p50 / p99 | web's CPU, held |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run in runs:
+        how = "the stream" if run.mode == "stream" else "polls"
+        idle = run.idle_cpu
+        print(
+            f"| {how} | {run.hosts} | {run.connect_seconds:.1f} s |"
+            f" {1000 * run.latency(50):.0f} / {1000 * run.latency(99):.0f} /"
+            f" {1000 * max(run.change_latencies):.0f} ms |"
+            f" {100 * sum(idle.values()):.1f}% ({100 * idle['web']:.1f} +"
+            f" {100 * idle['stream']:.1f} + {100 * idle['postgres']:.1f}) |"
+            f" {run.hold_seconds:.0f} s | {run.errors} |"
+            f" {1000 * run.heartbeat_p50:.0f} / {1000 * run.heartbeat_p99:.0f} ms |"
+            f" {100 * run.hold_cpu['web']:.0f}% |"
+        )
+    stream = runs[0]
+    idle_total = sum(stream.idle_cpu.values())
+    print()
+    print(f"Targets, {stream.hosts} hosts following the stream:")
+    print(
+        f"- a change through the API enforced at all: p50 {1000 * stream.latency(50):.0f} ms"
+        f" (≤ {1000 * TARGET_P50:.0f}): {verdict(stream.latency(50) <= TARGET_P50)};"
+        f" p99 {1000 * stream.latency(99):.0f} ms (≤ {1000 * TARGET_P99:.0f}):"
+        f" {verdict(stream.latency(99) <= TARGET_P99)}"
+    )
+    print(
+        f"- the control plane's CPU while idle with all connected: {100 * idle_total:.1f}% of"
+        f" one core (≤ {100 * TARGET_IDLE_CPU:.0f}%): {verdict(idle_total <= TARGET_IDLE_CPU)}"
+    )
+    print(
+        f"- held {stream.hold_seconds:.0f} s, each host's heartbeat every {HEARTBEAT_SECONDS:g}"
+        f" s: {stream.errors} errors{' ' + str(stream.errors_seen) if stream.errors else ''}:"
+        f" {verdict(stream.errors == 0)}"
+    )
+    if stream.ingest:
+        rate = stream.ingest["rows_per_second"]
+        print(
+            f"- decision ingest on PostgreSQL: {rate:.0f} rows/s (≥ {TARGET_INGEST}):"
+            f" {verdict(rate >= TARGET_INGEST)}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 s per load instead of 20 s")
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help=f"{FLEET} runner hosts following the policy stream, beside polling as before",
+    )
     options = parser.parse_args()
     seconds = 8.0 if options.quick else 20.0
     measured: dict[str, Load] = {}
+    if options.fleet:
+        runs: list[FleetRun] = []
+
+        def fleet_body(work: Path, processes: Processes, stack: contextlib.ExitStack) -> None:
+            runs.extend(fleet(work, processes, options.quick))
+
+        failed = run_bench("covey-bench-fleet-", 900 if options.quick else 1800, fleet_body)
+        if runs:
+            report_fleet(runs)
+        return 1 if failed else 0
 
     def body(work: Path, processes: Processes, stack: contextlib.ExitStack) -> None:
         step("starting PostgreSQL and Redis of the bench's own")

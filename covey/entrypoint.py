@@ -14,6 +14,8 @@ runner     a runner host: the built-in runners with no ARGS (their identities co
            /var/lib/covey/runner.json`` for a remote one); no database
 proxy      the egress proxy on COVEY_PROXY_LISTEN (0.0.0.0:3128)
 gateway    the model gateway on COVEY_MODEL_GATEWAY_LISTEN (0.0.0.0:8002)
+stream     the policy stream runner hosts' proxies follow, on COVEY_EGRESS_STREAM_LISTEN
+           (0.0.0.0:8004)
 migrate    applies the migrations and exits
 =========  ===============================================================================
 
@@ -28,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-ROLES = ("web", "worker", "runner", "proxy", "gateway", "migrate")
+ROLES = ("web", "worker", "runner", "proxy", "gateway", "stream", "migrate")
 MANAGE = ["python", "manage.py"]
 KEYS = ("DJANGO_SECRET_KEY", "COVEY_ENCRYPTION_KEYS")
 
@@ -66,6 +68,9 @@ def command(role: str, args: Sequence[str], environ: dict[str, str]) -> list[str
     if role == "gateway":
         listen = environ.get("COVEY_MODEL_GATEWAY_LISTEN") or "0.0.0.0:8002"
         return [*MANAGE, "model_gateway", "--listen", listen, *args]
+    if role == "stream":
+        listen = environ.get("COVEY_EGRESS_STREAM_LISTEN") or "0.0.0.0:8004"
+        return [*MANAGE, "policy_stream", "--listen", listen, *args]
     raise EntrypointError(f"no role {role!r}")
 
 
@@ -146,7 +151,7 @@ def prepare(role: str, environ: dict[str, str]) -> None:
     if role == "web":
         call_command("ensure_admin")
         call_command("renew_runner_tokens")
-    if role in ("worker", "proxy", "gateway"):
+    if role in ("worker", "proxy", "gateway", "stream"):
         wait("the database", migrations_applied, seconds)
     if role in ("web", "worker", "runner"):
         wait("the broker", broker_problem, seconds)

@@ -67,7 +67,9 @@ def test_it_validates_and_says_which_secret_is_missing(tmp_path):
     validated = config(compose, env)
     assert validated.returncode == 0, validated.stderr
     services = yaml.safe_load(validated.stdout)["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "runner", "proxy", "gateway"}
+    assert set(services) == {
+        "postgres", "redis", "web", "worker", "runner", "proxy", "gateway", "stream",
+    }  # fmt: skip
     # Health checks on each service.
     assert {name for name, service in services.items() if "healthcheck" in service} == set(services)
 
@@ -143,6 +145,7 @@ def project(tmp_path, workplace_image) -> Iterator[tuple[Project, str, Path]]:
     env = env_file(
         tmp_path / ".env",
         COVEY_HTTP_PUBLISH=f"127.0.0.1:{port}",
+        COVEY_STREAM_PUBLISH=f"127.0.0.1:{free_port()}",
         COVEY_HOMES_DIR=str(homes),
         COVEY_SANDBOX_NETWORK=f"{name}-sandboxes",
     )

@@ -67,7 +67,7 @@ def test_waiting_says_what_it_waits_for_once_and_gives_up_with_the_last_reason(c
 
 def test_a_word_that_is_no_role_nor_program_is_refused(capsys):
     assert entrypoint.main(["cook"], {}) == 2
-    assert "'cook' is no role (web, worker, runner, proxy, gateway, migrate)" in (
+    assert "'cook' is no role (web, worker, runner, proxy, gateway, stream, migrate)" in (
         capsys.readouterr().err
     )
 

@@ -62,6 +62,7 @@ def run_env(tmp_path, port: int, proxy: str = "") -> dict[str, str]:
         **({"COVEY_PROXY_LISTEN": proxy} if proxy else {"COVEY_PROXY_PORT": str(free_port())}),
         "COVEY_MODEL_GATEWAY_PORT": str(free_port()),  # never the 8002 of someone's make run
         "COVEY_DEMO_FORGE_PORT": str(free_port()),  # nor its 8003
+        "COVEY_EGRESS_STREAM_PORT": str(free_port()),  # nor its 8004
         "PATH": f"{VENV_BIN}:{env['PATH']}",
         "PYTHONUNBUFFERED": "1",
     }
