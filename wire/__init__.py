@@ -113,16 +113,35 @@ def decode(kind: Any, data: Any, where: str) -> Any:
     raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(data).__name__}")
 
 
+_FIELDS: dict[type[Any], tuple[tuple[str, Any, bool], ...]] = {}
+
+
+def _fields(kind: type[Any]) -> tuple[tuple[str, Any, bool], ...]:
+    """A message's fields: name, type and whether it must be given (read once per class: a
+    proxy's batch holds thousands of events)."""
+    fields = _FIELDS.get(kind)
+    if fields is None:
+        hints = typing.get_type_hints(kind)
+        fields = _FIELDS[kind] = tuple(
+            (
+                f.name,
+                hints[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(kind)
+        )
+    return fields
+
+
 def _message(kind: type[Any], data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
-    hints = typing.get_type_hints(kind)
     values = {}
-    for f in dataclasses.fields(kind):
-        if f.name in data:
-            values[f.name] = decode(hints[f.name], data[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}.{f.name}: missing")
+    for name, hint, required in _fields(kind):
+        if name in data:
+            values[name] = decode(hint, data[name], f"{where}.{name}")
+        elif required:
+            raise ProtocolError(f"{where}.{name}: missing")
     try:
         return kind(**values)
     except ProtocolError:
