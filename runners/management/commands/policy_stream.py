@@ -1,6 +1,7 @@
 """Run the policy stream (egress/stream/) in the foreground, over the database: runner hosts'
 proxies follow it (runners/streaming.py says who may)."""
 
+import resource
 from typing import Any
 
 from aiohttp import web
@@ -32,6 +33,10 @@ class Command(BaseCommand):
             raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
         if not host:  # never every interface by omission
             raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
+        # A follower is an open connection: as many as the hard limit allows (ulimit -n).
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         store = RunnersStore()
         if connection.vendor == "postgresql":
             params = connection.get_connection_params()
