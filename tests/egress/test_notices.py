@@ -84,3 +84,17 @@ def test_nothing_is_heard_of_a_change_rolled_back(heard, acme):
         agent_services.update_agent(agent, enabled=False)
         raise RuntimeError("rolled back")
     assert heard() == []
+
+
+def test_a_row_moved_by_hand_notifies_both_its_organisations_and_emptying_a_table_all(
+    heard, acme, globex
+):
+    agent = agent_services.create_agent(acme, "builder", allowlist=["a.test"])
+    heard()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE agents_agent SET organisation_id = %s WHERE id = %s", [globex.pk, agent.pk]
+        )
+        assert set(heard()) == {Change(acme.pk, agent.pk), Change(globex.pk, agent.pk)}
+        cursor.execute("TRUNCATE budgets_spend CASCADE")
+        assert heard() == [EVERYTHING]
