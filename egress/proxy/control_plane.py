@@ -33,6 +33,8 @@ from egress.proxy.feed import Refused
 
 logger = logging.getLogger(__name__)
 
+SYNC_SECONDS = 2.0  # a look-up waits this long at most (egress.proxy.addon's LOOKUP_SECONDS)
+
 
 class RunnerFile:
     """The runner's file: the control plane's URL and the current runner token."""
@@ -79,6 +81,7 @@ class ControlPlaneSource:
             timeout=httpx.Timeout(timeout, read=2 * STREAM_KEEPALIVE + 2), trust_env=False
         )
         self.stream_url: str | None = None  # as the control plane's last answer named it
+        self._refused_stream = ""
         self._following: httpx.Response | None = None
 
     def __call__(self, known_generation: str | None) -> PolicySnapshot | None:
@@ -90,12 +93,33 @@ class ControlPlaneSource:
             headers["If-None-Match"] = f'"{known_generation}"'
         response = self._client.get("/api/v1/egress/policy/", headers=headers)
         if response.status_code == 304:
-            self.stream_url = _stream_url(response)
+            self.stream_url = self._stream_url(response)
             return None
         response.raise_for_status()
         snapshot = PolicySnapshot.from_json(response.json())
-        self.stream_url = _stream_url(response)
+        self.stream_url = self._stream_url(response)
         return snapshot
+
+    def _stream_url(self, response: httpx.Response) -> str | None:
+        """The stream the control plane names, if it names an HTTP URL; never plain HTTP when
+        the control plane is reached over HTTPS (the runner's token would go in the clear)."""
+        url = response.headers.get(STREAM_HEADER, "").strip()
+        if not url:
+            return None
+        try:
+            scheme = httpx.URL(url).scheme
+        except httpx.InvalidURL:
+            scheme = ""
+        if scheme not in ("http", "https"):
+            problem = "is no http(s) URL"
+        elif scheme == "http" and httpx.URL(self.url).scheme == "https":
+            problem = "is plain HTTP, and the control plane is reached over HTTPS"
+        else:
+            return url
+        if url != self._refused_stream:  # said once per URL, not at every poll
+            self._refused_stream = url
+            logger.warning("covey: not following the policy stream %r: it %s", url, problem)
+        return None
 
     def follow(self, known_generation: str | None) -> Iterator[StreamLine] | None:
         """The policy stream's lines from ``known_generation`` on (egress/stream/); None
@@ -122,6 +146,21 @@ class ControlPlaneSource:
                         yield stream_line_from_json(json.loads(line))
             finally:
                 self._following = None
+
+    def sync(self) -> str:
+        """The generation of the stream that holds every change committed before this call
+        (the stream's barrier, ``…/stream/sync/``). Raises when it cannot say."""
+        url = self.stream_url
+        if url is None:
+            raise OSError("no policy stream")
+        response = self._stream_client.get(
+            url.rstrip("/") + "/sync/", headers=self._headers(), timeout=SYNC_SECONDS
+        )
+        response.raise_for_status()
+        generation = response.json().get("generation")
+        if not isinstance(generation, str):
+            raise ValueError(f"the stream's barrier answered no generation: {response.text[:200]}")
+        return generation
 
     def interrupt(self) -> None:
         """End the stream being followed (from another thread): its socket is shut, and the
@@ -172,20 +211,6 @@ class ControlPlaneSource:
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Runner {self._token()}"}
-
-
-def _stream_url(response: httpx.Response) -> str | None:
-    """The stream the control plane names, if it names one that is an HTTP URL."""
-    url = response.headers.get(STREAM_HEADER, "").strip()
-    if not url:
-        return None
-    try:
-        if httpx.URL(url).scheme in ("http", "https"):
-            return url
-    except httpx.InvalidURL:
-        pass
-    logger.warning("covey: the control plane names a policy stream that is no URL: %r", url)
-    return None
 
 
 def remote_source(

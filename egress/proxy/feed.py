@@ -18,6 +18,7 @@ from typing import Protocol
 
 from egress.policy import Policy
 from egress.protocol import (
+    STREAM_KEEPALIVE,
     Current,
     DecisionEvent,
     PolicyDelta,
@@ -52,9 +53,27 @@ class PolicyStream(Protocol):
         then); None when there is no stream to follow now."""
         ...
 
+    def sync(self) -> str:
+        """The generation that holds every change committed before this call (the stream's
+        barrier); raises when it cannot say."""
+        ...
+
     def interrupt(self) -> None:
         """End a ``follow`` in progress, from another thread."""
         ...
+
+
+def reaches(held: str, target: str) -> bool:
+    """Whether the stream's generation ``held`` is ``target`` or later. A generation is
+    ``<load>.<number>``; one of another load is later (a load reads everything anew, and a
+    proxy only ever moves to a newer one)."""
+    held_load, _, held_number = held.rpartition(".")
+    target_load, _, target_number = target.rpartition(".")
+    if held_load != target_load:
+        return True
+    return (
+        held_number.isdigit() and target_number.isdigit() and int(held_number) >= int(target_number)
+    )
 
 
 class PolicyFeed:
@@ -82,6 +101,16 @@ class PolicyFeed:
         self._source = source
         self._poll = poll
         self._grace = grace
+        if stream is not None and grace < 2 * STREAM_KEEPALIVE:
+            # A quiet stream says so every STREAM_KEEPALIVE seconds: a shorter grace would
+            # refuse everything between its lines.
+            logger.warning(
+                "covey: COVEY_EGRESS_POLICY_GRACE (%g s) is shorter than twice the policy"
+                " stream's keepalive (%g s): this proxy polls, and does not follow the stream",
+                grace,
+                STREAM_KEEPALIVE,
+            )
+            stream = None
         self._stream = stream
         self._stream_retry = stream_retry
         self._stream_after = float("inf")  # when to try the stream: after the first poll
@@ -96,6 +125,10 @@ class PolicyFeed:
         # after they asked), or the next line of the stream, shared by all who ask before it.
         self._rounds = threading.Lock()
         self._next_round: Future[bool] | None = None
+        # While a stream is followed, refresh_soon asks its barrier (a thread each, shared by
+        # who asks before it starts) and waits for the generation it names.
+        self._next_sync: Future[bool] | None = None
+        self._reaching: list[tuple[str, Future[bool]]] = []
         self._thread = threading.Thread(target=self._run, name="covey-policy", daemon=True)
         self.failures = 0
         self.streaming = False  # following the stream now
@@ -130,11 +163,11 @@ class PolicyFeed:
         return self._policy
 
     def refresh_soon(self) -> "Future[bool]":
-        """Have the polling thread ask the source at once (while a stream is followed: wait for
-        its next line). The future is done when a round that started after this call has ended,
-        or the next line has come: True when the source answered, False when it did not.
-        Callers that come before that round starts share it: the source is asked once for all
-        of them."""
+        """Have the polling thread ask the source at once. The future is done when a round that
+        started after this call has ended: True when the source answered, False when it did
+        not. Callers that come before that round starts share it: the source is asked once for
+        all of them. While a stream is followed, the round is the stream's barrier: True once
+        the policy holds every change committed before the barrier was asked."""
         if not self._thread.is_alive():
             # Never started (a feed driven by hand, as in tests): ask here. Stopped: nobody
             # will ask, and the caller refuses (no source I/O on the caller's thread).
@@ -142,10 +175,49 @@ class PolicyFeed:
             done.set_result(self._refresh_safely() if self._thread.ident is None else False)
             return done
         with self._rounds:
+            if self.streaming:
+                if self._next_sync is None:
+                    self._next_sync = Future()
+                    threading.Thread(
+                        target=self._sync, name="covey-policy-sync", daemon=True
+                    ).start()
+                return self._next_sync
             if self._next_round is None:
                 self._next_round = Future()
             self._wake.set()
             return self._next_round
+
+    def _sync(self) -> None:
+        """Ask the stream's barrier, then wait for the generation it names (in ``take``)."""
+        assert self._stream is not None  # noqa: S101
+        with self._rounds:  # who asks from now on waits for the next barrier
+            waiting, self._next_sync = self._next_sync, None
+        assert waiting is not None  # noqa: S101
+        try:
+            target = self._stream.sync()
+        except Exception as exc:
+            logger.warning("covey: the policy stream's barrier did not answer: %s", exc)
+            waiting.set_result(False)
+            return
+        with self._rounds:
+            held = self._policy.generation if self._policy else ""
+            if not self.streaming:
+                waiting.set_result(False)
+            elif reaches(held, target):
+                waiting.set_result(True)
+            else:
+                self._reaching.append((target, waiting))
+
+    def _reached(self, *, ended: bool = False) -> None:
+        """Answer who waits for a generation the policy now reaches (False for all: the stream
+        ended)."""
+        held = self._policy.generation if self._policy else ""
+        with self._rounds:
+            waiting = self._reaching
+            self._reaching = [] if ended else [w for w in waiting if not reaches(held, w[0])]
+        for target, future in waiting:
+            if not future.done() and (ended or reaches(held, target)):
+                future.set_result(not ended)
 
     def _refresh_safely(self) -> bool:
         try:
@@ -179,6 +251,7 @@ class PolicyFeed:
                     raise ValueError(f"the stream is at {line.generation}, this proxy at {held}")
         self._confirmed()
         self._answer_waiting(True)
+        self._reached()
 
     def _replace(self, policy: Policy) -> None:
         self._policy = policy
@@ -280,6 +353,7 @@ class PolicyFeed:
             logger.debug("policy stream failure", exc_info=True)
         finally:
             self.streaming = False
+            self._reached(ended=True)
         self._stream_after = self._clock() + self._stream_retry
         return followed
 

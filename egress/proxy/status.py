@@ -61,6 +61,11 @@ class ProxyCollector(Collector):
             "Failed policy refreshes in a row (0: the source answers).",
             value=self.addon.feed.failures,
         )
+        yield GaugeMetricFamily(
+            "covey_egress_policy_streaming",
+            "1 while the proxy follows the policy stream, 0 while it polls.",
+            value=int(self.addon.feed.streaming),
+        )
         yield CounterMetricFamily(
             "covey_egress_slow_clients_closed",
             "Connections closed because their request head did not come within"

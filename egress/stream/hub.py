@@ -9,20 +9,28 @@ How it stays exact:
   that is read; an agent read that equals what is held is no change;
 - one reader applies the notices, in the order they came, and a change becomes a new generation
   that every follower gets as one delta line, in order;
-- while notices cannot be heard (the database connection is lost), nothing is held: followers'
-  streams end and new ones are refused, so that no proxy is told it is current when it may not be
-  (it polls instead, and its grace rule applies as before).
+- a generation names the load it belongs to (a nonce per load), so one of a load that is gone
+  is never taken for current;
+- the hub vouches for what it holds (a ``current`` line, a new stream) only while it is sure:
+  its notices' connection answered within TRUST_SECONDS and no notice has waited longer than
+  that to be read. Otherwise, and while notices cannot be heard at all, nothing is held:
+  followers' streams end and new ones are refused, so that no proxy is told it is current when
+  it may not be (it polls instead, and its grace rule applies as before);
+- a barrier (:meth:`Hub.sync`) names the generation that holds every change committed before
+  it: a notice of its own, which the database delivers after those.
 """
 
 import asyncio
 import dataclasses
+import enum
 import json
 import logging
 import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 from egress.protocol import (
     AgentSnapshot,
@@ -40,6 +48,19 @@ FOLLOWER_BACKLOG = 256  # lines a follower may be behind before its stream is en
 SWEEP_SECONDS = 10.0  # followers' tokens checked (and their proxies marked seen), budgets re-read
 IDLE_SECONDS = 60.0  # an organisation nobody follows is dropped after this long
 RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)  # hearing notices again after the connection was lost
+# The hub vouches for what it holds only while the notices' connection was heard from this
+# recently, and no notice has waited this long to be read: else every stream ends (a proxy's
+# grace must not be kept alive by a hub that is stuck).
+TRUST_SECONDS = 6.0
+READ_THREADS = 2  # reads of the policy; a runner's token is looked up apart (AUTH_THREADS)
+AUTH_THREADS = 2
+
+
+class Heard(enum.Enum):
+    """What the notices say besides changes."""
+
+    LISTENING = "listening"  # listening (again): what is held may be behind, read it all
+    STILL = "still"  # the connection answered: nothing was missed so far
 
 
 class Unavailable(Exception):
@@ -64,7 +85,15 @@ class Change:
 EVERYTHING = Change(None)
 
 
-def parse_notice(payload: str) -> Change | None:
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """A barrier (``s:NONCE``): every change committed before it was announced has been noticed
+    before it (notices come in the order of their commits)."""
+
+    nonce: str
+
+
+def parse_notice(payload: str) -> Change | Sync | None:
     """The change a notice's payload names (egress/migrations/0003_policy_notices.py writes
     them): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG`` or ``*``; None for one that names no
     organisation (an agent's rows removed with it: the agent's own notice says so)."""
@@ -73,6 +102,8 @@ def parse_notice(payload: str) -> Change | None:
     try:
         if kind == "*":
             return EVERYTHING
+        if kind == "s" and rest:
+            return Sync(rest)
         if not organisation:
             return None
         if kind == "a":
@@ -145,15 +176,17 @@ class Follower:
             self.lines.put_nowait(line)
         except asyncio.QueueFull:
             logger.warning("covey: the proxy of runner %s fell behind its stream", self.runner.name)
-            self.end()
+            self.end(at_once=True)
 
-    def end(self) -> None:
-        """End the stream after what is queued (or at once, when the queue is full)."""
+    def end(self, *, at_once: bool = False) -> None:
+        """End the stream after what is queued, or ``at_once`` (what is queued is dropped: it
+        may be too far behind, or no longer true)."""
         if self.ended:
             return
         self.ended = True
-        if self.lines.full():
-            self.lines.get_nowait()
+        if at_once or self.lines.full():
+            while not self.lines.empty():
+                self.lines.get_nowait()
         self.lines.put_nowait(None)
 
     def current(self) -> bytes:
@@ -164,10 +197,14 @@ class Follower:
 class Organisation:
     """One organisation's policy as its followers hold it, numbered by generation."""
 
-    def __init__(self, organisation_id: int, boot: str, snapshot: PolicySnapshot) -> None:
+    def __init__(self, organisation_id: int, snapshot: PolicySnapshot) -> None:
         self.id = organisation_id
-        self.boot = boot
+        # Generations of this load are never another's: not another process's, nor this one's
+        # after the organisation was dropped and loaded again (a proxy that held one of those
+        # is sent the whole snapshot).
+        self.nonce = secrets.token_hex(6)
         self.number = 0
+        self.dropped = False
         self.agents: dict[int, AgentSnapshot] = {a.id: a for a in snapshot.agents}
         self.built_in = snapshot.built_in
         self.history: deque[tuple[str, frozenset[int]]] = deque(maxlen=HISTORY)
@@ -177,7 +214,7 @@ class Organisation:
 
     @property
     def generation(self) -> str:
-        return f"{self.boot}.{self.number}"
+        return f"{self.nonce}.{self.number}"
 
     def update(self, agents: Iterable[AgentSnapshot], gone: Iterable[int]) -> PolicyDelta | None:
         """Take what was read: a new generation when anything differs, sent to every follower
@@ -221,13 +258,25 @@ class Organisation:
             self._snapshot = encode(snapshot)
         return self._snapshot
 
-    def end_all(self) -> None:
+    def drop(self) -> None:
+        """Nobody may follow this load any more: every stream ends."""
+        self.dropped = True
         for follower in tuple(self.followers):
             follower.end()
         self.followers.clear()
 
 
-Notices = Callable[[], AsyncIterator[Change | None]]
+class Notices(Protocol):
+    """Where the hub hears of changes (egress/stream/notices.py)."""
+
+    def __call__(self) -> AsyncIterator[Change | Heard | Sync]:
+        """Notices from now on: ``Heard.LISTENING`` first, then changes, barriers and
+        ``Heard.STILL``; it raises when it stops hearing."""
+        ...
+
+    async def announce(self, nonce: str) -> None:
+        """Have ``Sync(nonce)`` come after the notices of every change committed before."""
+        ...
 
 
 class Hub:
@@ -241,16 +290,45 @@ class Hub:
         idle: float = IDLE_SECONDS,
     ) -> None:
         self.store = store
-        self.boot = secrets.token_hex(4)  # generations of this process are never another's
         self.sweep_seconds = sweep
         self.idle_seconds = idle
         self.listening = False
         self.organisations: dict[int, Organisation] = {}
         self._loading: dict[int, asyncio.Future[Organisation]] = {}
         self._held_back: dict[int, list[Change]] = {}  # noticed while the organisation loads
-        self._pending: list[Change] = []
+        self._pending: dict[Change, None] = {}  # in the order noticed, each once
+        self._pending_since: float | None = None
+        self._reading_since: float | None = None
+        self._heard_at = float("-inf")
+        self._barriers: list[str] = []  # heard, to be answered once what came before is read
+        self._syncs: dict[str, tuple[int, asyncio.Future[str]]] = {}
+        self._notices: Notices | None = None
         self._wake = asyncio.Event()
+        self._reads = ThreadPoolExecutor(READ_THREADS, "covey-stream-read")
+        self._auth = ThreadPoolExecutor(AUTH_THREADS, "covey-stream-auth")
         self.changes = 0  # generations made (for metrics)
+        self.failed: BaseException | None = None  # what stopped run(), if anything did
+
+    def trusted(self) -> bool:
+        """Whether what is held may be vouched for now: the notices are heard, the connection
+        answered within TRUST_SECONDS, and no notice has waited longer than that to be read."""
+        now = time.monotonic()
+        return (
+            self.listening
+            and now - self._heard_at <= TRUST_SECONDS
+            and (self._pending_since is None or now - self._pending_since <= TRUST_SECONDS)
+            and (self._reading_since is None or now - self._reading_since <= TRUST_SECONDS)
+        )
+
+    def keepalive(self, follower: "Follower") -> bytes | None:
+        """The line that tells a follower nothing changed, or None when the hub cannot vouch
+        for that (its stream ends)."""
+        if follower.organisation.dropped or not self.trusted():
+            return None
+        return follower.current()
+
+    async def _in(self, pool: ThreadPoolExecutor, call: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, call, *args)
 
     @property
     def followers(self) -> int:
@@ -259,13 +337,16 @@ class Hub:
     async def follow(self, token: str, known: str | None) -> tuple[Follower, bytes]:
         """A new follower for the runner ``token`` proves, and its first line.
         Raises Unauthorized or Unavailable."""
-        if not self.listening:
+        if not self.trusted():
             raise Unavailable("the policy stream does not hear the database now")
-        runner = await asyncio.to_thread(self.store.runner, token)
+        runner = await self._in(self._auth, self.store.runner, token)
         if runner is None:
             raise Unauthorized("unknown runner token")
         organisation = await self._organisation(runner.organisation_id)
-        # No await from here on: the first line and the queue are taken at one generation.
+        # No await from here on: the first line and the queue are taken at one generation, of
+        # an organisation still held (it may have been dropped while this one waited for it).
+        if not self.trusted() or self.organisations.get(organisation.id) is not organisation:
+            raise Unavailable("the policy stream lost the database meanwhile")
         follower = Follower(runner, organisation)
         organisation.followers.add(follower)
         organisation.idle_since = None
@@ -289,10 +370,10 @@ class Hub:
         self._loading[organisation_id] = future
         self._held_back[organisation_id] = []
         try:
-            snapshot = await asyncio.to_thread(self.store.load, organisation_id)
+            snapshot = await self._in(self._reads, self.store.load, organisation_id)
             if not self.listening:  # notices were lost while it loaded
                 raise Unavailable("the policy stream does not hear the database now")
-            organisation = Organisation(organisation_id, self.boot, snapshot)
+            organisation = Organisation(organisation_id, snapshot)
             self.organisations[organisation_id] = organisation
             held_back = self._held_back.pop(organisation_id, [])
             if held_back:  # noticed after the load began: read again, in order
@@ -311,34 +392,77 @@ class Hub:
         for change in changes:
             if change.organisation_id in self._held_back:
                 self._held_back[change.organisation_id].append(change)
-            elif change.organisation_id is None:
+                continue
+            if change.organisation_id is None:
                 for held_back in self._held_back.values():
                     held_back.append(change)
-                self._pending.append(change)
-            else:
-                self._pending.append(change)
+            self._pending[change] = None
         if self._pending:
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
             self._wake.set()
 
     async def run(self, notices: Notices) -> None:
-        """Hear notices and apply them, and sweep, until cancelled."""
+        """Hear notices and apply them, sweep, and watch that all of it keeps up, until
+        cancelled."""
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._hear(notices))
             tasks.create_task(self._apply())
             tasks.create_task(self._sweep())
+            tasks.create_task(self._watch())
+
+    async def sync(self, token: str) -> str:
+        """The generation a proxy of the runner ``token`` proves must reach to hold every change
+        committed before this call: what a proxy asks before it says that a token is unknown.
+        Raises Unauthorized or Unavailable."""
+        if not self.trusted() or self._notices is None:
+            raise Unavailable("the policy stream does not hear the database now")
+        runner = await self._in(self._auth, self.store.runner, token)
+        if runner is None:
+            raise Unauthorized("unknown runner token")
+        if runner.organisation_id not in self.organisations:
+            raise Unavailable("nobody follows this organisation's policy here")
+        nonce = secrets.token_hex(8)
+        answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._syncs[nonce] = (runner.organisation_id, answered)
+        try:
+            await asyncio.wait_for(self._notices.announce(nonce), TRUST_SECONDS)
+            return await asyncio.wait_for(answered, TRUST_SECONDS)
+        except (TimeoutError, OSError) as exc:
+            raise Unavailable(f"the barrier was not heard in time ({exc!r})") from None
+        finally:
+            self._syncs.pop(nonce, None)
+
+    def _answer_barriers(self, barriers: Iterable[str]) -> None:
+        for nonce in barriers:
+            organisation_id, answered = self._syncs.get(nonce, (0, None))
+            organisation = self.organisations.get(organisation_id)
+            if answered is None or answered.done():
+                continue
+            if organisation is None:
+                answered.set_exception(Unavailable("the organisation is no longer held"))
+            else:
+                answered.set_result(organisation.generation)
 
     async def _hear(self, notices: Notices) -> None:
+        self._notices = notices
         failures = 0
         while True:
             try:
-                async for change in notices():
-                    if change is None:  # listening now: what is held may be behind
+                async for heard in notices():
+                    self._heard_at = time.monotonic()
+                    if heard is Heard.LISTENING:
                         self.listening = True
                         failures = 0
                         logger.info("covey: the policy stream hears the database's notices")
                         self._notice([EVERYTHING])
-                    else:
-                        self._notice([change])
+                    elif not self.listening:  # given up on (_watch): listen anew
+                        raise ConnectionError("the notices were late")
+                    elif isinstance(heard, Change):
+                        self._notice([heard])
+                    elif isinstance(heard, Sync):  # answered once what came before is read
+                        self._barriers.append(heard.nonce)
+                        self._wake.set()
                 raise ConnectionError("the notices ended")
             except asyncio.CancelledError:
                 raise
@@ -355,31 +479,53 @@ class Hub:
         if deaf:
             self.listening = False
         for organisation in self.organisations.values():
-            organisation.end_all()
+            organisation.drop()
         self.organisations.clear()
         self._pending.clear()
+        self._pending_since = None
+        barriers, self._barriers = self._barriers, []
+        self._answer_barriers(barriers)  # unavailable: nothing is held
+
+    async def _watch(self) -> None:
+        """Once a second: a hub that stopped keeping up holds nothing (its proxies poll)."""
+        while True:
+            await asyncio.sleep(1)
+            if self.listening and not self.trusted():
+                self._lost(
+                    "the database's notices went unanswered or unread for over"
+                    f" {TRUST_SECONDS:g} s",
+                    deaf=time.monotonic() - self._heard_at > TRUST_SECONDS,
+                )
 
     async def _apply(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            changes, self._pending = self._pending, []
+            changes, self._pending = list(self._pending), {}
+            barriers, self._barriers = self._barriers, []
             wanted = _by_organisation(changes, set(self.organisations))
             if not wanted:
+                self._pending_since = None
+                self._answer_barriers(barriers)
                 continue
             # Read for these very objects: one dropped and loaded again meanwhile is newer.
             targets = {i: self.organisations[i] for i in wanted}
+            self._reading_since, self._pending_since = self._pending_since, None
             try:
-                read = await asyncio.to_thread(self._read, wanted, targets)
+                read = await self._in(self._reads, self._read, wanted, targets)
             except Exception as exc:
                 self._lost(f"the policy could not be read: {exc}")
+                self._answer_barriers(barriers)  # unavailable: nothing is held
                 continue
+            finally:
+                self._reading_since = None
             for organisation_id, (agents, gone) in read.items():
                 organisation = targets[organisation_id]
                 if self.organisations.get(organisation_id) is not organisation:
                     continue
                 if organisation.update(agents, gone) is not None:
                     self.changes += 1
+            self._answer_barriers(barriers)
 
     def _read(
         self,
@@ -431,8 +577,8 @@ class Hub:
                 del self.organisations[organisation_id]
         followers = [f for o in self.organisations.values() for f in o.followers]
         if followers:
-            valid = await asyncio.to_thread(
-                self.store.touch, {f.runner.token_sha256 for f in followers}
+            valid = await self._in(
+                self._reads, self.store.touch, {f.runner.token_sha256 for f in followers}
             )
             for follower in followers:
                 if follower.runner.token_sha256 not in valid:

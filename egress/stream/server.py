@@ -1,5 +1,6 @@
 """The stream's HTTP side (aiohttp): ``GET /api/v1/egress/policy/stream/`` with the runner's
-token, and the process's health.
+token, ``GET …/stream/sync/`` (a barrier: the generation that holds every change committed
+before it), and the process's health.
 
 The request says the generation the proxy holds (``If-None-Match``, as a poll does). The answer
 is ``application/x-ndjson``, a line of JSON each (egress/protocol.py, ``StreamLine``): first
@@ -12,6 +13,8 @@ the process stops hearing the database; the proxy polls then, and comes back.
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 
 from aiohttp import web
@@ -26,6 +29,7 @@ from status import metrics_refusal
 logger = logging.getLogger(__name__)
 
 PATH = "/api/v1/egress/policy/stream/"
+SYNC_PATH = PATH + "sync/"
 HUB: web.AppKey[Hub] = web.AppKey("hub", Hub)
 
 
@@ -93,7 +97,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
             try:
                 line = await asyncio.wait_for(follower.lines.get(), STREAM_KEEPALIVE)
             except TimeoutError:
-                line = follower.current()
+                # A line queued as the wait ran out goes first: the keepalive names the
+                # generation after it. None: the hub cannot vouch now, and the stream ends.
+                empty = follower.lines.empty()
+                line = hub.keepalive(follower) if empty else follower.lines.get_nowait()
             if line is None:
                 break
             await response.write(line)
@@ -104,6 +111,22 @@ async def stream(request: web.Request) -> web.StreamResponse:
     finally:
         hub.unfollow(follower)
     return response
+
+
+async def sync(request: web.Request) -> web.Response:
+    """The generation a runner's proxy must reach to hold every change committed before this
+    request: it asks before it says a token is unknown (a run's token is issued moments before
+    its sandbox's first request)."""
+    hub = request.app[HUB]
+    token = _token(request)
+    if token is None:
+        return _problem(401, "give the runner token: Authorization: Runner <token>")
+    try:
+        return web.json_response({"generation": await hub.sync(token)})
+    except Unauthorized:
+        return _problem(401, "unknown runner token")
+    except Unavailable as exc:
+        return _problem(503, str(exc))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -136,20 +159,34 @@ def make_app(hub: Hub, notices: Notices, *, metrics_token: str = "") -> web.Appl
         )
 
     app.router.add_get(PATH, stream)
+    app.router.add_get(SYNC_PATH, sync)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
 
     async def run_hub(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(hub.run(notices))
+        task.add_done_callback(_hub_ended)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+    def _hub_ended(task: "asyncio.Task[None]") -> None:
+        """A hub that failed holds nothing, and the process stops (its supervisor starts it
+        again): a server without its hub must not go on answering."""
+        if task.cancelled():
+            return
+        hub.failed = task.exception()
+        logger.critical("covey: the policy stream's hub failed: %r", hub.failed)
+        hub.listening = False
+        for organisation in hub.organisations.values():
+            organisation.drop()
+        os.kill(os.getpid(), signal.SIGTERM)  # aiohttp's run_app shuts down on it
+
     async def end_streams(app: web.Application) -> None:  # before handlers are waited for
         for organisation in hub.organisations.values():
-            organisation.end_all()
+            organisation.drop()
 
     app.cleanup_ctx.append(run_hub)
     app.on_shutdown.append(end_streams)

@@ -417,6 +417,15 @@ class FakeStream:
                 raise line
             yield line
 
+    barrier: str | None = None  # what sync() answers (None: it fails)
+    synced = 0
+
+    def sync(self) -> str:
+        self.synced += 1
+        if self.barrier is None:
+            raise OSError("the barrier did not answer")
+        return self.barrier
+
     def interrupt(self) -> None:
         self.interrupted.set()
         self.lines.put(OSError("interrupted"))
@@ -450,11 +459,25 @@ def test_a_feed_follows_the_stream_the_source_names_and_polls_no_more():
         assert set(policy.agents) == {2} and set(policy.tokens) == {"t2"}
         time.sleep(0.3)  # six polls' worth: none is made while the stream is followed
         assert source.asks == asks
-        # A look-up waits for the stream's next line, not for a poll.
+        # A look-up asks the stream's barrier, not the source, and waits until the policy
+        # holds the generation the barrier names.
+        stream.barrier = "s.2"
         waiting = feed.refresh_soon()
-        stream.lines.put(Current("s.1"))
+        eventually(lambda: stream.synced == 1)
+        time.sleep(0.1)
+        assert not waiting.done()
+        stream.lines.put(Current("s.1"))  # not yet
+        time.sleep(0.1)
+        assert not waiting.done()
+        stream.lines.put(PolicyDelta("s.1", "s.2", (agent_snapshot(3, "c.test", "t3"),)))
         assert waiting.result(2) is True
+        assert "t3" in feed.current().tokens
         assert source.asks == asks
+        # One the policy holds already is answered at once; a barrier that fails is no answer.
+        stream.barrier = "s.1"
+        assert feed.refresh_soon().result(2) is True
+        stream.barrier = None
+        assert feed.refresh_soon().result(2) is False
     finally:
         feed.stop()
     assert stream.interrupted.is_set()  # stopping ended the follow in progress
@@ -514,3 +537,15 @@ def test_each_line_of_the_stream_keeps_the_policy_trusted():
         assert feed.current() is None  # no line for longer than the grace: refuse all
     finally:
         feed.stop()
+
+
+def test_a_grace_too_short_for_the_streams_keepalive_polls_instead(caplog):
+    source, stream = CountingSource(), FakeStream()
+    feed = PolicyFeed(source, poll=0.05, grace=9, stream=stream)
+    feed.start()
+    try:
+        eventually(lambda: source.asks >= 3)
+        assert stream.follows == []
+    finally:
+        feed.stop()
+    assert "shorter than twice the policy stream's keepalive" in caplog.text

@@ -13,7 +13,7 @@ from django.utils import timezone
 from agents import services as agent_services
 from budgets.models import Budget, Spend
 from egress.services import issue_token, revoke_tokens
-from egress.stream.hub import EVERYTHING, Change, parse_notice
+from egress.stream.hub import EVERYTHING, Change, Sync, parse_notice
 from egress.stream.notices import CHANNEL
 from organisations import services as organisations
 from templates.models import AllowlistTemplate
@@ -30,7 +30,7 @@ def heard():
     listener = psycopg.connect(**params, autocommit=True)
     listener.execute(f"LISTEN {CHANNEL}")
 
-    def read() -> list[Change | None]:
+    def read() -> list[Change | Sync | None]:
         return [parse_notice(n.payload) for n in listener.notifies(timeout=0.3)]
 
     yield read

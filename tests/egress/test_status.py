@@ -65,6 +65,7 @@ def test_the_running_proxy_answers_health_readiness_and_metrics(net, tmp_path, w
     assert got[("covey_egress_policy_age_seconds", ())] < 5
     assert got[("covey_egress_policy_agents", ())] >= 1
     assert got[("covey_egress_policy_failures", ())] == 0
+    assert got[("covey_egress_policy_streaming", ())] == 0  # the database's proxy polls it
     assert got[("covey_egress_decisions_dropped_total", ())] == 0
     assert TOKEN_FOR_METRICS not in proxy.output()
 

@@ -20,8 +20,10 @@ from egress.stream.hub import (
     EVERYTHING,
     FOLLOWER_BACKLOG,
     Change,
+    Heard,
     Hub,
     Runner,
+    Sync,
     Unauthorized,
     Unavailable,
     parse_notice,
@@ -95,7 +97,7 @@ class Notices:
         return self._iterate()
 
     async def _iterate(self):
-        yield None
+        yield Heard.LISTENING
         while True:
             item = await self.queue.get()
             if isinstance(item, Exception):
@@ -104,6 +106,9 @@ class Notices:
 
     def send(self, change):
         self.queue.put_nowait(change)
+
+    async def announce(self, nonce):
+        self.queue.put_nowait(Sync(nonce))
 
     def drop(self):
         self.queue.put_nowait(ConnectionError("lost"))
@@ -357,3 +362,59 @@ def test_a_follower_too_far_behind_is_ended():
 )
 def test_notices_are_read_as_the_triggers_write_them(payload, change):
     assert parse_notice(payload) == change
+
+
+def test_an_organisation_loaded_again_never_reuses_a_generation():
+    async def test(hub, store, notices):
+        _, first = await hub.follow("acme-token", None)
+        before = parsed(first).generation
+        store.fail = True
+        notices.send(Change(ACME, 1))  # its read fails: nothing is held any more
+        await settle()
+        store.fail = False
+        store.agents_of[ACME][1] = dataclasses.replace(agent(1), enabled=False)
+        # A proxy that held the old load's generation is sent the whole new snapshot, never
+        # told it is current.
+        _, again = await hub.follow("acme-token", before)
+        snapshot = parsed(again)
+        assert isinstance(snapshot, PolicySnapshot) and snapshot.generation != before
+        assert not next(a for a in snapshot.agents if a.id == 1).enabled
+
+    running(test)
+
+
+def test_a_hub_that_stops_hearing_or_reading_vouches_for_nothing(monkeypatch):
+    import egress.stream.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "TRUST_SECONDS", 0.3)
+
+    async def test(hub, store, notices):
+        follower, _ = await hub.follow("acme-token", None)
+        assert hub.keepalive(follower) is not None
+        await asyncio.sleep(0.4)  # the notices' connection said nothing for too long
+        assert hub.keepalive(follower) is None
+        with pytest.raises(Unavailable):
+            await hub.follow("acme-token", None)
+        for _ in range(30):  # the watch gives everything up within a second or so
+            await asyncio.sleep(0.1)
+            if not hub.organisations:
+                break
+        assert not hub.organisations and lines(follower)[-1] is None
+
+    running(test)
+
+
+def test_the_barrier_names_a_generation_that_holds_every_change_noticed_before_it():
+    async def test(hub, store, notices):
+        follower, first = await hub.follow("acme-token", None)
+        store.agents_of[ACME][2] = agent(2, entries=("new.test",))
+        notices.send(Change(ACME, 2))  # committed before the barrier is asked
+        generation = await hub.sync("acme-token")
+        (delta,) = lines(follower)
+        assert delta.generation == generation != parsed(first).generation
+        # Nothing changed since: the barrier names the generation held.
+        assert await hub.sync("acme-token") == generation
+        with pytest.raises(Unauthorized):
+            await hub.sync("no-such-token")
+
+    running(test)

@@ -11,7 +11,7 @@ from django.db import connection
 
 from allowlists.entries import split_host_port
 from egress.stream.hub import Hub
-from egress.stream.notices import fingerprint_notices, postgres_notices
+from egress.stream.notices import FingerprintNotices, PostgresNotices
 from egress.stream.server import PATH, make_app
 from runners.streaming import RunnersStore
 
@@ -42,10 +42,10 @@ class Command(BaseCommand):
             params = connection.get_connection_params()
             for django_only in ("cursor_factory", "context", "prepare_threshold"):
                 params.pop(django_only, None)  # Django's sync cursor; its adapters
-            notices = postgres_notices(params)
+            notices: PostgresNotices | FingerprintNotices = PostgresNotices(params)
             how = "PostgreSQL's notices"
         else:  # no notices: this one process reads a fingerprint, not every proxy
-            notices = fingerprint_notices(store.fingerprint)
+            notices = FingerprintNotices(store.fingerprint)
             how = f"a fingerprint of the policy ({connection.vendor} sends no notices)"
         told = settings.COVEY_EGRESS_STREAM_URL or "nobody: COVEY_EGRESS_STREAM_URL is not set"
         self.stdout.write(
@@ -53,9 +53,10 @@ class Command(BaseCommand):
             f" proxies are told of it at {told}"
         )
         self.stdout.flush()
+        hub = Hub(store)
         try:
             web.run_app(
-                make_app(Hub(store), notices, metrics_token=settings.COVEY_METRICS_TOKEN),
+                make_app(hub, notices, metrics_token=settings.COVEY_METRICS_TOKEN),
                 host=host,
                 port=port,
                 print=None,
@@ -67,3 +68,5 @@ class Command(BaseCommand):
                 f"cannot listen on {host}:{port}: {exc} (another port: --listen, or"
                 " COVEY_EGRESS_STREAM_PORT under make run)"
             ) from None
+        if hub.failed is not None:
+            raise CommandError(f"the policy stream's hub failed: {hub.failed!r}")
