@@ -57,30 +57,36 @@ class Counts:
 
 
 class CPU:
-    """CPU seconds of the control plane's processes (each pid with its children)."""
+    """CPU seconds of the control plane's processes (each pid with its children: PostgreSQL's
+    backends, gunicorn's workers)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.roots = {name: psutil.Process(pid) for name, pid in pids.items()}
 
-    def seconds(self) -> dict[str, float]:
-        out = {}
+    def seconds(self) -> dict[str, dict[int, float]]:
+        """Each one's processes now: pid → CPU seconds so far."""
+        out: dict[str, dict[int, float]] = {}
         for name, root in self.roots.items():
-            total = 0.0
+            out[name] = {}
             for process in [root, *root.children(recursive=True)]:
                 try:
                     times = process.cpu_times()
-                    total += times.user + times.system
+                    out[name][process.pid] = times.user + times.system
                 except psutil.NoSuchProcess:
                     pass
-            out[name] = total
         return out
 
     async def over(self, seconds: float) -> dict[str, float]:
-        """Each one's share of one core over the next ``seconds``."""
+        """Each one's share of one core over the next ``seconds``: per process, what it used
+        meanwhile (a process that started meanwhile counts from 0; one that ended meanwhile
+        is not counted, so the figure is a floor)."""
         before, began = self.seconds(), time.monotonic()
         await asyncio.sleep(seconds)
         after, took = self.seconds(), time.monotonic() - began
-        return {name: (after[name] - before[name]) / took for name in before}
+        return {
+            name: sum(cpu - before[name].get(pid, 0.0) for pid, cpu in after[name].items()) / took
+            for name in after
+        }
 
 
 async def follow_stream(
