@@ -462,6 +462,11 @@ def test_run_with_network_isolation_needs_no_other_setting(tmp_path, base_image)
                 assert "id" in agent, agent
                 run = api.post("/api/v1/runs/", json={"agent": agent["id"], "task": "go"}).json()
                 run = finished(api, run, process, log, time.monotonic() + 120)
+                # The runners' proxy containers follow the policy stream, on the address
+                # they reach this host at.
+                stream = f"http://{host}:{env['COVEY_EGRESS_STREAM_PORT']}/readyz"
+                ready = httpx.get(stream, timeout=10)
+                assert ready.status_code == 200 and ready.json()["followers"] >= 1, ready.text
     assert run["status"] == "succeeded", json.dumps(run, indent=1)
     assert f"via proxy: {Upstream.body.decode()}" in run["log_tail"], run["log_tail"]
     # Dropped, not refused: the packets never got to the host.
