@@ -127,12 +127,12 @@ class RunnerAdmin(TenantScoped, admin.ModelAdmin):
     inlines = [ProbeInline]
     actions = ["pause_runners", "resume_runners", "probe_runners"]
 
-    @admin.display(description="Last seen", ordering="last_seen_at")
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """The platform team removes a runner (a dead host's); an organisation pauses its own,
         as the API lets it."""
         return bool(request.user.is_superuser)
 
+    @admin.display(description="Last seen", ordering="last_seen_at")
     def last_seen_shown(self, obj: Runner) -> str:
         return seconds(obj.last_seen_at, empty="never")
 

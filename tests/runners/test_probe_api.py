@@ -212,6 +212,9 @@ def test_the_admin_shows_each_runners_last_probe_and_orders_one(
 
     listing = client.get(reverse("admin:runners_runner_changelist")).content.decode()
     assert "failed</span>" in listing
+    # Each column is headed by its name, and the times sort.
+    assert ">Last seen</a>" in listing and "Last seen shown" not in listing
+    assert ">Last egress probe</a>" in listing
     page = client.get(reverse("admin:runners_runner_change", args=[runner.pk])).content.decode()
     assert "LEAK  host" in page and "connected" in page
     probe = runner.probes.get()
