@@ -420,7 +420,10 @@ class DecisionLog:
                 self.flush()
             self._mark(StopEvent(boot=self.boot, seq=self.made, at=time.time()))
         except Exception:
-            logger.warning("covey: %d egress decisions were not written", len(self._events))
+            if self._events:
+                logger.warning("covey: %d egress decisions were not written", len(self._events))
+            else:  # all were; the stop event was not: the control plane will admit a gap
+                logger.warning("covey: the control plane was not told this proxy stopped")
 
     def _say_started(self) -> None:
         """Write the start event, once; it is owed (kept apart from the buffer, which may drop

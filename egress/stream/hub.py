@@ -338,7 +338,7 @@ class Hub:
         """A new follower for the runner ``token`` proves, and its first line.
         Raises Unauthorized or Unavailable."""
         if not self.trusted():
-            raise Unavailable("the policy stream does not hear the database now")
+            raise Unavailable("the policy stream does not hear of the policy's changes now")
         runner = await self._in(self._auth, self.store.runner, token)
         if runner is None:
             raise Unauthorized("unknown runner token")
@@ -372,7 +372,7 @@ class Hub:
         try:
             snapshot = await self._in(self._reads, self.store.load, organisation_id)
             if not self.listening:  # notices were lost while it loaded
-                raise Unavailable("the policy stream does not hear the database now")
+                raise Unavailable("the policy stream does not hear of the policy's changes now")
             organisation = Organisation(organisation_id, snapshot)
             self.organisations[organisation_id] = organisation
             held_back = self._held_back.pop(organisation_id, [])
@@ -416,7 +416,7 @@ class Hub:
         committed before this call: what a proxy asks before it says that a token is unknown.
         Raises Unauthorized or Unavailable."""
         if not self.trusted() or self._notices is None:
-            raise Unavailable("the policy stream does not hear the database now")
+            raise Unavailable("the policy stream does not hear of the policy's changes now")
         runner = await self._in(self._auth, self.store.runner, token)
         if runner is None:
             raise Unauthorized("unknown runner token")
@@ -454,7 +454,7 @@ class Hub:
                     if heard is Heard.LISTENING:
                         self.listening = True
                         failures = 0
-                        logger.info("covey: the policy stream hears the database's notices")
+                        logger.info("covey: the policy stream hears of the policy's changes")
                         self._notice([EVERYTHING])
                     elif not self.listening:  # given up on (_watch): listen anew
                         raise ConnectionError("the notices were late")

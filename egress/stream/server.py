@@ -137,7 +137,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready when it hears the database's notices (else it refuses every stream)."""
     hub = request.app[HUB]
     if not hub.listening:
-        return _problem(503, "the policy stream does not hear the database now")
+        return _problem(503, "the policy stream does not hear of the policy's changes now")
     return web.json_response(
         {"status": "ok", "followers": hub.followers, "organisations": len(hub.organisations)}
     )
