@@ -14,6 +14,7 @@ recorded through the broker. No Django.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from connections.smarthttp import Malformed
 logger = logging.getLogger(__name__)
 
 SERVICE = "api"  # what the record says of an API call
+BODY_SECONDS = 60.0  # a request's body must have gone upstream whole this long after the answer
 METHODS = ("GET", "HEAD", "POST", "PATCH", "PUT", "DELETE")  # what an API call may be
 FORWARDED = (
     "accept", "content-type", "user-agent", "x-github-api-version", "if-none-match",
@@ -146,13 +148,22 @@ class ApiRoute:
             )
         except (ClientError, TimeoutError, TooLarge) as exc:
             if body is not None and body.too_large:  # however the client said it
-                told = f"the body is larger than {self.max_body_bytes} bytes"
-                await note(413, refused=told)
-                return refused(413, told, "body")
+                return await self._too_large(note)
             problem = f"{call.host} did not answer ({type(exc).__name__})"
             await note(502, problem=problem)
             return refused(502, problem, "upstream")
         async with upstream:
+            if body is not None:
+                # The API may answer before it has read the whole body: its answer is passed
+                # on only once the body has gone whole (one cut at the limit is refused).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(body.ended.wait(), BODY_SECONDS)
+                if body.too_large:
+                    return await self._too_large(note)
+                if not body.ended.is_set():
+                    why = f"the body did not end within {BODY_SECONDS:g} s"
+                    await note(408, refused=why)
+                    return refused(408, why, "body")
             if upstream.status == 401:
                 if access.github is not None:  # a token it minted and then refused: mint anew
                     self.tokens.forget(access.github)
@@ -164,6 +175,11 @@ class ApiRoute:
                 await note(502, refused=why)  # the credential is fine
                 return refused(502, why, "redirect")
             return await stream_back(request, upstream, RETURNED, note)
+
+    async def _too_large(self, note: Note) -> web.Response:
+        told = f"the body is larger than {self.max_body_bytes} bytes"
+        await note(413, refused=told)
+        return refused(413, told, "body")
 
     async def _record(
         self,
@@ -196,15 +212,19 @@ class _Body:
 
     def __init__(self, request: web.Request, limit: int) -> None:
         self.request, self.limit, self.too_large = request, limit, False
+        self.ended = asyncio.Event()  # all of it sent, or stopped
 
     async def chunks(self) -> AsyncIterator[bytes]:
         size = 0
-        async for chunk in self.request.content.iter_chunked(CHUNK):
-            size += len(chunk)
-            if size > self.limit:
-                self.too_large = True
-                raise TooLarge
-            yield chunk
+        try:
+            async for chunk in self.request.content.iter_chunked(CHUNK):
+                size += len(chunk)
+                if size > self.limit:
+                    self.too_large = True
+                    raise TooLarge
+                yield chunk
+        finally:
+            self.ended.set()
 
 
 def refused(status: int, message: str, rule: str) -> web.Response:
