@@ -16,7 +16,7 @@ from runners.services import create_registration_token, register_runner
 from tests.egress.conftest import connect, start_proxy, subprocess_database_url
 from tests.processes import control_plane, free_port, policy_stream, wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 NO_DATABASE = "postgres://nobody@127.0.0.1:1/no-database-here"
 
