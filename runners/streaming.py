@@ -2,13 +2,24 @@
 follow it: runners, by their tokens, whose proxies are marked seen while they follow."""
 
 from collections.abc import Collection
+from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 
 from egress.sources import DatabaseStore, brief_transaction
 from egress.stream.hub import Runner as Follower
 from runners.models import Runner
 from runners.services import runner_for_token
+
+
+def psycopg_params() -> dict[str, Any]:
+    """The database connection's settings as psycopg takes them, for a connection of the
+    stream's own (without Django's cursor class and adapters, which are not async)."""
+    params = connection.get_connection_params()
+    for django_only in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(django_only, None)
+    return params
 
 
 class RunnersStore(DatabaseStore):

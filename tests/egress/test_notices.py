@@ -16,6 +16,7 @@ from egress.services import issue_token, revoke_tokens
 from egress.stream.hub import EVERYTHING, Change, Sync, parse_notice
 from egress.stream.notices import CHANNEL
 from organisations import services as organisations
+from runners.streaming import psycopg_params
 from templates.models import AllowlistTemplate
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -24,10 +25,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 @pytest.fixture
 def heard():
     """What the notices said, on a connection of their own (read with ``heard()``)."""
-    params = connection.get_connection_params()
-    for django_only in ("cursor_factory", "context", "prepare_threshold"):
-        params.pop(django_only, None)
-    listener = psycopg.connect(**params, autocommit=True)
+    listener = psycopg.connect(**psycopg_params(), autocommit=True)
     listener.execute(f"LISTEN {CHANNEL}")
 
     def read() -> list[Change | Sync | None]:

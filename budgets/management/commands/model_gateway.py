@@ -3,15 +3,14 @@
 from dataclasses import replace
 from typing import Any
 
-from aiohttp import web
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from allowlists.entries import split_host_port
 from budgets.gateway.broker import DjangoBroker
 from budgets.gateway.config import GatewayConfig
 from budgets.gateway.ledger import DjangoLedger
 from budgets.gateway.server import Gateway
+from covey.serving import listen_address, serve
 
 
 class Command(BaseCommand):
@@ -25,12 +24,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            host, port = split_host_port(options["listen"])
-        except ValueError as exc:
-            raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
-        if not host:  # never every interface by omission
-            raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
+        host, port = listen_address(options["listen"])
         # The settings read the gateway's variables with its own parser: the same values.
         config = replace(
             GatewayConfig.from_environment(), metrics_token=settings.COVEY_METRICS_TOKEN
@@ -47,12 +41,4 @@ class Command(BaseCommand):
             " at /git/"
         )
         self.stdout.flush()
-        try:
-            web.run_app(
-                gateway.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=5
-            )
-        except OSError as exc:
-            raise CommandError(
-                f"cannot listen on {host}:{port}: {exc} (another port: --listen, or"
-                " COVEY_MODEL_GATEWAY_PORT under make run)"
-            ) from None
+        serve(gateway.app(), host, port, port_setting="COVEY_MODEL_GATEWAY_PORT")

@@ -4,12 +4,11 @@
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandParser
 
-from allowlists.entries import split_host_port
 from connections import forge
+from covey.serving import listen_address, serve
 
 
 class Command(BaseCommand):
@@ -34,12 +33,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            host, port = split_host_port(options["listen"])
-        except ValueError as exc:
-            raise CommandError(f"--listen {options['listen']!r}: {exc}") from None
-        if not host:
-            raise CommandError(f"--listen {options['listen']!r}: name the host (HOST:PORT)")
+        host, port = listen_address(options["listen"])
         directory = options["dir"] or Path(settings.VAR_DIR) / "demo-forge"
         served = forge.prepare(directory, host)
         url = f"https://{host}:{port}"
@@ -51,18 +45,10 @@ class Command(BaseCommand):
             return
         self.stdout.write(f"covey: demo forge on {url}/ (stand-in git host, {served.root})")
         self.stdout.flush()
-        try:
-            web.run_app(
-                served.app(),
-                host=host,
-                port=port,
-                ssl_context=forge.server_context(directory),
-                print=None,
-                access_log=None,
-                shutdown_timeout=5,
-            )
-        except OSError as exc:
-            raise CommandError(
-                f"cannot listen on {host}:{port}: {exc} (another port: --listen, or"
-                " COVEY_DEMO_FORGE_PORT under make run)"
-            ) from None
+        serve(
+            served.app(),
+            host,
+            port,
+            port_setting="COVEY_DEMO_FORGE_PORT",
+            ssl_context=forge.server_context(directory),
+        )
