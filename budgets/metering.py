@@ -22,8 +22,9 @@ what was *spent*, never by what requests under way hold:
 - else it is larger than what is left (:class:`Exhausted`): a smaller one may still fit.
 """
 
+import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -34,13 +35,12 @@ from zoneinfo import ZoneInfo
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
-from django.db.models import F, Q, Sum, Value
-from django.db.models.functions import Round
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from agents.models import Agent
 from budgets import periods
-from budgets.alerts import tell_reached
+from budgets.alerts import reached, tell_reached
 from budgets.models import (
     Budget,
     Charge,
@@ -51,7 +51,7 @@ from budgets.models import (
     Vendor,
 )
 from budgets.money import dollars
-from budgets.usage import Usage
+from budgets.usage import CENT_FRACTION, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -390,25 +390,40 @@ _INSERT_RESERVATION = (
 _LINK = "INSERT INTO budgets_reservation_spends (reservation_id, spend_id) VALUES (%s, %s)"
 
 
+@dataclass(frozen=True)
+class Settlement:
+    """How one reservation ends: charged what ``usage`` cost at the price it started under
+    (``model``: the model that answered; '' keeps the one asked for), charged its worst case
+    (``worst``: it was never settled), or freed without a charge (``usage`` None: the request
+    never reached the model)."""
+
+    reservation_id: int
+    usage: Usage | None
+    model: str = ""
+    outcome: str = Outcome.COMPLETE
+    worst: bool = False
+    at: datetime | None = None  # when the request ended (None: when it is written)
+
+
 def settle(
     reservation: Reservation, usage: Usage, *, model: str = "", outcome: str = Outcome.COMPLETE
 ) -> Charge:
     """Charge what the request used, at the price it started under, and free its reservation."""
-    with transaction.atomic():
-        locked = _open(reservation)
-        cost = locked.price.prices.cost(usage)
-        if cost > locked.amount:
-            # Its worst case was not one: the budget may be passed by the difference.
-            logger.warning(
-                "covey: request %s cost %s, more than the %s reserved for it",
-                locked.request_id,
-                dollars(cost, exact=True),
-                dollars(locked.amount, exact=True),
-            )
-        charge, spends = _charge(locked, usage, cost, outcome, model=model)
-        if cost:
-            tell_reached(spends)
-    return charge
+    _settle_one(Settlement(reservation.pk, usage, model, outcome))
+    return Charge.objects.get(
+        request_id=Reservation.objects.filter(pk=reservation.pk).values("request_id")[:1]
+    )
+
+
+def release(reservation: Reservation) -> None:
+    """Free a reservation without a charge (the request never reached the model)."""
+    _settle_one(Settlement(reservation.pk, None))
+
+
+def _settle_one(settlement: Settlement) -> None:
+    if not settle_all([settlement]):
+        found = Reservation.objects.get(pk=settlement.reservation_id)
+        raise ValidationError(f"reservation {found.request_id} is {found.status} already")
 
 
 STALE_MARGIN = timedelta(minutes=5)
@@ -420,82 +435,122 @@ def settle_stale(now: datetime | None = None) -> int:
     reached the model, and nothing is left unmetered. Returns how many."""
     now = now or timezone.now()
     limit = timedelta(seconds=settings.COVEY_GATEWAY_MAX_REQUEST_SECONDS) + STALE_MARGIN
+    stale = Reservation.objects.filter(status=Reservation.Status.OPEN, created_at__lt=now - limit)
     settled = 0
-    for pk in Reservation.objects.filter(
-        status=Reservation.Status.OPEN, created_at__lt=now - limit
-    ).values_list("pk", flat=True):
-        with transaction.atomic():
-            locked = _open(Reservation(pk=pk))
-            _, spends = _charge(locked, Usage(), locked.amount, Outcome.UNSETTLED)
-            tell_reached(spends)
-        logger.warning(
-            "covey: request %s was never settled: charged its worst case, %s",
-            locked.request_id,
-            dollars(locked.amount, exact=True),
-        )
-        settled += 1
+    for pk, request_id, amount in stale.values_list("pk", "request_id", "amount"):
+        if settle_all([Settlement(pk, Usage(), outcome=Outcome.UNSETTLED, worst=True)]):
+            logger.warning(
+                "covey: request %s was never settled: charged its worst case, %s",
+                request_id,
+                dollars(amount, exact=True),
+            )
+            settled += 1
     return settled
 
 
-def _charge(
-    locked: Reservation, usage: Usage, cost: Decimal, outcome: str, *, model: str = ""
-) -> tuple[Charge, list[int]]:
-    """The ledger's row for a reservation (locked, open), charged ``cost`` at the price it
-    started under, and the reservation settled; the row, and the ids of the spends it held."""
-    row = Charge.objects.create(
-        request_id=locked.request_id,
-        organisation_id=locked.organisation_id,
-        agent_id=locked.agent_id,
-        run_id=locked.run_id,
-        model=model or locked.model,
-        input_tokens=usage.input,
-        cache_write_5m_tokens=usage.cache_write_5m,
-        cache_write_1h_tokens=usage.cache_write_1h,
-        cache_read_tokens=usage.cache_read,
-        output_tokens=usage.output,
-        cost=cost,
-        price=locked.price,
-        outcome=outcome,
-        started_at=locked.created_at,
-    )
-    return row, _close(locked, Reservation.Status.SETTLED, spent=cost)
+def settle_all(settlements: Sequence[Settlement]) -> list[int]:
+    """End these reservations in one transaction, in a handful of statements whatever their
+    number (the gateway's writer settles its requests in batches): each open one is closed
+    (settled, or released), charged (a ledger row), and its spends freed of what it held and
+    charged what it cost, in the order of their ids (as reservations take them: no deadlock).
+    A threshold of a spend's budget is told (:func:`budgets.alerts.tell_reached`) only when
+    one is reached and not told. Returns the ids of the reservations ended; one not open (ended
+    already: by the stale sweep, say) is left as it is."""
+    wanted = {s.reservation_id: s for s in settlements}
+    if not wanted:
+        return []
+    now = _datetime(timezone.now())
+    closed: dict[int, tuple[str, int, Decimal]] = {}  # id → (request id, price id, amount)
+    with transaction.atomic(), connection.cursor() as cursor:
+        for status, ids in (
+            (Reservation.Status.SETTLED, [k for k, s in wanted.items() if s.usage is not None]),
+            (Reservation.Status.RELEASED, [k for k, s in wanted.items() if s.usage is None]),
+        ):
+            if ids:
+                cursor.execute(_CLOSE.format(_marks(ids)), [status, now, *sorted(ids)])
+                for pk, request_id, price_id, amount in cursor.fetchall():
+                    closed[pk] = (request_id, price_id, _amount(amount))
+        if not closed:
+            return []
+        prices = Price.objects.in_bulk({price_id for _, price_id, _ in closed.values()})
+        costs: dict[int, Decimal] = {}
+        rows = []
+        for pk, (request_id, price_id, amount) in sorted(closed.items()):
+            settlement = wanted[pk]
+            if settlement.usage is None:
+                costs[pk] = Decimal(0)
+                continue
+            usage = settlement.usage
+            cost = amount if settlement.worst else prices[price_id].prices.cost(usage)
+            if cost > amount:
+                # Its worst case was not one: the budget may be passed by the difference.
+                logger.warning(
+                    "covey: request %s cost %s, more than the %s reserved for it",
+                    request_id,
+                    dollars(cost, exact=True),
+                    dollars(amount, exact=True),
+                )
+            costs[pk] = cost
+            rows.append(
+                [settlement.model, usage.input, usage.cache_write_5m, usage.cache_write_1h,
+                 usage.cache_read, usage.output, _decimal(cost), settlement.outcome,
+                 _datetime(settlement.at) if settlement.at else now, pk]
+            )  # fmt: skip
+        if rows:
+            cursor.executemany(_INSERT_CHARGE, rows)
+        cursor.execute(_LINKS.format(_marks(closed)), sorted(closed))
+        freed: dict[int, list[Decimal]] = {}  # spend id → [reserved to free, spent to add]
+        for reservation_id, spend_id in cursor.fetchall():
+            change = freed.setdefault(spend_id, [Decimal(0), Decimal(0)])
+            change[0] += closed[reservation_id][2]
+            change[1] += costs[reservation_id]
+        reached_now = []
+        for spend_id, (held, spent) in sorted(freed.items()):
+            cursor.execute(_FREE, [_decimal(held), _decimal(spent), spend_id])
+            if spent and _reaches(*cursor.fetchone()):
+                reached_now.append(spend_id)
+        if reached_now:
+            tell_reached(reached_now)
+    return sorted(closed)
 
 
-def release(reservation: Reservation) -> None:
-    """Free a reservation without a charge (the request never reached the model)."""
-    with transaction.atomic():
-        _close(_open(reservation), Reservation.Status.RELEASED, spent=Decimal(0))
+def _reaches(spent: Any, limit: Any, alerted: Any, thresholds: Any) -> bool:
+    """Whether a spend (as the row's columns came back) reached a threshold not told."""
+    told = set(_json(alerted))
+    spend = Spend(spent=_amount(spent), limit=_amount(limit))
+    return any(t not in told and reached(spend, t) for t in _json(thresholds))
 
 
-def _open(reservation: Reservation) -> Reservation:
-    # Its own row alone: FOR UPDATE of the join would lock the price row too, which every
-    # other request's foreign keys share-lock at commit (a deadlock under load).
-    locked = (
-        Reservation.objects.select_for_update(of=("self",))
-        .select_related("price")
-        .get(pk=reservation.pk)
-    )
-    if locked.status != Reservation.Status.OPEN:
-        raise ValidationError(f"reservation {locked.request_id} is {locked.status} already")
-    return locked
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str | bytes) else value
 
 
-def _exact(amount: Any) -> Round:
-    """An amount kept to a millionth of a dollar: exact on PostgreSQL (numeric) already, and
-    on SQLite, whose arithmetic is binary floating point (0.3 - 0.1 - 0.2 is not 0 there)."""
-    return Round(amount, 6)
+def _marks(ids: Iterable[int] | dict[int, Any]) -> str:
+    return ", ".join("%s" for _ in ids)
 
 
-def _close(reservation: Reservation, status: str, *, spent: Decimal) -> list[int]:
-    """Free the reservation, charging ``spent``; the ids of the spends it held (their rows
-    locked until the transaction ends)."""
-    ids = list(reservation.spends.order_by("pk").values_list("pk", flat=True))
-    for pk in ids:
-        Spend.objects.filter(pk=pk).update(
-            reserved=_exact(F("reserved") - Value(reservation.amount)),
-            spent=_exact(F("spent") + Value(spent)),
-        )
-    reservation.status = status
-    reservation.closed_at = timezone.now()
-    reservation.save(update_fields=["status", "closed_at"])
-    return ids
+def _amount(value: Any) -> Decimal:
+    """An amount column as read: numeric on PostgreSQL, binary floating point on SQLite."""
+    return Decimal(value).quantize(CENT_FRACTION) if isinstance(value, float) else Decimal(value)
+
+
+# The SQL of settle_all(), in the SQL that PostgreSQL and SQLite (3.35 and later) share.
+_CLOSE = (
+    "UPDATE budgets_reservation SET status = %s, closed_at = %s WHERE id IN ({})"
+    " AND status = 'open' RETURNING id, request_id, price_id, amount"
+)
+_INSERT_CHARGE = (
+    "INSERT INTO budgets_charge (request_id, organisation_id, agent_id, run_id, model,"
+    " input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,"
+    " output_tokens, cost, price_id, outcome, started_at, at)"
+    " SELECT request_id, organisation_id, agent_id, run_id, COALESCE(NULLIF(%s, ''), model),"
+    " %s, %s, %s, %s, %s, %s, price_id, %s, created_at, %s FROM budgets_reservation WHERE id = %s"
+)
+_LINKS = (
+    "SELECT reservation_id, spend_id FROM budgets_reservation_spends WHERE reservation_id IN ({})"
+)
+_FREE = (
+    "UPDATE budgets_spend SET reserved = ROUND(reserved - %s, 6), spent = ROUND(spent + %s, 6)"
+    ' WHERE id = %s RETURNING spent, "limit", alerted,'
+    " (SELECT thresholds FROM budgets_budget WHERE budgets_budget.id = budgets_spend.budget_id)"
+)

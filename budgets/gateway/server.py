@@ -127,9 +127,21 @@ class Ledger(Protocol):
         request_id: str,
     ) -> Hold: ...
 
-    def settle(self, hold: Hold, usage: Usage, *, model: str, outcome: str) -> None: ...
+    def settle(
+        self, hold: Hold, usage: Usage, *, model: str, outcome: str, failed: Callable[[], None]
+    ) -> None:
+        """Queue the reservation's settlement, to what was used (called on the event loop:
+        it never blocks; until it is written, the reservation holds its worst case).
+        ``failed`` is called, from another thread, if it cannot be written."""
+        ...
 
-    def release(self, hold: Hold) -> None: ...
+    def release(self, hold: Hold, *, failed: Callable[[], None]) -> None:
+        """Queue the reservation's release without a charge (as :meth:`settle`)."""
+        ...
+
+    def close(self) -> None:
+        """Write what is queued (called once, in a worker thread, as the gateway stops)."""
+        ...
 
     def problem(self) -> str:
         """'' when the ledger can answer, else why not, naming no address (readiness)."""
@@ -235,6 +247,7 @@ class Gateway:
         for session in (self.session, self.connections_session):
             if session is not None:
                 await session.close()
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.ledger.close)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _upstreams(self) -> ClientSession:
@@ -379,7 +392,7 @@ class Gateway:
         except (ClientError, TimeoutError, OSError) as exc:
             if hold is not None:
                 self.meters.settled.labels(api.vendor, "released").inc()
-                await self._quietly(self.ledger.release, hold)
+                self.ledger.release(hold, failed=self.meters.ledger_failures.inc)
             logger.warning("covey: request %s did not reach the vendor: %r", request_id, exc)
             return api.error(
                 Refused(
@@ -413,11 +426,9 @@ class Gateway:
                         kept = None  # cannot be read: charged its worst case below
                 await response.write(chunk)
             ended = True
-            if hold is not None:  # before the answer ends: the caller's next request sees it
+            if hold is not None:  # queued (the ledger writes it): the answer ends at once
                 settled = True
-                await asyncio.shield(
-                    self._settle(api, hold, upstream.status, meter, kept, True, raw, max_tokens)
-                )
+                self._settle(api, hold, upstream.status, meter, kept, True, raw, max_tokens)
             await response.write_eof()
         except (ClientError, TimeoutError, OSError) as exc:
             logger.info("covey: request %s was cut off: %r", request_id, exc)
@@ -428,12 +439,10 @@ class Gateway:
         finally:
             upstream.release()
             if hold is not None and not settled:
-                await asyncio.shield(
-                    self._settle(api, hold, upstream.status, meter, kept, ended, raw, max_tokens)
-                )
+                self._settle(api, hold, upstream.status, meter, kept, ended, raw, max_tokens)
         return response
 
-    async def _settle(
+    def _settle(
         self,
         api: Api,
         hold: Hold,
@@ -446,7 +455,7 @@ class Gateway:
     ) -> None:
         if status != 200:  # refused by the vendor: nothing was used
             self.meters.settled.labels(api.vendor, "released").inc()
-            await self._quietly(self.ledger.release, hold)
+            self.ledger.release(hold, failed=self.meters.ledger_failures.inc)
             return
         worst = Usage(cache_write_1h=len(raw), output=max_tokens)
         if meter is not None:
@@ -462,13 +471,6 @@ class Gateway:
         else:
             usage, model, outcome = worst, "", CUT_OFF
         self.meters.charged(api.vendor, usage, outcome)
-        await self._quietly(self.ledger.settle, hold, usage, model=model, outcome=outcome)
-
-    async def _quietly(self, call: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        try:
-            await self._ledger(call, *args, **kwargs)
-        except Refused:
-            logger.error(
-                "covey: the reservation of request %s stays held: the ledger failed",
-                args[0].request_id,
-            )
+        self.ledger.settle(
+            hold, usage, model=model, outcome=outcome, failed=self.meters.ledger_failures.inc
+        )

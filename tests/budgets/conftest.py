@@ -12,7 +12,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from budgets.models import Price, Vendor
+from budgets.models import Price, Reservation, Vendor
 from tests.budgets.fake_vendor import FakeVendor, fake_vendor
 from tests.egress.conftest import subprocess_database_url
 from tests.netfixtures import TestCA, loopback_alias
@@ -125,3 +125,13 @@ def openai_price(db) -> Price:
         },
     )
     return price
+
+
+def settled() -> None:
+    """Wait until every reservation is settled: the gateway writes settlements once the answer
+    has ended (budgets/gateway/ledger.py), moments after the caller has it."""
+    wait_for(
+        lambda: not Reservation.objects.filter(status=Reservation.Status.OPEN).exists(),
+        10,
+        "every reservation settled",
+    )

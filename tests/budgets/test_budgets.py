@@ -152,6 +152,51 @@ def test_the_organisation_caps_the_sum_of_its_agents(acme):
 
 
 @pytest.mark.django_db
+def test_settlements_of_many_requests_are_written_at_once_each_exactly(
+    acme, django_assert_max_num_queries
+):
+    """One batch: charged, released, and charged its worst case; two agents under the
+    organisation's budget; in a handful of statements, and no reservation ended twice."""
+    first, second = AgentFactory(organisation=acme), AgentFactory(organisation=acme)
+    services.set_budget(acme, Decimal(10))
+    services.set_budget(first, Decimal(1))
+    ask = dict(model=SONNET, input_bound=1000, max_tokens=1000)  # $0.021 each
+    held = [metering.reserve(first, request_id=f"a-{n}", **ask) for n in range(3)]
+    held += [metering.reserve(second, request_id=f"b-{n}", **ask) for n in range(2)]
+    ended = timezone.now() - timedelta(seconds=1)
+    batch = [
+        metering.Settlement(held[0].pk, Usage(output=1000), model="claude-x", at=ended),  # $0.015
+        metering.Settlement(held[1].pk, None),  # released
+        metering.Settlement(held[2].pk, Usage(), outcome=Outcome.UNSETTLED, worst=True),
+        metering.Settlement(held[3].pk, Usage(input=1000)),  # $0.003
+        metering.Settlement(held[4].pk, Usage(output=10)),  # $0.00015
+    ]
+    with django_assert_max_num_queries(12):
+        assert metering.settle_all(batch) == sorted(h.pk for h in held)
+    charges = {c.request_id: c for c in Charge.objects.all()}
+    assert sorted(charges) == ["a-0", "a-2", "b-0", "b-1"]
+    assert (charges["a-0"].cost, charges["a-0"].model, charges["a-0"].at) == (
+        Decimal("0.015"),
+        "claude-x",
+        ended,
+    )
+    assert charges["a-0"].started_at == held[0].created_at
+    assert (charges["a-2"].cost, charges["a-2"].outcome) == (Decimal("0.021"), "unsettled")
+    assert (charges["b-0"].model, charges["b-1"].cost) == (SONNET, Decimal("0.00015"))
+    statuses = dict(Reservation.objects.values_list("request_id", "status"))
+    assert statuses == {"a-0": "settled", "a-1": "released", "a-2": "settled",
+                        "b-0": "settled", "b-1": "settled"}  # fmt: skip
+    mine = Spend.objects.get(budget__agent=first)
+    theirs = Spend.objects.get(budget__agent=None)
+    assert (mine.spent, mine.reserved) == (Decimal("0.036"), 0)
+    assert (theirs.spent, theirs.reserved) == (Decimal("0.03915"), 0)
+    assert metering.settle_all(batch) == []  # ended already: nothing happens twice
+    assert Charge.objects.count() == 4
+    theirs.refresh_from_db()
+    assert theirs.spent == Decimal("0.03915")
+
+
+@pytest.mark.django_db
 def test_a_new_period_starts_afresh_and_past_ones_keep_their_spend(acme):
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, Decimal("0.02"), period=periods.DAILY)

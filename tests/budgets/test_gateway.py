@@ -21,7 +21,7 @@ from budgets.models import Charge, GatewayToken, Reservation, Spend
 from budgets.usage import Usage
 from runs import services as run_services
 from runs.models import Run, RunStatus
-from tests.budgets.conftest import KEY, METRICS_TOKEN, MODEL, start_gateway
+from tests.budgets.conftest import KEY, METRICS_TOKEN, MODEL, settled, start_gateway
 from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory, online_runner
 from tests.processes import wait_for
@@ -63,11 +63,13 @@ EXACT = Usage(input=120, cache_write_5m=20, cache_write_1h=30, cache_read=10, ou
 
 
 def the_charge() -> Charge:
+    settled()
     (charge,) = Charge.objects.all()
     return charge
 
 
 def assert_nothing_held(agent) -> None:
+    settled()
     assert not Reservation.objects.filter(status=Reservation.Status.OPEN).exists()
     assert all(spend.reserved == 0 for spend in Spend.objects.all())
 
@@ -126,7 +128,6 @@ def test_a_stream_that_fails_is_charged_its_input_and_the_output_it_carried(
             ask(gateway, token_for(agent), scenario, stream=True)
     else:  # an error event ends the stream as the vendor ends it
         assert "event: error" in ask(gateway, token_for(agent), scenario, stream=True).text
-    wait_for(lambda: Charge.objects.exists(), 10, "the charge")
     charge = the_charge()
     seen = len("".join(TEXT[:2]).encode())  # the two deltas before it ended
     assert (charge.input_tokens, charge.cache_read_tokens) == (120, 10)
@@ -156,6 +157,7 @@ def test_what_the_vendor_refuses_is_released_uncharged(gateway, agent):
     answer = ask(gateway, token_for(agent), "refuse")
     assert answer.status_code == 400
     assert answer.json()["error"]["type"] == "invalid_request_error"
+    settled()
     assert not Charge.objects.exists()
     assert Reservation.objects.get().status == "released"
     assert_nothing_held(agent)
@@ -348,6 +350,7 @@ def test_a_burst_that_holds_the_budget_is_told_to_retry_and_uses_nothing_up(
         assert busy.headers["X-Covey-Deny-Reason"] == "budget-busy"
         error = busy.json()["error"]
         assert error["type"] == "rate_limit_error" and " is busy: " in error["message"]
+    settled()
     spend = Spend.objects.get(budget__agent=agent)
     assert spend.exhausted_at is None and services.used_up(agent) == ""
     assert (spend.spent, spend.reserved) == (Decimal("0.001248") * statuses.count(200), 0)
@@ -357,6 +360,7 @@ def test_a_burst_that_holds_the_budget_is_told_to_retry_and_uses_nothing_up(
     assert not [kind for kind, _, _ in orders if kind == "cancel"]
     for _ in range(statuses.count(429)):  # retried one after the other: each fits
         assert asyncio.run(burst(1))[0].status_code == 200
+    settled()
     assert Charge.objects.count() == 30
 
 

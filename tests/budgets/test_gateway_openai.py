@@ -12,7 +12,7 @@ import pytest
 from budgets import keys, services
 from budgets.models import Charge, Price, Reservation, Spend, Vendor
 from budgets.usage import Usage
-from tests.budgets.conftest import MODEL, OPENAI_KEY, OPENAI_MODEL, start_gateway
+from tests.budgets.conftest import MODEL, OPENAI_KEY, OPENAI_MODEL, settled, start_gateway
 from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory
 from tests.processes import wait_for
@@ -69,7 +69,7 @@ def respond(gateway, token, scenario="json", **fields):
 
 
 def the_charge() -> Charge:
-    wait_for(lambda: Charge.objects.exists(), 10, "the charge")
+    settled()
     (charge,) = Charge.objects.all()
     return charge
 
@@ -85,6 +85,7 @@ def counts(charge: Charge) -> tuple[int, int, int, int, int]:
 
 
 def assert_nothing_held() -> None:
+    settled()
     assert not Reservation.objects.filter(status=Reservation.Status.OPEN).exists()
     assert all(spend.reserved == 0 for spend in Spend.objects.all())
 

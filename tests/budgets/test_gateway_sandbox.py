@@ -79,7 +79,7 @@ def test_a_sandbox_reaches_its_model_with_its_runs_token_and_never_the_key(
     assert '"content": "Hello, world!"' in log  # the OpenAI answer
     # Neither key in its environment or files.
     assert "no key here" in log and KEY not in log and OPENAI_KEY not in log
-    charges = Charge.objects.filter(run=run).order_by("at")
+    charges = Charge.objects.filter(run=run).order_by("at", "pk")
     assert [(c.input_tokens, c.cache_read_tokens, c.output_tokens, c.model) for c in charges] == [
         (120, 10, 42, MODEL),
         (120, 10, 42, MODEL),

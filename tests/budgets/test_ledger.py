@@ -4,18 +4,24 @@ reservation at the exact fit of a budget, on PostgreSQL and on SQLite."""
 import json
 import os
 import subprocess
+import threading
+import time
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import OperationalError
 from django.utils import timezone
 
 from budgets import keys, services
+from budgets.gateway import ledger as ledger_module
 from budgets.gateway.api import Refused
-from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger
+from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger, Settler
+from budgets.metering import Settlement
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
+from budgets.usage import Usage
 from tests.budgets import exact_fit
-from tests.budgets.conftest import KEY
+from tests.budgets.conftest import KEY, MODEL
 from tests.factories import AgentFactory
 from tests.fakes import Clock
 from tests.processes import ROOT, VENV_BIN
@@ -132,3 +138,90 @@ def test_a_budget_of_exactly_three_worst_cases_holds_three_on_sqlite(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout) == {"database": "sqlite", **EXACT_FIT}
+
+
+# --- the settler: settlements written after the answer, in batches -------------------------------
+
+
+def test_settlements_queued_at_once_are_written_in_few_batches_in_order():
+    written: list[list[int]] = []
+    gate = threading.Event()
+
+    def write(batch):
+        gate.wait(10)  # the first batch holds the writer while the rest queue up
+        written.append([s.reservation_id for s in batch])
+        return []
+
+    settler = Settler(write)
+    assert settler.wait(1) is False  # nothing queued: nothing to wait for
+    for n in range(1, 101):
+        settler.put(Settlement(n, Usage()), f"r-{n}")
+    gate.set()
+    assert settler.wait(10) is True
+    assert [n for batch in written for n in batch] == list(range(1, 101))
+    assert len(written) <= 3  # the first alone at most, then what queued meanwhile
+    settler.close()
+
+
+def test_a_settlement_the_database_refuses_is_tried_again_then_left_held(monkeypatch, caplog):
+    monkeypatch.setattr(ledger_module, "RETRY_SECONDS", (0.01, 0.01))
+    calls: list[list[int]] = []
+
+    def write(batch):
+        calls.append([s.reservation_id for s in batch])
+        if 2 in calls[-1]:
+            raise OperationalError("the database is gone")
+        return []
+
+    failed: list[str] = []
+    settler = Settler(write)
+    gate = threading.Lock()
+    with gate:  # the three queue before the writer takes any
+        settler.write = lambda batch: (gate.acquire(), gate.release(), write(batch))[2]
+        for n in (1, 2, 3):
+            settler.put(Settlement(n, Usage()), f"r-{n}", lambda n=n: failed.append(f"r-{n}"))
+    settler.close()
+    assert calls[:3] == [[1, 2, 3]] * 3  # the batch, tried again twice
+    assert calls[3:] == [[1], [2], [2], [2], [3]]  # then one at a time
+    assert failed == ["r-2"]
+    assert "the reservation of request r-2 stays held" in caplog.text
+    settler.put(Settlement(4, Usage()), "r-4", lambda: failed.append("r-4"))
+    assert failed == ["r-2", "r-4"]  # closed: refused, and told
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reservation_busy_only_with_what_queued_settlements_hold_waits_for_them(
+    acme, sonnet_price
+):
+    """A budget of one worst case: the first request's settlement is queued, not written, when
+    the next asks; it waits for the writer rather than being told to retry."""
+    agent = AgentFactory(organisation=acme)
+    keys.set_model_key(acme, KEY)
+    ask = dict(vendor="anthropic", model=MODEL, input_bound=1000, max_tokens=1000)
+    services.set_budget(agent, Decimal("0.02115"))  # one worst case, and the first's cost
+    token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
+    ledger = DjangoLedger()
+    gate = threading.Event()
+    write = ledger.settler.write
+    ledger.settler.write = lambda batch: (gate.wait(10), write(batch))[1]
+    caller = ledger.authenticate(token)
+    first = ledger.reserve(caller, request_id="first", **ask)
+    ledger.settle(first, Usage(output=10), model=MODEL, outcome="complete", failed=pytest.fail)
+    threading.Timer(0.3, gate.set).start()
+    started = time.monotonic()
+    second = ledger.reserve(caller, request_id="second", **ask)
+    assert time.monotonic() - started >= 0.25  # it waited for the writer
+    assert Reservation.objects.get(pk=second.reservation_id).status == "open"
+    ledger.release(second, failed=pytest.fail)
+    ledger.close()
+    assert dict(Reservation.objects.values_list("request_id", "status")) == {
+        "first": "settled",
+        "second": "released",
+    }
+    ledger.settler = Settler(write)  # a third, with nothing queued, is told to retry at once
+    hold = ledger.reserve(caller, request_id="third", **ask)
+    with pytest.raises(Refused) as busy:
+        ledger.reserve(caller, request_id="fourth", **ask)
+    assert busy.value.status == 429
+    ledger.release(hold, failed=pytest.fail)
+    ledger.close()
