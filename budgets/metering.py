@@ -3,12 +3,15 @@ what each budget's current period holds.
 
 A request is reserved at its worst case (:meth:`budgets.usage.Prices.worst_case`) against each
 budget that applies (the agent's, and its organisation's, which caps the sum of its agents) in
-one transaction of conditional updates (``… SET reserved = reserved + x WHERE spent + reserved +
-x <= limit``, compared in whole millionths of a dollar, so SQLite's floating point cannot refuse
-an exact fit): the database decides, row by row, so concurrent requests can never together
-hold or spend more than a budget has, and a request that does not fit is refused before it is
-sent. Settling charges the actual cost (a ledger row) and frees the reservation; releasing
-frees it without a charge. A request is priced by the price row in effect when it starts.
+one transaction that holds the budgets' spends locked while it reads and changes them
+(``SELECT … FOR UPDATE`` on PostgreSQL; on SQLite the transaction holds the database), and
+compares in whole millionths of a dollar (so SQLite's floating point cannot refuse an exact
+fit): concurrent requests can never together hold or spend more than a budget has, and a
+request that does not fit is refused before it is sent. Many requests are reserved in one such
+transaction (:func:`reserve_all`), and settled in one (:func:`settle_all`): the gateway's
+writer does both in batches. Settling charges the actual cost (a ledger row) and frees the
+reservation; releasing frees it without a charge. A request is priced by the price row in
+effect when it starts.
 
 A request that does not fit is refused for one of three reasons (:func:`_refusal`), judged by
 what was *spent*, never by what requests under way hold:
@@ -24,7 +27,7 @@ what was *spent*, never by what requests under way hold:
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -246,77 +249,162 @@ def reserve(
     when a budget cannot hold it (:func:`_refusal`); ValueError for a negative bound."""
     at = at or timezone.now()
     price = price or price_for(model, at, vendor)
-    amount = price.prices.worst_case(input_bound, max_tokens)
-    try:
-        return _reserve(agent, model, price, amount, request_id, run_id, at)
-    except Exhausted as exc:
-        if not exc.used_up:
-            raise
-        # Used up from now (outside the refused transaction): the proxy refuses the agent's
-        # egress, its runs are stopped, new ones refused, until the budget is raised.
-        with transaction.atomic():
-            # Read again, locked: a budget raised since the refusal is not marked used up.
-            spend = Spend.objects.select_for_update().get(pk=exc.spend.pk)
-            left = spend.limit - spend.spent
-            if spend.exhausted_at is None and (left <= 0 or left < exc.least):
-                spend.exhausted_at = timezone.now()
-                spend.save(update_fields=["exhausted_at"])
-                exc.first = True
-                tell_reached([exc.spend.pk], used_up=True)
-        raise
-
-
-def _reserve(
-    agent: Agent,
-    model: str,
-    price: Price,
-    amount: Decimal,
-    request_id: str,
-    run_id: "UUID | str | None",
-    at: datetime,
-) -> Reservation:
-    # On every model request, so in SQL of its own: a handful of statements, each one round
-    # trip, where the ORM spent milliseconds building them.
-    with transaction.atomic(), connection.cursor() as cursor:
-        # Rows are updated in one order (by id) by every reservation and settlement, so two
-        # requests never wait for each other's rows in opposite orders (a deadlock).
-        held = sorted(_current_spend_ids(cursor, agent, at))
-        for spend_id, budget_id in held:
-            cursor.execute(_HOLD, [_decimal(amount), spend_id, micros(amount)])
-            if cursor.rowcount != 1:
-                raise _refusal(
-                    Budget.objects.get(pk=budget_id),
-                    Spend.objects.get(pk=spend_id),
-                    amount,
-                    price.prices.least(),
-                )
-        reservation = Reservation(
-            request_id=request_id,
-            organisation_id=agent.organisation_id,
-            agent_id=agent.pk,
-            run_id=run_id,
-            model=model,
-            price=price,
-            amount=amount,
-            status=Reservation.Status.OPEN,
-            created_at=timezone.now(),
-        )
-        row = [_prep(reservation, name) for name in _RESERVATION_FIELDS]
-        cursor.execute(_INSERT_RESERVATION, row)
-        reservation.pk = cursor.fetchone()[0]
-        if held:
-            cursor.executemany(_LINK, [[reservation.pk, spend_id] for spend_id, _ in held])
-    return reservation
-
-
-def _current_spend_ids(cursor: Any, agent: Agent, at: datetime) -> list[tuple[int, int]]:
-    """(spend id, budget id) of the current period of each budget that applies to the agent
-    (a period's spend is made, with :func:`current_spend`, when the first request finds none)."""
-    starts = {kind: periods.bounds(kind, at, zone())[0] for kind in periods.PERIODS}
-    cursor.execute(
-        _CURRENT_SPENDS,
-        [*(_datetime(starts[kind]) for kind in periods.PERIODS), agent.organisation_id, agent.pk],
+    ask = Ask(
+        agent.pk,
+        agent.organisation_id,
+        model,
+        price,
+        price.prices.worst_case(input_bound, max_tokens),
+        request_id,
+        run_id,
     )
+    (held,) = reserve_all([ask], at)
+    if isinstance(held, OverBudget):
+        if isinstance(held, Exhausted):
+            mark_used_up(held)
+        raise held
+    return held.reservation
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request to reserve: its worst case (``amount``, at ``price``) against the budgets of
+    an agent."""
+
+    agent_id: int
+    organisation_id: int
+    model: str
+    price: Price
+    amount: Decimal
+    request_id: str
+    run_id: "UUID | str | None" = None
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """An ask held: its reservation, and the ids of the spends that hold it."""
+
+    reservation: Reservation
+    spends: tuple[int, ...]
+
+
+def reserve_all(asks: Sequence[Ask], at: datetime) -> list["Reserved | OverBudget"]:
+    """Hold the worst case of each ask against its agent's budgets in their periods at ``at``,
+    in the order given, in one transaction (the gateway's writer reserves its requests in
+    batches): the spends of every budget that applies are locked and read (in the order of
+    their ids, as settlements take them: no deadlock; on SQLite the transaction holds the
+    database), each ask is held by every one of its spends or by none (compared in whole
+    millionths of a dollar), and the reservations are written. Returns, for each ask, what
+    holds it, or why it was refused (:func:`_refusal`; nothing held for it). Marking a
+    budget found used up is the caller's (:func:`mark_used_up`)."""
+    results: list[Reserved | OverBudget] = []
+    if not asks:
+        return results
+    # On every model request, so in SQL of its own: a handful of statements a batch, where
+    # the ORM spent milliseconds building each.
+    with transaction.atomic(), connection.cursor() as cursor:
+        starts = [_datetime(periods.bounds(kind, at, zone())[0]) for kind in periods.PERIODS]
+        spends_of: dict[int, list[tuple[int, int]]] = {}  # agent → [(spend id, budget id)]
+        for ask in asks:
+            if ask.agent_id not in spends_of:
+                found = _current_spend_ids(cursor, ask.organisation_id, ask.agent_id, starts, at)
+                spends_of[ask.agent_id] = sorted(found)
+        state: dict[int, list[int]] = {}  # spend id → [spent, reserved, limit] in millionths
+        ids = sorted({spend_id for found in spends_of.values() for spend_id, _ in found})
+        if ids:
+            lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+            cursor.execute(_LOCK_SPENDS.format(_marks(ids), lock), ids)
+            for pk, spent, reserved, limit in cursor.fetchall():
+                state[pk] = [
+                    micros(_amount(spent)),
+                    micros(_amount(reserved)),
+                    micros(_amount(limit)),
+                ]
+        added: dict[int, Decimal] = {}
+        made: list[tuple[Reservation, list[tuple[int, int]]]] = []
+        now = timezone.now()
+        for ask in asks:
+            needed = micros(ask.amount)
+            held = spends_of[ask.agent_id]
+            over = next(((s, b) for s, b in held if sum(state[s][:2]) + needed > state[s][2]), None)
+            if over is not None:
+                results.append(_refusal_of(over, state, ask))
+                continue
+            for spend_id, _ in held:
+                state[spend_id][1] += needed
+                added[spend_id] = added.get(spend_id, Decimal(0)) + ask.amount
+            reservation = Reservation(
+                request_id=ask.request_id,
+                organisation_id=ask.organisation_id,
+                agent_id=ask.agent_id,
+                run_id=ask.run_id,
+                model=ask.model,
+                price=ask.price,
+                amount=ask.amount,
+                status=Reservation.Status.OPEN,
+                created_at=now,
+            )
+            made.append((reservation, held))
+            results.append(Reserved(reservation, tuple(spend_id for spend_id, _ in held)))
+        if added:
+            cases = " ".join(["WHEN %s THEN %s"] * len(added))
+            by_spend = [x for pk, amount in sorted(added.items()) for x in (pk, _decimal(amount))]
+            cursor.execute(_ADD_HELD.format(cases, _marks(added)), [*by_spend, *sorted(added)])
+        if made:
+            created, run = _datetime(now), Reservation._meta.get_field("run")
+            rows = [
+                x
+                for r, _ in made
+                for x in (r.request_id, r.organisation_id, r.agent_id,
+                          run.get_db_prep_save(r.run_id, connection) if r.run_id else None,
+                          r.model, r.price_id, _decimal(r.amount), r.status, created)
+            ]  # fmt: skip
+            values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(made))
+            cursor.execute(_INSERT_RESERVATIONS.format(values), rows)
+            ids_of = {request_id: pk for pk, request_id in cursor.fetchall()}
+            links: list[int] = []
+            for reservation, held in made:
+                reservation.pk = ids_of[reservation.request_id]
+                links += [x for spend_id, _ in held for x in (reservation.pk, spend_id)]
+            if links:
+                pairs = ", ".join(["(%s, %s)"] * (len(links) // 2))
+                cursor.execute(_LINK.format(pairs), links)
+    return results
+
+
+def mark_used_up(refused: "Exhausted") -> None:
+    """A budget found used up (``refused.used_up``), outside the transaction that refused it:
+    its period is marked so from now (the proxy refuses the agent's egress, its runs are
+    stopped, new ones refused, until the budget is raised), and the thresholds told;
+    ``refused.first`` when this is the refusal that found it."""
+    if not refused.used_up:
+        return
+    with transaction.atomic():
+        # Read again, locked: a budget raised since the refusal is not marked used up.
+        spend = Spend.objects.select_for_update().get(pk=refused.spend.pk)
+        left = spend.limit - spend.spent
+        if spend.exhausted_at is None and (left <= 0 or left < refused.least):
+            spend.exhausted_at = timezone.now()
+            spend.save(update_fields=["exhausted_at"])
+            refused.first = True
+            tell_reached([refused.spend.pk], used_up=True)
+
+
+def _refusal_of(over: tuple[int, int], state: dict[int, list[int]], ask: Ask) -> "OverBudget":
+    spend_id, budget_id = over
+    spent, reserved, limit = (Decimal(value).scaleb(-6) for value in state[spend_id])
+    spend = Spend(pk=spend_id, budget_id=budget_id, spent=spent, reserved=reserved, limit=limit)
+    budget = Budget.objects.select_related("agent").get(pk=budget_id)
+    return _refusal(budget, spend, ask.amount, ask.price.prices.least())
+
+
+def _current_spend_ids(
+    cursor: Any, organisation_id: int, agent_id: int, starts: list[Any], at: datetime
+) -> list[tuple[int, int]]:
+    """(spend id, budget id) of the current period of each budget that applies to the agent
+    (``starts``: each period kind's start, in periods.PERIODS order; a period's spend is made,
+    with :func:`current_spend`, when the first request finds none)."""
+    cursor.execute(_CURRENT_SPENDS, [*starts, organisation_id, agent_id])
     found = []
     for budget_id, spend_id in cursor.fetchall():
         if spend_id is None:
@@ -348,11 +436,6 @@ def _datetime(value: datetime) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-def _prep(instance: Any, name: str) -> Any:
-    field = instance._meta.get_field(name)
-    return field.get_db_prep_save(getattr(instance, field.attname), connection)
-
-
 # The SQL of reserve(), in the standard SQL that PostgreSQL and SQLite share. The period
 # kinds' starts are given in periods.PERIODS order (none, daily, weekly, monthly).
 _CURRENT_SPENDS = (
@@ -361,33 +444,17 @@ _CURRENT_SPENDS = (
     " WHEN 'daily' THEN %s WHEN 'weekly' THEN %s WHEN 'monthly' THEN %s END)"
     " WHERE b.organisation_id = %s AND (b.agent_id = %s OR b.agent_id IS NULL)"
 )
-# Compared in whole millionths of a dollar (the last parameter is the amount's, micros()), so
-# exactly on PostgreSQL (numeric) and on SQLite, whose columns hold binary floating point
-# (0.012258 - 0.008172 - 0.004086 is below 0 there: an exact fit was refused). A column's
-# amount of up to 14 digits, times a million, is off a whole number by far less than a half in
-# a double, so ROUND finds it exactly.
-_HOLD = (
-    "UPDATE budgets_spend SET reserved = ROUND(reserved + %s, 6) WHERE id = %s"
-    " AND CAST(ROUND(spent * 1000000) AS BIGINT) + CAST(ROUND(reserved * 1000000) AS BIGINT)"
-    ' + %s <= CAST(ROUND("limit" * 1000000) AS BIGINT)'
+_LOCK_SPENDS = (
+    'SELECT id, spent, reserved, "limit" FROM budgets_spend WHERE id IN ({}) ORDER BY id{}'
 )
-_RESERVATION_FIELDS = (
-    "request_id",
-    "organisation",
-    "agent",
-    "run",
-    "model",
-    "price",
-    "amount",
-    "status",
-    "created_at",
+_ADD_HELD = (
+    "UPDATE budgets_spend SET reserved = ROUND(reserved + CASE id {} END, 6) WHERE id IN ({})"
 )
-_INSERT_RESERVATION = (
+_INSERT_RESERVATIONS = (
     "INSERT INTO budgets_reservation (request_id, organisation_id, agent_id, run_id, model,"
-    " price_id, amount, status, created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
-    " RETURNING id"
+    " price_id, amount, status, created_at) VALUES {} RETURNING id, request_id"
 )
-_LINK = "INSERT INTO budgets_reservation_spends (reservation_id, spend_id) VALUES (%s, %s)"
+_LINK = "INSERT INTO budgets_reservation_spends (reservation_id, spend_id) VALUES {}"
 
 
 @dataclass(frozen=True)
@@ -403,6 +470,7 @@ class Settlement:
     outcome: str = Outcome.COMPLETE
     worst: bool = False
     at: datetime | None = None  # when the request ended (None: when it is written)
+    spends: tuple[int, ...] | None = None  # the ids of the spends it held (None: read them)
 
 
 def settle(
@@ -448,10 +516,13 @@ def settle_stale(now: datetime | None = None) -> int:
     return settled
 
 
-def settle_all(settlements: Sequence[Settlement]) -> list[int]:
+def settle_all(
+    settlements: Sequence[Settlement], prices: Mapping[int, Price] | None = None
+) -> list[int]:
     """End these reservations in one transaction, in a handful of statements whatever their
     number (the gateway's writer settles its requests in batches): each open one is closed
-    (settled, or released), charged (a ledger row), and its spends freed of what it held and
+    (settled, or released), charged (a ledger row) at its price row (from ``prices`` when it
+    is there, as the gateway keeps them: by id), and its spends freed of what it held and
     charged what it cost, in the order of their ids (as reservations take them: no deadlock).
     A threshold of a spend's budget is told (:func:`budgets.alerts.tell_reached`) only when
     one is reached and not told. Returns the ids of the reservations ended; one not open (ended
@@ -460,7 +531,7 @@ def settle_all(settlements: Sequence[Settlement]) -> list[int]:
     if not wanted:
         return []
     now = _datetime(timezone.now())
-    closed: dict[int, tuple[str, int, Decimal]] = {}  # id → (request id, price id, amount)
+    closed: dict[int, tuple[Any, ...]] = {}  # id → the row's columns (_CLOSE's RETURNING)
     with transaction.atomic(), connection.cursor() as cursor:
         for status, ids in (
             (Reservation.Status.SETTLED, [k for k, s in wanted.items() if s.usage is not None]),
@@ -468,20 +539,25 @@ def settle_all(settlements: Sequence[Settlement]) -> list[int]:
         ):
             if ids:
                 cursor.execute(_CLOSE.format(_marks(ids)), [status, now, *sorted(ids)])
-                for pk, request_id, price_id, amount in cursor.fetchall():
-                    closed[pk] = (request_id, price_id, _amount(amount))
+                closed.update((row[0], row) for row in cursor.fetchall())
         if not closed:
             return []
-        prices = Price.objects.in_bulk({price_id for _, price_id, _ in closed.values()})
+        known = dict(prices or {})
+        missing = {row[6] for row in closed.values()} - set(known)
+        if missing:
+            known.update(Price.objects.in_bulk(missing))
         costs: dict[int, Decimal] = {}
-        rows = []
-        for pk, (request_id, price_id, amount) in sorted(closed.items()):
+        amounts: dict[int, Decimal] = {}
+        rows: list[Any] = []
+        for pk, row in sorted(closed.items()):
+            request_id, organisation_id, agent_id, run_id, model, price_id, held, started = row[1:]
+            amounts[pk] = amount = _amount(held)
             settlement = wanted[pk]
-            if settlement.usage is None:
+            usage = settlement.usage
+            if usage is None:
                 costs[pk] = Decimal(0)
                 continue
-            usage = settlement.usage
-            cost = amount if settlement.worst else prices[price_id].prices.cost(usage)
+            cost = amount if settlement.worst else known[price_id].prices.cost(usage)
             if cost > amount:
                 # Its worst case was not one: the budget may be passed by the difference.
                 logger.warning(
@@ -491,22 +567,32 @@ def settle_all(settlements: Sequence[Settlement]) -> list[int]:
                     dollars(amount, exact=True),
                 )
             costs[pk] = cost
-            rows.append(
-                [settlement.model, usage.input, usage.cache_write_5m, usage.cache_write_1h,
-                 usage.cache_read, usage.output, _decimal(cost), settlement.outcome,
-                 _datetime(settlement.at) if settlement.at else now, pk]
-            )  # fmt: skip
+            rows += [request_id, organisation_id, agent_id, run_id, settlement.model or model,
+                     usage.input, usage.cache_write_5m, usage.cache_write_1h, usage.cache_read,
+                     usage.output, _decimal(cost), price_id, settlement.outcome, started,
+                     _datetime(settlement.at) if settlement.at else now]  # fmt: skip
         if rows:
-            cursor.executemany(_INSERT_CHARGE, rows)
-        cursor.execute(_LINKS.format(_marks(closed)), sorted(closed))
+            values = ", ".join([f"({_marks(range(15))})"] * (len(rows) // 15))
+            cursor.execute(_INSERT_CHARGES.format(values), rows)
+        held_by: list[tuple[int, int]] = []  # (reservation id, spend id)
+        unknown = []
+        for pk in closed:
+            spends = wanted[pk].spends
+            if spends is None:
+                unknown.append(pk)
+            else:
+                held_by += [(pk, spend_id) for spend_id in spends]
+        if unknown:
+            cursor.execute(_LINKS.format(_marks(unknown)), sorted(unknown))
+            held_by += cursor.fetchall()
         freed: dict[int, list[Decimal]] = {}  # spend id → [reserved to free, spent to add]
-        for reservation_id, spend_id in cursor.fetchall():
+        for reservation_id, spend_id in held_by:
             change = freed.setdefault(spend_id, [Decimal(0), Decimal(0)])
-            change[0] += closed[reservation_id][2]
+            change[0] += amounts[reservation_id]
             change[1] += costs[reservation_id]
         reached_now = []
-        for spend_id, (held, spent) in sorted(freed.items()):
-            cursor.execute(_FREE, [_decimal(held), _decimal(spent), spend_id])
+        for spend_id, (freed_now, spent) in sorted(freed.items()):
+            cursor.execute(_FREE, [_decimal(freed_now), _decimal(spent), spend_id])
             if spent and _reaches(*cursor.fetchone()):
                 reached_now.append(spend_id)
         if reached_now:
@@ -525,7 +611,7 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
 
 
-def _marks(ids: Iterable[int] | dict[int, Any]) -> str:
+def _marks(ids: Iterable[Any]) -> str:
     return ", ".join("%s" for _ in ids)
 
 
@@ -537,14 +623,13 @@ def _amount(value: Any) -> Decimal:
 # The SQL of settle_all(), in the SQL that PostgreSQL and SQLite (3.35 and later) share.
 _CLOSE = (
     "UPDATE budgets_reservation SET status = %s, closed_at = %s WHERE id IN ({})"
-    " AND status = 'open' RETURNING id, request_id, price_id, amount"
+    " AND status = 'open' RETURNING id, request_id, organisation_id, agent_id, run_id, model,"
+    " price_id, amount, created_at"
 )
-_INSERT_CHARGE = (
+_INSERT_CHARGES = (
     "INSERT INTO budgets_charge (request_id, organisation_id, agent_id, run_id, model,"
     " input_tokens, cache_write_5m_tokens, cache_write_1h_tokens, cache_read_tokens,"
-    " output_tokens, cost, price_id, outcome, started_at, at)"
-    " SELECT request_id, organisation_id, agent_id, run_id, COALESCE(NULLIF(%s, ''), model),"
-    " %s, %s, %s, %s, %s, %s, price_id, %s, created_at, %s FROM budgets_reservation WHERE id = %s"
+    " output_tokens, cost, price_id, outcome, started_at, at) VALUES {}"
 )
 _LINKS = (
     "SELECT reservation_id, spend_id FROM budgets_reservation_spends WHERE reservation_id IN ({})"

@@ -167,12 +167,33 @@ class EventStream:
 
     def feed(self, chunk: bytes) -> None:
         """The next bytes of the answer, as they came."""
+        if chunk.endswith(b"\n\n") and self._between_events() and b"\r" not in chunk:
+            self._whole_events(chunk)
+            return
         start = 0
         while (end := chunk.find(b"\n", start)) >= 0:
             self._add(chunk[start:end])
             self._end_of_line()
             start = end + 1
         self._add(chunk[start:])
+
+    def _between_events(self) -> bool:
+        return self._blank and not (self._line or self._lines or self._skipping)
+
+    def _whole_events(self, chunk: bytes) -> None:
+        """Events that end in the chunk, after one that ended (what a vendor's chunk usually
+        holds): read as :meth:`feed` reads them line by line, at a fraction of the cost."""
+        for event in chunk.split(b"\n\n"):
+            if not event or len(event) - event.count(b"\n") > MAX_EVENT_BYTES:
+                continue  # a blank line more, or too long to be an event that counts
+            lines = [
+                value[1:] if value.startswith(b" ") else value
+                for line in event.split(b"\n")
+                if line.startswith(b"data:")
+                for value in (line[5:],)
+            ]
+            if lines:
+                self._data(b"\n".join(lines))
 
     def _add(self, part: bytes) -> None:
         if part.strip(b"\r"):

@@ -1,20 +1,22 @@
-"""The model gateway's ledger in covey's database (budgets/metering.py), for the gateway's
-worker threads: each keeps its database connection; one that fails is closed, so the next
-call opens a new one, and the request is refused (503).
+"""The model gateway's ledger in covey's database (budgets/metering.py).
+
+Every write is one thread's (:class:`Writer`): it reserves what is asked for in batches (each
+in one transaction: budgets.metering.reserve_all), and settles in batches (budgets.metering.
+settle_all), reservations first, so a thousand requests a second are a few dozen transactions,
+and on SQLite nothing waits for another writer. :meth:`DjangoLedger.reserve` answers a future;
+:meth:`DjangoLedger.settle` and :meth:`DjangoLedger.release` only queue: the answer a
+settlement ends never waits for it. Until its settlement is written, a request's reservation
+holds its worst case, so no budget can be passed meanwhile; a reservation refused as busy while
+settlements are queued is asked again in the next round, after them (so a caller's next request
+finds its last one settled). The gateway's worker threads read (who a token is, readiness);
+each keeps its database connection; one that fails is closed, so the next call opens a new
+one, and the request is refused (503).
 
 What every request would otherwise read again is kept for at most KEPT_SECONDS: who a token
 belongs to (so a token revoked, an agent disabled or a key changed is seen within that time,
 as the egress proxies see a change of policy), and the price rows (so a price row saved with
 an ``effective_from`` less than that time ahead applies up to that time late). Budgets are
 never kept: every reservation is decided by the database.
-
-Settlements do not hold up the answers they end: :meth:`DjangoLedger.settle` and
-:meth:`DjangoLedger.release` queue them for one writer thread (:class:`Settler`), which ends
-what is queued in one transaction (budgets.metering.settle_all), so a thousand settlements a
-second are a few dozen transactions. Until its settlement is written, a request's reservation
-holds its worst case: no budget can be passed meanwhile, and a reservation refused as busy
-while settlements are queued is tried again once they are written (a caller's next request
-sees its last one settled).
 """
 
 import logging
@@ -22,16 +24,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from functools import partial
+from typing import TypeVar
 
 from celery import current_app
 from django.db import IntegrityError, InterfaceError, OperationalError, connection
 from django.utils import timezone
 
-from agents.models import Agent
 from budgets import metering, services
 from budgets.gateway.api import Refused
 from budgets.gateway.server import (
@@ -43,17 +45,24 @@ from budgets.gateway.server import (
 )
 from budgets.keys import hash_token
 from budgets.metering import Settlement
-from budgets.models import GatewayToken, ModelKey, Price, Reservation
+from budgets.models import GatewayToken, ModelKey, Price
 from budgets.usage import Usage
 from covey import crypto
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 KEPT_SECONDS = 0.5
 KEPT_CALLERS = 10_000  # tokens remembered at once (the oldest go first)
-BATCH = 500  # settlements written in one transaction, at most
-RETRY_SECONDS = (0.2, 1.0, 5.0, 15.0)  # a batch the database refused is tried again after these
-BUSY_WAIT_SECONDS = 2.0  # a busy reservation waits this long, at most, for queued settlements
+BATCH = 500  # reservations, or settlements, written in one transaction at most
+RETRY_SECONDS = (0.1, 0.5, 2.0)  # settlements the database refused are tried again after these
+# A settlement waits up to this long for the writer (or until SETTLE_AT_ONCE are queued), so
+# that the settlements of many requests are written in one transaction (a transaction costs the
+# writer a millisecond or more of CPU whatever its size) and the reservations that come
+# meanwhile go first; then they go before any.
+LINGER_SECONDS = 0.02
+SETTLE_AT_ONCE = 100
 
 
 @contextmanager
@@ -72,7 +81,8 @@ class DjangoLedger:
         # token's sha256 → (read at, the token's end, its caller)
         self._callers: dict[str, tuple[float, datetime, Caller]] = {}
         self._prices: tuple[float, list[Price]] = (float("-inf"), [])
-        self.settler = Settler(metering.settle_all)
+        self._prices_by_id: dict[int, Price] = {}
+        self.writer = Writer(self._reserve, self._settle)
 
     def problem(self) -> str:
         """'' when the database answers, else 'unreachable' (why, with its address, goes to the
@@ -113,7 +123,12 @@ class DjangoLedger:
         if now - read_at >= kept:
             prices = list(Price.objects.all())
             self._prices = (now, prices)
+            self._prices_by_id = {price.pk: price for price in prices}
         return prices
+
+    def _settle(self, batch: Sequence[Settlement]) -> list[int]:
+        """Settle a batch (in the writer's thread), with the price rows as last read."""
+        return metering.settle_all(batch, self._prices_by_id)
 
     def _authenticate(self, digest: str) -> tuple[datetime, Caller]:
         with database():
@@ -162,102 +177,179 @@ class DjangoLedger:
         input_bound: int,
         max_tokens: int,
         request_id: str,
-    ) -> Hold:
-        agent = Agent(pk=caller.agent_id, organisation_id=caller.organisation_id)
-        with database():
-            at = timezone.now()
-            hold = partial(
-                metering.reserve,
-                agent,
-                model=model,
-                input_bound=input_bound,
-                max_tokens=max_tokens,
-                request_id=request_id,
-                run_id=caller.run_id,
-                at=at,
-            )
-            try:
-                try:
-                    reservation = self._hold(hold, model, at, vendor)
-                except metering.Busy:
-                    # What its settlements still hold is freed once they are written.
-                    if not self.settler.wait(BUSY_WAIT_SECONDS):
-                        raise
-                    reservation = self._hold(hold, model, at, vendor)
-            except metering.Unpriced as exc:
-                raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
-            except metering.Busy as exc:
-                # Requests under way hold the rest: this one fits once they end. Not used up.
-                raise Refused(
-                    429, "rate_limit_error", str(exc), BUDGET_BUSY, BUSY_RETRY_SECONDS
-                ) from None
-            except metering.Exhausted as exc:
-                if exc.first:  # its runs are stopped (runs.tasks), by name: runs is above us
-                    current_app.send_task(services.STOP_OVER_BUDGET, args=[agent.pk])
-                raise Refused(402, "billing_error", str(exc), BUDGET_EXHAUSTED) from None
-        return Hold(reservation.pk, request_id)
-
-    def _hold(
-        self, hold: Callable[..., Reservation], model: str, at: datetime, vendor: str
-    ) -> Reservation:
-        try:
-            return hold(price=metering.choose_price(self._prices_now(), model, at, vendor))
-        except (metering.Unpriced, IntegrityError):
-            # Priced (or a row gone) since the rows were read: read them now.
-            return hold(price=metering.choose_price(self._prices_now(0), model, at, vendor))
+    ) -> "Future[Hold]":
+        asked = Asked(caller, vendor, model, input_bound, max_tokens, request_id, Future())
+        self.writer.ask(asked)
+        return asked.future
 
     def settle(
         self, hold: Hold, usage: Usage, *, model: str, outcome: str, failed: Callable[[], None]
     ) -> None:
-        settlement = Settlement(hold.reservation_id, usage, model, outcome, at=timezone.now())
-        self.settler.put(settlement, hold.request_id, failed)
+        settlement = Settlement(
+            hold.reservation_id, usage, model, outcome, at=timezone.now(), spends=hold.spends
+        )
+        self.writer.settle(Queued(settlement, hold.request_id, failed))
 
     def release(self, hold: Hold, *, failed: Callable[[], None]) -> None:
-        self.settler.put(Settlement(hold.reservation_id, None), hold.request_id, failed)
+        settlement = Settlement(hold.reservation_id, None, spends=hold.spends)
+        self.writer.settle(Queued(settlement, hold.request_id, failed))
 
     def close(self) -> None:
-        self.settler.close()
+        self.writer.close()
+
+    def _reserve(self, batch: list["Asked"], settling: Callable[[], bool]) -> list["Asked"]:
+        """Reserve a batch (in the writer's thread); those to ask again in its next round."""
+        at = timezone.now()
+        priced: list[tuple[Asked, metering.Ask]] = []
+        for asked in batch:
+            try:
+                priced.append((asked, self._ask(asked, at, self._prices_now())))
+            except metering.Unpriced:
+                try:  # priced since the rows were read?
+                    priced.append((asked, self._ask(asked, at, self._prices_now(0))))
+                except metering.Unpriced as exc:
+                    refused = Refused(400, "invalid_request_error", str(exc), "unpriced-model")
+                    asked.future.set_exception(refused)
+            except Exception as exc:  # a bound it cannot price (the gateway's bug): 503
+                asked.future.set_exception(exc)
+        if not priced:
+            return []
+        try:
+            with database():
+                try:
+                    results = metering.reserve_all([ask for _, ask in priced], at)
+                except IntegrityError:  # a price row gone since the rows were read
+                    prices = self._prices_now(0)
+                    priced = [(asked, self._ask(asked, at, prices)) for asked, _ in priced]
+                    results = metering.reserve_all([ask for _, ask in priced], at)
+        except Exception as exc:
+            logger.exception("covey: the ledger failed to reserve %d requests", len(priced))
+            for asked, _ in priced:
+                asked.future.set_exception(exc)
+            return []
+        again = []
+        for (asked, _), result in zip(priced, results, strict=True):
+            if isinstance(result, metering.Reserved):
+                held = Hold(result.reservation.pk, asked.request_id, result.spends)
+                asked.future.set_result(held)
+            elif isinstance(result, metering.Busy):
+                if not asked.again and settling():
+                    # What settlements still queued hold is freed once they are written.
+                    again.append(replace(asked, again=True))
+                    continue
+                # Requests under way hold the rest: this one fits once they end. Not used up.
+                asked.future.set_exception(
+                    Refused(429, "rate_limit_error", str(result), BUDGET_BUSY, BUSY_RETRY_SECONDS)
+                )
+            else:
+                assert isinstance(result, metering.Exhausted)  # noqa: S101 - the third kind
+                try:
+                    with database():
+                        metering.mark_used_up(result)
+                    if result.first:  # its runs are stopped (runs.tasks), by name: runs is above
+                        current_app.send_task(
+                            services.STOP_OVER_BUDGET,
+                            args=[result.budget.agent_id or asked.caller.agent_id],
+                        )
+                except Exception:
+                    logger.exception("covey: a used-up budget could not be marked")
+                asked.future.set_exception(
+                    Refused(402, "billing_error", str(result), BUDGET_EXHAUSTED)
+                )
+        return again
+
+    @staticmethod
+    def _ask(asked: "Asked", at: datetime, prices: list[Price]) -> metering.Ask:
+        price = metering.choose_price(prices, asked.model, at, asked.vendor)
+        return metering.Ask(
+            asked.caller.agent_id,
+            asked.caller.organisation_id,
+            asked.model,
+            price,
+            price.prices.worst_case(asked.input_bound, asked.max_tokens),
+            asked.request_id,
+            asked.caller.run_id,
+        )
 
 
-class Settler:
-    """One thread that writes queued settlements in batches, in the order they came, with
-    ``write`` (budgets.metering.settle_all). A batch the database refuses is tried again (after
-    RETRY_SECONDS), then one settlement at a time; one that still fails is logged, its
-    ``failed`` called, and left to the stale sweep (budgets.metering.settle_stale), which
-    charges its worst case."""
+@dataclass(frozen=True)
+class Asked:
+    """A reservation asked for, and the future its answer goes to."""
 
-    def __init__(self, write: Callable[[Sequence[Settlement]], list[int]]) -> None:
-        self.write = write
+    caller: Caller
+    vendor: str
+    model: str
+    input_bound: int
+    max_tokens: int
+    request_id: str
+    future: "Future[Hold]"
+    again: bool = False  # asked again: refused as busy while settlements were queued
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A settlement queued, and whom to tell if it cannot be written."""
+
+    settlement: Settlement
+    request_id: str
+    failed: Callable[[], None]
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class Writer:
+    """One thread that writes the ledger, in batches: the reservations asked for (``reserve``,
+    which answers each one's future and returns those to ask again), first; the settlements
+    queued (``write``: budgets.metering.settle_all) when SETTLE_AT_ONCE are queued, or the
+    oldest has waited LINGER_SECONDS, or reservations were asked again for them (they go next).
+    Settlements the database cannot take are tried again after RETRY_SECONDS; then they are
+    logged, each one's ``failed`` called, and left to the stale sweep (budgets.metering.
+    settle_stale), which charges their worst case. A batch that fails for another reason is
+    written one settlement at a time, so one bad settlement fails alone."""
+
+    def __init__(
+        self,
+        reserve: Callable[[list[Asked], Callable[[], bool]], list[Asked]],
+        write: Callable[[Sequence[Settlement]], list[int]],
+    ) -> None:
+        self.reserve, self.write = reserve, write
         self._changed = threading.Condition()
-        self._queue: deque[Queued] = deque()
-        self._queued = self._written = 0  # how many were ever queued, and written (or given up)
-        self._closing = False
+        self._asked: deque[Asked] = deque()
+        self._settling: deque[Queued] = deque()
+        self._busy = self._closing = False
         self._thread: threading.Thread | None = None
 
-    def put(
-        self, settlement: Settlement, request_id: str, failed: Callable[[], None] = lambda: None
-    ) -> None:
+    def ask(self, asked: Asked) -> None:
+        """Queue a reservation (never blocks: called on the gateway's event loop)."""
+        with self._changed:
+            if self._closing:
+                asked.future.set_exception(
+                    Refused(503, "api_error", "covey's model gateway is stopping: try again")
+                )
+                return
+            self._asked.append(asked)
+            self._wake()
+
+    def settle(self, queued: Queued) -> None:
         """Queue a settlement (never blocks: called on the gateway's event loop)."""
         with self._changed:
             if self._closing:
-                logger.error("covey: the gateway is stopping: request %s stays held", request_id)
-                failed()
+                self._gave_up([queued], "the gateway is stopping")
                 return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="covey-settler", daemon=True)
-                self._thread.start()
-            self._queue.append(Queued(settlement, request_id, failed))
-            self._queued += 1
-            self._changed.notify_all()
+            self._settling.append(queued)
+            self._wake()
 
-    def wait(self, timeout: float) -> bool:
-        """Wait until what was queued before this call is written; False at once when
-        nothing was queued, or when ``timeout`` passed first."""
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="covey-ledger", daemon=True)
+            self._thread.start()
+        self._changed.notify()
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued or being written; whether that came in time."""
         with self._changed:
-            until = self._queued
-            if self._written >= until:
-                return False
-            return self._changed.wait_for(lambda: self._written >= until, timeout)
+            return self._changed.wait_for(
+                lambda: not (self._asked or self._settling or self._busy), timeout
+            )
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop."""
@@ -269,43 +361,72 @@ class Settler:
             thread.join(timeout)
 
     def _run(self) -> None:
+        first = False  # settlements before any reservation: some were asked again for them
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    connection.close()
-                    return
-                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
-            if not self._written_with_retries(batch) and len(batch) > 1:
-                for one in batch:
-                    self._written_with_retries([one])
-            with self._changed:
-                self._written += len(batch)
+                self._busy = False
                 self._changed.notify_all()
+                while not (self._asked or self._due(first)):
+                    if self._closing and not self._settling:
+                        connection.close()
+                        return
+                    self._changed.wait(LINGER_SECONDS if self._settling else None)
+                self._busy = True
+                if self._asked and not (first and self._settling):
+                    asked, settlements = _take(self._asked), []
+                else:
+                    asked, settlements = [], _take(self._settling)
+            if settlements:
+                self._write(settlements)
+            first = False
+            if asked:
+                again = self.reserve(asked, lambda: bool(self._settling))
+                if again:
+                    first = True
+                    with self._changed:
+                        self._asked.extendleft(reversed(again))
 
-    def _written_with_retries(self, batch: list["Queued"]) -> bool:
+    def _due(self, first: bool) -> bool:
+        """Whether the settlements queued are to be written now: reservations go first, unless
+        they were waited for, SETTLE_AT_ONCE are queued, or the oldest waited LINGER_SECONDS."""
+        if not self._settling:
+            return False
+        waited = time.monotonic() - self._settling[0].queued_at
+        many = len(self._settling) >= SETTLE_AT_ONCE
+        return first or self._closing or many or waited >= LINGER_SECONDS
+
+    def _write(self, batch: list[Queued]) -> None:
         for delay in (*RETRY_SECONDS, None):
             try:
                 with database():
                     self.write([queued.settlement for queued in batch])
-                return True
+                return
+            except (OperationalError, InterfaceError) as exc:  # the database: try again
+                logger.warning("covey: the ledger cannot settle %d requests: %s", len(batch), exc)
+                if delay is None:
+                    self._gave_up(batch, "the ledger failed")
+                    return
+                time.sleep(delay)
             except Exception:
                 logger.exception("covey: the ledger failed to settle %d requests", len(batch))
-                if delay is None:
-                    break
-                time.sleep(delay)
-        if len(batch) == 1:
+                if len(batch) == 1:
+                    self._gave_up(batch, "the ledger failed")
+                else:
+                    for one in batch:
+                        self._write([one])
+                return
+
+    @staticmethod
+    def _gave_up(batch: list[Queued], why: str) -> None:
+        for queued in batch:
             logger.error(
-                "covey: the reservation of request %s stays held: the ledger failed (the stale"
-                " sweep charges its worst case)",
-                batch[0].request_id,
+                "covey: the reservation of request %s stays held: %s (the stale sweep charges"
+                " its worst case)",
+                queued.request_id,
+                why,
             )
-            batch[0].failed()
-        return False
+            queued.failed()
 
 
-@dataclass(frozen=True)
-class Queued:
-    settlement: Settlement
-    request_id: str
-    failed: Callable[[], None]
+def _take(queue: "deque[T]") -> "list[T]":
+    return [queue.popleft() for _ in range(min(BATCH, len(queue)))]

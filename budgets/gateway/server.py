@@ -27,8 +27,8 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -103,6 +103,7 @@ class Hold:
 
     reservation_id: int
     request_id: str
+    spends: tuple[int, ...] = ()  # what holds it (the ledger's to read)
 
 
 class Ledger(Protocol):
@@ -125,7 +126,10 @@ class Ledger(Protocol):
         input_bound: int,
         max_tokens: int,
         request_id: str,
-    ) -> Hold: ...
+    ) -> "Future[Hold]":
+        """Ask for the request's worst case to be held against its budgets (called on the
+        event loop: it never blocks); the future holds the reservation, or Refused."""
+        ...
 
     def settle(
         self, hold: Hold, usage: Usage, *, model: str, outcome: str, failed: Callable[[], None]
@@ -284,8 +288,12 @@ class Gateway:
 
     async def _ledger(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
+        return await self._answered(loop.run_in_executor(self.pool, partial(call, *args, **kwargs)))
+
+    async def _answered(self, answer: Awaitable[T]) -> T:
+        """What the ledger answered: Refused as it refused, or 503 when it failed."""
         try:
-            return await loop.run_in_executor(self.pool, partial(call, *args, **kwargs))
+            return await answer
         except Refused:
             raise
         except Exception:
@@ -338,8 +346,7 @@ class Gateway:
             if metered:
                 prepared = api.prepare(raw, request.headers, self.config.default_max_tokens)
                 raw, max_tokens = prepared.raw, prepared.max_output
-                hold = await self._ledger(
-                    self.ledger.reserve,
+                asked = self.ledger.reserve(
                     caller,
                     vendor=api.vendor,
                     model=prepared.model,
@@ -347,6 +354,7 @@ class Gateway:
                     max_tokens=max_tokens,
                     request_id=request_id,
                 )
+                hold = await self._answered(asyncio.wrap_future(asked))
         except Refused as refused:
             return self._refuse(api, refused, request_id)
         return await self._forward(request, api, key, raw, hold, max_tokens, request_id)

@@ -5,7 +5,8 @@ import json
 import os
 import subprocess
 import threading
-import time
+from concurrent.futures import Future
+from contextlib import contextmanager
 from datetime import timedelta
 from decimal import Decimal
 
@@ -13,10 +14,10 @@ import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
-from budgets import keys, services
+from budgets import keys, metering, services
 from budgets.gateway import ledger as ledger_module
 from budgets.gateway.api import Refused
-from budgets.gateway.ledger import KEPT_SECONDS, DjangoLedger, Settler
+from budgets.gateway.ledger import KEPT_SECONDS, Asked, DjangoLedger, Queued, Writer
 from budgets.metering import Settlement
 from budgets.models import GatewayToken, ModelKey, Price, Reservation
 from budgets.usage import Usage
@@ -63,12 +64,13 @@ def test_a_refused_token_is_never_kept(setup):
     assert ledger.authenticate(token).keys == {"anthropic": KEY} and ledger.known(token) is not None
 
 
+@pytest.mark.django_db(transaction=True)  # the ledger's writer reserves in a thread of its own
 def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
     ledger, _, token = setup
     caller = ledger.authenticate(token)
     ask = dict(vendor="anthropic", model="claude-new-1", input_bound=10, max_tokens=10)
     with pytest.raises(Refused) as refused:
-        ledger.reserve(caller, request_id="before", **ask)
+        ledger.reserve(caller, request_id="before", **ask).result(10)
     assert refused.value.reason == "unpriced-model"
     Price.objects.create(
         model="claude-new-1",
@@ -80,7 +82,8 @@ def test_a_model_priced_after_the_rows_were_read_is_priced_at_once(setup):
         effective_from=timezone.now() - timedelta(seconds=1),
         source="tests",
     )
-    hold = ledger.reserve(caller, request_id="after", **ask)
+    hold = ledger.reserve(caller, request_id="after", **ask).result(10)
+    ledger.close()
     reservation = Reservation.objects.get(pk=hold.reservation_id)
     assert reservation.price.model == "claude-new-1" and reservation.amount == Decimal("0.00002")
     assert list(reservation.spends.values_list("reserved", flat=True)) == [Decimal("0.00002")]
@@ -140,7 +143,11 @@ def test_a_budget_of_exactly_three_worst_cases_holds_three_on_sqlite(tmp_path):
     assert json.loads(done.stdout) == {"database": "sqlite", **EXACT_FIT}
 
 
-# --- the settler: settlements written after the answer, in batches -------------------------------
+# --- the writer: reservations and settlements in batches --------------------------------------
+
+
+def nothing_reserved(batch, settling):
+    raise AssertionError("nothing was asked")
 
 
 def test_settlements_queued_at_once_are_written_in_few_batches_in_order():
@@ -152,76 +159,111 @@ def test_settlements_queued_at_once_are_written_in_few_batches_in_order():
         written.append([s.reservation_id for s in batch])
         return []
 
-    settler = Settler(write)
-    assert settler.wait(1) is False  # nothing queued: nothing to wait for
+    writer = Writer(nothing_reserved, write)
     for n in range(1, 101):
-        settler.put(Settlement(n, Usage()), f"r-{n}")
+        writer.settle(Queued(Settlement(n, Usage()), f"r-{n}", pytest.fail))
     gate.set()
-    assert settler.wait(10) is True
+    assert writer.idle(10) is True
     assert [n for batch in written for n in batch] == list(range(1, 101))
     assert len(written) <= 3  # the first alone at most, then what queued meanwhile
-    settler.close()
+    writer.close()
 
 
-def test_a_settlement_the_database_refuses_is_tried_again_then_left_held(monkeypatch, caplog):
-    monkeypatch.setattr(ledger_module, "RETRY_SECONDS", (0.01, 0.01))
+def test_settlements_the_database_refuses_for_a_moment_are_written_when_it_is_back(monkeypatch):
+    monkeypatch.setattr(ledger_module, "RETRY_SECONDS", (0.01, 0.01, 0.01))
+    calls: list[list[int]] = []
+
+    def write(batch):
+        calls.append([s.reservation_id for s in batch])
+        if len(calls) <= 2:
+            raise OperationalError("the database is restarting")
+        return []
+
+    writer = Writer(nothing_reserved, write)
+    with held(writer):
+        for n in (1, 2, 3):
+            writer.settle(Queued(Settlement(n, Usage()), f"r-{n}", pytest.fail))
+    writer.close()
+    assert calls == [[1, 2, 3]] * 3  # tried again twice, then written
+
+
+def test_a_settlement_that_cannot_be_written_fails_alone_and_stays_held(caplog):
     calls: list[list[int]] = []
 
     def write(batch):
         calls.append([s.reservation_id for s in batch])
         if 2 in calls[-1]:
-            raise OperationalError("the database is gone")
+            raise ValueError("a settlement the ledger cannot take")
         return []
 
     failed: list[str] = []
-    settler = Settler(write)
-    gate = threading.Lock()
-    with gate:  # the three queue before the writer takes any
-        settler.write = lambda batch: (gate.acquire(), gate.release(), write(batch))[2]
+    writer = Writer(nothing_reserved, write)
+    with held(writer):
         for n in (1, 2, 3):
-            settler.put(Settlement(n, Usage()), f"r-{n}", lambda n=n: failed.append(f"r-{n}"))
-    settler.close()
-    assert calls[:3] == [[1, 2, 3]] * 3  # the batch, tried again twice
-    assert calls[3:] == [[1], [2], [2], [2], [3]]  # then one at a time
+            writer.settle(
+                Queued(Settlement(n, Usage()), f"r-{n}", lambda n=n: failed.append(f"r-{n}"))
+            )
+    writer.close()
+    assert calls == [[1, 2, 3], [1], [2], [3]]  # the batch, then one at a time
     assert failed == ["r-2"]
     assert "the reservation of request r-2 stays held" in caplog.text
-    settler.put(Settlement(4, Usage()), "r-4", lambda: failed.append("r-4"))
+    writer.settle(Queued(Settlement(4, Usage()), "r-4", lambda: failed.append("r-4")))
     assert failed == ["r-2", "r-4"]  # closed: refused, and told
 
 
+@contextmanager
+def held(writer):
+    """The writer busy with a reservation until the block ends (what is queued meanwhile is
+    written in its next round, together)."""
+    gate = threading.Event()
+    writer.reserve = lambda batch, settling: (gate.wait(10), batch[0].future.set_result(None), [])[
+        2
+    ]
+    writer.ask(Asked(None, "", "", 0, 0, "gate", Future()))
+    try:
+        yield
+    finally:
+        gate.set()
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_reservation_busy_only_with_what_queued_settlements_hold_waits_for_them(
-    acme, sonnet_price
+def test_a_reservation_busy_only_with_what_queued_settlements_hold_is_asked_again_after_them(
+    acme, sonnet_price, monkeypatch
 ):
-    """A budget of one worst case: the first request's settlement is queued, not written, when
-    the next asks; it waits for the writer rather than being told to retry."""
+    """A budget of one worst case: the first request's settlement is queued while the next
+    is being reserved; the next is asked again after it, rather than told to retry."""
     agent = AgentFactory(organisation=acme)
     keys.set_model_key(acme, KEY)
     ask = dict(vendor="anthropic", model=MODEL, input_bound=1000, max_tokens=1000)
     services.set_budget(agent, Decimal("0.02115"))  # one worst case, and the first's cost
     token = keys.issue_gateway_token(agent, run_id=None, ttl=timedelta(hours=1))
     ledger = DjangoLedger()
-    gate = threading.Event()
-    write = ledger.settler.write
-    ledger.settler.write = lambda batch: (gate.wait(10), write(batch))[1]
     caller = ledger.authenticate(token)
-    first = ledger.reserve(caller, request_id="first", **ask)
-    ledger.settle(first, Usage(output=10), model=MODEL, outcome="complete", failed=pytest.fail)
-    threading.Timer(0.3, gate.set).start()
-    started = time.monotonic()
+    first = ledger.reserve(caller, request_id="first", **ask).result(10)
+    reserving, go_on = threading.Event(), threading.Event()
+    reserve_all = metering.reserve_all
+
+    def slowly(asks, at):
+        results = reserve_all(asks, at)
+        reserving.set()
+        go_on.wait(10)
+        return results
+
+    monkeypatch.setattr(metering, "reserve_all", slowly)
     second = ledger.reserve(caller, request_id="second", **ask)
-    assert time.monotonic() - started >= 0.25  # it waited for the writer
-    assert Reservation.objects.get(pk=second.reservation_id).status == "open"
-    ledger.release(second, failed=pytest.fail)
-    ledger.close()
+    assert reserving.wait(10)  # found busy: the first holds its worst case
+    ledger.settle(first, Usage(output=10), model=MODEL, outcome="complete", failed=pytest.fail)
+    go_on.set()
+    hold = second.result(10)  # asked again once the first was settled: it fits
+    ledger.release(hold, failed=pytest.fail)
+    assert ledger.writer.idle(10)
     assert dict(Reservation.objects.values_list("request_id", "status")) == {
         "first": "settled",
         "second": "released",
     }
-    ledger.settler = Settler(write)  # a third, with nothing queued, is told to retry at once
-    hold = ledger.reserve(caller, request_id="third", **ask)
-    with pytest.raises(Refused) as busy:
-        ledger.reserve(caller, request_id="fourth", **ask)
+    third = ledger.reserve(caller, request_id="third", **ask).result(10)
+    with pytest.raises(Refused) as busy:  # nothing queued: told to retry at once
+        ledger.reserve(caller, request_id="fourth", **ask).result(10)
     assert busy.value.status == 429
-    ledger.release(hold, failed=pytest.fail)
+    ledger.release(third, failed=pytest.fail)
     ledger.close()

@@ -79,16 +79,15 @@ def test_a_budget_raised_between_the_refusal_and_its_mark_is_not_used_up(
     agent = AgentFactory(organisation=acme)
     services.set_budget(agent, FULL)
     spend_all(agent)
-    reserve = metering._reserve
+    reserve_all = metering.reserve_all
 
     def raised_meanwhile(*args, **kwargs):
-        try:
-            return reserve(*args, **kwargs)
-        except metering.Exhausted:
+        results = reserve_all(*args, **kwargs)
+        if isinstance(results[0], metering.Exhausted):
             services.set_budget(agent, Decimal(1))  # another person, just then
-            raise
+        return results
 
-    monkeypatch.setattr(metering, "_reserve", raised_meanwhile)
+    monkeypatch.setattr(metering, "reserve_all", raised_meanwhile)
     found = refused(agent)
     assert found.used_up is True and found.first is False  # as read: not marked
     assert services.used_up(agent) == "" and services.exhausted() == (set(), set())
@@ -151,6 +150,7 @@ def test_the_proxy_is_told_and_refuses_the_agents_egress(acme, sonnet_price):
     assert flags == {agent.pk: True, other.pk: False}
 
 
+@pytest.mark.django_db(transaction=True)  # the ledger's writer reserves in a thread of its own
 def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(acme, sonnet_price, sent):
 
     agent = AgentFactory(organisation=acme)
@@ -167,11 +167,14 @@ def test_the_gateway_stops_the_runs_when_it_finds_the_budget_used_up(acme, sonne
                 input_bound=1000,
                 max_tokens=1000,
                 request_id=f"{n}",
-            )
+            ).result(10)
         assert (caught.value.status, caught.value.reason) == (402, "budget-exhausted")
-    assert sent == [("runs.stop_over_budget", [agent.pk])]  # once
+    ledger.close()
+    stopped = [(name, args) for name, args in sent if name == "runs.stop_over_budget"]
+    assert stopped == [("runs.stop_over_budget", [agent.pk])]  # once
 
 
+@pytest.mark.django_db(transaction=True)
 def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
     acme, sonnet_price, sent
 ):
@@ -187,7 +190,11 @@ def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
     )
     caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
     with pytest.raises(Refused) as answered:
-        DjangoLedger().reserve(caller, vendor="anthropic", request_id="gw", **ask)
+        ledger = DjangoLedger()
+        try:
+            ledger.reserve(caller, vendor="anthropic", request_id="gw", **ask).result(10)
+        finally:
+            ledger.close()
     assert (answered.value.status, answered.value.reason) == (429, "budget-busy")
     assert answered.value.kind == "rate_limit_error" and answered.value.retry_after == 2
     spend = metering.current_spend(agent.budget)
@@ -197,6 +204,7 @@ def test_a_request_refused_for_what_others_hold_is_busy_and_uses_nothing_up(
     metering.reserve(agent, request_id="retried", **ask)  # and the same request fits
 
 
+@pytest.mark.django_db(transaction=True)
 def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
     acme, sonnet_price, sent
 ):
@@ -209,11 +217,13 @@ def test_a_request_larger_than_what_is_left_is_refused_without_using_it_up(
         " $0.021: ask for fewer output tokens, or raise the budget"
     )
     caller = Caller(agent.pk, acme.pk, None, "acme/a", keys={"anthropic": "k"})
+    ledger = DjangoLedger()
     with pytest.raises(Refused) as answered:
-        DjangoLedger().reserve(
+        ledger.reserve(
             caller, vendor="anthropic", model=SONNET, input_bound=1000, max_tokens=1000,
             request_id="gw",
-        )  # fmt: skip
+        ).result(10)  # fmt: skip
+    ledger.close()
     assert (answered.value.status, answered.value.reason) == (402, "budget-exhausted")
     assert services.used_up(agent) == "" and sent == []  # its runs go on
     metering.reserve(agent, model=SONNET, input_bound=0, max_tokens=600, request_id="smaller")
