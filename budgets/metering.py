@@ -35,6 +35,7 @@ from typing import Any
 from uuid import UUID
 from zoneinfo import ZoneInfo
 
+import psycopg
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
@@ -300,10 +301,14 @@ def reserve_all(asks: Sequence[Ask], at: datetime) -> list["Reserved | OverBudge
     results: list[Reserved | OverBudget] = []
     if not asks:
         return results
+    starts = [_datetime(periods.bounds(kind, at, zone())[0]) for kind in periods.PERIODS]
+    if len(asks) == 1 and connection.vendor == "postgresql":
+        one = _reserve_one_postgresql(asks[0], starts)
+        if one is not None:
+            return [one]
     # On every model request, so in SQL of its own: a handful of statements a batch, where
     # the ORM spent milliseconds building each.
     with transaction.atomic(), connection.cursor() as cursor:
-        starts = [_datetime(periods.bounds(kind, at, zone())[0]) for kind in periods.PERIODS]
         spends_of: dict[int, list[tuple[int, int]]] = {}  # agent → [(spend id, budget id)]
         for ask in asks:
             if ask.agent_id not in spends_of:
@@ -370,6 +375,45 @@ def reserve_all(asks: Sequence[Ask], at: datetime) -> list["Reserved | OverBudge
                 pairs = ", ".join(["(%s, %s)"] * (len(links) // 2))
                 cursor.execute(_LINK.format(pairs), links)
     return results
+
+
+def _reserve_one_postgresql(ask: Ask, starts: list[Any]) -> "Reserved | OverBudget | None":
+    """One ask on PostgreSQL, in one statement (one round trip, where :func:`reserve_all`'s
+    transaction takes seven; what the time to the first byte of a lone request is made of):
+    its spends locked in the order of their ids, held by all or by none, the reservation and
+    its links written. None, with nothing done, when a budget has no spend for the period yet
+    (:func:`reserve_all` makes it)."""
+    run = Reservation._meta.get_field("run")
+    row = [ask.request_id, ask.organisation_id, ask.agent_id,
+           run.get_db_prep_save(ask.run_id, connection) if ask.run_id else None,
+           ask.model, ask.price.pk, _decimal(ask.amount), _datetime(timezone.now())]  # fmt: skip
+    params = [ask.organisation_id, ask.agent_id, *starts, micros(ask.amount),
+              _decimal(ask.amount), *row]  # fmt: skip
+    connection.ensure_connection()
+    # A cursor that binds on the server, so that the statement is planned once per connection
+    # (prepared), not once per request: its parameters are typed in the statement.
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+        cursor.execute(_RESERVE_ONE, params, prepare=True)
+        answer = cursor.fetchone()
+    assert answer is not None  # noqa: S101 - a SELECT of scalars answers one row
+    made, complete, spends = answer
+    if not complete:
+        return None
+    state = {
+        pk: [micros(Decimal(spent)), micros(Decimal(reserved)), micros(Decimal(limit))]
+        for pk, _, spent, reserved, limit in _json(spends or [])
+    }
+    held = [(pk, budget_id) for pk, budget_id, *_ in _json(spends or [])]
+    if made is None:
+        needed = micros(ask.amount)
+        over = next((s, b) for s, b in held if sum(state[s][:2]) + needed > state[s][2])
+        return _refusal_of(over, state, ask)
+    reservation = Reservation(
+        pk=made, request_id=ask.request_id, organisation_id=ask.organisation_id,
+        agent_id=ask.agent_id, run_id=ask.run_id, model=ask.model, price=ask.price,
+        amount=ask.amount, status=Reservation.Status.OPEN, created_at=row[-1],
+    )  # fmt: skip
+    return Reserved(reservation, tuple(pk for pk, _ in held))
 
 
 def mark_used_up(refused: "Exhausted") -> None:
@@ -444,6 +488,44 @@ _CURRENT_SPENDS = (
     " WHEN 'daily' THEN %s WHEN 'weekly' THEN %s WHEN 'monthly' THEN %s END)"
     " WHERE b.organisation_id = %s AND (b.agent_id = %s OR b.agent_id IS NULL)"
 )
+# reserve_all() of one ask on PostgreSQL, in one statement: the budgets that apply, their
+# spends in the period locked (FOR UPDATE waits for a concurrent change and reads the row as
+# it committed), whether every one holds the ask (in millionths), and only then the holds,
+# the reservation and its links; what it read comes back, to say why it was refused.
+_RESERVE_ONE = """
+WITH budgets AS (
+    SELECT id, period FROM budgets_budget
+    WHERE organisation_id = %s::bigint AND (agent_id = %s::bigint OR agent_id IS NULL)
+), spends AS (
+    SELECT s.id, s.budget_id, s.spent, s.reserved, s."limit" FROM budgets_spend s
+    JOIN budgets b ON s.budget_id = b.id AND s.period = b.period AND s.starts_at = (CASE
+        b.period WHEN 'none' THEN %s::timestamptz WHEN 'daily' THEN %s::timestamptz
+        WHEN 'weekly' THEN %s::timestamptz WHEN 'monthly' THEN %s::timestamptz END)
+    ORDER BY s.id FOR UPDATE OF s
+), decided AS (
+    SELECT (SELECT count(*) FROM budgets) = (SELECT count(*) FROM spends) AS complete,
+        COALESCE(bool_and(CAST(ROUND(spent * 1000000) AS BIGINT)
+            + CAST(ROUND(reserved * 1000000) AS BIGINT) + %s::bigint
+            <= CAST(ROUND("limit" * 1000000) AS BIGINT)), TRUE) AS fits
+    FROM spends
+), held AS (
+    UPDATE budgets_spend SET reserved = ROUND(reserved + %s::numeric, 6)
+    WHERE id IN (SELECT id FROM spends) AND (SELECT complete AND fits FROM decided)
+    RETURNING id
+), made AS (
+    INSERT INTO budgets_reservation (request_id, organisation_id, agent_id, run_id, model,
+        price_id, amount, status, created_at)
+    SELECT %s::text, %s::bigint, %s::bigint, %s::uuid, %s::text, %s::bigint, %s::numeric,
+        'open', %s::timestamptz WHERE (SELECT complete AND fits FROM decided)
+    RETURNING id
+), linked AS (
+    INSERT INTO budgets_reservation_spends (reservation_id, spend_id)
+    SELECT made.id, held.id FROM made, held
+)
+SELECT (SELECT id FROM made), (SELECT complete FROM decided),
+    (SELECT json_agg(json_build_array(id, budget_id, spent::text, reserved::text,
+        "limit"::text) ORDER BY id) FROM spends)
+"""
 _LOCK_SPENDS = (
     'SELECT id, spent, reserved, "limit" FROM budgets_spend WHERE id IN ({}) ORDER BY id{}'
 )

@@ -259,6 +259,42 @@ def test_fifty_requests_at_once_never_spend_more_than_the_budget(acme, sonnet_pr
     assert Spend.objects.get(budget__agent=None).spent == total
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_fifty_requests_in_batches_at_once_never_spend_more_than_the_budget(acme, sonnet_price):
+    """As the gateways' writers reserve: ten threads at once, each reserving five requests in
+    one transaction, of two agents under one organisation's budget; $0.10 holds six."""
+    agents = [AgentFactory(organisation=acme), AgentFactory(organisation=acme)]
+    services.set_budget(acme, Decimal("0.10"))
+    price = metering.price_for(SONNET)
+    start = threading.Barrier(10)
+    results: list[object] = []
+
+    def batch(n: int) -> None:
+        asks = [
+            metering.Ask(agent.pk, acme.pk, SONNET, price, Decimal("0.015"), f"{n}-{k}")
+            for k, agent in enumerate(agents * 3)
+        ][:5]
+        try:
+            start.wait()
+            results.extend(metering.reserve_all(asks, timezone.now()))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=batch, args=(n,)) for n in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    held = [r for r in results if isinstance(r, metering.Reserved)]
+    assert len(results) == 50 and len(held) == 6  # as many as fit, never more
+    assert all(isinstance(r, metering.Busy) for r in results if r not in held)
+    spend = Spend.objects.get(budget__agent=None)
+    assert (spend.spent, spend.reserved) == (0, Decimal("0.09"))
+    assert Reservation.objects.count() == 6
+    assert sorted(len(r.spends) for r in held) == [1] * 6
+
+
 @pytest.mark.django_db
 def test_changing_the_period_counts_what_the_ledger_holds_for_the_new_one(acme):
     agent = AgentFactory(organisation=acme)
