@@ -309,13 +309,24 @@ def reserve_all(asks: Sequence[Ask], at: datetime) -> list["Reserved | OverBudge
     # On every model request, so in SQL of its own: a handful of statements a batch, where
     # the ORM spent milliseconds building each.
     with transaction.atomic(), connection.cursor() as cursor:
-        spends_of: dict[int, list[tuple[int, int]]] = {}  # agent → [(spend id, budget id)]
+        found: dict[int, list[tuple[int | None, int]]] = {}  # agent → [(spend, budget)]
         for ask in asks:
-            if ask.agent_id not in spends_of:
-                found = _current_spend_ids(cursor, ask.organisation_id, ask.agent_id, starts, at)
-                spends_of[ask.agent_id] = sorted(found)
+            if ask.agent_id not in found:
+                cursor.execute(_CURRENT_SPENDS, [*starts, ask.organisation_id, ask.agent_id])
+                found[ask.agent_id] = [(spend, budget) for budget, spend in cursor.fetchall()]
+        # A period's spend is made when the first request finds none; in the order of the
+        # budgets' ids, so that two writers making two never wait for each other's.
+        pairs = [pair for agent_pairs in found.values() for pair in agent_pairs]
+        missing = sorted({budget for spend, budget in pairs if spend is None})
+        created = {
+            budget: current_spend(Budget.objects.get(pk=budget), at).pk for budget in missing
+        }
+        spends_of = {
+            agent: sorted((spend or created[budget], budget) for spend, budget in agent_pairs)
+            for agent, agent_pairs in found.items()
+        }
         state: dict[int, list[int]] = {}  # spend id → [spent, reserved, limit] in millionths
-        ids = sorted({spend_id for found in spends_of.values() for spend_id, _ in found})
+        ids = sorted({spend_id for held in spends_of.values() for spend_id, _ in held})
         if ids:
             lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
             cursor.execute(_LOCK_SPENDS.format(_marks(ids), lock), ids)
@@ -372,8 +383,8 @@ def reserve_all(asks: Sequence[Ask], at: datetime) -> list["Reserved | OverBudge
                 reservation.pk = ids_of[reservation.request_id]
                 links += [x for spend_id, _ in held for x in (reservation.pk, spend_id)]
             if links:
-                pairs = ", ".join(["(%s, %s)"] * (len(links) // 2))
-                cursor.execute(_LINK.format(pairs), links)
+                values = ", ".join(["(%s, %s)"] * (len(links) // 2))
+                cursor.execute(_LINK.format(values), links)
     return results
 
 
@@ -440,21 +451,6 @@ def _refusal_of(over: tuple[int, int], state: dict[int, list[int]], ask: Ask) ->
     spend = Spend(pk=spend_id, budget_id=budget_id, spent=spent, reserved=reserved, limit=limit)
     budget = Budget.objects.select_related("agent").get(pk=budget_id)
     return _refusal(budget, spend, ask.amount, ask.price.prices.least())
-
-
-def _current_spend_ids(
-    cursor: Any, organisation_id: int, agent_id: int, starts: list[Any], at: datetime
-) -> list[tuple[int, int]]:
-    """(spend id, budget id) of the current period of each budget that applies to the agent
-    (``starts``: each period kind's start, in periods.PERIODS order; a period's spend is made,
-    with :func:`current_spend`, when the first request finds none)."""
-    cursor.execute(_CURRENT_SPENDS, [*starts, organisation_id, agent_id])
-    found = []
-    for budget_id, spend_id in cursor.fetchall():
-        if spend_id is None:
-            spend_id = current_spend(Budget.objects.get(pk=budget_id), at).pk
-        found.append((spend_id, budget_id))
-    return found
 
 
 def _refusal(budget: Budget, spend: Spend, needed: Decimal, least: Decimal) -> OverBudget:
@@ -601,8 +597,9 @@ def settle_stale(now: datetime | None = None) -> int:
 def settle_all(
     settlements: Sequence[Settlement], prices: Mapping[int, Price] | None = None
 ) -> list[int]:
-    """End these reservations in one transaction, in a handful of statements whatever their
-    number (the gateway's writer settles its requests in batches): each open one is closed
+    """End these reservations in one transaction, in a few statements whatever their number
+    (one more for each spend they held; the gateway's writer settles in batches): each open one
+    is closed
     (settled, or released), charged (a ledger row) at its price row (from ``prices`` when it
     is there, as the gateway keeps them: by id), and its spends freed of what it held and
     charged what it cost, in the order of their ids (as reservations take them: no deadlock).

@@ -198,20 +198,18 @@ class DjangoLedger:
         self.writer.close()
 
     def _reserve(self, batch: list["Asked"], settling: Callable[[], bool]) -> list["Asked"]:
-        """Reserve a batch (in the writer's thread); those to ask again in its next round."""
+        """Reserve a batch (in the writer's thread), answering each one's future; those to
+        ask again in its next round."""
         at = timezone.now()
         priced: list[tuple[Asked, metering.Ask]] = []
         for asked in batch:
             try:
-                priced.append((asked, self._ask(asked, at, self._prices_now())))
-            except metering.Unpriced:
-                try:  # priced since the rows were read?
-                    priced.append((asked, self._ask(asked, at, self._prices_now(0))))
-                except metering.Unpriced as exc:
-                    refused = Refused(400, "invalid_request_error", str(exc), "unpriced-model")
-                    asked.future.set_exception(refused)
-            except Exception as exc:  # a bound it cannot price (the gateway's bug): 503
-                asked.future.set_exception(exc)
+                priced.append((asked, self._priced(asked, at)))
+            except Refused as refused:
+                _answer(asked.future, refused)
+            except Exception as exc:  # the database, or a bound it cannot price: 503
+                logger.exception("covey: the ledger failed to price request %s", asked.request_id)
+                _answer(asked.future, exc)
         if not priced:
             return []
         try:
@@ -223,40 +221,52 @@ class DjangoLedger:
                     priced = [(asked, self._ask(asked, at, prices)) for asked, _ in priced]
                     results = metering.reserve_all([ask for _, ask in priced], at)
         except Exception as exc:
+            if len(priced) > 1 and not isinstance(exc, OperationalError | InterfaceError):
+                # Not the database: one of them (a run gone, say); each is asked alone.
+                return [again for asked, _ in priced for again in self._reserve([asked], settling)]
             logger.exception("covey: the ledger failed to reserve %d requests", len(priced))
             for asked, _ in priced:
-                asked.future.set_exception(exc)
+                _answer(asked.future, exc)
             return []
         again = []
         for (asked, _), result in zip(priced, results, strict=True):
             if isinstance(result, metering.Reserved):
                 held = Hold(result.reservation.pk, asked.request_id, result.spends)
-                asked.future.set_result(held)
+                _answer(asked.future, held)
             elif isinstance(result, metering.Busy):
                 if not asked.again and settling():
                     # What settlements still queued hold is freed once they are written.
                     again.append(replace(asked, again=True))
                     continue
                 # Requests under way hold the rest: this one fits once they end. Not used up.
-                asked.future.set_exception(
-                    Refused(429, "rate_limit_error", str(result), BUDGET_BUSY, BUSY_RETRY_SECONDS)
+                busy = Refused(
+                    429, "rate_limit_error", str(result), BUDGET_BUSY, BUSY_RETRY_SECONDS
                 )
+                _answer(asked.future, busy)
             else:
                 assert isinstance(result, metering.Exhausted)  # noqa: S101 - the third kind
                 try:
                     with database():
                         metering.mark_used_up(result)
                     if result.first:  # its runs are stopped (runs.tasks), by name: runs is above
-                        current_app.send_task(
-                            services.STOP_OVER_BUDGET,
-                            args=[result.budget.agent_id or asked.caller.agent_id],
-                        )
+                        agent_id = asked.caller.agent_id
+                        current_app.send_task(services.STOP_OVER_BUDGET, args=[agent_id])
                 except Exception:
                     logger.exception("covey: a used-up budget could not be marked")
-                asked.future.set_exception(
-                    Refused(402, "billing_error", str(result), BUDGET_EXHAUSTED)
-                )
+                used_up = Refused(402, "billing_error", str(result), BUDGET_EXHAUSTED)
+                _answer(asked.future, used_up)
         return again
+
+    def _priced(self, asked: "Asked", at: datetime) -> metering.Ask:
+        with database():
+            try:
+                return self._ask(asked, at, self._prices_now())
+            except metering.Unpriced:
+                pass
+            try:  # priced since the rows were read?
+                return self._ask(asked, at, self._prices_now(0))
+            except metering.Unpriced as exc:
+                raise Refused(400, "invalid_request_error", str(exc), "unpriced-model") from None
 
     @staticmethod
     def _ask(asked: "Asked", at: datetime, prices: list[Price]) -> metering.Ask:
@@ -372,19 +382,24 @@ class Writer:
                         return
                     self._changed.wait(LINGER_SECONDS if self._settling else None)
                 self._busy = True
-                if self._asked and not (first and self._settling):
-                    asked, settlements = _take(self._asked), []
-                else:
+                if self._due(first):
                     asked, settlements = [], _take(self._settling)
-            if settlements:
-                self._write(settlements)
+                else:
+                    asked, settlements = _take(self._asked), []
             first = False
-            if asked:
-                again = self.reserve(asked, lambda: bool(self._settling))
-                if again:
-                    first = True
-                    with self._changed:
-                        self._asked.extendleft(reversed(again))
+            try:
+                if settlements:
+                    self._write(settlements)
+                if asked:
+                    again = self.reserve(asked, lambda: bool(self._settling))
+                    if again:
+                        first = True
+                        with self._changed:
+                            self._asked.extendleft(reversed(again))
+            except Exception as exc:  # the writer's own bug: its batch fails, it goes on
+                logger.exception("covey: the ledger's writer failed")
+                for one in asked:
+                    _answer(one.future, exc)
 
     def _due(self, first: bool) -> bool:
         """Whether the settlements queued are to be written now: reservations go first, unless
@@ -426,6 +441,16 @@ class Writer:
                 why,
             )
             queued.failed()
+
+
+def _answer(future: "Future[Hold]", answer: "Hold | BaseException") -> None:
+    """Answer a reservation's future, once (a batch that failed part way may answer again)."""
+    if future.done():
+        return
+    if isinstance(answer, BaseException):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
 
 
 def _take(queue: "deque[T]") -> "list[T]":

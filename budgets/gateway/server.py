@@ -103,7 +103,7 @@ class Hold:
 
     reservation_id: int
     request_id: str
-    spends: tuple[int, ...] = ()  # what holds it (the ledger's to read)
+    spends: tuple[int, ...] | None = None  # the ids of what holds it (None: the ledger reads them)
 
 
 class Ledger(Protocol):
@@ -307,6 +307,19 @@ class Gateway:
                 "ledger-unavailable",
             ) from None
 
+    async def _reserved(self, asked: "Future[Hold]") -> Hold:
+        """The reservation asked for. Should the request end while it is being made (the
+        gateway stopping), it is released once made: nothing was sent."""
+        try:
+            return await self._answered(asyncio.shield(asyncio.wrap_future(asked)))
+        except asyncio.CancelledError:
+            asked.add_done_callback(self._release_unused)
+            raise
+
+    def _release_unused(self, asked: "Future[Hold]") -> None:
+        if not asked.cancelled() and asked.exception() is None:
+            self.ledger.release(asked.result(), failed=self.meters.ledger_failures.inc)
+
     async def handle(self, request: web.Request, *, api: Api, metered: bool) -> web.StreamResponse:
         request_id = uuid.uuid4().hex
         with logs.bound(request_id=request_id):
@@ -354,7 +367,7 @@ class Gateway:
                     max_tokens=max_tokens,
                     request_id=request_id,
                 )
-                hold = await self._answered(asyncio.wrap_future(asked))
+                hold = await self._reserved(asked)
         except Refused as refused:
             return self._refuse(api, refused, request_id)
         return await self._forward(request, api, key, raw, hold, max_tokens, request_id)

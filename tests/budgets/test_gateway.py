@@ -5,6 +5,7 @@ the budgets it stops at."""
 import asyncio
 import json
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from datetime import timedelta
 from decimal import Decimal
@@ -472,3 +473,32 @@ def test_it_is_not_ready_while_its_ledger_does_not_answer(ledger, says, monkeypa
     answer = asyncio.run(gateway.readiness(None))
     assert answer.status == 503
     assert json.loads(answer.body) == {"status": "not ready", "checks": {"ledger": says}}
+
+
+class LateLedger:
+    """A ledger whose reservation is made after its request ended."""
+
+    def __init__(self) -> None:
+        self.asked: Future = Future()
+        self.released: list[gateway_server.Hold] = []
+
+    def release(self, hold, *, failed) -> None:
+        self.released.append(hold)
+
+
+def test_a_reservation_made_after_its_request_ended_is_released():
+    ledger = LateLedger()
+    gateway = gateway_server.Gateway(ledger, gateway_server.GatewayConfig())
+
+    async def ended() -> None:
+        waiting = asyncio.create_task(gateway._reserved(ledger.asked))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the gateway stopping, say
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(ended())
+    assert ledger.released == []
+    hold = gateway_server.Hold(7, "r-7", (1,))
+    ledger.asked.set_result(hold)  # made meanwhile: nothing was sent with it
+    assert ledger.released == [hold]

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -165,7 +166,51 @@ def test_settlements_queued_at_once_are_written_in_few_batches_in_order():
     gate.set()
     assert writer.idle(10) is True
     assert [n for batch in written for n in batch] == list(range(1, 101))
-    assert len(written) <= 3  # the first alone at most, then what queued meanwhile
+    assert len(written) <= 2  # what was queued when it began, then the rest at once
+    writer.close()
+
+
+def test_reservations_asked_without_pause_never_hold_settlements_back():
+    """A writer busy with reservations all along still writes the settlements, once the
+    oldest has waited LINGER_SECONDS."""
+    written = threading.Event()
+    writer = Writer(lambda batch, settling: [], lambda batch: written.set() or [])
+
+    def reserve(batch, settling):
+        time.sleep(0.002)  # a batch's transaction
+        for asked in batch:
+            asked.future.set_result(None)
+        writer.ask(Asked(None, "", "", 0, 0, "next", Future()))  # another has come meanwhile
+        return []
+
+    writer.reserve = reserve
+    writer.ask(Asked(None, "", "", 0, 0, "first", Future()))
+    queued = time.monotonic()
+    writer.settle(Queued(Settlement(1, Usage()), "r-1", pytest.fail))
+    assert written.wait(5)
+    assert time.monotonic() - queued < 10 * ledger_module.LINGER_SECONDS
+    writer.close()
+
+
+def test_a_writer_that_fails_answers_the_batch_and_goes_on(caplog):
+    calls = []
+
+    def reserve(batch, settling):
+        calls.append(batch[0].request_id)
+        if batch[0].request_id == "bad":
+            raise RuntimeError("the writer's own bug")
+        batch[0].future.set_result("held")
+        return []
+
+    writer = Writer(reserve, lambda batch: [])
+    bad = Asked(None, "", "", 0, 0, "bad", Future())
+    writer.ask(bad)
+    with pytest.raises(RuntimeError):
+        bad.future.result(5)
+    good = Asked(None, "", "", 0, 0, "good", Future())
+    writer.ask(good)
+    assert good.future.result(5) == "held"  # the writer lives on
+    assert "the ledger's writer failed" in caplog.text
     writer.close()
 
 
