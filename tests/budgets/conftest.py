@@ -135,3 +135,12 @@ def settled() -> None:
         10,
         "every reservation settled",
     )
+
+
+@pytest.fixture
+def settled_at_the_end(transactional_db):
+    """Every reservation settled before the test's tables are emptied: the gateway writes a
+    settlement moments after its answer, and a flush meanwhile would wait for it, or deadlock
+    with it (set up after the database, so torn down before its flush)."""
+    yield
+    settled()

@@ -27,7 +27,11 @@ from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory, online_runner
 from tests.processes import wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("settled_at_the_end"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,11 @@ from tests.budgets.fake_vendor import TEXT
 from tests.factories import AgentFactory
 from tests.processes import wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("settled_at_the_end"),
+]
 
 EXACT = Usage(input=120, cache_read=30, output=42)  # the fake's counts
 
