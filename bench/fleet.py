@@ -98,7 +98,7 @@ async def follow_stream(
         if host.generation:
             headers["If-None-Match"] = f'"{host.generation}"'
         try:
-            async with session.get(url, headers=headers) as response:
+            async with session.get(url, params={"v": "2"}, headers=headers) as response:
                 if response.status != 200:
                     counts.policy_errors += 1
                     counts.error(f"stream {response.status}")

@@ -203,6 +203,10 @@ SPECTACULAR_SETTINGS = {
     " runner hosts and egress proxies call is documented apart: /api/v1/docs/internal/.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "egress.messages.policy_forms_any_of",
+    ],
     "SCHEMA_PATH_PREFIX": "/api/v1",
     # Served from this installation, not a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -17,6 +17,55 @@ class PolicySnapshotSerializer(DataclassSerializer):
         dataclass = protocol.PolicySnapshot
 
 
+class _TokenV1Serializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.TokenSnapshot
+
+
+class _AgentV1Serializer(serializers.Serializer):
+    """One agent as a proxy of before shared lists reads it: its whole allowlist."""
+
+    id = serializers.IntegerField()
+    username = serializers.CharField()
+    organisation = serializers.CharField()
+    enabled = serializers.BooleanField()
+    budget_exhausted = serializers.BooleanField()
+    entries = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        help_text="entry → where it comes from (base, template:<slug>, agent)",
+    )
+    tokens = _TokenV1Serializer(many=True)
+
+
+class _BuiltInV1Serializer(DataclassSerializer):
+    class Meta:
+        dataclass = protocol.BuiltIn
+
+
+class PolicySnapshotV1Serializer(serializers.Serializer):
+    """The policy as a proxy of before shared lists reads it (asked for without ``?v=2``)."""
+
+    generation = serializers.CharField()
+    agents = _AgentV1Serializer(many=True)
+    built_in = _BuiltInV1Serializer(many=True)
+
+
+PolicySerializer = PolymorphicProxySerializer(
+    component_name="Policy",
+    serializers=[PolicySnapshotSerializer, PolicySnapshotV1Serializer],
+    resource_type_field_name=None,
+)
+
+
+def policy_forms_any_of(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """drf-spectacular's hook: a policy with no agents fits either form, so the policy's answer
+    is any of them (drf-spectacular says one of them)."""
+    policy = result.get("components", {}).get("schemas", {}).get("Policy", {})
+    if "oneOf" in policy:
+        policy["anyOf"] = policy.pop("oneOf")
+    return result
+
+
 class DecisionEventSerializer(DataclassSerializer):
     class Meta:
         dataclass = protocol.DecisionEvent

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from allowlists.entries import Entry, EntryError, IPLiteralError, parse_entry
 
 if TYPE_CHECKING:  # egress/protocol.py builds on this module (its Code)
-    from egress.protocol import PolicyDelta, PolicySnapshot
+    from egress.protocol import AgentSnapshot, PolicyDelta, PolicySnapshot
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -156,20 +156,72 @@ class Decision:
         return replace(self, code=code, detail=detail, sources=(), built_in="")
 
 
+def base_list(organisation: str) -> str:
+    """The name of an organisation's base list among the shared lists (by its slug)."""
+    return f"base:{organisation}"
+
+
+def source_of(name: str) -> str:
+    """What the decision log says an entry of a shared list comes from: ``base`` for an
+    organisation's base list, ``template:<slug>`` for a template."""
+    return "base" if name.startswith("base:") else name
+
+
+@dataclass(frozen=True)
+class EntryList:
+    """Allowlist entries as the proxy looks them up: as the grammar writes them
+    (``str(Entry)``), never parsed here. What a sandbox asks for is put in that form before it
+    is looked up, so an entry in any other form matches nothing.
+
+    A proxy holds every agent of its organisation and decides for the few that run on its
+    host: the entries are held as the snapshot has them, one text with an entry per line (a
+    fifth of the memory of a string each), and the set to look them up in is made when first
+    asked."""
+
+    lines: str
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return tuple(self.lines.split("\n")) if self.lines else ()
+
+    @functools.cached_property
+    def entries(self) -> frozenset[str]:
+        return frozenset(self.texts)
+
+    @functools.cached_property
+    def hosts(self) -> frozenset[str]:
+        """The host names of the entries (read only to say why a connection was refused)."""
+        return frozenset(
+            host if port.isdigit() else text
+            for text in self.entries
+            for host, _, port in [text.rpartition(":")]
+        )
+
+
+EMPTY = EntryList("")
+
+
 @dataclass(frozen=True)
 class AgentPolicy:
-    """What one agent may do: the effective allowlist and the switches that stop it."""
+    """What one agent may do: its allowlist (the lists it has, each with its source's name:
+    ``base``, ``template:<slug>``, then its own ``agent``) and the switches that stop it."""
 
     id: int
     username: str
     organisation: str
     enabled: bool
     budget_exhausted: bool
-    entries: Mapping[Entry, tuple[str, ...]]  # entry → where it comes from
-    hosts: frozenset[str] = field(default=frozenset())
+    lists: tuple[tuple[str, EntryList], ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hosts", frozenset(e.host for e in self.entries))
+    def sources(self, entry: Entry) -> tuple[str, ...]:
+        """Where ``entry`` comes from in this agent's allowlist (none: it is not on it)."""
+        text = str(entry)
+        return tuple(source_of(name) for name, held in self.lists if text in held.entries)
+
+    @functools.cached_property
+    def hosts(self) -> frozenset[str]:
+        """Every host name on the agent's allowlist, at whatever port."""
+        return frozenset().union(*(held.hosts for _, held in self.lists))
 
 
 @dataclass(frozen=True)
@@ -188,46 +240,76 @@ class Policy:
     agents: Mapping[int, AgentPolicy]
     tokens: Mapping[str, Token]
     built_in: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (host, port) → name
+    lists: Mapping[str, EntryList] = field(default_factory=dict)  # shared, by name
 
     @classmethod
     def from_snapshot(cls, snapshot: "PolicySnapshot") -> "Policy":
         """Build from the snapshot the control plane serves (egress/protocol.py); ValueError
-        when an entry or a built-in destination is not one."""
+        when a built-in destination is not one. An agent that names a list the snapshot does
+        not hold has it empty (a template made while the snapshot was read: the next one
+        holds it)."""
+        lists = {name: EntryList(texts) for name, texts in snapshot.lists.items()}
         try:
-            agents = {}
-            tokens = {}
-            for item in snapshot.agents:
-                entries = {parse_entry(text): tuple(by) for text, by in item.entries.items()}
-                agent = AgentPolicy(
-                    id=item.id,
-                    username=item.username,
-                    organisation=item.organisation,
-                    enabled=item.enabled,
-                    budget_exhausted=item.budget_exhausted,
-                    entries=entries,
-                )
-                agents[agent.id] = agent
-                for token in item.tokens:
-                    tokens[token.sha256] = Token(agent.id, token.expires_at)
             built_in = {destination(b.host, b.port): b.name for b in snapshot.built_in}
         except ValueError as exc:
             raise ValueError(f"malformed policy snapshot: {exc}") from None
-        return cls(generation=snapshot.generation, agents=agents, tokens=tokens, built_in=built_in)
+        return cls(snapshot.generation, {}, {}, built_in, lists)._with(snapshot.agents, ())
+
+    def _with(self, changed: Iterable["AgentSnapshot"], removed: Iterable[int]) -> "Policy":
+        """This policy with ``changed`` agents (and their tokens) in place of theirs and the
+        ``removed`` gone."""
+        agents = dict(self.agents)
+        tokens = dict(self.tokens)
+        touched = set(removed)
+        fresh = []
+        for item in changed:
+            touched.add(item.id)
+            shared = tuple((name, self.lists.get(name, EMPTY)) for name in item.lists)
+            own = (("agent", EntryList(item.own)),) if item.own else ()
+            agent = AgentPolicy(
+                item.id,
+                item.username,
+                item.organisation,
+                item.enabled,
+                item.budget_exhausted,
+                shared + own,
+            )
+            fresh.append((agent, item.tokens))
+        if touched and tokens:
+            tokens = {h: t for h, t in tokens.items() if t.agent_id not in touched}
+        for agent_id in touched:
+            agents.pop(agent_id, None)
+        for agent, held in fresh:
+            agents[agent.id] = agent
+            for token in held:
+                tokens[token.sha256] = Token(agent.id, token.expires_at)
+        return replace(self, agents=agents, tokens=tokens)
 
     def apply(self, delta: "PolicyDelta") -> "Policy":
-        """This policy with ``delta``'s agents in place of theirs (their tokens too) and its
-        removed agents gone; only the changed agents' entries are parsed. ValueError when the
-        delta is not from this generation, or an entry is not one."""
+        """This policy with ``delta``'s shared lists and agents in place of theirs (their
+        tokens too) and its removed ones gone. ValueError when the delta is not from this
+        generation."""
         if delta.since != self.generation:
             raise ValueError(f"a delta from {delta.since}, and this policy is {self.generation}")
-        from egress.protocol import PolicySnapshot  # egress/protocol.py builds on this module
-
-        changed = Policy.from_snapshot(PolicySnapshot(delta.generation, delta.agents))
-        touched = {*changed.agents, *delta.removed}
-        agents = {i: a for i, a in self.agents.items() if i not in touched} | dict(changed.agents)
-        tokens = {h: t for h, t in self.tokens.items() if t.agent_id not in touched}
-        tokens.update(changed.tokens)
-        return Policy(delta.generation, agents, tokens, self.built_in)
+        policy = replace(self, generation=delta.generation)
+        if delta.lists or delta.lists_removed:
+            lists = {n: held for n, held in self.lists.items() if n not in delta.lists_removed}
+            lists.update((n, EntryList(texts)) for n, texts in delta.lists.items())
+            policy = replace(policy, lists=lists)
+            # Every agent that has a changed list holds the new one.
+            names = {*delta.lists, *delta.lists_removed}
+            rebound = {
+                agent.id: replace(
+                    agent,
+                    lists=tuple(
+                        (n, lists.get(n, EMPTY) if n in names else held) for n, held in agent.lists
+                    ),
+                )
+                for agent in self.agents.values()
+                if any(n in names for n, _ in agent.lists)
+            }
+            policy = replace(policy, agents={**self.agents, **rebound})
+        return policy._with(delta.agents, delta.removed)
 
     def identify(
         self, credentials: tuple[str, str] | None, now: float
@@ -333,8 +415,8 @@ def check_agent(
     if name is not None:
         return replace(start, host=entry.host, sources=(f"built-in: {name}",), built_in=name)
     named = replace(start, host=entry.host, port=entry.port)
-    sources = agent.entries.get(entry)
-    if sources is not None and (not attempt.plain_http or entry.port == PLAIN_HTTP_PORT):
+    sources = agent.sources(entry)
+    if sources and (not attempt.plain_http or entry.port == PLAIN_HTTP_PORT):
         return replace(named, sources=sources)
     if entry.host in agent.hosts:
         plain_only = attempt.plain_http and sources

@@ -13,12 +13,14 @@ it does not know.
 
 import dataclasses
 import math
+import typing
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from egress.policy import Code
+from allowlists.entries import EntryError, parse_entry
+from egress.policy import Code, base_list, source_of
 from wire import Message, ProtocolError, decode
 
 # At most this many events in one batch (the proxy's DecisionLog sends at most 5000 at once).
@@ -36,15 +38,22 @@ class TokenSnapshot(Message):
 
 @dataclasses.dataclass(frozen=True)
 class AgentSnapshot(Message):
-    """One agent as the proxy decides for it: its switches, its effective allowlist (entry →
-    where it comes from: ``base``, ``template:<slug>``, ``agent``) and its live tokens."""
+    """One agent as the proxy decides for it: its switches, its allowlist and its live tokens.
+    Its allowlist is the shared lists it has (``lists``: its organisation's base list, then
+    its templates, named as in the snapshot's ``lists``) and its own entries (``own``: their
+    source is ``agent``). A list of entries is one text, an entry per line (a policy may hold a
+    million: a string each would cost five times the memory and time). Entries are sent as the
+    grammar writes them
+    (allowlists/entries.py), and the proxy looks them up as they are: one in no other form
+    matches nothing."""
 
     id: int
     username: str  # <organisation slug>.<agent slug>
     organisation: str
     enabled: bool
     budget_exhausted: bool  # the model gateway found a budget of the agent's used up
-    entries: dict[str, tuple[str, ...]]
+    lists: tuple[str, ...]
+    own: str  # one entry per line
     tokens: tuple[TokenSnapshot, ...]
 
 
@@ -60,11 +69,82 @@ class BuiltIn(Message):
 @dataclasses.dataclass(frozen=True)
 class PolicySnapshot(Message):
     """Everything a proxy needs to decide, at one moment; ``generation`` is its fingerprint
-    (the ETag a proxy polls with)."""
+    (the ETag a proxy polls with). ``lists``: the lists agents share, by name (each
+    organisation's base list, ``base:<organisation slug>``, and every template,
+    ``template:<slug>``), each held once however many agents have it."""
 
     generation: str
     agents: tuple[AgentSnapshot, ...]
     built_in: tuple[BuiltIn, ...] = ()
+    lists: dict[str, str] = dataclasses.field(default_factory=dict)  # one entry per line
+
+    @classmethod
+    def from_json(cls, data: Any) -> "PolicySnapshot":
+        """The snapshot in ``data``, of either form: with shared lists, or as a control plane
+        of before them serves it (each agent's ``entries``: entry → sources), whose lists are
+        gathered here. ProtocolError naming what does not fit."""
+        return typing.cast(PolicySnapshot, decode(cls, _from_v1(data), cls.__name__))
+
+
+def _from_v1(data: Any) -> Any:
+    """A snapshot of before shared lists in today's form (anything else as it is)."""
+    agents = data.get("agents") if isinstance(data, dict) and "lists" not in data else None
+    if not isinstance(agents, list) or not all(
+        isinstance(a, dict)
+        and isinstance(a.get("entries"), dict)
+        and all(
+            isinstance(sources, list) and all(isinstance(s, str) for s in sources)
+            for sources in a["entries"].values()
+        )
+        for a in agents
+    ):
+        return data  # not of that form: refused as it is, naming what does not fit
+    lists: dict[str, dict[str, None]] = {}
+    converted = []
+    for i, agent in enumerate(agents):
+        names: dict[str, None] = {}
+        own = []
+        for written, sources in agent["entries"].items():
+            try:  # such a control plane left the grammar's form to its proxies
+                text = str(parse_entry(written))
+            except EntryError as exc:
+                raise ProtocolError(f"PolicySnapshot.agents[{i}].entries: {exc}") from None
+            for source in sources:
+                if source == "agent":
+                    own.append(text)
+                    continue
+                name = base_list(str(agent.get("organisation"))) if source == "base" else source
+                names[name] = None
+                lists.setdefault(name, {})[text] = None
+        order = sorted(names, key=lambda name: (not name.startswith("base:"), name))
+        body = {k: v for k, v in agent.items() if k != "entries"}
+        converted.append({**body, "lists": order, "own": "\n".join(own)})
+    return {**data, "agents": converted, "lists": {n: "\n".join(e) for n, e in lists.items()}}
+
+
+# The form of the policy a proxy of before shared lists reads (``GET /api/v1/egress/policy/``
+# without ``?v=2``): each agent's whole allowlist, entry → where it comes from.
+POLICY_FORM = "2"
+
+
+def snapshot_v1_json(snapshot: PolicySnapshot) -> dict[str, Any]:
+    """The snapshot as a proxy of before shared lists reads it: no ``lists``, and each agent
+    with ``entries`` (entry → its sources, ``base``, ``template:<slug>``, ``agent``)."""
+    agents = []
+    for agent in snapshot.agents:
+        entries: dict[str, list[str]] = {}
+        named = [(source_of(name), snapshot.lists.get(name, "")) for name in agent.lists]
+        for source, lines in [*named, ("agent", agent.own)]:
+            for text in lines.split("\n") if lines else ():
+                entries.setdefault(text, []).append(source)
+        body = agent.to_json()
+        del body["lists"], body["own"]
+        agents.append({**body, "entries": entries})
+    return {
+        "generation": snapshot.generation,
+        "agents": agents,
+        "built_in": [b.to_json() for b in snapshot.built_in],
+    }
 
 
 # The policy stream (egress/stream/): a proxy on a runner host holds one request open and reads
@@ -78,12 +158,15 @@ STREAM_HEADER = "Covey-Policy-Stream"
 @dataclasses.dataclass(frozen=True)
 class PolicyDelta(Message):
     """What changed from generation ``since`` to ``generation``: the agents added or changed
-    (each whole) and the ids of agents gone. Built-in destinations never change in a stream."""
+    (each whole) and the ids of agents gone; the shared lists added or changed (each whole)
+    and the names of those gone. Built-in destinations never change in a stream."""
 
     since: str
     generation: str
     agents: tuple[AgentSnapshot, ...] = ()
     removed: tuple[int, ...] = ()
+    lists: dict[str, str] = dataclasses.field(default_factory=dict)
+    lists_removed: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,15 +9,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Prefetch, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from agents.models import Agent
-from agents.services import effective_allowlist
 from budgets.keys import gateway_destination
 from budgets.services import exhausted
 from egress.models import Decision, EgressToken, ProxySession
-from egress.policy import hash_token
+from egress.policy import base_list, hash_token
 from egress.protocol import (
     AgentSnapshot,
     BuiltIn,
@@ -112,51 +111,74 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
 
 
 def build_snapshot(organisation_id: int | None = None) -> PolicySnapshot:
-    """Everything the proxy needs: agents, their effective lists and live tokens."""
+    """Everything the proxy needs: the shared lists, the agents and their live tokens."""
     with transaction.atomic():  # one consistent read
         generation = policy_fingerprint(organisation_id)
         agents = agent_snapshots(organisation_id)
-    return PolicySnapshot(generation=generation, agents=tuple(agents), built_in=built_in())
+        lists = shared_lists(organisation_id)
+    return PolicySnapshot(generation, tuple(agents), built_in(), lists)
+
+
+def shared_lists(organisation_id: int | None) -> dict[str, str]:
+    """The lists agents share, by name (as they are stored: in the grammar's form): each
+    organisation's base list (``base:<slug>``) and every template (``template:<slug>``)."""
+    organisations = _scoped(Organisation.objects.all(), organisation_id, "pk")
+    lists = {
+        base_list(slug): "\n".join(entries)
+        for slug, entries in organisations.values_list("slug", "base_allowlist")
+    }
+    templates = AllowlistTemplate.objects.order_by("slug").values_list("slug", "entries")
+    lists.update((f"template:{slug}", "\n".join(entries)) for slug, entries in templates)
+    return lists
 
 
 def agent_snapshots(
     organisation_id: int | None, ids: Collection[int] | None = None
 ) -> list[AgentSnapshot]:
     """The organisation's agents as the proxy decides for them: all of them, or those of
-    ``ids`` that exist (the policy stream reads only the agents a change named)."""
-    now = timezone.now()
-    agents = _scoped(
-        Agent.objects.select_related("organisation").prefetch_related(
-            "templates",
-            Prefetch(
-                "tokens",
-                queryset=EgressToken.objects.filter(revoked_at__isnull=True, expires_at__gt=now),
-                to_attr="live_tokens",
-            ),
-        ),
-        organisation_id,
-        "organisation_id",
-    )
+    ``ids`` that exist (the policy stream reads only the agents a change named). Three
+    queries, whatever the number of agents, and no entry parsed: they are stored in the
+    grammar's form."""
+    agents = _scoped(Agent.objects.all(), organisation_id, "organisation_id")
     if ids is not None:
         agents = agents.filter(pk__in=list(ids))
+    rows = list(
+        agents.values_list(
+            "pk", "slug", "organisation__slug", "enabled", "allowlist", "organisation_id"
+        )
+    )
+    chosen = [row[0] for row in rows] if ids is not None else None
+    templates: dict[int, list[str]] = {}
+    through = Agent.templates.through.objects.order_by("allowlisttemplate__slug")
+    tokens: dict[int, list[TokenSnapshot]] = {}
+    live = EgressToken.objects.filter(revoked_at__isnull=True, expires_at__gt=timezone.now())
+    through = _agents_of(through, organisation_id, chosen)
+    live = _agents_of(live, organisation_id, chosen)
+    for agent_id, slug in through.values_list("agent_id", "allowlisttemplate__slug"):
+        templates.setdefault(agent_id, []).append(f"template:{slug}")
+    for agent_id, sha256, expires_at in live.values_list("agent_id", "sha256", "expires_at"):
+        tokens.setdefault(agent_id, []).append(TokenSnapshot(sha256, expires_at.timestamp()))
     used_up = exhausted(organisation_id)
     return [
         AgentSnapshot(
-            id=agent.pk,
-            username=agent_username(agent),
-            organisation=agent.organisation.slug,
-            enabled=agent.enabled,
-            budget_exhausted=agent.pk in used_up[0] or agent.organisation_id in used_up[1],
-            entries={
-                str(entry): tuple(sources) for entry, sources in effective_allowlist(agent).items()
-            },
-            tokens=tuple(
-                TokenSnapshot(sha256=t.sha256, expires_at=t.expires_at.timestamp())
-                for t in agent.live_tokens
-            ),
+            id=pk,
+            username=f"{organisation}.{slug}",
+            organisation=organisation,
+            enabled=enabled,
+            budget_exhausted=pk in used_up[0] or organisation_pk in used_up[1],
+            lists=(base_list(organisation), *templates.get(pk, ())),
+            own="\n".join(own),
+            tokens=tuple(tokens.get(pk, ())),
         )
-        for agent in agents
+        for pk, slug, organisation, enabled, own, organisation_pk in rows
     ]
+
+
+def _agents_of(queryset: Any, organisation_id: int | None, ids: list[int] | None) -> Any:
+    """Rows that belong to agents: those of ``ids``, else the organisation's (else all)."""
+    if ids is not None:
+        return queryset.filter(agent_id__in=ids)
+    return _scoped(queryset, organisation_id, "agent__organisation_id")
 
 
 def built_in() -> tuple[BuiltIn, ...]:

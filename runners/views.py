@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, permissions, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -22,10 +22,10 @@ from egress import services as egress
 from egress.messages import (
     BatchRefusalSerializer,
     DecisionBatchSerializer,
-    PolicySnapshotSerializer,
+    PolicySerializer,
     RecordedSerializer,
 )
-from egress.protocol import STREAM_HEADER, DecisionBatch
+from egress.protocol import POLICY_FORM, STREAM_HEADER, DecisionBatch, snapshot_v1_json
 from organisations.api import OrganisationScoped
 from runners import services
 from runners.auth import RunnerEndpoint
@@ -305,14 +305,27 @@ def _me(runner: Runner) -> Any:
 class EgressPolicyView(RunnerEndpoint):
     """For proxies on runners: the egress policy of the runner's organisation.
 
-    Answers 304 when ``If-None-Match`` names the current generation. Where the policy stream
+    Answers 304 when ``If-None-Match`` names the current generation. A proxy asks for the
+    policy with shared lists (``?v=2``, described here); one of before gets each agent's whole
+    allowlist (``entries``: entry → sources) instead. Where the policy stream
     runs (COVEY_EGRESS_STREAM_URL), every answer names it in ``Covey-Policy-Stream``, and a
     proxy follows it from then on instead of polling (egress/stream/).
     """
 
     seen_as = "proxy"
 
-    @extend_schema(responses={200: PolicySnapshotSerializer, 304: None})
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "v",
+                str,
+                enum=[POLICY_FORM],
+                description="2: the policy with shared lists; without it, as a proxy of before"
+                " them reads it",
+            )
+        ],
+        responses={200: PolicySerializer, 304: None},
+    )
     def get(self, request: Request) -> Response:
         runner = self.runner(request)
         generation = egress.policy_fingerprint(runner.organisation_id)
@@ -323,7 +336,9 @@ class EgressPolicyView(RunnerEndpoint):
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers=headers)
         snapshot = egress.build_snapshot(runner.organisation_id)
         headers["ETag"] = f'"{snapshot.generation}"'
-        return Response(snapshot.to_json(), headers=headers)
+        if request.query_params.get("v") == POLICY_FORM:
+            return Response(snapshot.to_json(), headers=headers)
+        return Response(snapshot_v1_json(snapshot), headers=headers)  # a proxy of before
 
 
 class DecisionIngestView(RunnerEndpoint):

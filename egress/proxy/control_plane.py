@@ -20,6 +20,7 @@ import httpx
 
 from egress.environment import DESK_TOKEN_HEADER as TOKEN_HEADER
 from egress.protocol import (
+    POLICY_FORM,
     STREAM_HEADER,
     STREAM_KEEPALIVE,
     DecisionBatch,
@@ -91,7 +92,9 @@ class ControlPlaneSource:
         headers = self._headers()
         if known_generation:
             headers["If-None-Match"] = f'"{known_generation}"'
-        response = self._client.get("/api/v1/egress/policy/", headers=headers)
+        response = self._client.get(
+            "/api/v1/egress/policy/", params={"v": POLICY_FORM}, headers=headers
+        )
         if response.status_code == 304:
             self.stream_url = self._stream_url(response)
             return None
@@ -133,7 +136,8 @@ class ControlPlaneSource:
         headers = self._headers()
         if known_generation:
             headers["If-None-Match"] = f'"{known_generation}"'
-        with self._stream_client.stream("GET", url, headers=headers) as response:
+        params = {"v": POLICY_FORM}
+        with self._stream_client.stream("GET", url, params=params, headers=headers) as response:
             if response.status_code != 200:
                 response.read()
                 raise OSError(

@@ -140,6 +140,10 @@ class Store(Protocol):
         """Those of ``ids`` that are the organisation's agents now (None: all of them)."""
         ...
 
+    def lists(self, organisation_id: int) -> dict[str, str]:
+        """The lists the organisation's agents share now (its base list, the templates)."""
+        ...
+
     def used_up(self, organisation_id: int) -> set[int]:
         """The organisation's agents whose budget, or the organisation's, is used up now."""
         ...
@@ -207,7 +211,9 @@ class Organisation:
         self.dropped = False
         self.agents: dict[int, AgentSnapshot] = {a.id: a for a in snapshot.agents}
         self.built_in = snapshot.built_in
-        self.history: deque[tuple[str, frozenset[int]]] = deque(maxlen=HISTORY)
+        self.lists: dict[str, str] = dict(snapshot.lists)
+        # Each generation's predecessor, and the agents and the shared lists it changed.
+        self.history: deque[tuple[str, frozenset[int], frozenset[str]]] = deque(maxlen=HISTORY)
         self.followers: set[Follower] = set()
         self.idle_since: float | None = time.monotonic()
         self._snapshot: bytes | None = None
@@ -216,12 +222,22 @@ class Organisation:
     def generation(self) -> str:
         return f"{self.nonce}.{self.number}"
 
-    def update(self, agents: Iterable[AgentSnapshot], gone: Iterable[int]) -> PolicyDelta | None:
-        """Take what was read: a new generation when anything differs, sent to every follower
-        as one delta; None when nothing does."""
+    def update(
+        self,
+        agents: Iterable[AgentSnapshot],
+        gone: Iterable[int],
+        lists: dict[str, str] | None = None,
+    ) -> PolicyDelta | None:
+        """Take what was read (``lists``: all the shared lists, when they were read): a new
+        generation when anything differs, sent to every follower as one delta; None when
+        nothing does."""
         changed = tuple(a for a in agents if self.agents.get(a.id) != a)
         removed = tuple(sorted({i for i in gone if i in self.agents}))
-        if not changed and not removed:
+        if lists is None:
+            lists = self.lists
+        new_lists = {n: entries for n, entries in lists.items() if self.lists.get(n) != entries}
+        lists_removed = tuple(sorted(set(self.lists) - set(lists)))
+        if not (changed or removed or new_lists or lists_removed):
             return None
         since = self.generation
         self.number += 1
@@ -229,9 +245,11 @@ class Organisation:
             self.agents[agent.id] = agent
         for agent_id in removed:
             del self.agents[agent_id]
-        self.history.append((since, frozenset([*(a.id for a in changed), *removed])))
+        self.lists = dict(lists)
+        touched = frozenset([*(a.id for a in changed), *removed])
+        self.history.append((since, touched, frozenset([*new_lists, *lists_removed])))
         self._snapshot = None
-        delta = PolicyDelta(since, self.generation, changed, removed)
+        delta = PolicyDelta(since, self.generation, changed, removed, new_lists, lists_removed)
         line = encode(delta)
         for follower in tuple(self.followers):
             follower.send(line)
@@ -242,19 +260,24 @@ class Organisation:
         agents changed since (when ``known`` is recent), or the whole snapshot."""
         if known == self.generation:
             return encode(Current(known))
-        for n, (since, _) in enumerate(self.history):
+        for n, (since, _, _) in enumerate(self.history):
             if since == known:
-                touched = frozenset().union(*(ids for _, ids in list(self.history)[n:]))
+                later = list(self.history)[n:]
+                touched = frozenset[int]().union(*(ids for _, ids, _ in later))
+                names = frozenset[str]().union(*(names for _, _, names in later))
                 return encode(
                     PolicyDelta(
                         known,
                         self.generation,
                         tuple(self.agents[i] for i in sorted(touched) if i in self.agents),
                         tuple(sorted(i for i in touched if i not in self.agents)),
+                        {n: self.lists[n] for n in sorted(names) if n in self.lists},
+                        tuple(sorted(n for n in names if n not in self.lists)),
                     )
                 )
         if self._snapshot is None:
-            snapshot = PolicySnapshot(self.generation, tuple(self.agents.values()), self.built_in)
+            agents = tuple(self.agents.values())
+            snapshot = PolicySnapshot(self.generation, agents, self.built_in, self.lists)
             self._snapshot = encode(snapshot)
         return self._snapshot
 
@@ -519,11 +542,11 @@ class Hub:
                 continue
             finally:
                 self._reading_since = None
-            for organisation_id, (agents, gone) in read.items():
+            for organisation_id, (agents, gone, lists) in read.items():
                 organisation = targets[organisation_id]
                 if self.organisations.get(organisation_id) is not organisation:
                     continue
-                if organisation.update(agents, gone) is not None:
+                if organisation.update(agents, gone, lists) is not None:
                     self.changes += 1
             self._answer_barriers(barriers)
 
@@ -531,14 +554,17 @@ class Hub:
         self,
         wanted: dict[int, tuple[set[int] | None, bool]],
         targets: dict[int, Organisation],
-    ) -> dict[int, tuple[list[AgentSnapshot], set[int]]]:
-        """In a thread: what each organisation's changes name, as read now."""
+    ) -> dict[int, tuple[list[AgentSnapshot], set[int], dict[str, str] | None]]:
+        """In a thread: what each organisation's changes name, as read now (its shared lists
+        too, when the change is the organisation's or everything's)."""
         read = {}
         for organisation_id, (ids, budgets) in wanted.items():
             organisation = targets[organisation_id]
             held = set(organisation.agents)
+            lists = None
             if ids is None:
                 agents = self.store.agents(organisation_id, None)
+                lists = self.store.lists(organisation_id)
                 gone = held - {a.id for a in agents}
             elif ids:
                 agents = self.store.agents(organisation_id, ids)
@@ -553,7 +579,7 @@ class Hub:
                     for agent in list(organisation.agents.values())
                     if agent.id not in fresh and agent.budget_exhausted != (agent.id in used_up)
                 ]
-            read[organisation_id] = (agents, gone)
+            read[organisation_id] = (agents, gone, lists)
         return read
 
     async def _sweep(self) -> None:

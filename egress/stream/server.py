@@ -2,11 +2,14 @@
 token, ``GET …/stream/sync/`` (a barrier: the generation that holds every change committed
 before it), and the process's health.
 
-The request says the generation the proxy holds (``If-None-Match``, as a poll does). The answer
-is ``application/x-ndjson``, a line of JSON each (egress/protocol.py, ``StreamLine``): first
-what brings the proxy up to date (that it is current, the agents changed since, or the whole
-snapshot), then a delta for each change, and a ``current`` line whenever nothing has been sent
-for ``STREAM_KEEPALIVE`` seconds. The stream ends when the runner's token stops being valid or
+The request asks for the policy with shared lists (``?v=2``; a proxy of before them is
+refused, and polls) and says the generation the proxy holds (``If-None-Match``, as a poll
+does). The answer is ``application/x-ndjson``, a line of JSON each (egress/protocol.py,
+``StreamLine``): first what brings the proxy up to date (that it is current, what changed
+since, or the whole snapshot), then a delta for each change, and a ``current`` line whenever
+nothing has been sent for ``STREAM_KEEPALIVE`` seconds.
+
+The stream ends when the runner's token stops being valid or
 the process stops hearing the database; the proxy polls then, and comes back.
 """
 
@@ -22,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from egress.protocol import STREAM_KEEPALIVE
+from egress.protocol import POLICY_FORM, STREAM_KEEPALIVE
 from egress.stream.hub import Hub, Notices, Unauthorized, Unavailable
 from status import metrics_refusal
 
@@ -81,6 +84,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
     token = _token(request)
     if token is None:
         return _problem(401, "give the runner token: Authorization: Runner <token>")
+    if request.query.get("v") != POLICY_FORM:  # a proxy of before shared lists polls instead
+        return _problem(400, f"the stream sends the policy with shared lists: ask ?v={POLICY_FORM}")
     try:
         follower, first = await hub.follow(token, _generation(request))
     except Unauthorized:

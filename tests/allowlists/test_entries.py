@@ -3,10 +3,13 @@
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allowlists.entries import (
     Entry,
     EntryError,
+    _parse,
     normalise_entries,
     parse_entries,
     parse_entry,
@@ -198,3 +201,28 @@ def test_host_port_is_split_one_way_everywhere(text, default, expected):
 def test_a_bad_host_port_says_what_is_wrong(text, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         split_host_port(text)
+
+
+def _outcome(parse, text):
+    try:
+        return parse(text)
+    except EntryError as exc:
+        return type(exc), str(exc)
+
+
+# Names near the fast path's edges: hyphens 3rd and 4th (``xn--``), numeric last labels, long
+# labels and names, ports out of range, upper case, a trailing dot.
+_NEAR_PLAIN = st.text(alphabet="abx0123456789-.:nA", min_size=1, max_size=12)
+_LONG = st.builds(
+    lambda label, count, port: ".".join([label] * count) + port,
+    st.text(alphabet="ab-1", min_size=1, max_size=70),
+    st.integers(1, 6),
+    st.sampled_from(["", ":443", ":0", ":65535", ":65536", ":08"]),
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.one_of(_NEAR_PLAIN, _LONG))
+def test_the_fast_path_decides_as_the_whole_grammar(text):
+    """A plain name skips UTS #46 and IDNA: the answer (or the refusal) is the same."""
+    assert _outcome(parse_entry, text) == _outcome(_parse, text)

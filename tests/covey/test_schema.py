@@ -83,9 +83,12 @@ def test_the_internal_schema_describes_the_proxys_bodies_from_their_dataclasses(
     internal = paths_of(client, "/api/v1/schema/internal/")
     schemas = internal["components"]["schemas"]
     policy = internal["paths"]["/api/v1/egress/policy/"]["get"]["responses"]["200"]
-    assert policy["content"]["application/json"]["schema"]["$ref"].endswith("/PolicySnapshot")
+    assert policy["content"]["application/json"]["schema"]["$ref"].endswith("/Policy")
+    forms = [ref["$ref"].rsplit("/", 1)[1] for ref in schemas["Policy"]["anyOf"]]
+    assert forms == ["PolicySnapshot", "PolicySnapshotV1"]
     agent = schemas["AgentSnapshot"]["properties"]
-    assert {"id", "username", "enabled", "budget_exhausted", "entries", "tokens"} <= set(agent)
+    assert {"id", "username", "enabled", "budget_exhausted", "lists", "own", "tokens"} <= set(agent)
+    assert "lists" in schemas["PolicySnapshot"]["properties"]
     batch = internal["paths"]["/api/v1/egress/decisions/"]["post"]["requestBody"]
     assert batch["content"]["application/json"]["schema"]["$ref"].endswith("/DecisionBatch")
     events = schemas["DecisionBatch"]["properties"]["events"]

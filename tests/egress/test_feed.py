@@ -389,7 +389,7 @@ def test_a_start_not_written_yet_is_owed_even_when_the_buffer_overflows():
 def agent_snapshot(agent_id: int, host: str, token: str) -> AgentSnapshot:
     return AgentSnapshot(
         id=agent_id, username=f"acme.a{agent_id}", organisation="acme", enabled=True,
-        budget_exhausted=False, entries={host: ("agent",)},
+        budget_exhausted=False, lists=(), own=host,
         tokens=(TokenSnapshot(sha256=token, expires_at=4e9),),
     )  # fmt: skip
 

@@ -30,7 +30,7 @@ from egress.proxy.layers import (
 from egress.proxy.lookups import LookUp
 from egress.proxy.tunnels import Tunnel
 
-AGENT = AgentPolicy(7, "acme.builder", "acme", True, False, {})
+AGENT = AgentPolicy(7, "acme.builder", "acme", True, False, ())
 HELLO = b"\x16\x03\x01 a ClientHello naming good.test"
 
 

@@ -30,6 +30,13 @@ def basic(username, secret):
     return "Basic " + base64.b64encode(f"{username}:{secret}".encode()).decode()
 
 
+LISTS = {
+    "base:acme": "api.anthropic.com\ngit.example",
+    "template:debian-ubuntu": "deb.example:80",
+    "template:unused": "unused.example",
+}
+
+
 def snapshot(**agent_overrides):
     agent = {
         "id": 7,
@@ -37,16 +44,12 @@ def snapshot(**agent_overrides):
         "organisation": "acme",
         "enabled": True,
         "budget_exhausted": False,
-        "entries": {
-            "api.anthropic.com": ["base"],
-            "deb.example:80": ["template:debian-ubuntu"],
-            "git.example": ["agent"],
-            "git.example:8443": ["agent"],
-        },
+        "lists": ["base:acme", "template:debian-ubuntu"],
+        "own": "git.example\ngit.example:8443",  # an entry per line
         "tokens": [{"sha256": hash_token("s3cret"), "expires_at": NOW + 60}],
     }
     agent.update(agent_overrides)
-    return {"generation": "g1", "agents": [agent]}
+    return {"generation": "g1", "agents": [agent], "lists": LISTS}
 
 
 def from_json(data: dict) -> Policy:
@@ -169,12 +172,31 @@ class TestDecision:
             {},
             {"generation": "g", "agents": [{"id": 1}]},
             {"generation": "g", "agents": "nope"},
-            snapshot(entries={"*.example": ["agent"]}),
+            snapshot(own=["git.example"]),
+            {**snapshot(), "lists": {"base:acme": ["api.anthropic.com"]}},
+            {**snapshot(), "built_in": [{"host": "a b", "port": 1, "name": "gw"}]},
         ],
     )
     def test_a_malformed_snapshot_is_rejected_not_half_used(self, bad):
         with pytest.raises(ValueError, match=r"malformed policy snapshot|PolicySnapshot"):
             from_json(bad)
+
+    @pytest.mark.parametrize(
+        "entry", ["*.example", "Git.Example", "git.example:443", "git.example.", "8.8.8.8", ""]
+    )
+    def test_an_entry_not_in_the_grammars_form_matches_nothing(self, entry):
+        """The proxy never parses entries: what is asked is put in the grammar's form, so an
+        entry in any other form allows nothing (it fails closed)."""
+        agent = from_json(snapshot(own=entry, lists=[])).agents[7]
+        for host, port in [("a.example", 443), ("git.example", 443), ("8.8.8.8", 443)]:
+            decision = by_name(agent, host, port, plain_http=False, at_capacity=False)
+            assert not decision.allowed
+
+    def test_a_list_the_snapshot_does_not_hold_is_empty(self):
+        agent = from_json(snapshot(lists=["template:made-meanwhile"])).agents[7]
+        decision = by_name(agent, "api.anthropic.com", 443, plain_http=False, at_capacity=False)
+        assert decision.code is Code.NOT_ON_ALLOWLIST
+        assert by_name(agent, "git.example", 8443, plain_http=False, at_capacity=False).allowed
 
 
 class TestAddresses:
@@ -252,8 +274,19 @@ class TestAddresses:
         assert str(chosen) == "1.1.1.1"
 
 
-def test_entries_in_a_snapshot_are_parsed_with_the_grammar(policy):
-    assert Entry("git.example", 8443) in policy.agents[7].entries
+def test_an_entry_comes_from_every_list_that_holds_it_in_order(policy):
+    agent = policy.agents[7]
+    assert agent.sources(Entry("git.example", 443)) == ("base", "agent")
+    assert agent.sources(Entry("git.example", 8443)) == ("agent",)
+    assert agent.sources(Entry("unused.example", 443)) == ()
+    assert agent.hosts == {"api.anthropic.com", "git.example", "deb.example"}
+
+
+def test_shared_lists_are_held_once_for_every_agent():
+    other = {**snapshot()["agents"][0], "id": 8, "username": "acme.other", "tokens": []}
+    policy = from_json({**snapshot(), "agents": [snapshot()["agents"][0], other]})
+    (base7, _, _), (base8, _, _) = policy.agents[7].lists, policy.agents[8].lists
+    assert base7[1] is base8[1] is policy.lists["base:acme"]
 
 
 class TestPipeline:
@@ -372,7 +405,8 @@ def test_a_delta_replaces_its_agents_and_their_tokens_and_removes_the_gone():
     policy = from_json({**snapshot(), "agents": [builder, other]})
     changed = {
         **builder,
-        "entries": {"new.example": ["agent"]},
+        "lists": [],
+        "own": "new.example",
         "tokens": [{"sha256": hash_token("fresh"), "expires_at": NOW + 60}],
     }
     delta = PolicyDelta.from_json(
@@ -381,7 +415,7 @@ def test_a_delta_replaces_its_agents_and_their_tokens_and_removes_the_gone():
     applied = policy.apply(delta)
     assert applied.generation == "g2"
     assert set(applied.agents) == {7}
-    assert [str(e) for e in applied.agents[7].entries] == ["new.example"]
+    assert [(n, held.texts) for n, held in applied.agents[7].lists] == [("agent", ("new.example",))]
     # The changed agent's old token is gone with it; the removed agent's too.
     assert set(applied.tokens) == {hash_token("fresh")}
     assert applied.built_in == policy.built_in
@@ -392,3 +426,30 @@ def test_a_delta_from_another_generation_is_refused():
     policy = from_json(snapshot())
     with pytest.raises(ValueError, match="a delta from g0"):
         policy.apply(PolicyDelta(since="g0", generation="g1"))
+
+
+def test_a_delta_of_a_shared_list_reaches_every_agent_that_has_it_and_no_other():
+    builder = snapshot()["agents"][0]
+    other = {**builder, "id": 8, "username": "acme.other", "tokens": [],
+             "lists": ["template:debian-ubuntu"]}  # fmt: skip
+    policy = from_json({**snapshot(), "agents": [builder, other]})
+    delta = PolicyDelta.from_json(
+        {
+            "since": "g1",
+            "generation": "g2",
+            "lists": {"base:acme": "mirror.example"},
+            "lists_removed": ["template:unused"],
+        }
+    )
+    applied = policy.apply(delta)
+    ask = lambda agent_id, host: check_request(  # noqa: E731
+        applied, Attempt(basic("acme.builder", "s3cret"), host, 443), NOW
+    ) if agent_id == 7 else by_name(applied.agents[8], host, 443, plain_http=False,
+                                    at_capacity=False)  # fmt: skip
+    assert ask(7, "mirror.example").allowed
+    assert ask(7, "api.anthropic.com").code is Code.NOT_ON_ALLOWLIST
+    assert ask(7, "git.example").sources == ("agent",)
+    assert not ask(8, "mirror.example").allowed
+    assert applied.agents[8] is policy.agents[8]  # untouched
+    assert set(applied.lists) == {"base:acme", "template:debian-ubuntu"}
+    assert policy.agents[7].sources(Entry("api.anthropic.com")) == ("base",)  # the old one

@@ -155,9 +155,12 @@ def test_the_stream_refuses_what_is_no_runners_token_and_shows_metrics_to_their_
     with policy_stream(tmp_path, database, COVEY_METRICS_TOKEN="m" * 32) as stream:
         assert httpx.get(stream, timeout=5).status_code == 401
         headers = {"Authorization": "Runner covey-run-no"}
-        answer = httpx.get(stream, headers=headers, timeout=5)
+        answer = httpx.get(stream, headers=headers, params={"v": "2"}, timeout=5)
         assert answer.status_code == 401
         assert answer.json() == {"detail": "unknown runner token"}
+        # A proxy of before shared lists is told so, and polls (its form is served there).
+        answer = httpx.get(stream, headers=headers, timeout=5)
+        assert answer.status_code == 400 and "?v=2" in answer.json()["detail"]
         base = stream.split("/api/")[0]
         assert httpx.get(f"{base}/metrics", timeout=5).status_code == 401
         metrics = httpx.get(

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from allowlists.entries import Entry
 from egress.policy import Policy
 from egress.protocol import (
     AgentSnapshot,
@@ -39,7 +40,8 @@ def agent(agent_id, organisation=ACME, entries=("good.test",), **fields):
         organisation=f"org{organisation}",
         enabled=True,
         budget_exhausted=False,
-        entries={e: ("agent",) for e in entries},
+        lists=("base:org1",),
+        own="\n".join(entries),
         tokens=(TokenSnapshot(sha256=f"{agent_id:064x}", expires_at=4e9),),
         **fields,
     )
@@ -50,6 +52,10 @@ class Store:
 
     def __init__(self):
         self.agents_of = {ACME: {1: agent(1), 2: agent(2)}, GLOBEX: {3: agent(3, GLOBEX)}}
+        self.lists_of = {
+            ACME: {"base:org1": "base.test", "template:t": "t.test"},
+            GLOBEX: {"base:org2": "", "template:t": "t.test"},
+        }
         self.exhausted: set[int] = set()
         self.runners = {"acme-token": Runner(ACME, "a" * 64, "edge-1")}
         self.reads: list[tuple[int, object]] = []
@@ -58,7 +64,13 @@ class Store:
     def load(self, organisation_id):
         self._check()
         self.reads.append((organisation_id, "load"))
-        return PolicySnapshot("ignored", tuple(self.agents_of[organisation_id].values()))
+        agents = tuple(self.agents_of[organisation_id].values())
+        return PolicySnapshot("ignored", agents, (), dict(self.lists_of[organisation_id]))
+
+    def lists(self, organisation_id):
+        self._check()
+        self.reads.append((organisation_id, "lists"))
+        return dict(self.lists_of[organisation_id])
 
     def agents(self, organisation_id, ids):
         self._check()
@@ -165,7 +177,7 @@ def test_a_new_follower_gets_the_whole_snapshot_and_then_one_delta_per_change():
         assert isinstance(delta, PolicyDelta)
         assert delta.since == snapshot.generation
         assert [a.id for a in delta.agents] == [2] and delta.removed == ()
-        assert set(delta.agents[0].entries) == {"good.test", "new.test"}
+        assert delta.agents[0].own == "good.test\nnew.test"
         # Only the agent the notice named was read.
         assert store.reads[-1] == (ACME, [2])
         # What the proxy holds is what the hub holds.
@@ -219,6 +231,29 @@ def test_a_budget_used_up_flips_the_flag_without_reading_the_agents():
     running(test)
 
 
+def test_a_shared_list_changed_is_sent_alone_and_reaches_every_agent_that_has_it():
+    async def test(hub, store, notices):
+        follower, first = await hub.follow("acme-token", None)
+        snapshot = parsed(first)
+        assert snapshot.lists == store.lists_of[ACME]
+        store.lists_of[ACME] = {"base:org1": "base.test\nmirror.test"}  # a template gone
+        notices.send(EVERYTHING)
+        await settle()
+        (delta,) = lines(follower)
+        assert (delta.agents, delta.removed) == ((), ())  # no agent changed: none is sent
+        assert delta.lists == {"base:org1": "base.test\nmirror.test"}
+        assert delta.lists_removed == ("template:t",)
+        policy = Policy.from_snapshot(snapshot).apply(delta)
+        assert policy.agents[1].sources(Entry("mirror.test")) == ("base",)
+        # One that comes back from before the change is sent the lists too.
+        hub.unfollow(follower)
+        _, again = await hub.follow("acme-token", snapshot.generation)
+        caught_up = parsed(again)
+        assert (caught_up.lists, caught_up.lists_removed) == (delta.lists, delta.lists_removed)
+
+    running(test)
+
+
 def test_a_follower_that_comes_back_gets_what_it_missed_or_that_it_is_current():
     async def test(hub, store, notices):
         follower, first = await hub.follow("acme-token", None)
@@ -232,7 +267,7 @@ def test_a_follower_that_comes_back_gets_what_it_missed_or_that_it_is_current():
         caught_up = parsed(again)
         assert isinstance(caught_up, PolicyDelta)
         assert caught_up.since == start and [a.id for a in caught_up.agents] == [1]
-        assert set(caught_up.agents[0].entries) == {"b.test"}
+        assert caught_up.agents[0].own == "b.test"
         _, current = await hub.follow("acme-token", caught_up.generation)
         assert parsed(current).to_json() == {"generation": caught_up.generation}
         # A generation the hub never made (a polled one, another process's): the snapshot.
@@ -268,7 +303,7 @@ def test_an_unknown_token_is_refused_and_so_is_everyone_while_notices_are_lost()
                 break
         _, first = await hub.follow("acme-token", None)
         (one,) = [a for a in parsed(first).agents if a.id == 1]
-        assert set(one.entries) == {"while-away.test"}
+        assert one.own == "while-away.test"
         task.cancel()
 
     asyncio.run(main())
@@ -315,7 +350,7 @@ def test_changes_noticed_while_an_organisation_loads_are_read_after_it():
         await settle()
         (delta,) = lines(follower)
         assert delta.since == parsed(first).generation
-        assert set(delta.agents[0].entries) == {"later.test"}
+        assert delta.agents[0].own == "later.test"
         task.cancel()
 
     asyncio.run(main())

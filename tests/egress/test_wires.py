@@ -13,12 +13,21 @@ import httpx
 import pytest
 from rest_framework.test import APIClient
 
+from allowlists.entries import Entry
 from egress.models import Decision, ProxySession
 from egress.policy import Code, Policy, hash_token
-from egress.protocol import CloseEvent, ConnectionKind, DecisionBatch, DecisionEvent
+from egress.protocol import (
+    CloseEvent,
+    ConnectionKind,
+    DecisionBatch,
+    DecisionEvent,
+    PolicySnapshot,
+    snapshot_v1_json,
+)
 from egress.proxy.control_plane import ControlPlaneSource
 from egress.proxy.feed import DecisionLog, PolicyFeed
 from egress.services import issue_token
+from templates.models import AllowlistTemplate
 from tests.factories import AgentFactory, online_runner
 from wire import ProtocolError
 
@@ -109,6 +118,31 @@ def test_the_policy_a_proxy_of_one_version_back_reads_keeps_its_shape(acme, sett
     assert body["built_in"] == [{"host": "gateway.example", "port": 8002, "name": "model gateway"}]
 
 
+@pytest.mark.django_db
+def test_a_proxy_that_asks_for_shared_lists_gets_each_list_once(acme):
+    npm = AllowlistTemplate.objects.get(slug="npm")
+    agents = [AgentFactory(organisation=acme, allowlist=[f"own-{n}.example"]) for n in range(3)]
+    for agent in agents:
+        agent.templates.add(npm)
+    _, runner_token = online_runner(acme)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Runner {runner_token}")
+    body = client.get("/api/v1/egress/policy/?v=2").json()
+    snapshot = PolicySnapshot.from_json(body)
+    base = f"base:{acme.slug}"
+    assert snapshot.lists[base] == "\n".join(acme.base_allowlist)
+    assert snapshot.lists["template:npm"] == "\n".join(npm.entries)
+    assert len(snapshot.lists) == 1 + AllowlistTemplate.objects.count()
+    served = {a.id: a for a in snapshot.agents}
+    for n, agent in enumerate(agents):
+        assert served[agent.pk].lists == (base, "template:npm")
+        assert served[agent.pk].own == f"own-{n}.example"
+    # The same policy as a proxy of before reads it: each agent's whole allowlist.
+    old = client.get("/api/v1/egress/policy/").json()
+    assert old == snapshot_v1_json(snapshot)
+    assert {tuple(a["entries"][npm.entries[0]]) for a in old["agents"]} == {("template:npm",)}
+
+
 def test_a_new_proxys_batch_is_the_shape_an_old_control_plane_takes():
     sent = old_events(7)
     assert DecisionBatch.from_json({"events": sent}).to_json() == {"events": sent}
@@ -168,19 +202,29 @@ def test_a_proxy_reads_the_policy_an_old_control_plane_serves():
         "agents": [
             {
                 "id": 7, "username": "acme.builder", "organisation": "acme", "enabled": True,
-                "budget_exhausted": False, "entries": {"git.example:443": ["agent"]},
+                "budget_exhausted": False, "entries": {"git.example": ["agent"]},
                 "tokens": [{"sha256": hash_token("s3cret"), "expires_at": AT}],
             }
         ],
         "built_in": [{"host": "gateway.example", "port": 8002, "name": "model gateway"}],
     }  # fmt: skip
+    old["agents"][0]["entries"].update(
+        {"api.example": ["base", "agent"], "deb.example:80": ["template:debian-ubuntu"]}
+    )
     source = ControlPlaneSource("http://control-plane.invalid", lambda: "t")
     source._client = httpx.Client(base_url=source.url, transport=served(old))
     snapshot = source(None)
-    assert snapshot is not None and snapshot.to_json() == old
+    assert snapshot is not None and snapshot_v1_json(snapshot) == old
+    assert snapshot.lists == {
+        "base:acme": "api.example",
+        "template:debian-ubuntu": "deb.example:80",
+    }
     policy = Policy.from_snapshot(snapshot)
-    assert policy.identify(("acme.builder", "s3cret"), AT - 1)[0] == policy.agents[7]
+    agent = policy.agents[7]
+    assert policy.identify(("acme.builder", "s3cret"), AT - 1)[0] == agent
     assert policy.built_in == {("gateway.example", 8002): "model gateway"}
+    assert agent.sources(Entry("api.example")) == ("base", "agent")
+    assert agent.sources(Entry("deb.example", 80)) == ("template:debian-ubuntu",)
 
 
 @pytest.mark.parametrize(
