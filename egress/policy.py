@@ -174,9 +174,8 @@ class EntryList:
     is looked up, so an entry in any other form matches nothing.
 
     A proxy holds every agent of its organisation and decides for the few that run on its
-    host: the entries are held as the snapshot has them, one text with an entry per line (a
-    fifth of the memory of a string each), and the set to look them up in is made when first
-    asked."""
+    host: the entries are held as the snapshot has them, one text with an entry per line (half
+    the memory of a string each), and the set to look them up in is made when first asked."""
 
     lines: str
 

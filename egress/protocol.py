@@ -42,10 +42,9 @@ class AgentSnapshot(Message):
     Its allowlist is the shared lists it has (``lists``: its organisation's base list, then
     its templates, named as in the snapshot's ``lists``) and its own entries (``own``: their
     source is ``agent``). A list of entries is one text, an entry per line (a policy may hold a
-    million: a string each would cost five times the memory and time). Entries are sent as the
-    grammar writes them
-    (allowlists/entries.py), and the proxy looks them up as they are: one in no other form
-    matches nothing."""
+    million: a string each would cost twice the memory, docs/performance.md). Entries are sent
+    as the grammar writes them (allowlists/entries.py), and the proxy looks them up as they
+    are: one in no other form matches nothing."""
 
     id: int
     username: str  # <organisation slug>.<agent slug>
