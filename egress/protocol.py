@@ -86,28 +86,31 @@ class PolicySnapshot(Message):
 
 
 def _from_v1(data: Any) -> Any:
-    """A snapshot of before shared lists in today's form (anything else as it is)."""
+    """A snapshot of before shared lists (its agents have ``entries``) in today's form;
+    anything else as it is. ProtocolError naming what does not fit."""
     agents = data.get("agents") if isinstance(data, dict) and "lists" not in data else None
-    if not isinstance(agents, list) or not all(
-        isinstance(a, dict)
-        and isinstance(a.get("entries"), dict)
-        and all(
-            isinstance(sources, list) and all(isinstance(s, str) for s in sources)
-            for sources in a["entries"].values()
-        )
-        for a in agents
+    if not isinstance(agents, list) or not any(
+        isinstance(a, dict) and "entries" in a for a in agents
     ):
-        return data  # not of that form: refused as it is, naming what does not fit
+        return data  # today's form, or no snapshot: decoded as it is
     lists: dict[str, dict[str, None]] = {}
     converted = []
     for i, agent in enumerate(agents):
+        where = f"PolicySnapshot.agents[{i}]"
+        if not isinstance(agent, dict):
+            raise ProtocolError(f"{where}: expected an object, got {type(agent).__name__}")
+        entries = agent.get("entries")
+        if not isinstance(entries, dict):
+            raise ProtocolError(f"{where}.entries: expected an object")
         names: dict[str, None] = {}
         own = []
-        for written, sources in agent["entries"].items():
+        for written, sources in entries.items():
+            if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+                raise ProtocolError(f"{where}.entries[{written!r}]: expected a list of text")
             try:  # such a control plane left the grammar's form to its proxies
                 text = str(parse_entry(written))
             except EntryError as exc:
-                raise ProtocolError(f"PolicySnapshot.agents[{i}].entries: {exc}") from None
+                raise ProtocolError(f"{where}.entries: {exc}") from None
             for source in sources:
                 if source == "agent":
                     own.append(text)

@@ -3,7 +3,8 @@
 import hashlib
 import secrets
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -110,9 +111,25 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
+@contextmanager
+def one_read() -> Iterator[None]:
+    """A transaction whose reads all see one moment (REPEATABLE READ on PostgreSQL, whose
+    default gives each statement a moment of its own): an agent's templates and what they
+    hold are read apart, and must be of one moment. Inside a transaction begun already: that
+    one (the caller's ``brief_transaction(one_read=True)``)."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        yield
+
+
 def build_snapshot(organisation_id: int | None = None) -> PolicySnapshot:
     """Everything the proxy needs: the shared lists, the agents and their live tokens."""
-    with transaction.atomic():  # one consistent read
+    with one_read():
         generation = policy_fingerprint(organisation_id)
         agents = agent_snapshots(organisation_id)
         lists = shared_lists(organisation_id)

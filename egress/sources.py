@@ -20,12 +20,16 @@ LOCK_TIMEOUT = "500ms"
 
 
 @contextmanager
-def brief_transaction() -> Iterator[None]:
+def brief_transaction(*, one_read: bool = False) -> Iterator[None]:
+    """A transaction that never waits on a lock for long; ``one_read``: its reads all see one
+    moment (REPEATABLE READ on PostgreSQL; a policy is read in several statements)."""
     connection.close_if_unusable_or_obsolete()  # per CONN_MAX_AGE and CONN_HEALTH_CHECKS
     try:
         with transaction.atomic():
             if connection.vendor == "postgresql":
                 with connection.cursor() as cursor:
+                    if one_read:
+                        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                     cursor.execute("SET LOCAL lock_timeout = %s", [LOCK_TIMEOUT])
             yield
     except Exception:
@@ -42,7 +46,7 @@ class DatabaseSource:
     def __call__(self, known_generation: str | None) -> "PolicySnapshot | None":
         from egress.services import build_snapshot, policy_fingerprint
 
-        with brief_transaction():
+        with brief_transaction(one_read=True):
             if known_generation == policy_fingerprint(self.organisation_id):
                 return None
             return build_snapshot(self.organisation_id)
@@ -99,20 +103,14 @@ class DatabaseStore:
     def load(self, organisation_id: int) -> PolicySnapshot:
         from egress.services import build_snapshot
 
-        with brief_transaction():
+        with brief_transaction(one_read=True):
             return build_snapshot(organisation_id)
 
     def agents(self, organisation_id: int, ids: Collection[int] | None) -> list[AgentSnapshot]:
         from egress.services import agent_snapshots
 
-        with brief_transaction():
+        with brief_transaction(one_read=True):
             return agent_snapshots(organisation_id, ids)
-
-    def lists(self, organisation_id: int) -> dict[str, str]:
-        from egress.services import shared_lists
-
-        with brief_transaction():
-            return shared_lists(organisation_id)
 
     def used_up(self, organisation_id: int) -> set[int]:
         from agents.models import Agent

@@ -306,8 +306,8 @@ class EgressPolicyView(RunnerEndpoint):
     """For proxies on runners: the egress policy of the runner's organisation.
 
     Answers 304 when ``If-None-Match`` names the current generation. A proxy asks for the
-    policy with shared lists (``?v=2``, described here); one of before gets each agent's whole
-    allowlist (``entries``: entry → sources) instead. Where the policy stream
+    policy with shared lists (``?v=2``); one of before gets each agent's whole allowlist
+    (``entries``: entry → sources) instead, and is not told of the stream. Where the policy stream
     runs (COVEY_EGRESS_STREAM_URL), every answer names it in ``Covey-Policy-Stream``, and a
     proxy follows it from then on instead of polling (egress/stream/).
     """
@@ -330,13 +330,14 @@ class EgressPolicyView(RunnerEndpoint):
         runner = self.runner(request)
         generation = egress.policy_fingerprint(runner.organisation_id)
         headers = {"ETag": f'"{generation}"'}
-        if settings.COVEY_EGRESS_STREAM_URL:
+        today = request.query_params.get("v") == POLICY_FORM
+        if settings.COVEY_EGRESS_STREAM_URL and today:  # the stream sends today's form only
             headers[STREAM_HEADER] = settings.COVEY_EGRESS_STREAM_URL
         if request.headers.get("If-None-Match") == headers["ETag"]:
             return Response(status=status.HTTP_304_NOT_MODIFIED, headers=headers)
         snapshot = egress.build_snapshot(runner.organisation_id)
         headers["ETag"] = f'"{snapshot.generation}"'
-        if request.query_params.get("v") == POLICY_FORM:
+        if today:
             return Response(snapshot.to_json(), headers=headers)
         return Response(snapshot_v1_json(snapshot), headers=headers)  # a proxy of before
 

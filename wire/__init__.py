@@ -11,6 +11,7 @@ boundaries").
 """
 
 import dataclasses
+import threading
 import types
 import typing
 import uuid
@@ -85,13 +86,17 @@ class _Misfit(Exception):
 
 Decoder = typing.Callable[[Any], Any]
 _DECODERS: dict[Any, Decoder] = {}
+_MAKING = threading.RLock()  # a decoder is published whole (the web process has 32 threads)
 
 
 def _decoder(kind: Any) -> Decoder:
     """How to decode a value of ``kind``, made once per type (a policy holds 10,000 agents)."""
     found = _DECODERS.get(kind)
     if found is None:
-        found = _DECODERS[kind] = _make_decoder(kind)
+        with _MAKING:
+            found = _DECODERS.get(kind)
+            if found is None:
+                found = _DECODERS[kind] = _make_decoder(kind)
     return found
 
 
@@ -203,7 +208,6 @@ def _mapping(item: Decoder) -> Decoder:
 
 def _message(kind: type[Any]) -> Decoder:
     hints = typing.get_type_hints(kind)
-    _DECODERS[kind] = lambda data: decoder(data)  # a message that holds its own kind
     fields = [
         (
             f.name,

@@ -140,10 +140,6 @@ class Store(Protocol):
         """Those of ``ids`` that are the organisation's agents now (None: all of them)."""
         ...
 
-    def lists(self, organisation_id: int) -> dict[str, str]:
-        """The lists the organisation's agents share now (its base list, the templates)."""
-        ...
-
     def used_up(self, organisation_id: int) -> set[int]:
         """The organisation's agents whose budget, or the organisation's, is used up now."""
         ...
@@ -562,9 +558,9 @@ class Hub:
             organisation = targets[organisation_id]
             held = set(organisation.agents)
             lists = None
-            if ids is None:
-                agents = self.store.agents(organisation_id, None)
-                lists = self.store.lists(organisation_id)
+            if ids is None:  # the agents and the lists they share, in one read
+                whole = self.store.load(organisation_id)
+                agents, lists = list(whole.agents), whole.lists
                 gone = held - {a.id for a in agents}
             elif ids:
                 agents = self.store.agents(organisation_id, ids)

@@ -17,6 +17,7 @@ from allowlists.entries import Entry
 from egress.models import Decision, ProxySession
 from egress.policy import Code, Policy, hash_token
 from egress.protocol import (
+    STREAM_HEADER,
     CloseEvent,
     ConnectionKind,
     DecisionBatch,
@@ -119,7 +120,10 @@ def test_the_policy_a_proxy_of_one_version_back_reads_keeps_its_shape(acme, sett
 
 
 @pytest.mark.django_db
-def test_a_proxy_that_asks_for_shared_lists_gets_each_list_once(acme):
+def test_a_proxy_that_asks_for_shared_lists_gets_each_list_once(acme, settings):
+    stream = settings.COVEY_EGRESS_STREAM_URL = (
+        "http://stream.example:8004/api/v1/egress/policy/stream/"
+    )
     npm = AllowlistTemplate.objects.get(slug="npm")
     agents = [AgentFactory(organisation=acme, allowlist=[f"own-{n}.example"]) for n in range(3)]
     for agent in agents:
@@ -137,9 +141,13 @@ def test_a_proxy_that_asks_for_shared_lists_gets_each_list_once(acme):
     for n, agent in enumerate(agents):
         assert served[agent.pk].lists == (base, "template:npm")
         assert served[agent.pk].own == f"own-{n}.example"
-    # The same policy as a proxy of before reads it: each agent's whole allowlist.
-    old = client.get("/api/v1/egress/policy/").json()
+    # The same policy as a proxy of before reads it: each agent's whole allowlist; and only
+    # today's proxies are told of the stream, which sends today's form alone.
+    answer = client.get("/api/v1/egress/policy/")
+    old = answer.json()
     assert old == snapshot_v1_json(snapshot)
+    assert STREAM_HEADER not in answer.headers
+    assert client.get("/api/v1/egress/policy/?v=2").headers[STREAM_HEADER] == stream
     assert {tuple(a["entries"][npm.entries[0]]) for a in old["agents"]} == {("template:npm",)}
 
 
@@ -191,6 +199,10 @@ def test_a_malformed_event_is_refused_with_a_400_naming_it_and_nothing_is_writte
     assert problem.startswith("events[2].reason: 'because' is not one of allowed, ")
 
 
+OLD_AGENT = {"id": 7, "username": "a.b", "organisation": "a", "enabled": True,
+             "budget_exhausted": False, "tokens": []}  # fmt: skip
+
+
 def served(body: object) -> httpx.MockTransport:
     """A control plane that answers the policy with ``body`` (JSON)."""
     return httpx.MockTransport(lambda request: httpx.Response(200, json=body))
@@ -234,6 +246,29 @@ def test_a_proxy_reads_the_policy_an_old_control_plane_serves():
         ({"generation": "g2"}, "PolicySnapshot.agents: missing"),
         ({"generation": "g2", "agents": [], "built_in": [{"host": "x"}]}, "built_in[0].port"),
         ([], "PolicySnapshot: expected an object"),
+        # Of either form, the misfit is named where it is.
+        (
+            {
+                "generation": "g2",
+                "agents": [
+                    {**OLD_AGENT, "entries": {"a.example": ["agent"]}},
+                    {**OLD_AGENT, "entries": {"b.example": "agent"}},
+                ],
+            },
+            "PolicySnapshot.agents[1].entries['b.example']: expected a list of text",
+        ),
+        (
+            {"generation": "g2", "agents": [{**OLD_AGENT, "entries": {"a b": ["agent"]}}]},
+            "PolicySnapshot.agents[0].entries: 'a b': whitespace",
+        ),
+        (
+            {
+                "generation": "g2",
+                "agents": [{**OLD_AGENT, "lists": [], "own": ["a.example"]}],
+                "lists": {},
+            },
+            "PolicySnapshot.agents[0].own: expected str, got list",
+        ),
     ],
 )
 def test_a_proxy_refuses_a_malformed_policy_and_keeps_its_last_good_one(body, named):
@@ -247,3 +282,20 @@ def test_a_proxy_refuses_a_malformed_policy_and_keeps_its_last_good_one(body, na
         feed.refresh()
     current = feed.current()
     assert current is not None and current.generation == "g1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_policy_is_read_at_one_moment(acme):
+    """An agent's templates and what they hold are read in statements apart: on PostgreSQL
+    (whose default gives each statement a moment of its own) they are read in one snapshot."""
+    from django.db import connection
+
+    from egress.services import one_read
+    from egress.sources import brief_transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's transactions are serialisable")
+    for reading in (lambda: brief_transaction(one_read=True), one_read):
+        with reading(), connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            assert cursor.fetchone() == ("repeatable read",)
