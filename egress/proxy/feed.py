@@ -282,11 +282,12 @@ class PolicyFeed:
             if self._clock() >= next_poll or self._wake.is_set():
                 self._round()
                 next_poll = self._clock() + self._poll
-                if self._stream_after == float("inf"):  # the poll may have named a stream
-                    self._stream_after = self._clock()
+                if self._stream is not None and self._stream_after == float("inf"):
+                    self._stream_after = self._clock()  # the poll may have named a stream
                 # Rounds asked for come at most every MIN_ROUND_SECONDS, however many ask.
                 self._stop.wait(MIN_ROUND_SECONDS)
-            until = min(next_poll, self._stream_after)
+            # Without a stream, only the next poll (a time to try one would be past, always).
+            until = next_poll if self._stream is None else min(next_poll, self._stream_after)
             self._wake.wait(max(0.0, until - self._clock()))
 
     def _round(self) -> None:

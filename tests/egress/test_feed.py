@@ -73,6 +73,32 @@ def started(source, poll: float = 60.0) -> PolicyFeed:
     return feed
 
 
+class CountingEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_a_feed_without_a_stream_sleeps_until_its_next_poll():
+    """A proxy that reads the database (no stream) once spun between its polls: its wait for
+    a time to try a stream was always past, and it used a core while idle."""
+    source = CountingSource()
+    feed = PolicyFeed(source, poll=0.2, grace=120)
+    feed._wake = CountingEvent()
+    feed.start()
+    try:
+        assert feed.wait_ready(5)
+        time.sleep(1.0)
+        assert 3 <= source.asks <= 8
+        assert feed._wake.waits <= 3 * source.asks, feed._wake.waits
+    finally:
+        feed.stop()
+
+
 def test_refresh_soon_asks_the_source_at_once_not_at_the_next_poll():
     source = CountingSource()
     feed = started(source)
