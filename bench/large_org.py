@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
@@ -137,13 +137,13 @@ def seed(env: dict[str, str], work: Path, agents: int, entries: int, runners: in
 # --- the proxy: a process of its own, the proxy's code --------------------------------------
 
 
-def memory(field: str = "VmRSS") -> int:
-    """This process's resident memory now (VmRSS), or its most so far (VmHWM), in bytes."""
+def peak() -> int:
+    """This process's most resident memory so far (VmHWM, which psutil does not give), bytes."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith(f"{field}:"):
+            if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    raise BenchError(f"/proc/self/status has no {field}")
+    raise BenchError("/proc/self/status has no VmHWM")
 
 
 def proxy(stream: str, token: str) -> None:
@@ -156,7 +156,7 @@ def proxy(stream: str, token: str) -> None:
     source = ControlPlaneSource(stream.split("/api/")[0], lambda: token, timeout=60)
     source.stream_url = stream
     gc.collect()
-    before = memory()
+    before = psutil.Process().memory_info().rss
     began = time.perf_counter()
     lines = source.follow(None) or iter(())
     first = next(lines, None)
@@ -175,8 +175,8 @@ def proxy(stream: str, token: str) -> None:
         "read_s": read - began,
         "build_s": built - read,
         "rss_before": before,
-        "rss_after": memory(),
-        "rss_peak": memory("VmHWM"),
+        "rss_after": psutil.Process().memory_info().rss,
+        "rss_peak": peak(),
     }
     print(json.dumps(report), flush=True)
     for line in lines:
@@ -294,8 +294,7 @@ def measure(work: Path, processes: Processes, options: argparse.Namespace, resul
             if ends >= 0:
                 break
     result.hub_load_s, result.snapshot_bytes = time.perf_counter() - began, size
-    with open(f"/proc/{stream_process.pid}/statm") as statm:
-        result.stream_rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    result.stream_rss = psutil.Process(stream_process.pid).memory_info().rss
 
     step("a proxy's load, in a process of its own")
     args = [sys.executable, __file__, "--proxy", stream, "--token", seeded.runner_tokens[1]]

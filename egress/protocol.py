@@ -124,8 +124,8 @@ def _from_v1(data: Any) -> Any:
     return {**data, "agents": converted, "lists": {n: "\n".join(e) for n, e in lists.items()}}
 
 
-# The form of the policy a proxy of before shared lists reads (``GET /api/v1/egress/policy/``
-# without ``?v=2``): each agent's whole allowlist, entry → where it comes from.
+# The form of the policy with shared lists, as a proxy asks for it (``?v=2``, on the poll and
+# the stream). One of before asks without it, and is answered by snapshot_v1_json.
 POLICY_FORM = "2"
 
 

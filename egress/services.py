@@ -35,7 +35,11 @@ from templates.models import AllowlistTemplate
 
 def agent_username(agent: Agent) -> str:
     """The user name an agent shows the proxy: ``<organisation slug>.<agent slug>``."""
-    return f"{agent.organisation.slug}.{agent.slug}"
+    return username(agent.organisation.slug, agent.slug)
+
+
+def username(organisation_slug: str, agent_slug: str) -> str:
+    return f"{organisation_slug}.{agent_slug}"
 
 
 def issue_token(
@@ -111,19 +115,24 @@ def policy_fingerprint(organisation_id: int | None = None) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
+def read_at_one_moment() -> None:
+    """The transaction just begun reads at one moment: REPEATABLE READ on PostgreSQL, whose
+    default gives each statement a moment of its own (an agent's templates and what they hold
+    are read apart, and must be of one moment). SQLite's transactions are so already."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+
 @contextmanager
 def one_read() -> Iterator[None]:
-    """A transaction whose reads all see one moment (REPEATABLE READ on PostgreSQL, whose
-    default gives each statement a moment of its own): an agent's templates and what they
-    hold are read apart, and must be of one moment. Inside a transaction begun already: that
-    one (the caller's ``brief_transaction(one_read=True)``)."""
+    """A transaction that reads at one moment; inside one begun already, that one (the
+    caller's ``brief_transaction(one_read=True)``)."""
     if connection.in_atomic_block:
         yield
         return
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        read_at_one_moment()
         yield
 
 
@@ -165,21 +174,23 @@ def agent_snapshots(
         )
     )
     chosen = [row[0] for row in rows] if ids is not None else None
-    templates: dict[int, list[str]] = {}
     through = Agent.templates.through.objects.order_by("allowlisttemplate__slug")
-    tokens: dict[int, list[TokenSnapshot]] = {}
-    live = EgressToken.objects.filter(revoked_at__isnull=True, expires_at__gt=timezone.now())
-    through = _agents_of(through, organisation_id, chosen)
-    live = _agents_of(live, organisation_id, chosen)
-    for agent_id, slug in through.values_list("agent_id", "allowlisttemplate__slug"):
+    templates: dict[int, list[str]] = {}
+    for agent_id, slug in _agents_of(through, organisation_id, chosen).values_list(
+        "agent_id", "allowlisttemplate__slug"
+    ):
         templates.setdefault(agent_id, []).append(f"template:{slug}")
-    for agent_id, sha256, expires_at in live.values_list("agent_id", "sha256", "expires_at"):
+    live = EgressToken.objects.filter(revoked_at__isnull=True, expires_at__gt=timezone.now())
+    tokens: dict[int, list[TokenSnapshot]] = {}
+    for agent_id, sha256, expires_at in _agents_of(live, organisation_id, chosen).values_list(
+        "agent_id", "sha256", "expires_at"
+    ):
         tokens.setdefault(agent_id, []).append(TokenSnapshot(sha256, expires_at.timestamp()))
     used_up = exhausted(organisation_id)
     return [
         AgentSnapshot(
             id=pk,
-            username=f"{organisation}.{slug}",
+            username=username(organisation, slug),
             organisation=organisation,
             enabled=enabled,
             budget_exhausted=pk in used_up[0] or organisation_pk in used_up[1],

@@ -23,13 +23,15 @@ LOCK_TIMEOUT = "500ms"
 def brief_transaction(*, one_read: bool = False) -> Iterator[None]:
     """A transaction that never waits on a lock for long; ``one_read``: its reads all see one
     moment (REPEATABLE READ on PostgreSQL; a policy is read in several statements)."""
+    from egress.services import read_at_one_moment
+
     connection.close_if_unusable_or_obsolete()  # per CONN_MAX_AGE and CONN_HEALTH_CHECKS
     try:
         with transaction.atomic():
+            if one_read:
+                read_at_one_moment()  # first: before any other statement
             if connection.vendor == "postgresql":
                 with connection.cursor() as cursor:
-                    if one_read:
-                        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                     cursor.execute("SET LOCAL lock_timeout = %s", [LOCK_TIMEOUT])
             yield
     except Exception:

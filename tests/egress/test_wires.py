@@ -284,18 +284,31 @@ def test_a_proxy_refuses_a_malformed_policy_and_keeps_its_last_good_one(body, na
     assert current is not None and current.generation == "g1"
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_policy_is_read_at_one_moment(acme):
     """An agent's templates and what they hold are read in statements apart: on PostgreSQL
-    (whose default gives each statement a moment of its own) they are read in one snapshot."""
+    (whose default gives each statement a moment of its own) every reader of the policy reads
+    them in one snapshot, its transaction's first statement saying so."""
     from django.db import connection
 
-    from egress.services import one_read
-    from egress.sources import brief_transaction
+    from egress.services import build_snapshot
+    from egress.sources import DatabaseSource, DatabaseStore
 
-    if connection.vendor != "postgresql":
-        pytest.skip("SQLite's transactions are serialisable")
-    for reading in (lambda: brief_transaction(one_read=True), one_read):
-        with reading(), connection.cursor() as cursor:
-            cursor.execute("SHOW transaction_isolation")
-            assert cursor.fetchone() == ("repeatable read",)
+    AgentFactory(organisation=acme)
+    readers = {
+        "the control plane's poll": lambda: build_snapshot(acme.pk),
+        "the database proxy": lambda: DatabaseSource(acme.pk)(None),
+        "the stream's load": lambda: DatabaseStore().load(acme.pk),
+        "the stream's agents": lambda: DatabaseStore().agents(acme.pk, None),
+    }
+    for name, read in readers.items():
+        statements: list[str] = []
+
+        def record(execute, sql, params, many, context, statements=statements):
+            statements.append(sql)
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(record):
+            read()
+        assert statements[0] == "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", name
