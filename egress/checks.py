@@ -8,6 +8,7 @@ from django.core.checks import CheckMessage, Error, register
 
 from allowlists.entries import EntryError, parse_entries
 from egress.environment import SETTING_VALUES, Isolation
+from egress.proxy.config import ProxyConfig
 
 
 @register("covey")
@@ -56,4 +57,15 @@ def check_egress_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                     id="egress.E004",
                 )
             )
+    timing = ProxyConfig(
+        poll=settings.COVEY_EGRESS_POLICY_POLL, grace=settings.COVEY_EGRESS_POLICY_GRACE
+    ).timing_problem()
+    if timing:
+        errors.append(
+            Error(
+                timing,
+                hint="Give a grace of several polls (15 s and 0.25 s unless said).",
+                id="egress.E005",
+            )
+        )
     return errors

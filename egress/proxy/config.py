@@ -22,6 +22,19 @@ class ProxyConfig:
     status_listen: str = ""  # COVEY_EGRESS_STATUS_LISTEN: HOST:PORT of /readyz, /metrics ("": none)
     metrics_token: str = field(default="", repr=False)  # COVEY_METRICS_TOKEN
 
+    def timing_problem(self) -> str:
+        """What is wrong with the policy's timing (poll and grace), or "": a proxy that asks its
+        source less often than it trusts what it holds refuses everything between two asks."""
+        if self.poll <= 0:
+            return f"COVEY_EGRESS_POLICY_POLL is {self.poll:g}: give the seconds between polls"
+        if self.grace <= self.poll:
+            return (
+                f"COVEY_EGRESS_POLICY_GRACE ({self.grace:g} s) is not longer than"
+                f" COVEY_EGRESS_POLICY_POLL ({self.poll:g} s): the proxy would refuse every"
+                " connection once its policy is older than the grace, until its next poll"
+            )
+        return ""
+
     @classmethod
     def from_environment(cls, environment: Mapping[str, str] | None = None) -> "ProxyConfig":
         """The settings in ``environment`` (the process's by default)."""

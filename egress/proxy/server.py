@@ -80,6 +80,8 @@ def serve(
     gets the line that announces it listens (what supervisors and tests wait for) and
     warnings; ``where`` names the policy source in it."""
     host, port = parse_listen(listen)
+    if problem := config.timing_problem():
+        raise ProxyError(problem)
     config = within_open_files(config, say)
     if not verbose:
         # One line per connection is mitmproxy's INFO, one per policy poll httpx's (four a

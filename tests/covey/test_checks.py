@@ -29,6 +29,10 @@ def test_the_defaults_pass():
         ({"COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": ["10.0.0.1/8"]}, "egress.E003"),
         ({"COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": ["mirror.corp"]}, "egress.E003"),
         ({"COVEY_EGRESS_NAMESERVERS": ["dns.example"]}, "egress.E004"),
+        # A proxy that polls less often than it trusts its policy refuses all between polls.
+        ({"COVEY_EGRESS_POLICY_POLL": 60, "COVEY_EGRESS_POLICY_GRACE": 15}, "egress.E005"),
+        ({"COVEY_EGRESS_POLICY_POLL": 15, "COVEY_EGRESS_POLICY_GRACE": 15}, "egress.E005"),
+        ({"COVEY_EGRESS_POLICY_POLL": 0}, "egress.E005"),
     ],
 )
 def test_bad_egress_settings_are_errors_with_ids(settings, expected):

@@ -233,7 +233,10 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
     port = free_port()
     # A proxy that would not poll again within the test: the runs' credentials, made a moment
     # before their sandboxes ask, must work all the same.
-    env = run_env(tmp_path, port) | {"COVEY_EGRESS_POLICY_POLL": "60"}
+    env = run_env(tmp_path, port) | {
+        "COVEY_EGRESS_POLICY_POLL": "60",
+        "COVEY_EGRESS_POLICY_GRACE": "600",  # and trusts what it has meanwhile
+    }
     host_address = Engine("address").bridge_address()
     log = tmp_path / "run.log"
     base = f"http://127.0.0.1:{port}"

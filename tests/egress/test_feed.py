@@ -22,8 +22,10 @@ from egress.protocol import (
     ProxyEvent,
     TokenSnapshot,
 )
+from egress.proxy.config import ProxyConfig
 from egress.proxy.feed import DecisionLog, PolicyFeed, Refused
 from egress.proxy.lookups import LookUp, TokenLookups
+from egress.proxy.server import ProxyError, serve
 
 
 def snapshot(generation: str) -> PolicySnapshot:
@@ -575,3 +577,14 @@ def test_a_grace_too_short_for_the_streams_keepalive_polls_instead(caplog):
     finally:
         feed.stop()
     assert "shorter than twice the policy stream's keepalive" in caplog.text
+
+
+@pytest.mark.parametrize(("poll", "grace"), [(60, 15), (15, 15)])
+def test_a_proxy_that_would_poll_less_often_than_it_trusts_its_policy_does_not_start(poll, grace):
+    """It would refuse every connection from the moment its policy is older than the grace
+    to its next poll: it says so, and does not start (make run's proxy is the command's)."""
+    config = ProxyConfig(poll=poll, grace=grace)
+    said = rf"GRACE \({grace} s\) is not longer than COVEY_EGRESS_POLICY_POLL \({poll} s\)"
+    with pytest.raises(ProxyError, match=said):
+        serve(config, "127.0.0.1:9", "t", lambda known: None, lambda events: None, where="",
+              say=print)  # fmt: skip

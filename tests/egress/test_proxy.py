@@ -691,7 +691,9 @@ def test_a_token_issued_after_the_last_poll_works_from_the_first_byte(
     not polled since asks its policy source once instead of answering 407 (issue 9, item 7)."""
     agent, _ = world
     target = f"good.test:{net.tls.port}"
-    with start_proxy(tmp_path, net, COVEY_EGRESS_POLICY_POLL="600") as slow:
+    with start_proxy(
+        tmp_path, net, COVEY_EGRESS_POLICY_POLL="600", COVEY_EGRESS_POLICY_GRACE="1200"
+    ) as slow:
         slow.sync()
         statuses = []
         for _ in range(12):  # none of these tokens was in the policy the proxy holds

@@ -74,6 +74,7 @@ def test_an_approval_reaches_a_runner_proxy_through_the_stream_within_a_second(
             url,
             token,
             COVEY_EGRESS_POLICY_POLL="30",
+            COVEY_EGRESS_POLICY_GRACE="60",
             COVEY_EGRESS_STATUS_LISTEN=status,
             COVEY_METRICS_TOKEN="m" * 32,
         )
