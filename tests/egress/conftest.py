@@ -112,7 +112,6 @@ def start_proxy(tmp_path: Path, net: Net, **env_overrides: str) -> Iterator[Prox
         "DATABASE_URL": subprocess_database_url(),
         "COVEY_EGRESS_NAMESERVERS": net.dns.nameserver,
         "COVEY_EGRESS_ALLOWED_PRIVATE_CIDRS": ALLOWED_PRIVATE,
-        "COVEY_EGRESS_POLICY_POLL": "0.05",
         "COVEY_LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
         **env_overrides,
