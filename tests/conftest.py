@@ -53,6 +53,34 @@ SHIPPED = (
 )
 
 
+def _flush_by_delete() -> None:
+    """A transactional test's teardown empties every table on PostgreSQL with ``DELETE``, not
+    Django's one ``TRUNCATE`` of them all: 0.01 s against 0.5 s here, where every table holds a
+    few rows (``TRUNCATE`` makes each table's files anew), for 250 tests. The same rows go, the
+    sequences stay as they do with ``TRUNCATE`` (without ``reset_sequences``), and every foreign
+    key Django makes is checked at commit (``DEFERRABLE INITIALLY DEFERRED``), when the tables
+    are all empty. Row triggers fire (the policy's notices) where ``TRUNCATE`` fires its own.
+    tests/test_flush.py holds that it leaves nothing."""
+    from django.db.backends.postgresql.operations import DatabaseOperations
+
+    truncate = DatabaseOperations.sql_flush
+
+    def sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
+        if not tables or reset_sequences or allow_cascade:
+            return truncate(
+                self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
+            )
+        return [
+            "SET CONSTRAINTS ALL DEFERRED",
+            *(f"DELETE FROM {self.quote_name(table)}" for table in sorted(tables)),  # noqa: S608
+        ]
+
+    DatabaseOperations.sql_flush = sql_flush  # type: ignore[method-assign]
+
+
+_flush_by_delete()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """After a transactional test's flush, the shipped rows again, so that every test finds
