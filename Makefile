@@ -2,6 +2,10 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+# Python writes its bytecode caches (__pycache__, ignored by git) even where the environment says
+# not to: the tests start hundreds of Python processes, and each would compile covey anew (0.2 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
