@@ -56,10 +56,15 @@ def wait_for(condition, timeout: float, what: str, log: Path | None = None) -> N
 
 @contextmanager
 def control_plane(
-    tmp_path: Path, database_url: str, *, port: int | None = None, **env_overrides: str
+    tmp_path: Path,
+    database_url: str,
+    *,
+    port: int | None = None,
+    **env_overrides: str,
 ) -> Iterator[str]:
     """The control plane's web server (gunicorn) on a loopback port (a free one unless given);
-    yields its URL."""
+    yields its URL. One worker unless ``WEB_CONCURRENCY`` says more (its 32 threads serve a
+    test; each worker costs two CPU seconds to boot, and tests start dozens)."""
     port = port or free_port()
     env = {
         **os.environ,
@@ -67,10 +72,11 @@ def control_plane(
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
         "COVEY_VAR_DIR": str(tmp_path / "control-plane-var"),
+        "WEB_CONCURRENCY": "1",  # gunicorn's workers
         **env_overrides,
     }
-    var.prepare(Path(env["COVEY_VAR_DIR"]))  # as make run does: a key before two workers boot
-    args = [str(VENV_BIN / "gunicorn"), "covey.wsgi", "--bind", f"127.0.0.1:{port}", "-w", "2"]
+    var.prepare(Path(env["COVEY_VAR_DIR"]))  # as make run does: a key before workers boot
+    args = [str(VENV_BIN / "gunicorn"), "covey.wsgi", "--bind", f"127.0.0.1:{port}"]
     log = tmp_path / f"control-plane-{port}-{time.monotonic_ns()}.log"
     url = f"http://127.0.0.1:{port}"
 

@@ -61,7 +61,7 @@ def test_the_runs_api_and_the_policy_poll_take_sustained_load_without_a_server_e
     token = Token.objects.create(user=alice).key
     _, runner = online_runner(acme)
     env = {"COVEY_BUILTIN_RUNNER": "false"}  # the runs wait in line: nobody takes them
-    with control_plane(tmp_path, subprocess_database_url(), **env) as url:
+    with control_plane(tmp_path, subprocess_database_url(), WEB_CONCURRENCY="2", **env) as url:
         runs = load(
             f"{url}/api/v1/runs/", "POST", f"Authorization: Token {token}",
             {"agent": agents[0].pk, "task": "under load"},
