@@ -95,8 +95,10 @@ class FakeEngine:
             self.hold.wait(5)
         if self.refuse:
             raise EngineError(self.refuse)
-        if spec.run_id in self.sandboxes_by_run:
-            return self.sandboxes_by_run[spec.run_id]
+        if (made := self.sandboxes_by_run.get(spec.run_id)) is not None:
+            if made.status == "created":  # made, never started: started now, as Docker's is
+                made = self.sandboxes_by_run[spec.run_id] = replace(made, status="running")
+            return made
         self.specs[spec.run_id] = spec
         if spec.services:
             names = [service.name for service in spec.services]

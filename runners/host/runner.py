@@ -624,6 +624,18 @@ class RunnerHost:
             elif run.status != ActiveStatus.RUNNING and sandbox.status == "running":
                 # Launched, but the report was lost.
                 client.report(run_id, RunReport(ReportState.RUNNING, started_at=sandbox.started_at))
+            elif (
+                sandbox.status == "created"
+                and run.status != ActiveStatus.RUNNING
+                and not run.cancel
+                and run.waited >= RELAUNCH_AFTER_SECONDS
+            ):
+                # Made, never started: the runner that made it stopped in between (killed), and
+                # its order is not coming back. The launch starts the sandbox it finds.
+                logger.info("covey runner: run %s was never started; launching it", run_id)
+                threading.Thread(
+                    target=self._relaunch, args=(identity.id, run_id), daemon=True
+                ).start()
             if run is not None and sandbox.status == "running" and not run.cancel:
                 # After a restart of this runner: go on from what the control plane has.
                 self.outputs.follow(identity, engine, run_id, run.output_size)

@@ -451,6 +451,22 @@ class TestReconcile:
         host.host.reconcile(host.identity)
         assert host.engine.get(RUN) is None
 
+    def test_a_sandbox_made_and_never_started_is_started_once_its_order_is_lost(self, host):
+        """Its runner was killed between making the sandbox and starting it."""
+        host.control.specs[RUN] = spec()
+        host.engine.add(RUN, "created")
+        host.control.active[RUN] = ActiveRun(RUN, "starting", False, 1.0, 0)
+        host.host.reconcile(host.identity)  # its order may still come
+        time.sleep(0.1)
+        assert host.engine.get(RUN).status == "created" and host.control.states(RUN) == []
+        host.control.active[RUN] = ActiveRun(RUN, "starting", False, RELAUNCH_AFTER_SECONDS, 0)
+        host.host.reconcile(host.identity)
+        deadline = time.monotonic() + 5
+        while host.control.states(RUN) != ["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.control.states(RUN) == ["running"]
+        assert host.engine.get(RUN).status == "running"
+
     def test_a_missed_cancellation_stops_the_sandbox(self, host):
         host.order(spec())
         host.control.active[RUN] = ActiveRun(RUN, "running", True, 5.0, 0)
