@@ -64,7 +64,7 @@ def check_egress_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         errors.append(
             Error(
                 timing,
-                hint="Give a grace of several polls (15 s and 0.25 s unless said).",
+                hint="Give a grace of two polls or more (15 s and 0.25 s unless said).",
                 id="egress.E005",
             )
         )

@@ -24,14 +24,15 @@ class ProxyConfig:
 
     def timing_problem(self) -> str:
         """What is wrong with the policy's timing (poll and grace), or "": a proxy that asks its
-        source less often than it trusts what it holds refuses everything between two asks."""
-        if self.poll <= 0:
+        source less often than it trusts what it holds refuses everything between two asks, and
+        so does one whose grace a late answer outlasts (a grace of two polls at least)."""
+        if not self.poll > 0:  # NaN too
             return f"COVEY_EGRESS_POLICY_POLL is {self.poll:g}: give the seconds between polls"
-        if self.grace <= self.poll:
+        if not self.grace >= 2 * self.poll:
             return (
-                f"COVEY_EGRESS_POLICY_GRACE ({self.grace:g} s) is not longer than"
+                f"COVEY_EGRESS_POLICY_GRACE ({self.grace:g} s) is shorter than twice"
                 f" COVEY_EGRESS_POLICY_POLL ({self.poll:g} s): the proxy would refuse every"
-                " connection once its policy is older than the grace, until its next poll"
+                " connection whenever a poll's answer came late"
             )
         return ""
 

@@ -123,10 +123,11 @@ class HostSettings:
 def proxy_environment(proxy: ProxyConfig) -> dict[str, str]:
     """What the proxy container takes from this host's settings: it resolves and connects
     from here, so where it asks for names and which private ranges it may reach are the
-    runner host's to say, as is how long it trusts a policy whose source went silent and how
-    long a client has to send a request head; and the token its /metrics answers (on its
-    status port, which sandboxes cannot reach)."""
+    runner host's to say, as are how often it polls, how long it trusts a policy whose source
+    went silent and how long a client has to send a request head; and the token its /metrics
+    answers (on its status port, which sandboxes cannot reach)."""
     environment = {
+        "COVEY_EGRESS_POLICY_POLL": f"{proxy.poll:g}",
         "COVEY_EGRESS_POLICY_GRACE": f"{proxy.grace:g}",
         "COVEY_EGRESS_HEAD_TIMEOUT": f"{proxy.head_timeout:g}",
     }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from allowlists.entries import split_host_port
 from egress.environment import Isolation
+from egress.proxy.config import ProxyConfig
 from runners.host import status, worker
 from runners.host.client import ControlPlaneError
 from runners.host.config import HostSettings, builtin_dir
@@ -52,6 +53,8 @@ def check(settings: HostSettings) -> None:
         settings.probe_targets.check()
     except ValueError as exc:
         raise HostError(f"COVEY_EGRESS_PROBE_*: {exc}") from None
+    if problem := ProxyConfig.from_environment(settings.proxy_environment).timing_problem():
+        raise HostError(f"its proxy container: {problem}")
     if settings.apt_sources is not None and not settings.apt_sources.is_file():
         raise HostError(f"COVEY_WORKPLACE_APT_SOURCES={settings.apt_sources} is not a file")
 

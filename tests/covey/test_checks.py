@@ -31,8 +31,9 @@ def test_the_defaults_pass():
         ({"COVEY_EGRESS_NAMESERVERS": ["dns.example"]}, "egress.E004"),
         # A proxy that polls less often than it trusts its policy refuses all between polls.
         ({"COVEY_EGRESS_POLICY_POLL": 60, "COVEY_EGRESS_POLICY_GRACE": 15}, "egress.E005"),
-        ({"COVEY_EGRESS_POLICY_POLL": 15, "COVEY_EGRESS_POLICY_GRACE": 15}, "egress.E005"),
+        ({"COVEY_EGRESS_POLICY_POLL": 10, "COVEY_EGRESS_POLICY_GRACE": 15}, "egress.E005"),
         ({"COVEY_EGRESS_POLICY_POLL": 0}, "egress.E005"),
+        ({"COVEY_EGRESS_POLICY_POLL": float("nan")}, "egress.E005"),
     ],
 )
 def test_bad_egress_settings_are_errors_with_ids(settings, expected):

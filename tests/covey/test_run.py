@@ -190,6 +190,7 @@ def test_run_without_a_docker_engine_serves_all_but_sandboxes_boxes_what_to_read
             assert "no sandbox can start on this host: " in run["status_detail"], run
             assert "Docker engine" in run["status_detail"], run
             assert api.get("/api/v1/agents/").status_code == 200  # the rest goes on
+            assert process.poll() is None, log.read_text()[-4000:]
         wait_for(lambda: file.read_text().count(heartbeat) >= 2, 30, "two heartbeats", file)
         wait_for(lambda: "Sending due task" in file.read_text(), 30, "beat's schedule", file)
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C

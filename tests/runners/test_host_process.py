@@ -120,6 +120,7 @@ def test_the_settings_are_read_from_the_environment(tmp_path):
     assert settings.proxy == "proxy.internal:3128"
     assert settings.hard and settings.isolation == "network"
     assert settings.proxy_environment == {
+        "COVEY_EGRESS_POLICY_POLL": "0.25",
         "COVEY_EGRESS_POLICY_GRACE": "7",
         "COVEY_EGRESS_HEAD_TIMEOUT": "60",
         "COVEY_EGRESS_NAMESERVERS": "10.0.0.53,10.0.0.54",
@@ -138,7 +139,11 @@ def test_without_an_environment_the_settings_are_the_defaults(tmp_path):
     assert settings == HostSettings(
         homes=tmp_path / "homes",
         var_dir=tmp_path,
-        proxy_environment={"COVEY_EGRESS_POLICY_GRACE": "15", "COVEY_EGRESS_HEAD_TIMEOUT": "60"},
+        proxy_environment={
+            "COVEY_EGRESS_POLICY_POLL": "0.25",
+            "COVEY_EGRESS_POLICY_GRACE": "15",
+            "COVEY_EGRESS_HEAD_TIMEOUT": "60",
+        },
     )
 
 
@@ -153,6 +158,16 @@ def test_an_unknown_isolation_level_stops_the_host_at_start_and_is_never_hard(tm
     )
     assert not settings.hard
     with pytest.raises(HostError, match="COVEY_EGRESS_ISOLATION is 'netwrok'"):
+        check(settings)
+
+
+def test_a_proxy_container_that_would_refuse_between_polls_stops_the_host_at_start(tmp_path):
+    settings = HostSettings.from_environment(
+        {"COVEY_VAR_DIR": str(tmp_path), "COVEY_EGRESS_POLICY_GRACE": "0.25"}
+    )
+    with pytest.raises(
+        HostError, match=r"its proxy container: COVEY_EGRESS_POLICY_GRACE \(0.25 s\)"
+    ):
         check(settings)
 
 

@@ -639,12 +639,13 @@ def test_teardown_and_remove_rules_leave_nothing_behind(shape, engine):
 
 def test_the_proxy_container_takes_the_hosts_proxy_settings():
     """Under hard isolation the proxy runs in a container the runner starts: what this host
-    sets for it (its deadlines, where it resolves, which private ranges it may reach, its
+    sets for it (its poll and deadlines, where it resolves, which private ranges it may reach, its
     metrics token) goes into the container, not the proxy's defaults."""
     from runners.host.config import HostSettings
 
     host = HostSettings.from_environment(
         {
+            "COVEY_EGRESS_POLICY_POLL": "0.5",
             "COVEY_EGRESS_POLICY_GRACE": "7.5",
             "COVEY_EGRESS_HEAD_TIMEOUT": "12",
             "COVEY_EGRESS_NAMESERVERS": "10.0.0.2,10.0.0.3@5353",
@@ -653,6 +654,7 @@ def test_the_proxy_container_takes_the_hosts_proxy_settings():
         }
     )
     assert host.proxy_environment == {
+        "COVEY_EGRESS_POLICY_POLL": "0.5",
         "COVEY_EGRESS_POLICY_GRACE": "7.5",
         "COVEY_EGRESS_HEAD_TIMEOUT": "12",
         "COVEY_EGRESS_NAMESERVERS": "10.0.0.2,10.0.0.3@5353",
