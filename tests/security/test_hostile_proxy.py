@@ -629,9 +629,10 @@ def test_slowloris_and_floods_leave_well_behaved_clients_served(hostile, cases):
     cases.note(f"... during a flood of garbage ({opened[0]} connections): {shown(flooded)}")
     noted_growth(cases, "a flood of garbage connections", rss)
     assert hostile.alive()
-    # Served, and not starved: a stalled event loop would take seconds.
+    # Served, and not starved: a stalled event loop would take seconds (a head's timeout is a
+    # minute). Not tighter: the suite's other tests load these two cores too (775 ms seen).
     for taken in (during, flooded):
-        assert p50_p95(taken)[1] < 500, shown(taken)
+        assert p50_p95(taken)[1] < 2000, shown(taken)
 
 
 def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credentials, cases):
