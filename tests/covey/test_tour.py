@@ -68,9 +68,10 @@ def test_the_tour_from_the_dashboard_to_a_runs_refused_connection(
                 timeout=60_000,
             )
             assert page.get_attribute("#run-output", "data-live") == "true"  # not reloaded
-            # When it ends, the page reloads for its status, with the whole output.
+            # When it ends, the page reloads for its status, with the whole output (asked
+            # meanwhile, the new page may not hold the element yet).
             page.wait_for_function(
-                "document.getElementById('run-output').dataset.live === 'false'", timeout=90_000
+                "document.getElementById('run-output')?.dataset.live === 'false'", timeout=90_000
             )
             assert "connect=403" in page.inner_text("#run-output")
             assert "done" in page.inner_text("#run-output")
