@@ -107,7 +107,7 @@ def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, setti
     assert page.input_value("#id_base_allowlist") == "api.anthropic.com"
     page.locator("#id_name").press_sequentially("Initech")
     # Prepopulated as the name is typed (a busy machine's browser may take a moment).
-    expect(page.locator("#id_slug")).to_have_value("initech")
+    expect(page.locator("#id_slug")).to_have_value("initech", timeout=20_000)
     page.click("input[name=_save]")
     page.wait_for_url("**/admin/organisations/organisation/")
     assert "was added successfully" in page.content()
