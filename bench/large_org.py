@@ -138,7 +138,8 @@ def seed(env: dict[str, str], work: Path, agents: int, entries: int, runners: in
 
 
 def peak() -> int:
-    """This process's most resident memory so far (VmHWM, which psutil does not give), bytes."""
+    """This process's most resident memory so far (VmHWM, which psutil does not give), bytes.
+    Not ru_maxrss: Linux keeps it across exec, so this process would show its parent's."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):

@@ -56,15 +56,11 @@ def wait_for(condition, timeout: float, what: str, log: Path | None = None) -> N
 
 @contextmanager
 def control_plane(
-    tmp_path: Path,
-    database_url: str,
-    *,
-    port: int | None = None,
-    **env_overrides: str,
+    tmp_path: Path, database_url: str, *, port: int | None = None, **env_overrides: str
 ) -> Iterator[str]:
     """The control plane's web server (gunicorn) on a loopback port (a free one unless given);
-    yields its URL. One worker unless ``WEB_CONCURRENCY`` says more (its 32 threads serve a
-    test; each worker costs two CPU seconds to boot, and tests start dozens)."""
+    yields its URL. One worker unless the overrides give ``WEB_CONCURRENCY`` (its 32 threads
+    serve a test; each worker costs two CPU seconds to boot, and tests start dozens)."""
     port = port or free_port()
     env = {
         **os.environ,

@@ -633,9 +633,7 @@ class RunnerHost:
                 # Made, never started: the runner that made it stopped in between (killed), and
                 # its order is not coming back. The launch starts the sandbox it finds.
                 logger.info("covey runner: run %s was never started; launching it", run_id)
-                threading.Thread(
-                    target=self._relaunch, args=(identity.id, run_id), daemon=True
-                ).start()
+                self._relaunch(identity.id, run_id)
             if run is not None and sandbox.status == "running" and not run.cancel:
                 # After a restart of this runner: go on from what the control plane has.
                 self.outputs.follow(identity, engine, run_id, run.output_size)
@@ -662,13 +660,14 @@ class RunnerHost:
                     self._forget(run_id)
             elif run.waited >= RELAUNCH_AFTER_SECONDS and not run.cancel:
                 logger.info("covey runner: run %s lost its order; launching it", run_id)
-                # On a thread of its own: a launch may build an image or wait for services,
-                # and the watcher must go on finishing and stopping the other runs meanwhile.
-                threading.Thread(
-                    target=self._relaunch, args=(identity.id, run_id), daemon=True
-                ).start()
+                self._relaunch(identity.id, run_id)
 
     def _relaunch(self, runner_id: int, run_id: str) -> None:
+        """Launch a run again on a thread of its own: a launch may build an image or wait for
+        services, and the watcher must go on finishing and stopping the other runs meanwhile."""
+        threading.Thread(target=self._launch_again, args=(runner_id, run_id), daemon=True).start()
+
+    def _launch_again(self, runner_id: int, run_id: str) -> None:
         try:
             self.launch(runner_id, run_id)
         except Exception:  # the next reconcile tries again

@@ -414,6 +414,13 @@ def test_a_report_the_control_plane_cannot_take_keeps_the_sandbox_for_the_next_s
     assert host.control.states(RUN)[-1] == "exited" and host.engine.get(RUN) is None
 
 
+def reported_running(host) -> None:
+    """Wait (5 s at most) for RUN's launch on the reconcile's thread to report it running."""
+    deadline = time.monotonic() + 5
+    while host.control.states(RUN) != ["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class TestReconcile:
     def test_a_sandbox_no_run_knows_is_removed(self, host):
         host.engine.add("r-leftover")
@@ -439,9 +446,7 @@ class TestReconcile:
         host.host.reconcile(host.identity)
         assert time.monotonic() - started < 1  # the launch goes on a thread of its own
         host.engine.hold.set()
-        deadline = time.monotonic() + 5
-        while host.control.states(RUN) != ["running"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        reported_running(host)
         assert host.engine.get(RUN) is not None
         assert host.control.states(RUN) == ["running"]
 
@@ -461,9 +466,7 @@ class TestReconcile:
         assert host.engine.get(RUN).status == "created" and host.control.states(RUN) == []
         host.control.active[RUN] = ActiveRun(RUN, "starting", False, RELAUNCH_AFTER_SECONDS, 0)
         host.host.reconcile(host.identity)
-        deadline = time.monotonic() + 5
-        while host.control.states(RUN) != ["running"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        reported_running(host)
         assert host.control.states(RUN) == ["running"]
         assert host.engine.get(RUN).status == "running"
 
