@@ -469,6 +469,12 @@ class _HTTPServer(_TrackedThreads, ThreadingHTTPServer):
         """Do the TLS handshake (if any) on the worker thread, then run the handler."""
         upstream = self.upstream
         upstream._connection_opened()
+        try:
+            if not request.recv(1, socket.MSG_PEEK):
+                return  # closed without a byte
+        except OSError:
+            return
+        upstream._connection_spoke()
         tls = upstream.tls
         if tls is None:
             super().finish_request(request, client_address)
@@ -671,6 +677,7 @@ class Upstream:
         self._snis: list[str | None] = []
         self._errors: list[BaseException] = []
         self._connections = 0
+        self._spoken = 0
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._port: int | None = None
@@ -691,6 +698,11 @@ class Upstream:
         """Count an accepted TCP connection."""
         with self._lock:
             self._connections += 1
+
+    def _connection_spoke(self) -> None:
+        """Count a TCP connection on which a byte arrived."""
+        with self._lock:
+            self._spoken += 1
 
     def _error(self, error: BaseException) -> None:
         """Remember an unexpected handler error."""
@@ -728,6 +740,13 @@ class Upstream:
             return self._connections
 
     @property
+    def spoken(self) -> int:
+        """How many TCP connections sent at least one byte (a proxy may dial the upstream of a
+        tunnel before it checks the tunnel's first bytes: a refused tunnel's dial says nothing)."""
+        with self._lock:
+            return self._spoken
+
+    @property
     def errors(self) -> list[BaseException]:
         """Unexpected exceptions raised by request handlers (kept off stderr)."""
         with self._lock:
@@ -740,6 +759,7 @@ class Upstream:
             self._snis.clear()
             self._errors.clear()
             self._connections = 0
+            self._spoken = 0
 
     # -- addressing ---------------------------------------------------------------------------
 

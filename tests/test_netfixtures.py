@@ -283,12 +283,24 @@ def test_upstream_stop_closes_idle_keepalive_and_stalled_tls_connections(ca: Tes
         upstream.stop()
         assert time.monotonic() - started < 2
         assert upstream.connections == 2
+        assert upstream.spoken == 1  # the stalled one never sent a byte
         assert upstream.snis == ["idle.test"]
         assert upstream.errors == []
         upstream.stop()
     finally:
         stalled.close()
         client.close()
+
+
+def test_a_connection_closed_without_a_byte_is_counted_but_not_as_spoken() -> None:
+    with Upstream() as upstream:
+        socket.create_connection((upstream.host, upstream.port)).close()
+        with socket.create_connection((upstream.host, upstream.port)) as spoke:
+            spoke.sendall(b"x")
+        wait_until = time.monotonic() + 5
+        while (upstream.connections < 2 or upstream.spoken < 1) and time.monotonic() < wait_until:
+            time.sleep(0.01)
+        assert (upstream.connections, upstream.spoken) == (2, 1)
 
 
 def test_tls_client_without_sni_is_recorded_as_none(ca: TestCA) -> None:

@@ -2,11 +2,12 @@
 
 Every CONNECT tunnel and plain-HTTP request is decided by the steps of :mod:`egress.policy`,
 from the in-memory policy; the name is resolved once and the vetted address pinned, so no
-second look-up can change the target. Tunnels are answered by covey's own layers
-(:mod:`egress.proxy.layers`) and relayed outside mitmproxy (:mod:`egress.proxy.tunnels`);
-plain requests are decided in ``requestheaders`` (a CONNECT on such a connection in
-``http_connect``) and sent only to the vetted address (``server_connect``). What the proxy
-answers is in :mod:`egress.proxy.answers`.
+second look-up can change the target. Tunnels are carried by covey's front door
+(:mod:`egress.proxy.front`), which asks this addon as its :class:`~egress.proxy.front.Gate`
+and never involves mitmproxy; mitmproxy gets the other connections, whose plain requests are
+decided in ``requestheaders`` (a CONNECT on such a connection in ``http_connect``, relayed
+by :mod:`egress.proxy.tunnels`) and sent only to the vetted address (``server_connect``). What
+the proxy answers is in :mod:`egress.proxy.answers`.
 
 This addon replaces mitmproxy's own ``NextLayer`` addon: the proxy speaks regular HTTP proxy
 and raw pass-through, nothing else.
@@ -46,7 +47,8 @@ from egress.proxy.answers import plain_http_problem, read_client_hello, refusal
 from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, PolicyFeed
-from egress.proxy.layers import ConnectRequest, choose_layer, peer
+from egress.proxy.front import Front
+from egress.proxy.layers import choose_layer, peer
 from egress.proxy.lookups import LookUp, TokenLookups
 from egress.proxy.resolver import ResolutionError, Resolver
 from egress.proxy.tunnels import (
@@ -91,6 +93,7 @@ class CoveyEgress:
         self.slow_closed = 0  # connections closed because their head did not come in time
         self.resolver = Resolver()
         self.allowed_private: list[IPNetwork] = []
+        self.front: Front | None = None  # the connections that opened with CONNECT
         self._watch: asyncio.Task[None] | None = None
 
     # --- options -----------------------------------------------------------------------------
@@ -183,6 +186,8 @@ class CoveyEgress:
 
     def close_client(self, client_id: str) -> int:
         """Close a client connection; 1 if there was one."""
+        if self.front is not None and self.front.close(client_id):
+            return 1
         state = self.clients.get(client_id)
         return close_client(client_id, state.tunnel if state else None)
 
@@ -201,7 +206,11 @@ class CoveyEgress:
     # --- hooks -------------------------------------------------------------------------------
 
     def client_connected(self, client: connection.Client) -> None:
-        self.heads[client.id] = time.monotonic()
+        self.opened(client.id)
+
+    def opened(self, client_id: str) -> None:
+        """A client connected: its request head is awaited from now."""
+        self.heads[client_id] = time.monotonic()
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._await_next_head(flow)
@@ -310,19 +319,13 @@ class CoveyEgress:
             return replace(start, agent=agent).refuse(Code.AGENT_DISABLED), ""
         return None, hash_token(credentials[1])
 
-    async def covey_decide(self, request: ConnectRequest) -> None:
-        """The :class:`~egress.proxy.layers.Connect` layer's question (a hook, so that
-        resolving or a token's look-up may wait)."""
-        resume = pause_reading(request.client_id)
-        try:
-            if isinstance(request.pending, LookUp):
-                await self._look_up(request.pending)
-                request.decision = await self.decide(request.attempt, client=None)
-            else:
-                request.decision = await self._resolved(request.attempt, request.pending)
-        finally:
-            if request.decision is not None and request.decision.allowed:
-                resume()  # else the layer closes the connection
+    async def settle(self, attempt: Attempt, pending: Decision | LookUp) -> Decision:
+        """A CONNECT's decision that :meth:`decide_now` could not give at once: the token
+        looked up, or the allowed name resolved."""
+        if isinstance(pending, LookUp):
+            await self._look_up(pending)
+            return await self.decide(attempt, client=None)
+        return await self._resolved(attempt, pending)
 
     def server_connect(self, data: ServerConnectionHookData) -> None:
         """Plain HTTP dials only the vetted address; tunnels never dial through mitmproxy
@@ -338,8 +341,12 @@ class CoveyEgress:
         data.server.address = (vetted, address[1])
 
     def client_disconnected(self, client: connection.Client) -> None:
-        self.heads.pop(client.id, None)
-        state = self.clients.pop(client.id, None)
+        self.closed(client.id)
+
+    def closed(self, client_id: str) -> None:
+        """A client connection ended: its tunnel's close is logged with its bytes."""
+        self.heads.pop(client_id, None)
+        state = self.clients.pop(client_id, None)
         if state is None or state.tunnel is None:
             return
         tunnel = state.tunnel
@@ -420,7 +427,7 @@ class CoveyEgress:
     def decide_now(self, attempt: Attempt, client: str) -> Decision | LookUp:
         """:meth:`decide` for a CONNECT as far as it goes without waiting: the decision when it
         is refused by name or the name's addresses are cached; else what must be waited for
-        (:meth:`covey_decide`): the allow by name, whose name must be resolved, or the token."""
+        (:meth:`settle`): the allow by name, whose name must be resolved, or the token."""
         first = self._by_name(attempt, client)
         if isinstance(first, LookUp) or not first.allowed:
             return first

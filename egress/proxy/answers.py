@@ -2,6 +2,7 @@
 what makes a plain request or a tunnel's first bytes unfit for the decision."""
 
 from mitmproxy import http
+from mitmproxy.net.http import http1
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
@@ -41,6 +42,14 @@ def refusal(decision: Decision) -> http.Response:
     if code is Code.CAPACITY:
         headers["Retry-After"] = "1"
     return http.Response.make(status_of(code), "\n".join(lines) + "\n", headers)
+
+
+def answer(status: int, reason: str) -> bytes:
+    """A short plain-text answer after which the proxy closes the connection."""
+    response = http.Response.make(
+        status, reason + "\n", {"Content-Type": "text/plain", "Connection": "close"}
+    )
+    return http1.assemble_response(response)
 
 
 def plain_http_problem(request: http.Request) -> str:

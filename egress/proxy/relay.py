@@ -48,9 +48,10 @@ class _Direction:
 class Relay:
     """Relays between two connected, non-blocking stream sockets until both sides have ended.
 
-    ``on_activity`` is called whenever bytes move; ``on_end`` once when the relay ends by itself,
-    with the error that ended it or None when both sides closed in order. :meth:`close` stops
-    it at any time, without calling ``on_end``.
+    ``first_up`` is sent to the server before anything read from the client (the ClientHello
+    the proxy checked). ``on_activity`` is called whenever bytes move; ``on_end`` once when the
+    relay ends by itself, with the error that ended it or None when both sides closed in order.
+    :meth:`close` stops it at any time, without calling ``on_end``.
     """
 
     def __init__(
@@ -60,12 +61,14 @@ class Relay:
         *,
         on_activity: Callable[[], None],
         on_end: Callable[[OSError | None], None],
+        first_up: bytes = b"",
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._client = _duplicate(client)
         self._server = _duplicate(server)
         self.up = _Direction(self._client, self._server)
         self.down = _Direction(self._server, self._client)
+        self.up.pending = first_up
         self._on_activity = on_activity
         self._on_end: Callable[[OSError | None], None] | None = on_end
 
@@ -75,7 +78,10 @@ class Relay:
 
     def start(self) -> None:
         for direction in (self.up, self.down):
-            self._loop.add_reader(direction.source.fileno(), self._readable, direction)
+            if direction.pending:  # sent first: the source is read once the target took it
+                self._loop.add_writer(direction.target.fileno(), self._writable, direction)
+            else:
+                self._loop.add_reader(direction.source.fileno(), self._readable, direction)
 
     def close(self) -> None:
         """Stop relaying and release the duplicates (the originals stay open); no ``on_end``."""

@@ -6,15 +6,18 @@ import resource
 import signal
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from mitmproxy import master, options
 from mitmproxy.addons import core, errorcheck, proxyserver
+from mitmproxy.proxy.mode_servers import ServerInstance
 
 from allowlists.entries import split_host_port
 from egress.proxy.addon import CoveyEgress, NextLayer
 from egress.proxy.config import ProxyConfig
 from egress.proxy.desk import Desk
 from egress.proxy.feed import DecisionLog, DecisionSink, PolicyFeed, PolicySource, PolicyStream
+from egress.proxy.front import Front
 from egress.proxy.status import ProxyStatus
 
 
@@ -34,7 +37,7 @@ def parse_listen(value: str, what: str = "--listen") -> tuple[str, int]:
 
 
 # The agent's side and the upstream's, each twice: the relay works on duplicates of the
-# sockets mitmproxy's transports hold (egress.proxy.relay).
+# sockets the front door (or mitmproxy's transports) hold (egress.proxy.relay).
 FILES_PER_TUNNEL = 4
 SPARE_FILES = 256  # listeners, the resolver, the policy source, logs, connections being decided
 
@@ -126,18 +129,28 @@ async def _serve(
 ) -> None:
     opts = options.Options()
     proxy = master.Master(opts)
+    server = proxyserver.Proxyserver()
+    # Every client is accepted by covey's front door; mitmproxy listens nowhere and gets only
+    # the connections that do not open with CONNECT, as its regular mode would have them.
+    plain: ServerInstance[Any] = ServerInstance.make("regular", server)
+    front = Front(addon, plain.handle_stream, idle_seconds=opts.tcp_timeout)
+    addon.front = front
+    try:
+        front.bind(host, port)
+    except OSError as exc:
+        raise ProxyError(f"the proxy could not listen on {host}:{port}: {exc}") from None
     status_line = f"; status at http://{config.status_listen}/" if status else ""
-    announce = Announce(say, f"{host}:{port}", where + status_line, status)
+    announce = Announce(say, f"{host}:{port}", where + status_line, status, front)
     proxy.addons.add(
         core.Core(),
         errorcheck.ErrorCheck(),
-        proxyserver.Proxyserver(),
+        server,
         NextLayer(addon),
         addon,
         announce,
     )
     opts.update(
-        mode=[f"regular@{host}:{port}"],
+        mode=[],
         connection_strategy="lazy",
         stream_large_bodies="1m",
         covey_max_tunnels=config.max_tunnels,
@@ -150,28 +163,31 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, proxy.shutdown)
-    if not await asyncio.to_thread(addon.feed.wait_ready, config.grace):
-        say("covey egress proxy: no policy yet; refusing until one arrives")
-    await proxy.run()
-    if not announce.announced:
-        raise ProxyError(f"the proxy could not listen on {host}:{port}")
+    try:
+        if not await asyncio.to_thread(addon.feed.wait_ready, config.grace):
+            say("covey egress proxy: no policy yet; refusing until one arrives")
+        await proxy.run()
+    finally:
+        front.stop()
 
 
 class Announce:
-    """Says so once the proxy listens (an addon: mitmproxy calls ``running``)."""
+    """Opens the front door once mitmproxy runs, and says so (an addon: mitmproxy calls
+    ``running``)."""
 
     def __init__(
         self,
         say: Callable[[str], None],
         listen: str,
         where: str,
-        status: ProxyStatus | None = None,
+        status: ProxyStatus | None,
+        front: Front,
     ) -> None:
         self.say, self.listen, self.where, self.status = say, listen, where, status
-        self.announced = False
+        self.front = front
 
     def running(self) -> None:
-        self.announced = True
+        self.front.start()
         if self.status is not None:
             self.status.listening = True
         self.say(f"covey egress proxy listening on {self.listen}, policy from {self.where}")

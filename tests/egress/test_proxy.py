@@ -235,13 +235,13 @@ class TestTunnels:
         sock, context = self.tls_through(proxy, net, world[1], None)
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
             context.wrap_socket(sock, server_hostname="evil.test").do_handshake()
-        assert net.tls.connections == 0
+        assert net.tls.spoken == 0  # dialled, never sent a byte
 
     def test_a_client_hello_without_sni_closes_the_tunnel(self, proxy, net, world):
         sock, context = self.tls_through(proxy, net, world[1], None)
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
             context.wrap_socket(sock, server_hostname=None).do_handshake()
-        assert net.tls.connections == 0
+        assert net.tls.spoken == 0  # dialled, never sent a byte
 
     @pytest.mark.parametrize(
         "first_bytes",
@@ -255,7 +255,7 @@ class TestTunnels:
         answer = connect(proxy, f"good.test:{net.tls.port}", world[1])
         answer.sock.sendall(first_bytes)
         assert closed_by_peer(answer.sock)
-        assert net.tls.connections == 0
+        assert net.tls.spoken == 0  # dialled, never sent a byte
 
     def test_the_name_is_resolved_once_and_the_vetted_address_is_dialled(self, proxy, net, world):
         # Rebinding: the first answer is the allowed upstream, every later one a local victim.

@@ -754,7 +754,7 @@ def test_a_client_hello_in_thousands_of_records_is_cut_off(hostile, outside, cas
     # Cut off after MAX_CLIENT_HELLO_RECORDS records (and what was in flight), not 64 KiB.
     assert max(sent) < 10 * MAX_CLIENT_HELLO_RECORDS, sent
     assert spent < 1.0, f"{spent:.1f} s of CPU"
-    assert outside.net.tls.connections == 0
+    assert outside.net.tls.spoken == 0
     assert hostile.alive()
 
 
@@ -785,7 +785,7 @@ def test_names_claimed_after_the_first_client_hello_reach_only_the_vetted_upstre
             sock.sendall(client_hello(net, "evil.test")[3])
         assert closed_by_peer(sock, 10)
     cases.add()
-    assert net.tls.connections == 2 and net.tls.snis == ["good.test", "good.test"]
+    assert net.tls.spoken == 2 and net.tls.snis == ["good.test", "good.test"]
     # One ClientHello that names more than one host is no ClientHello for good.test.
     refused = {
         "two names in one extension": [[good, evil]],
@@ -798,11 +798,11 @@ def test_names_claimed_after_the_first_client_hello_reach_only_the_vetted_upstre
             sock.sendall(with_server_names(hello, *extensions))
             assert closed_by_peer(sock), what
         cases.add()
-    assert net.tls.connections == 2, "a refused ClientHello reached an upstream"
+    assert net.tls.spoken == 2, "a refused ClientHello reached an upstream"
     # The same rewriting with good.test alone passes: the refusals above are about the names.
     with tunnel() as sock:
         sock.sendall(with_server_names(hello, [good]))
-        wait_for(lambda: net.tls.connections == 3, 5, "the rewritten ClientHello passing")
+        wait_for(lambda: net.tls.spoken == 3, 5, "the rewritten ClientHello passing")
     cases.add()
     assert net.victim.connections == 0
     assert hostile.alive()
