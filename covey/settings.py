@@ -57,13 +57,11 @@ if env.bool("DJANGO_BEHIND_TLS_PROXY", default=False):  # it sets X-Forwarded-Pr
 X_FRAME_OPTIONS = "DENY"
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'covey.sqlite3'}")}
-# A request keeps its thread's database connection for the next one (PostgreSQL: opening one
-# costs about as much as the request; bench/control_plane.py), checked before reuse; SQLite's
-# are opened afresh, as they cost nothing.
+# A request (or a proxy's poll) keeps its thread's database connection for the next one,
+# checked before reuse: opening one costs about as much as the request on PostgreSQL
+# (bench/control_plane.py), and about 2 ms of CPU on SQLite (its settings run on every open).
 _SQLITE = DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3"
-DATABASES["default"]["CONN_MAX_AGE"] = env.int(
-    "COVEY_DB_CONN_MAX_AGE", default=0 if _SQLITE else 60
-)
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("COVEY_DB_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 if _SQLITE:
     # Several processes write (web workers, the worker, the egress proxy): a transaction takes

@@ -6,11 +6,11 @@ import uuid
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Field, Q
 from django.utils import timezone
 
 from agents.models import Agent
@@ -255,60 +255,129 @@ def record_decisions(
         "organisation_id",
     )
     known = set(agents.values_list("pk", flat=True))
-    rows = {
-        uuid.UUID(e.id): Decision(
-            id=uuid.UUID(e.id),
-            agent_id=e.agent_id if e.agent_id in known else None,
-            username=_text(e.username, 200),
-            kind=e.kind.value,
-            host=_text(e.host, 255),
-            port=e.port,
-            address=e.address or None,
-            allowed=e.allowed,
-            reason=_text(e.reason.value, 32),
-            detail=_text(e.detail),
-            decided_at=_time(e.at),
-            proxy=proxy[:100],
-        )
+    name = proxy[:100]
+    rows: dict[uuid.UUID, list[Any]] = {
+        uuid.UUID(e.id): [
+            uuid.UUID(e.id),
+            e.agent_id if e.agent_id in known else None,
+            _text(e.username, 200),
+            e.kind.value,
+            _text(e.host, 255),
+            e.port,
+            e.address or None,
+            e.allowed,
+            _text(e.reason.value, 32),
+            _text(e.detail),
+            None,  # bytes up, down and the close: when the close comes in the same batch
+            None,
+            _time(e.at),
+            None,
+            name,
+        ]
         for e in decisions
     }
     numbered = {uuid.UUID(e.id): (e.boot, e.seq or 0) for e in decisions if e.boot is not None}
     with transaction.atomic():
         # The sessions first, locked: a batch sent again meanwhile waits, then finds this
         # one's decisions stored and counts none twice.
-        sessions = _Sessions(proxy[:100], organisation_id)
+        sessions = _Sessions(name, organisation_id)
         marks: list[StartEvent | StopEvent] = [*starts, *stops]
         for boot, at in sorted({(m.boot, _time(m.at)) for m in marks}):
             sessions.lock(boot, at)
         for pk, (boot, _) in sorted(numbered.items(), key=lambda item: item[1]):
-            sessions.lock(boot, rows[pk].decided_at)
+            sessions.lock(boot, rows[pk][_DECIDED_AT])
         for start in starts:
             sessions.started(start.boot, _time(start.at))
-        # A batch sent again (its first answer was lost) finds its decisions already stored.
-        for pk in Decision.objects.filter(pk__in=rows).values_list("pk", flat=True):
-            del rows[pk]
         # A short tunnel's close usually comes in the same batch as its decision: one row.
-        later: dict[uuid.UUID, Decision] = {}
-        for close in closes:
-            pk = uuid.UUID(close.id)
-            row = rows.get(pk) or later.setdefault(pk, Decision(pk=pk))
-            row.bytes_up, row.bytes_down = close.bytes_up, close.bytes_down
-            row.closed_at = _time(close.at)
-        Decision.objects.bulk_create(rows.values(), ignore_conflicts=True)
+        ended = {uuid.UUID(c.id): (c.bytes_up, c.bytes_down, _time(c.at)) for c in closes}
+        for pk, (up, down, at) in ended.items():
+            if (row := rows.get(pk)) is not None:
+                row[_BYTES_UP], row[_BYTES_DOWN], row[_CLOSED_AT] = up, down, at
+        # A batch sent again (its first answer was lost) finds its decisions already stored.
+        new = _insert_decisions(list(rows.values()))
         for pk, (boot, seq) in numbered.items():
-            sessions.decided(boot, seq, new=pk in rows)
-        if later:
-            scope = _scoped(Decision.objects.all(), organisation_id, "agent__organisation_id")
-            mine = set(scope.filter(pk__in=later).values_list("pk", flat=True))
-            Decision.objects.bulk_update(
-                [row for pk, row in later.items() if pk in mine],
-                ["bytes_up", "bytes_down", "closed_at"],
-                batch_size=500,
-            )
+            sessions.decided(boot, seq, new=pk in new)
+        _close_decisions([(*ended[pk], pk) for pk in ended if pk not in new], organisation_id)
         for stop in stops:
             sessions.stopped(stop.boot, stop.seq, _time(stop.at))
         sessions.save()
     return len(decisions) + len(closes) + len(starts) + len(stops)
+
+
+# A decision row as _insert_decisions takes it: its values in the order of _COLUMNS.
+_COLUMNS = (
+    "id", "agent_id", "username", "kind", "host", "port", "address", "allowed", "reason",
+    "detail", "bytes_up", "bytes_down", "decided_at", "closed_at", "proxy",
+)  # fmt: skip
+_BYTES_UP, _BYTES_DOWN, _DECIDED_AT, _CLOSED_AT = 10, 11, 12, 13
+# The columns whose values the database takes only as their fields prepare them.
+_PREPARED = {
+    i: cast("Field[Any, Any]", Decision._meta.get_field(column))
+    for i, column in enumerate(_COLUMNS)
+    if column in ("id", "address", "decided_at", "closed_at")
+}
+_ROWS_PER_INSERT = 500  # 15 parameters a row: far below SQLite's limit of 32,766
+
+
+def _insert_decisions(rows: list[list[Any]]) -> set[uuid.UUID]:
+    """Insert decision rows as they are, in a few multi-row statements (the ORM's bulk_create
+    costs more per row than the whole statement); the ids of those that were new: a row whose
+    id is stored already is left as it is (``ON CONFLICT DO NOTHING``)."""
+    q = connection.ops.quote_name
+    table, columns = q(Decision._meta.db_table), ", ".join(map(q, _COLUMNS))
+    row_marks = "(" + ", ".join(["%s"] * len(_COLUMNS)) + ")"
+    new: set[uuid.UUID] = set()
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), _ROWS_PER_INSERT):
+            chunk = rows[start : start + _ROWS_PER_INSERT]
+            params: list[Any] = []
+            for row in chunk:
+                for i, field in _PREPARED.items():
+                    row[i] = field.get_db_prep_value(row[i], connection)
+                params.extend(row)
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}) VALUES {', '.join([row_marks] * len(chunk))}"  # noqa: S608 - names quoted, values parameters
+                f" ON CONFLICT ({q('id')}) DO NOTHING RETURNING {q('id')}",
+                params,
+            )
+            new.update(uuid.UUID(str(pk)) for (pk,) in cursor.fetchall())
+    return new
+
+
+def _close_decisions(
+    closed: list[tuple[int, int, datetime, uuid.UUID]], organisation_id: int | None
+) -> None:
+    """Write the bytes and the close of tunnels decided in an earlier batch: (bytes up, bytes
+    down, closed at, id); with ``organisation_id``, only that organisation's agents' rows."""
+    if not closed:
+        return
+    q = connection.ops.quote_name
+    fields = [
+        cast("Field[Any, Any]", Decision._meta.get_field(name)) for name in ("closed_at", "id")
+    ]
+    sql = (
+        f"UPDATE {q(Decision._meta.db_table)} SET {q('bytes_up')} = %s, {q('bytes_down')} = %s,"  # noqa: S608
+        f" {q('closed_at')} = %s WHERE {q('id')} = %s"
+    )
+    scope: list[Any] = []
+    if organisation_id is not None:
+        organisation = Agent._meta.get_field("organisation").column
+        sql += (
+            f" AND {q('agent_id')} IN (SELECT {q('id')} FROM {q(Agent._meta.db_table)}"  # noqa: S608
+            f" WHERE {q(organisation)} = %s)"
+        )
+        scope = [organisation_id]
+    params = [
+        [
+            up,
+            down,
+            *(f.get_db_prep_value(v, connection) for f, v in zip(fields, rest, strict=True)),
+            *scope,
+        ]
+        for up, down, *rest in closed
+    ]
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
 
 
 class _Sessions:

@@ -16,7 +16,6 @@ and raw pass-through, nothing else.
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -93,6 +92,8 @@ class CoveyEgress:
         self.slow_closed = 0  # connections closed because their head did not come in time
         self.resolver = Resolver()
         self.allowed_private: list[IPNetwork] = []
+        self.max_tunnels = ProxyConfig.max_tunnels  # the options', once configured
+        self.max_tunnels_per_agent = ProxyConfig.max_tunnels_per_agent
         self.front: Front | None = None  # the connections that opened with CONNECT
         self._watch: asyncio.Task[None] | None = None
 
@@ -128,6 +129,9 @@ class CoveyEgress:
             raise exceptions.OptionsError("covey tunnel limits must be at least 1")
         if not ctx.options.covey_head_seconds > 0:
             raise exceptions.OptionsError("covey_head_seconds must be more than 0")
+        # Read on every decision: kept here (an option's read is checked each time).
+        self.max_tunnels = ctx.options.covey_max_tunnels
+        self.max_tunnels_per_agent = ctx.options.covey_max_tunnels_per_agent
         if "covey_allowed_private_cidrs" in updated:
             try:
                 self.allowed_private = parse_networks(ctx.options.covey_allowed_private_cidrs)
@@ -479,8 +483,8 @@ class CoveyEgress:
 
     def _full(self, agent_id: int) -> bool:
         return (
-            self.open_tunnels >= ctx.options.covey_max_tunnels
-            or self.tunnels_by_agent[agent_id] >= ctx.options.covey_max_tunnels_per_agent
+            self.open_tunnels >= self.max_tunnels
+            or self.tunnels_by_agent[agent_id] >= self.max_tunnels_per_agent
         )
 
     def check_hello(self, tunnel: Tunnel, data: bytes) -> bool | None:
@@ -540,7 +544,7 @@ class CoveyEgress:
     ) -> str:
         """Log a decision (who and where to from it unless given); its id. A runner's proxy
         check is answered and not logged: it is covey's, not anyone's attempt."""
-        decision_id = str(uuid.uuid4())
+        decision_id = self.log.new_id()
         if is_proxy_check(decision):
             return decision_id
         if agent_id is None and decision.agent is not None:

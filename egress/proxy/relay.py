@@ -79,7 +79,9 @@ class Relay:
     def start(self) -> None:
         for direction in (self.up, self.down):
             if direction.pending:  # sent first: the source is read once the target took it
-                self._loop.add_writer(direction.target.fileno(), self._writable, direction)
+                self._writable(direction, waiting=False)
+                if self.closed:
+                    return
             else:
                 self._loop.add_reader(direction.source.fileno(), self._readable, direction)
 
@@ -125,18 +127,25 @@ class Relay:
             self._loop.remove_reader(direction.source.fileno())
             self._loop.add_writer(direction.target.fileno(), self._writable, direction)
 
-    def _writable(self, direction: _Direction) -> None:
+    def _writable(self, direction: _Direction, *, waiting: bool = True) -> None:
+        """Send what the target has not taken yet; ``waiting``: from its writer callback (else
+        the first try, with none registered)."""
         try:
             sent = direction.target.send(direction.pending)
         except (BlockingIOError, InterruptedError):
-            return
+            sent = 0
         except OSError as exc:
             return self._finish(exc)
         direction.pending = direction.pending[sent:]
-        self._on_activity()
-        if not direction.pending:
+        if sent:
+            self._on_activity()
+        if direction.pending:
+            if not waiting:
+                self._loop.add_writer(direction.target.fileno(), self._writable, direction)
+            return
+        if waiting:
             self._loop.remove_writer(direction.target.fileno())
-            self._loop.add_reader(direction.source.fileno(), self._readable, direction)
+        self._loop.add_reader(direction.source.fileno(), self._readable, direction)
 
     def _ended(self, direction: _Direction) -> None:
         """The source sent EOF: pass it on as a half-close; end when both sides have."""

@@ -7,6 +7,8 @@ import socket
 from collections.abc import Coroutine
 from typing import Any
 
+import pytest
+
 from egress.proxy.relay import Relay
 
 
@@ -30,7 +32,7 @@ async def _pair() -> tuple[socket.socket, socket.socket]:
 class Tunnel:
     """client ⇄ [proxy_client | relay | proxy_server] ⇄ server, every hop a real TCP socket."""
 
-    async def open(self) -> "Tunnel":
+    async def open(self, first_up: bytes = b"") -> "Tunnel":
         self.client, self.proxy_client = await _pair()
         self.proxy_server, self.server = await _pair()
         self.ended: asyncio.Future[OSError | None] = asyncio.get_running_loop().create_future()
@@ -40,6 +42,7 @@ class Tunnel:
             self.proxy_server,
             on_activity=self._active,
             on_end=lambda error: self.ended.set_result(error),
+            first_up=first_up,
         )
         self.relay.start()
         return self
@@ -90,6 +93,22 @@ def test_bytes_cross_both_ways_at_once_intact_and_counted():
             assert await asyncio.wait_for(tunnel.ended, 5) is None
             assert (tunnel.relay.up.bytes, tunnel.relay.down.bytes) == (len(up), len(down))
             assert tunnel.activity > 0
+        finally:
+            tunnel.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("size", [40, 16 * 1024 * 1024])  # taken at once, or in many sends
+def test_the_first_bytes_go_to_the_server_before_anything_the_client_sends(size):
+    first, rest = os.urandom(size), os.urandom(100_000)
+
+    async def scenario() -> None:
+        tunnel = await Tunnel().open(first_up=first)
+        try:
+            _, got = await asyncio.gather(_send(tunnel.client, rest), _receive_all(tunnel.server))
+            assert got == first + rest
+            assert tunnel.relay.up.bytes == len(rest)  # what it read: the first bytes were given
         finally:
             tunnel.close()
 
