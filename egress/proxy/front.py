@@ -27,7 +27,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from mitmproxy.net.http import http1
+from mitmproxy.net.http import http1, url
+from mitmproxy.net.http.http1.read import raise_if_http_version_unknown
 
 import logs
 from egress.policy import Attempt, Code, Decision
@@ -220,6 +221,41 @@ class Front:
             sock.close()
 
 
+def read_connect(head: bytes) -> tuple[str, int, str | None]:
+    """The host, port and Proxy-Authorization of a CONNECT request's head (without the blank
+    line that ends it), read as mitmproxy's HTTP/1 parser reads it: its checks of the request
+    line, the authority and the version, and its rules for header lines (a repeated header's
+    values joined by ", "), without building a whole request. ValueError says what is wrong."""
+    lines = head.split(b"\r\n")
+    try:
+        method, target, version = lines[0].split()
+        if method != b"CONNECT":
+            raise ValueError("not a CONNECT")
+        host, port = url.parse_authority(target, check=True)
+        if not host or not port:
+            raise ValueError("no host:port")
+        raise_if_http_version_unknown(version)
+    except ValueError as exc:
+        raise ValueError(f"Bad HTTP request line: {lines[0]!r}") from exc
+    credentials: list[bytes] = []
+    last: bytes | None = None  # the name of the header a continuation line continues
+    for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            if last is None:
+                raise ValueError("Invalid headers")
+            if last == b"proxy-authorization":
+                credentials[-1] += b"\r\n " + line.strip()
+            continue
+        name, colon, value = line.partition(b":")
+        if not colon or not name:
+            raise ValueError(f"Invalid header line: {line!r}")
+        last = name.lower()
+        if last == b"proxy-authorization":
+            credentials.append(value.strip())
+    credential = b", ".join(credentials).decode("utf-8", "surrogateescape") if credentials else None
+    return host, port, credential
+
+
 class Door:
     """One client connection that opened with CONNECT, from its head to its end."""
 
@@ -289,14 +325,11 @@ class Door:
         head, self.buffer = buffer[:end], buffer[end + 4 :]
         self.gate.head_came(self.id)
         try:
-            request = http1.read_request_head(head.split(b"\r\n"))
+            host, port, credential = read_connect(head)
         except ValueError as exc:
             self._answer(400, f"bad request: {exc}")
             return
-        if request.method != "CONNECT" or not request.host:
-            self._answer(400, "only CONNECT host:port may open this connection")
-            return
-        attempt = Attempt(request.headers.get("Proxy-Authorization"), request.host, request.port)
+        attempt = Attempt(credential, host, port)
         first = self.gate.decide_now(attempt, self.peer)
         if isinstance(first, Decision) and (not first.allowed or first.address is not None):
             self._decided(attempt, first)  # refused, or allowed with its addresses checked
@@ -408,7 +441,12 @@ class Door:
         first, self.buffer = self.buffer, b""
         tunnel.bytes_up += len(first)
         tunnel.relay = Relay(
-            self.sock, self.upstream, on_activity=self._touch, on_end=self._ended, first_up=first
+            self.sock,
+            self.upstream,
+            on_activity=self._touch,
+            on_end=self._ended,
+            first_up=first,
+            own=True,  # the door's own sockets: the relay closes them, with the tunnel
         )
         tunnel.relay.start()
 

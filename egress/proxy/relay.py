@@ -49,9 +49,11 @@ class Relay:
     """Relays between two connected, non-blocking stream sockets until both sides have ended.
 
     ``first_up`` is sent to the server before anything read from the client (the ClientHello
-    the proxy checked). ``on_activity`` is called whenever bytes move; ``on_end`` once when the
-    relay ends by itself, with the error that ended it or None when both sides closed in order.
-    :meth:`close` stops it at any time, without calling ``on_end``.
+    the proxy checked). With ``own``, the relay takes the two sockets as they are and closes
+    them when it ends; else it works on duplicates and leaves the originals open.
+    ``on_activity`` is called whenever bytes move; ``on_end`` once when the relay ends by
+    itself, with the error that ended it or None when both sides closed in order. :meth:`close`
+    stops it at any time, without calling ``on_end``.
     """
 
     def __init__(
@@ -62,10 +64,14 @@ class Relay:
         on_activity: Callable[[], None],
         on_end: Callable[[OSError | None], None],
         first_up: bytes = b"",
+        own: bool = False,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._client = _duplicate(client)
-        self._server = _duplicate(server)
+        if own:
+            assert isinstance(client, socket.socket) and isinstance(server, socket.socket)  # noqa: S101
+            self._client, self._server = client, server
+        else:
+            self._client, self._server = _duplicate(client), _duplicate(server)
         self.up = _Direction(self._client, self._server)
         self.down = _Direction(self._server, self._client)
         self.up.pending = first_up
@@ -86,7 +92,8 @@ class Relay:
                 self._loop.add_reader(direction.source.fileno(), self._readable, direction)
 
     def close(self) -> None:
-        """Stop relaying and release the duplicates (the originals stay open); no ``on_end``."""
+        """Stop relaying and close its sockets (duplicates: the originals stay open); no
+        ``on_end``."""
         self._stop()
 
     def _stop(self) -> Callable[[OSError | None], None] | None:

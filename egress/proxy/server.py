@@ -36,8 +36,8 @@ def parse_listen(value: str, what: str = "--listen") -> tuple[str, int]:
     return host, port
 
 
-# The agent's side and the upstream's, each twice: the relay works on duplicates of the
-# sockets the front door (or mitmproxy's transports) hold (egress.proxy.relay).
+# The agent's side and the upstream's; twice for a tunnel of mitmproxy's, whose relay works on
+# duplicates of the sockets its transports hold (egress.proxy.relay): the most a tunnel takes.
 FILES_PER_TUNNEL = 4
 SPARE_FILES = 256  # listeners, the resolver, the policy source, logs, connections being decided
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from mitmproxy.net.http import http1
 
 from egress.policy import AgentPolicy, Attempt, Code, Decision
 from egress.proxy import front as front_module
-from egress.proxy.front import CONNECTED, MAX_HEAD, Front, Gate
+from egress.proxy.front import CONNECTED, MAX_HEAD, Front, Gate, read_connect
 from egress.proxy.lookups import LookUp
 from egress.proxy.tunnels import Tunnel
 
@@ -463,3 +464,52 @@ def test_a_client_that_resets_mid_head_leaves_nothing_behind():
             sock.close()
 
     run(gate, scenario)
+
+
+HEADS = [
+    b"CONNECT good.test:443 HTTP/1.1\r\nHost: good.test:443\r\nProxy-Authorization: Basic YQ==",
+    b"CONNECT good.test:443 HTTP/1.0",
+    b"CONNECT GOOD.test:8443 HTTP/1.1\r\nproxy-authorization:   Basic  x  ",
+    b"CONNECT good.test:443 HTTP/1.1\r\nProxy-Authorization: a\r\nPROXY-AUTHORIZATION: b",
+    b"CONNECT good.test:443 HTTP/1.1\r\nProxy-Authorization: a\r\n  continued\r\nX: y",
+    b"CONNECT good.test:443 HTTP/1.1\r\nX: y\r\n\tcontinued\r\nProxy-Authorization: a",
+    b"CONNECT good.test:443 HTTP/1.1\r\n continuation first",
+    b"CONNECT good.test:443 HTTP/1.1\r\nno colon",
+    b"CONNECT good.test:443 HTTP/1.1\r\n: empty name",
+    b"CONNECT good.test:443 HTTP/1.1\r\nProxy-Authorization: caf\xc3\xa9 \xff",
+    b"CONNECT good.test:443 HTTP/1.1\r\nProxy-Authorization;x: a",
+    b"CONNECT good.test:443 HTTP/3.0",
+    b"CONNECT good.test:443 HTTP/1.1 extra",
+    b"CONNECT good.test:443",
+    b"CONNECT  HTTP/1.1",
+    b"CONNECT good.test HTTP/1.1",
+    b"CONNECT good.test: HTTP/1.1",
+    b"CONNECT :443 HTTP/1.1",
+    b"CONNECT good.test:0 HTTP/1.1",
+    b"CONNECT good.test:99999 HTTP/1.1",
+    b"CONNECT good.test:44x HTTP/1.1",
+    b"CONNECT [::1]:443 HTTP/1.1",
+    b"CONNECT 127.0.0.1:443 HTTP/1.1",
+    b"CONNECT bad_name.test:443 HTTP/1.1",
+    b"CONNECT -bad.test:443 HTTP/1.1",
+    b"CONNECT good.test:443\tHTTP/1.1",
+    b"CONNECT xn--caf-dma.test:443 HTTP/1.1",
+    b"CONNECT caf\xc3\xa9.test:443 HTTP/1.1",
+    b"CONNECT good.test:443 HTTP/1.1\r\nHost: a\nb",
+]
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_a_connect_head_reads_as_mitmproxys_parser_reads_it(head):
+    """read_connect against mitmproxy's own parser, which it stands in for: the same refusals,
+    the same target and credential."""
+    try:
+        request = http1.read_request_head(head.split(b"\r\n"))
+        expected = (request.host, request.port, request.headers.get("Proxy-Authorization"))
+    except ValueError:
+        expected = None
+    try:
+        got = read_connect(head)
+    except ValueError:
+        got = None
+    assert got == expected
