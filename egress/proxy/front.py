@@ -98,8 +98,8 @@ class Front:
         self._ids = itertools.count(1)
 
     def bind(self, host: str, port: int) -> None:
-        """Listen on every address ``host`` names (nothing is accepted before :meth:`start`);
-        OSError when one cannot be bound."""
+        """Bind every address ``host`` names, so that one taken fails now (OSError); clients
+        are refused until :meth:`start` listens."""
         infos = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
         )
@@ -115,7 +115,6 @@ class Front:
                 if port == 0 and len(self.listeners) > 1:  # the same free port on each address
                     address = (address[0], self.listeners[0].getsockname()[1], *address[2:])
                 listener.bind(address)
-                listener.listen(BACKLOG)
                 listener.setblocking(False)
         except OSError:
             self.close_listeners()
@@ -126,7 +125,9 @@ class Front:
         return [listener.getsockname()[:2] for listener in self.listeners]
 
     def start(self) -> None:
-        """Accept clients, and close tunnels idle for ``idle_seconds``."""
+        """Listen and accept clients, and close tunnels idle for ``idle_seconds``."""
+        for listener in self.listeners:
+            listener.listen(BACKLOG)
         self._accept_again()
         self._spawn(self._watch_idle())
 

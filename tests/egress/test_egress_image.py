@@ -48,6 +48,7 @@ SOURCES = {
     "egress/environment.py", "egress/proxy/__init__.py", "egress/proxy/__main__.py",
     "egress/proxy/addon.py", "egress/proxy/answers.py", "egress/proxy/config.py",
     "egress/proxy/control_plane.py", "egress/proxy/desk.py", "egress/proxy/feed.py",
+    "egress/proxy/front.py",
     "egress/proxy/layers.py", "egress/proxy/lookups.py", "egress/proxy/relay.py",
     "egress/proxy/resolver.py", "egress/proxy/server.py", "egress/proxy/status.py",
     "egress/proxy/tunnels.py",

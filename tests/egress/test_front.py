@@ -513,3 +513,19 @@ def test_a_connect_head_reads_as_mitmproxys_parser_reads_it(head):
     except ValueError:
         got = None
     assert got == expected
+
+
+def test_a_bound_front_refuses_clients_until_it_starts():
+    async def scenario() -> None:
+        front = Front(_typed(FakeGate()), lambda reader, writer: asyncio.sleep(0))
+        front.bind("127.0.0.1", 0)
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.1", front.addresses[0][1])
+            front.start()
+            _, writer = await asyncio.open_connection("127.0.0.1", front.addresses[0][1])
+            writer.close()
+        finally:
+            front.stop()
+
+    asyncio.run(scenario())
