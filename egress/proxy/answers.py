@@ -2,9 +2,9 @@
 what makes a plain request or a tunnel's first bytes unfit for the decision."""
 
 from mitmproxy import http
+from mitmproxy.net.check import is_valid_host
 from mitmproxy.net.http import http1
 from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egress.policy import EXPLANATIONS, Code, Decision, status_of
 from egress.proxy.desk import command_for
@@ -84,14 +84,103 @@ def read_client_hello(data: bytes) -> tuple[str, str] | None:
         return "", _NOT_TLS
     records, more = _first_records(data, MAX_CLIENT_HELLO_RECORDS)
     try:
-        hello = parse_client_hello(records)
+        whole, sni = client_hello_sni(records)
     except ValueError:
         return "", "the tunnel did not start with a valid TLS ClientHello"
-    if hello is None:
+    if not whole:
         if more:
             return "", "the ClientHello is split into too many records"
         return ("", "the ClientHello is too large") if len(data) > MAX_CLIENT_HELLO else None
-    return hello.sni or "", ""
+    return sni or "", ""
+
+
+class _Short(ValueError):
+    """A length in the ClientHello points past its end."""
+
+
+def client_hello_sni(data: bytes) -> tuple[bool, str | None]:
+    """Whether ``data`` (TLS records) holds a whole ClientHello, and its SNI: what mitmproxy's
+    ``parse_client_hello(data).sni`` gives (its checks and its choice of name, kept the same by
+    tests/egress/test_answers.py against it), read with a few slices instead of its generated
+    parser's hundred calls (that was the costliest step of a tunnel). ValueError when the bytes
+    are not a ClientHello.
+
+    The SNI is the first server_name extension that names exactly one host of type host_name,
+    a valid host name or address; None when there is none. Every extension's length must hold,
+    and those of server_name and ALPN their lists' lengths, as mitmproxy's parser requires."""
+    hello = b""
+    at = 0
+    while len(data) >= at + 5:  # the handshake records' bodies, until the message is whole
+        header = data[at : at + 5]
+        if not starts_like_tls_record(header):
+            raise ValueError(f"Expected TLS record, got {header!r} instead.")
+        size = int.from_bytes(header[3:5])
+        if size == 0:
+            raise ValueError("Record must not be empty.")
+        at += 5
+        if len(data) < at + size:
+            break
+        hello += data[at : at + size]
+        at += size
+        if len(hello) >= 4 and len(hello) >= (whole := int.from_bytes(hello[1:4]) + 4):
+            return True, _sni(hello[4:whole])
+    return False, None
+
+
+def _sni(body: bytes) -> str | None:
+    end = len(body)
+
+    def skip(at: int, size: int) -> int:
+        if at + size > end:
+            raise _Short("Invalid ClientHello")
+        return at + size
+
+    at = skip(0, 2 + 32)  # version, random
+    at = skip(skip(at, 1), body[at])  # session id
+    at = skip(skip(at, 2), int.from_bytes(body[at : at + 2]) // 2 * 2)  # cipher suites
+    at = skip(skip(at, 1), body[at])  # compression methods
+    if at == end:
+        return None  # no extensions
+    at = skip(at, 2)  # their length (each extension's own are what count)
+    sni: str | None = None
+    while at < end:
+        start = skip(at, 4)
+        kind, size = int.from_bytes(body[at : at + 2]), int.from_bytes(body[at + 2 : at + 4])
+        at = skip(start, size)
+        if kind == 0:  # server_name: a list's length, then (type, length, name) to its end
+            names = []
+            inside = _Bytes(body, start, at)
+            inside.take(2)
+            while not inside.done:
+                kind_of_name = inside.take(1)[0]
+                names.append((kind_of_name, inside.take(int.from_bytes(inside.take(2)))))
+            if sni is None and len(names) == 1 and names[0][0] == 0 and is_valid_host(names[0][1]):
+                sni = names[0][1].decode("ascii")
+        elif kind == 16:  # ALPN: a list's length, then (length, protocol) to its end
+            inside = _Bytes(body, start, at)
+            inside.take(2)
+            while not inside.done:
+                inside.take(inside.take(1)[0])
+    return sni
+
+
+class _Bytes:
+    """Reading ``data[at:end]`` from the front; a read past ``end`` is :class:`_Short`."""
+
+    __slots__ = ("at", "data", "end")
+
+    def __init__(self, data: bytes, at: int, end: int) -> None:
+        self.data, self.at, self.end = data, at, end
+
+    @property
+    def done(self) -> bool:
+        return self.at >= self.end
+
+    def take(self, size: int) -> bytes:
+        if self.at + size > self.end:
+            raise _Short("Invalid ClientHello")
+        self.at += size
+        return self.data[self.at - size : self.at]
 
 
 def _first_records(data: bytes, count: int) -> tuple[bytes, bool]:
