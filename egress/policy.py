@@ -345,10 +345,12 @@ def check_request(
     """Step 1, then :func:`check_agent`: is there a policy to decide by, is the request well
     formed, and which agent does its credential prove. ``full(agent_id)``: whether a new tunnel
     of that agent would be over a limit."""
-    start = Decision(Code.ALLOWED, attempt.host, attempt.port, attempt.username)
     if policy is None:
+        start = Decision(Code.ALLOWED, attempt.host, attempt.port, attempt.username)
         return start.refuse(Code.POLICY_UNAVAILABLE)
-    start = replace(start, generation=policy.generation)
+    start = Decision(
+        Code.ALLOWED, attempt.host, attempt.port, attempt.username, generation=policy.generation
+    )
     if attempt.problem:
         return start.refuse(Code.BAD_REQUEST, attempt.problem)
     agent, unknown = policy.identify(attempt.credentials, now)
@@ -413,10 +415,10 @@ def check_agent(
     name = built_in.get((entry.host, entry.port)) if built_in else None
     if name is not None:
         return replace(start, host=entry.host, sources=(f"built-in: {name}",), built_in=name)
-    named = replace(start, host=entry.host, port=entry.port)
     sources = agent.sources(entry)
     if sources and (not attempt.plain_http or entry.port == PLAIN_HTTP_PORT):
-        return replace(named, sources=sources)
+        return replace(start, host=entry.host, port=entry.port, sources=sources)
+    named = replace(start, host=entry.host, port=entry.port)
     if entry.host in agent.hosts:
         plain_only = attempt.plain_http and sources
         return named.refuse(

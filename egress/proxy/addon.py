@@ -564,6 +564,8 @@ class CoveyEgress:
                 reason=decision.code,
                 detail=", ".join(decision.sources) if decision.allowed else decision.detail,
                 at=self.clock(),
+                boot=self.log.boot,
+                seq=self.log.number(),
             )
         )
         return decision_id

@@ -397,11 +397,16 @@ class DecisionLog:
         self._ids += 1
         return str(uuid.UUID(int=self._id_base | self._ids))
 
+    def number(self) -> int:
+        """The next decision's number in this log's ``boot`` (for one made with both already:
+        :meth:`add` numbers one that has none)."""
+        self.made += 1
+        return self.made
+
     def add(self, event: ProxyEvent) -> None:
         """Queue one event (never blocks, never does I/O); a decision gets its number."""
-        if isinstance(event, DecisionEvent):
-            self.made += 1
-            event = replace(event, boot=self.boot, seq=self.made)
+        if isinstance(event, DecisionEvent) and event.boot != self.boot:
+            event = replace(event, boot=self.boot, seq=self.number())
         if len(self._events) == self._max_buffer:
             self.dropped += 1
         self._events.append(event)

@@ -193,6 +193,8 @@ HUGE = b"".join(
         (CORPUS["a broken ALPN"], ("", "the tunnel did not start with a valid TLS ClientHello")),
         (HUGE, ("", "the ClientHello is too large")),
     ],
+    # ids of their own: a real ClientHello's bytes are random, and so would its id be
+    ids=["nothing", "a record's start", "http", "half", "sni", "no sni", "invalid", "too large"],
 )
 def test_read_client_hello_says_what_the_first_bytes_are(data, read):
     assert read_client_hello(data) == read
