@@ -6,11 +6,11 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
-from django.db.models import Q
+from django.db.models import Field, Q
 from django.utils import timezone
 
 from agents.models import Agent
@@ -311,6 +311,7 @@ _COLUMNS = (
 )  # fmt: skip
 _BYTES_UP, _BYTES_DOWN, _DECIDED_AT, _CLOSED_AT = 10, 11, 12, 13
 _ROWS_PER_INSERT = 500  # 15 parameters a row: far below SQLite's limit of 32,766
+_ADDRESS = cast("Field[Any, Any]", Decision._meta.get_field("address"))
 
 
 def _adapters(db: Any) -> tuple[Callable[[Any], Any], ...]:
@@ -325,7 +326,10 @@ def _adapters(db: Any) -> tuple[Callable[[Any], Any], ...]:
     def pk(value: uuid.UUID) -> Any:
         return value if native_uuid else value.hex
 
-    return pk, ops.adapt_ipaddressfield_value, time
+    def address(value: str | None) -> Any:  # IPv6 in its one written form, as the field does
+        return ops.adapt_ipaddressfield_value(_ADDRESS.get_prep_value(value))
+
+    return pk, address, time
 
 
 def _insert_decisions(rows: list[list[Any]]) -> set[uuid.UUID]:

@@ -8,7 +8,9 @@ token's look-up waits), answers the refusal or 200, and then dials the vetted ad
 while the ClientHello is still on its way. Once the ClientHello names the CONNECT host (step 5)
 and the upstream has answered the dial, the ClientHello goes upstream and a
 :class:`~egress.proxy.relay.Relay` moves the rest. Nothing is read from the client while a
-decision or the dial is awaited: what it sends meanwhile waits in its socket.
+decision is awaited, nor past its ClientHello before the relay: what it sends meanwhile waits in
+its socket. The head and the ClientHello must both come within COVEY_EGRESS_HEAD_TIMEOUT; a
+refused tunnel's dial has carried no byte. A failure inside a door closes it (and is logged).
 
 A connection that opens with anything else (a plain HTTP proxy request, or something that is
 not HTTP) is handed, with what was read of it, to mitmproxy's HTTP layer, which the addon
@@ -98,7 +100,7 @@ class Front:
         self._ids = itertools.count(1)
 
     def bind(self, host: str, port: int) -> None:
-        """Bind every address ``host`` names, so that one taken fails now (OSError); clients
+        """Bind every address ``host`` names, so that one in use fails now (OSError); clients
         are refused until :meth:`start` listens."""
         infos = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
@@ -125,7 +127,8 @@ class Front:
         return [listener.getsockname()[:2] for listener in self.listeners]
 
     def start(self) -> None:
-        """Listen and accept clients, and close tunnels idle for ``idle_seconds``."""
+        """Listen and accept clients, and close tunnels idle for ``idle_seconds``; OSError
+        when a port bound meanwhile by another process is listened on first."""
         for listener in self.listeners:
             listener.listen(BACKLOG)
         self._accept_again()
@@ -208,7 +211,11 @@ class Front:
 
     def hand_to_plain(self, sock: socket.socket, read: bytes) -> None:
         """Give a client connection, of which ``read`` was read, to ``plain`` as a stream."""
-        self._spawn(self._to_plain(sock, read))
+        task: asyncio.Task[None] = asyncio.ensure_future(self._to_plain(sock, read))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        # Cancelled before it ran (the proxy stopping): the socket is still the front's.
+        task.add_done_callback(lambda done: sock.close() if done.cancelled() else None)
 
     async def _to_plain(self, sock: socket.socket, read: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -257,6 +264,22 @@ def read_connect(head: bytes) -> tuple[str, int, str | None]:
     return host, port, credential
 
 
+def _closing_on_error(callback: Callable[["Door"], None]) -> Callable[["Door"], None]:
+    """A door's loop callback that closes the door when it fails, instead of letting the error
+    reach the event loop and leaving the connection half open."""
+
+    def guarded(door: "Door") -> None:
+        try:
+            callback(door)
+        except Exception:
+            logger.exception("covey: a tunnel failed; closing it")
+            door.close()
+
+    guarded.__name__ = callback.__name__
+    guarded.__doc__ = callback.__doc__
+    return guarded
+
+
 class Door:
     """One client connection that opened with CONNECT, from its head to its end."""
 
@@ -293,6 +316,7 @@ class Door:
             self.loop.remove_reader(self.fd)
             self.reading = False
 
+    @_closing_on_error
     def _readable(self) -> None:
         try:
             data = self.sock.recv(READ_SIZE)
@@ -324,7 +348,6 @@ class Door:
                 self._answer(400, "the request head is too large")
             return
         head, self.buffer = buffer[:end], buffer[end + 4 :]
-        self.gate.head_came(self.id)
         try:
             host, port, credential = read_connect(head)
         except ValueError as exc:
@@ -347,7 +370,11 @@ class Door:
             decision = None
         self.deciding = None
         if not self.closed:
-            self._decided(attempt, decision)
+            try:
+                self._decided(attempt, decision)
+            except Exception:
+                logger.exception("covey: a tunnel failed; closing it")
+                self.close()
 
     def _decided(self, attempt: Attempt, decision: Decision | None) -> None:
         if decision is None or not decision.allowed:
@@ -361,7 +388,8 @@ class Door:
         self._dial()
         if self.buffer:
             self._read_hello()
-        self._read_on()
+        if not self.hello_checked:
+            self._read_on()
 
     def _read_hello(self) -> None:
         assert self.tunnel is not None  # noqa: S101 - only once there is one
@@ -375,6 +403,7 @@ class Door:
             return
         self.hello_checked = True
         self._read_off()  # what follows waits in the socket for the relay
+        self.gate.head_came(self.id)  # no deadline from here: the relay's idle time only
         self._relay_when_ready()
 
     # --- the upstream ------------------------------------------------------------------------
@@ -385,7 +414,11 @@ class Door:
             return
         address, port = tunnel.address, tunnel.decision.port
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        upstream = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            upstream = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # out of files, say
+            self._unreachable(str(exc))
+            return
         tunnel.upstream = self.upstream = upstream  # closed with the tunnel from now
         upstream.setblocking(False)
         upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -399,6 +432,7 @@ class Door:
         else:
             self._unreachable(os.strerror(failed))
 
+    @_closing_on_error
     def _dialled(self) -> None:
         assert self.upstream is not None  # noqa: S101 - dialling
         self._dial_over()
@@ -409,6 +443,7 @@ class Door:
         self.connected = True
         self._relay_when_ready()
 
+    @_closing_on_error
     def _dial_timed_out(self) -> None:
         self.dial_timer = None
         self._dial_over()
@@ -439,6 +474,7 @@ class Door:
         if not (self.hello_checked and self.connected) or self.out or self.closed:
             return
         assert tunnel is not None and self.upstream is not None  # noqa: S101 - connected
+        self._read_off()  # the relay reads the client from now
         first, self.buffer = self.buffer, b""
         tunnel.bytes_up += len(first)
         tunnel.relay = Relay(
@@ -478,6 +514,7 @@ class Door:
             self.loop.add_writer(self.fd, self._writable)
             self.writing = True
 
+    @_closing_on_error
     def _writable(self) -> None:
         try:
             sent = self.sock.send(self.out)

@@ -6,8 +6,9 @@ locks and hooks; a :class:`Relay` instead reads from one socket into a buffer an
 the other from a reader callback, a few microseconds a chunk, with the same backpressure (a
 side that cannot take more stops the reading from the other side).
 
-The relay works on duplicates of the two sockets' descriptors, so the asyncio transports that
-own the originals stay as they are (paused) and close them as usual when the tunnel ends.
+For a tunnel of mitmproxy's, the relay works on duplicates of the two sockets' descriptors, so
+the asyncio transports that own the originals stay as they are (paused) and close them as usual
+when the tunnel ends; the front door's tunnels give it their own sockets (``own``).
 """
 
 import asyncio

@@ -140,7 +140,7 @@ async def _serve(
     except OSError as exc:
         raise ProxyError(f"the proxy could not listen on {host}:{port}: {exc}") from None
     status_line = f"; status at http://{config.status_listen}/" if status else ""
-    announce = Announce(say, f"{host}:{port}", where + status_line, status, front)
+    announce = Announce(say, f"{host}:{port}", where + status_line, status, front, proxy.shutdown)
     proxy.addons.add(
         core.Core(),
         errorcheck.ErrorCheck(),
@@ -169,6 +169,8 @@ async def _serve(
         await proxy.run()
     finally:
         front.stop()
+    if announce.failure:
+        raise ProxyError(announce.failure)
 
 
 class Announce:
@@ -182,12 +184,19 @@ class Announce:
         where: str,
         status: ProxyStatus | None,
         front: Front,
+        stop: Callable[[], None],
     ) -> None:
         self.say, self.listen, self.where, self.status = say, listen, where, status
-        self.front = front
+        self.front, self.stop = front, stop
+        self.failure = ""
 
     def running(self) -> None:
-        self.front.start()
+        try:
+            self.front.start()
+        except OSError as exc:  # mitmproxy would log this and run on, listening nowhere
+            self.failure = f"the proxy could not listen on {self.listen}: {exc}"
+            self.stop()
+            return
         if self.status is not None:
             self.status.listening = True
         self.say(f"covey egress proxy listening on {self.listen}, policy from {self.where}")

@@ -1,10 +1,11 @@
-"""Allowed tunnels and their hand-over from mitmproxy to covey's :class:`Relay`.
+"""Allowed tunnels, and the hand-over of one that mitmproxy carried (a CONNECT sent after a
+plain request on one connection) to covey's :class:`Relay`; the front door carries all others.
 
 What covey touches of mitmproxy beyond its addon and layer API is here and only here: the
 connection handlers of its ``proxyserver`` addon, their transports and stream buffers, and
-cancelling a handler to close a client (the layers use mitmproxy's layer API, the plain-HTTP
-layer its HTTP/1 server's buffer, and the answers its ClientHello parser). A mitmproxy upgrade
-is checked against this file first.
+cancelling a handler to close a client (the layers use mitmproxy's layer API and the plain-HTTP
+layer its HTTP/1 server's buffer; the front door its HTTP/1 head helpers and a server instance's
+``handle_stream``). A mitmproxy upgrade is checked against this file first.
 """
 
 import asyncio

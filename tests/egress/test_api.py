@@ -193,6 +193,17 @@ class TestDecisionBatches:
         row = Decision.objects.get()
         assert (row.bytes_up, row.bytes_down, row.closed_at.timestamp()) == (7, 9, 1.0)
 
+    def test_a_batch_stores_each_field_as_the_model_reads_it(self, acme):
+        agent = AgentFactory(organisation=acme)
+        opened = event(agent, address="2001:DB8:0:0::1", at=1.5, username="bob\x00")
+        stranger = event(None, allowed=False, reason="proxy-auth-required", address=None)
+        assert record_events([opened, stranger]) == 2
+        row = Decision.objects.get(agent=agent)
+        assert str(row.id) == opened["id"] and row.address == "2001:db8::1"
+        assert (row.decided_at.timestamp(), row.username, row.closed_at) == (1.5, "bob", None)
+        other = Decision.objects.get(agent=None)
+        assert (other.allowed, other.reason, other.address) == (False, "proxy-auth-required", None)
+
     def test_a_batch_sent_twice_is_stored_once_and_keeps_its_close(self, acme):
         agent = AgentFactory(organisation=acme)
         opened = event(agent)

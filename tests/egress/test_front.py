@@ -4,6 +4,7 @@ The real proxy, addon included, is tested end to end in test_proxy.py and the se
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -529,3 +530,58 @@ def test_a_bound_front_refuses_clients_until_it_starts():
             front.stop()
 
     asyncio.run(scenario())
+
+
+def test_bytes_sent_with_the_head_and_the_hello_all_reach_the_upstream_in_order():
+    """A client that sends its head, its ClientHello and a lot more at once: nothing is read
+    past the ClientHello before the relay, and every byte arrives once, in order."""
+    gate = FakeGate()
+    payload = os.urandom(8 * 1024 * 1024)
+
+    async def scenario(scene: Scene) -> None:
+        reader, writer = await scene.client(connect_head() + HELLO + payload)
+        upstream = await scene.accepted()
+        await asyncio.sleep(0.3)  # the client's bytes pile up: the door must not read them
+        assert len(scene.front.doors[gate.opened_ids[0]].buffer) < 64 * 1024
+        got = await upstream_gets(upstream, len(HELLO) + len(payload))
+        assert got == HELLO + payload
+        assert await answer(reader) == CONNECTED
+        writer.close()
+        upstream.close()
+
+    run(gate, scenario)
+
+
+def test_a_failure_inside_a_door_closes_it_and_forgets_it():
+    gate = FakeGate()
+
+    def broken(attempt: Attempt, client: str) -> Decision | LookUp:
+        raise RuntimeError("a bug")
+
+    gate.decide_now = broken
+
+    async def scenario(scene: Scene) -> None:
+        reader, writer = await scene.client(connect_head())
+        assert await body_to_end(reader) == b""  # closed, nothing said
+        await settles(lambda: gate.closed_ids == gate.opened_ids)
+        assert scene.front.doors == {} and scene.plain == []
+        writer.close()
+
+    run(gate, scenario)
+
+
+def test_the_client_hello_is_awaited_only_as_long_as_a_head():
+    """The deadline of a head goes on until the ClientHello passes: the addon closes a door
+    still in its ``heads`` when the time is up (here, the test does)."""
+    gate = FakeGate()
+
+    async def scenario(scene: Scene) -> None:
+        reader, writer = await scene.client(connect_head())
+        assert await answer(reader) == CONNECTED
+        await scene.accepted()
+        assert gate.heads == []  # still awaited
+        writer.write(HELLO)
+        await settles(lambda: gate.heads == gate.opened_ids)  # no deadline from here
+        writer.close()
+
+    run(gate, scenario)

@@ -638,12 +638,16 @@ def test_slowloris_and_floods_leave_well_behaved_clients_served(hostile, cases):
 def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credentials, cases):
     """Slow clients are served meanwhile (above); they do not keep their connections either:
     a head not whole COVEY_EGRESS_HEAD_TIMEOUT after the connection opened (or after its last
-    plain request was answered) closes it. A tunnel, its head read, is not timed."""
+    plain request was answered) closes it, and so does a tunnel's ClientHello not come by then
+    (its upstream is dialled at once). A tunnel whose ClientHello passed is not timed."""
     timeout = 2.0
     with attacked(outside, tmp_path, credentials, COVEY_EGRESS_HEAD_TIMEOUT=str(timeout)) as bad:
         tunnel = connect(bad.proxy, bad.target, bad.credentials)
         assert tunnel.status == 200
         tls, incoming, outgoing, hello = client_hello(outside.net, "good.test")
+        tunnel.sock.sendall(hello)  # at once: this tunnel has started
+        mute = connect(bad.proxy, bad.target, bad.credentials)  # never says hello
+        assert mute.status == 200
         plain = socket.create_connection(bad.proxy.address, timeout=10)
         auth = basic(bad.credentials)
         plain.sendall(
@@ -675,20 +679,22 @@ def test_a_client_too_slow_to_send_its_head_is_closed(outside, tmp_path, credent
             with sock:
                 assert closed_by_peer(sock, timeout + 3), what
                 cases.add()
-        # The plain connection's next head did not come in time either; the tunnel lives on.
+        # The plain connection's next head did not come in time either, nor the mute tunnel's
+        # ClientHello; the tunnel that started lives on.
         assert closed_by_peer(plain, 3), "an idle keep-alive connection"
+        with mute.sock:
+            assert closed_by_peer(mute.sock, 3), "a tunnel without a ClientHello"
         closed = time.monotonic() - started
         with tunnel.sock as sock:
-            sock.sendall(hello)
             assert b"hello from good" in fetch_through(sock, tls, incoming, outgoing)
         with websocket:  # an upgraded connection is no longer waiting for a head
             websocket.sendall(websocket_frame(b"still here", mask=True))
             assert read_websocket_frame(websocket.makefile("rb")) == b"still here"
-        cases.add(3)
+        cases.add(4)
         cases.note(
             f"COVEY_EGRESS_HEAD_TIMEOUT={timeout:g}: silent, trickling and idle keep-alive"
-            f" connections closed within {closed:.1f} s; a tunnel and a WebSocket opened before"
-            " them still work"
+            f" connections and a tunnel without a ClientHello closed within {closed:.1f} s; a"
+            " started tunnel and a WebSocket opened before them still work"
         )
         assert closed < timeout + 3
 
