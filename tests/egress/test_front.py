@@ -585,3 +585,26 @@ def test_the_client_hello_is_awaited_only_as_long_as_a_head():
         writer.close()
 
     run(gate, scenario)
+
+
+def test_a_port_bound_twice_fails_at_the_second_listen():
+    """Linux lets two sockets with SO_REUSEADDR bind one port while neither listens: the
+    second to listen fails (the proxy then stops, saying why: egress/proxy/server.py)."""
+
+    async def scenario() -> None:
+        first = Front(_typed(FakeGate()), lambda reader, writer: asyncio.sleep(0))
+        second = Front(_typed(FakeGate()), lambda reader, writer: asyncio.sleep(0))
+        first.bind("127.0.0.1", 0)
+        try:
+            try:
+                second.bind("127.0.0.1", first.addresses[0][1])
+            except OSError:
+                return  # refused at once: as good
+            first.start()
+            with pytest.raises(OSError):
+                second.start()
+        finally:
+            first.stop()
+            second.stop()
+
+    asyncio.run(scenario())
