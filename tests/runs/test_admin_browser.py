@@ -71,8 +71,9 @@ def test_a_runs_status_times_egress_and_output_follow_it_together(
     assert window.locator("#cancel-run").count() == 1
 
     runs.report(str(run.pk), builtin, RunReport(state=ReportState.EXITED, exit_code=0))
-    # Ended, with all its output come: the page reloads whole, for its final state.
-    window.wait_for_function("document.getElementById('run-output').dataset.live === 'false'")
+    # Ended, with all its output come: the page reloads whole, for its final state (asked
+    # meanwhile, the new page may not hold the element yet).
+    window.wait_for_function("document.getElementById('run-output')?.dataset.live === 'false'")
     finished = Run.objects.get(pk=run.pk)
     assert field(window, "status") == "Succeeded"
     assert field(window, "finished_shown") == seconds(finished.finished_at)
