@@ -595,7 +595,7 @@ def test_it_fails_closed_when_the_database_is_gone(net, tmp_path, django_db_setu
 
 
 class TestConnectLayer:
-    """A connection that opens with CONNECT is answered by covey's own layer; one that opens
+    """A connection that opens with CONNECT is answered by covey's front door; one that opens
     with a plain request gets mitmproxy's HTTP layer, CONNECTs after it included."""
 
     def handshake(self, net, sock):
