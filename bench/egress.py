@@ -425,11 +425,11 @@ def start_squid(
     version = subprocess.run(  # noqa: S603 - the squid binary found above
         [binary, "-v"], capture_output=True, text=True, check=True, timeout=30
     ).stdout.splitlines()[0]
-    name = "squid-auth" if credentials else "squid"
+    auth = credentials is not None
+    name = "squid-auth" if auth else "squid"
     directory = work / name
     directory.mkdir()
     port = free_port()
-    auth = credentials is not None
     (directory / "squid.conf").write_text(squid_config(directory, port, allowlist, auth=auth))
     (directory / "hosts").write_text("".join(f"{UPSTREAM_IP} {h}\n" for h, _ in allowlist))
     if credentials is not None:

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
@@ -256,25 +256,13 @@ def record_decisions(
     )
     known = set(agents.values_list("pk", flat=True))
     name = proxy[:100]
-    rows: dict[uuid.UUID, list[Any]] = {
-        uuid.UUID(e.id): [
-            uuid.UUID(e.id),
-            e.agent_id if e.agent_id in known else None,
-            _text(e.username, 200),
-            e.kind.value,
-            _text(e.host, 255),
-            e.port,
-            e.address or None,
-            e.allowed,
-            _text(e.reason.value, 32),
-            _text(e.detail),
-            None,  # bytes up, down and the close: when the close comes in the same batch
-            None,
-            _time(e.at),
-            None,
-            name,
-        ]
-        for e in decisions
+    # A short tunnel's close usually comes in the same batch as its decision: one row.
+    ended = {uuid.UUID(c.id): (c.bytes_up, c.bytes_down, _time(c.at)) for c in closes}
+    rows = {
+        row.id: row
+        for row in (
+            _row_of(e, e.agent_id if e.agent_id in known else None, name, ended) for e in decisions
+        )
     }
     numbered = {uuid.UUID(e.id): (e.boot, e.seq or 0) for e in decisions if e.boot is not None}
     with transaction.atomic():
@@ -285,14 +273,9 @@ def record_decisions(
         for boot, at in sorted({(m.boot, _time(m.at)) for m in marks}):
             sessions.lock(boot, at)
         for pk, (boot, _) in sorted(numbered.items(), key=lambda item: item[1]):
-            sessions.lock(boot, rows[pk][_DECIDED_AT])
+            sessions.lock(boot, rows[pk].decided_at)
         for start in starts:
             sessions.started(start.boot, _time(start.at))
-        # A short tunnel's close usually comes in the same batch as its decision: one row.
-        ended = {uuid.UUID(c.id): (c.bytes_up, c.bytes_down, _time(c.at)) for c in closes}
-        for pk, (up, down, at) in ended.items():
-            if (row := rows.get(pk)) is not None:
-                row[_BYTES_UP], row[_BYTES_DOWN], row[_CLOSED_AT] = up, down, at
         # A batch sent again (its first answer was lost) finds its decisions already stored.
         new = _insert_decisions(list(rows.values()))
         for pk, (boot, seq) in numbered.items():
@@ -304,12 +287,54 @@ def record_decisions(
     return len(decisions) + len(closes) + len(starts) + len(stops)
 
 
-# A decision row as _insert_decisions takes it: its values in the order of _COLUMNS.
-_COLUMNS = (
-    "id", "agent_id", "username", "kind", "host", "port", "address", "allowed", "reason",
-    "detail", "bytes_up", "bytes_down", "decided_at", "closed_at", "proxy",
-)  # fmt: skip
-_BYTES_UP, _BYTES_DOWN, _DECIDED_AT, _CLOSED_AT = 10, 11, 12, 13
+class _DecisionRow(NamedTuple):
+    """A decision's row as _insert_decisions writes it: its fields are the table's columns."""
+
+    id: uuid.UUID
+    agent_id: int | None
+    username: str
+    kind: str
+    host: str
+    port: int
+    address: str | None
+    allowed: bool
+    reason: str
+    detail: str
+    decided_at: datetime
+    bytes_up: int | None  # these three when the close came in the same batch
+    bytes_down: int | None
+    closed_at: datetime | None
+    proxy: str
+
+
+def _row_of(
+    event: DecisionEvent,
+    agent_id: int | None,
+    proxy: str,
+    ended: dict[uuid.UUID, tuple[int, int, datetime]],
+) -> _DecisionRow:
+    """A decision's row, with its close when ``ended`` holds it (the same batch brought it)."""
+    pk = uuid.UUID(event.id)
+    close = ended.get(pk)
+    return _DecisionRow(
+        id=pk,
+        agent_id=agent_id,
+        username=_text(event.username, 200),
+        kind=event.kind.value,
+        host=_text(event.host, 255),
+        port=event.port,
+        address=event.address or None,
+        allowed=event.allowed,
+        reason=_text(event.reason.value, 32),
+        detail=_text(event.detail),
+        decided_at=_time(event.at),
+        bytes_up=close[0] if close else None,
+        bytes_down=close[1] if close else None,
+        closed_at=close[2] if close else None,
+        proxy=proxy,
+    )
+
+
 _ROWS_PER_INSERT = 500  # 15 parameters a row: far below SQLite's limit of 32,766
 _ADDRESS = cast("Field[Any, Any]", Decision._meta.get_field("address"))
 
@@ -332,24 +357,29 @@ def _adapters(db: Any) -> tuple[Callable[[Any], Any], ...]:
     return pk, address, time
 
 
-def _insert_decisions(rows: list[list[Any]]) -> set[uuid.UUID]:
+def _insert_decisions(rows: list[_DecisionRow]) -> set[uuid.UUID]:
     """Insert decision rows as they are, in a few multi-row statements (the ORM's bulk_create
     costs more per row than the whole statement); the ids of those that were new: a row whose
     id is stored already is left as it is (``ON CONFLICT DO NOTHING``)."""
     db = connections[DEFAULT_DB_ALIAS]
     q = db.ops.quote_name
     pk, address, time = _adapters(db)
-    table, columns = q(Decision._meta.db_table), ", ".join(map(q, _COLUMNS))
-    row_marks = "(" + ", ".join(["%s"] * len(_COLUMNS)) + ")"
+    table, columns = q(Decision._meta.db_table), ", ".join(map(q, _DecisionRow._fields))
+    row_marks = "(" + ", ".join(["%s"] * len(_DecisionRow._fields)) + ")"
     new: set[uuid.UUID] = set()
     with db.cursor() as cursor:
         for start in range(0, len(rows), _ROWS_PER_INSERT):
             chunk = rows[start : start + _ROWS_PER_INSERT]
             params: list[Any] = []
             for row in chunk:
-                row[0], row[6] = pk(row[0]), address(row[6])
-                row[_DECIDED_AT], row[_CLOSED_AT] = time(row[_DECIDED_AT]), time(row[_CLOSED_AT])
-                params.extend(row)
+                params.extend(
+                    row._replace(
+                        id=pk(row.id),
+                        address=address(row.address),
+                        decided_at=time(row.decided_at),
+                        closed_at=time(row.closed_at),
+                    )
+                )
             cursor.execute(
                 f"INSERT INTO {table} ({columns}) VALUES {', '.join([row_marks] * len(chunk))}"  # noqa: S608 - names quoted, values parameters
                 f" ON CONFLICT ({q('id')}) DO NOTHING RETURNING {q('id')}",

@@ -128,56 +128,47 @@ def client_hello_sni(data: bytes) -> tuple[bool, str | None]:
 
 
 def _sni(body: bytes) -> str | None:
-    end = len(body)
-
-    def skip(at: int, size: int) -> int:
-        if at + size > end:
-            raise _Short("Invalid ClientHello")
-        return at + size
-
-    at = skip(0, 2 + 32)  # version, random
-    at = skip(skip(at, 1), body[at])  # session id
-    at = skip(skip(at, 2), int.from_bytes(body[at : at + 2]) // 2 * 2)  # cipher suites
-    at = skip(skip(at, 1), body[at])  # compression methods
-    if at == end:
+    hello = _Bytes(body)
+    hello.take(2 + 32)  # version, random
+    hello.take(hello.take(1)[0])  # session id
+    hello.take(int.from_bytes(hello.take(2)) // 2 * 2)  # cipher suites
+    hello.take(hello.take(1)[0])  # compression methods
+    if hello.done:
         return None  # no extensions
-    at = skip(at, 2)  # their length (each extension's own are what count)
+    hello.take(2)  # their length (each extension's own are what count)
     sni: str | None = None
-    while at < end:
-        start = skip(at, 4)
-        kind, size = int.from_bytes(body[at : at + 2]), int.from_bytes(body[at + 2 : at + 4])
-        at = skip(start, size)
+    while not hello.done:
+        kind = int.from_bytes(hello.take(2))
+        extension = _Bytes(hello.take(int.from_bytes(hello.take(2))))
         if kind == 0:  # server_name: a list's length, then (type, length, name) to its end
+            extension.take(2)
             names = []
-            inside = _Bytes(body, start, at)
-            inside.take(2)
-            while not inside.done:
-                kind_of_name = inside.take(1)[0]
-                names.append((kind_of_name, inside.take(int.from_bytes(inside.take(2)))))
+            while not extension.done:
+                name_type = extension.take(1)[0]
+                names.append((name_type, extension.take(int.from_bytes(extension.take(2)))))
             if sni is None and len(names) == 1 and names[0][0] == 0 and is_valid_host(names[0][1]):
                 sni = names[0][1].decode("ascii")
         elif kind == 16:  # ALPN: a list's length, then (length, protocol) to its end
-            inside = _Bytes(body, start, at)
-            inside.take(2)
-            while not inside.done:
-                inside.take(inside.take(1)[0])
+            extension.take(2)
+            while not extension.done:
+                extension.take(extension.take(1)[0])
     return sni
 
 
 class _Bytes:
-    """Reading ``data[at:end]`` from the front; a read past ``end`` is :class:`_Short`."""
+    """Reading ``data`` from the front; a read past its end is :class:`_Short`."""
 
-    __slots__ = ("at", "data", "end")
+    __slots__ = ("at", "data")
 
-    def __init__(self, data: bytes, at: int, end: int) -> None:
-        self.data, self.at, self.end = data, at, end
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
 
     @property
     def done(self) -> bool:
-        return self.at >= self.end
+        return self.at >= len(self.data)
 
     def take(self, size: int) -> bytes:
-        if self.at + size > self.end:
+        if self.at + size > len(self.data):
             raise _Short("Invalid ClientHello")
         self.at += size
         return self.data[self.at - size : self.at]

@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Concatenate, Protocol
 
 from mitmproxy.net.http import http1, url
 from mitmproxy.net.http.http1.read import raise_if_http_version_unknown
@@ -159,10 +159,11 @@ class Front:
     def next_id(self) -> str:
         return f"covey-{next(self._ids)}"  # mitmproxy's connection ids are UUIDs: never the same
 
-    def _spawn(self, work: Awaitable[None]) -> None:
+    def _spawn(self, work: Awaitable[None]) -> "asyncio.Task[None]":
         task: asyncio.Task[None] = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _accept_again(self) -> None:
         loop = asyncio.get_running_loop()
@@ -211,9 +212,7 @@ class Front:
 
     def hand_to_plain(self, sock: socket.socket, read: bytes) -> None:
         """Give a client connection, of which ``read`` was read, to ``plain`` as a stream."""
-        task: asyncio.Task[None] = asyncio.ensure_future(self._to_plain(sock, read))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._spawn(self._to_plain(sock, read))
         # Cancelled before it ran (the proxy stopping): the socket is still the front's.
         task.add_done_callback(lambda done: sock.close() if done.cancelled() else None)
 
@@ -264,13 +263,16 @@ def read_connect(head: bytes) -> tuple[str, int, str | None]:
     return host, port, credential
 
 
-def _closing_on_error(callback: Callable[["Door"], None]) -> Callable[["Door"], None]:
-    """A door's loop callback that closes the door when it fails, instead of letting the error
-    reach the event loop and leaving the connection half open."""
+def _closing_on_error[**P](
+    callback: Callable[Concatenate["Door", P], None],
+) -> Callable[Concatenate["Door", P], None]:
+    """A door's step (a loop callback, or what a task goes on with) that closes the door when
+    it fails, instead of letting the error reach the event loop and leaving the connection half
+    open."""
 
-    def guarded(door: "Door") -> None:
+    def guarded(door: "Door", *args: P.args, **kwargs: P.kwargs) -> None:
         try:
-            callback(door)
+            callback(door, *args, **kwargs)
         except Exception:
             logger.exception("covey: a tunnel failed; closing it")
             door.close()
@@ -370,12 +372,9 @@ class Door:
             decision = None
         self.deciding = None
         if not self.closed:
-            try:
-                self._decided(attempt, decision)
-            except Exception:
-                logger.exception("covey: a tunnel failed; closing it")
-                self.close()
+            self._decided(attempt, decision)
 
+    @_closing_on_error
     def _decided(self, attempt: Attempt, decision: Decision | None) -> None:
         if decision is None or not decision.allowed:
             response = refusal(decision or Decision(Code.BAD_REQUEST, attempt.host, attempt.port))
@@ -548,9 +547,7 @@ class Door:
     def _hand_to_plain(self) -> None:
         """Not a CONNECT: mitmproxy's from here, with what was read (this door is done)."""
         self._read_off()
-        self.closed = True
-        del self.front.doors[self.id]
-        self.gate.closed(self.id)
+        self._forget()
         self.front.hand_to_plain(self.sock, self.buffer)
 
     def close(self) -> None:
@@ -568,5 +565,10 @@ class Door:
         if self.tunnel is not None:
             self.tunnel.discard()  # the relay and the upstream
         self.sock.close()
+        self._forget()
+
+    def _forget(self) -> None:
+        """This door is done: neither the front nor the addon keeps it."""
+        self.closed = True
         self.front.doors.pop(self.id, None)
         self.gate.closed(self.id)
