@@ -22,6 +22,10 @@ from runs.models import Run
 from tests.egress.conftest import subprocess_database_url
 from tests.processes import control_plane, free_port, running, wait_for
 
+# A runner host's start: at hard isolation it builds its network, starts the proxy container
+# and probes it, about 7 s alone and four times that when the suite's workers share two cores.
+START_SECONDS = 90
+
 
 def docker(*args: str) -> str:
     return subprocess.run(
@@ -122,7 +126,12 @@ class Stack:
             handle = RunnerProcess(runner, config, var, log, process)
             if handle not in self.runners:
                 self.runners.append(handle)
-            wait_for(lambda: "taking orders" in handle.output(), 30, "the runner starting", log)
+            wait_for(
+                lambda: "taking orders" in handle.output(),
+                START_SECONDS,
+                "the runner starting",
+                log,
+            )
             yield handle
         # It never had a database: nothing made one where the default would be.
         assert not (var / "covey.sqlite3").exists()
@@ -149,7 +158,12 @@ class Stack:
             runner = Runner.objects.get(organisation=organisation, builtin=True)
             handle = RunnerProcess(runner, Path(), Path(settings.VAR_DIR), log, process)
             self.runners.append(handle)
-            wait_for(lambda: "taking orders" in handle.output(), 30, "the runner starting", log)
+            wait_for(
+                lambda: "taking orders" in handle.output(),
+                START_SECONDS,
+                "the runner starting",
+                log,
+            )
 
             def heard_from() -> bool:  # its first heartbeat (it may serve others before it)
                 runner.refresh_from_db()
