@@ -3,6 +3,7 @@ benches all start it in this folder, where gunicorn finds this file). Threads, b
 transfer holds its request for as long as it takes, and the runner streaming it needs another:
 with one request per worker, two downloads would stop the whole API."""
 
+import gc
 import os
 
 import logs
@@ -33,3 +34,6 @@ def post_worker_init(worker: object) -> None:
     from django.urls import get_resolver
 
     get_resolver().url_patterns  # noqa: B018
+    # What the worker made to boot lives as long as it does: the collector's full passes need
+    # not walk it, nor its pass at exit (half a second of each stop).
+    gc.freeze()

@@ -1,5 +1,6 @@
 """The Celery application shared by the control plane and the runners."""
 
+import gc
 import inspect
 import os
 from contextvars import Token
@@ -56,3 +57,11 @@ def _broker_folders(sender: Celery, **kwargs: Any) -> None:
     for key in FOLDERS:
         if folder := options.get(key):
             Path(folder).mkdir(parents=True, exist_ok=True)
+
+
+@signals.worker_ready.connect
+@signals.worker_process_init.connect
+def _freeze(**_: Any) -> None:
+    """What a worker (and each process of its pool) made to start lives as long as it does:
+    the collector's full passes need not walk it, nor its pass at exit."""
+    gc.freeze()

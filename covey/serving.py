@@ -1,6 +1,7 @@
 """What the commands that serve an aiohttp application share (the model gateway, the policy
 stream, the demo forge): reading ``--listen``, and serving until a signal."""
 
+import gc
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ def listen_address(listen: str) -> tuple[str, int]:
 def serve(app: web.Application, host: str, port: int, *, port_setting: str, **options: Any) -> None:
     """Serve ``app`` until SIGTERM or SIGINT; CommandError naming the address when it cannot
     listen there, and how to choose another (``port_setting``: its variable under make run)."""
+    gc.freeze()  # what the command made to start lives as long as it: no collector pass walks it
     try:
         web.run_app(
             app, host=host, port=port, print=None, access_log=None, shutdown_timeout=5, **options

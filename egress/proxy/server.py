@@ -1,6 +1,7 @@
 """Serving the proxy: the policy feed, the decision log and mitmproxy, until a signal stops it."""
 
 import asyncio
+import gc
 import logging
 import resource
 import signal
@@ -108,6 +109,9 @@ def serve(
         status.start()
     feed.start()
     log.start()
+    # What the proxy made to start lives as long as it does: the collector's full passes need
+    # not walk it, nor its pass at exit (nine tenths of a second of each stop).
+    gc.freeze()
     try:
         asyncio.run(_serve(config, addon, host, port, name, where, say, status))
     finally:

@@ -3,6 +3,7 @@ threads and its status listener, take orders until stopped, then stop cleanly. W
 ``python -m runners.host`` runs it, and ``manage.py runner`` is a thin wrapper around it."""
 
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -107,6 +108,7 @@ def serve(settings: HostSettings, options: Options, say: Callable[[str], None]) 
         where = "http://{}:{}/".format(*status_server.address)
         say(f"covey runner {name}: status at {where} (healthz, readyz, metrics)")
     say(f"covey runner {name} taking orders from queue {queue}")
+    gc.freeze()  # what the host made to start lives as long as it: no collector pass walks it
     try:
         code = worker.work(app, queue, name, options.concurrency)
         if code:
