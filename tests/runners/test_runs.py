@@ -153,9 +153,10 @@ def test_a_runner_killed_mid_launch_leaves_no_orphan_when_it_comes_back(stack, a
 
 def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, acme, alice):
     runner, config = stack.register(acme, "edge-1")
-    # Long enough to be running still when runner_pause (a Django start of its own) is done,
-    # on a machine busy with other tests.
-    agent = stack.agent(acme, "Worker", ["sh", "-c", "sleep 10; echo finished"])
+    # Running until the test lets it end (a file in its home): runner_pause is a Django start
+    # of its own, seconds long on a machine busy with other tests.
+    gate = "until [ -e $HOME/go ]; do sleep 0.2; done; echo finished"
+    agent = stack.agent(acme, "Worker", ["sh", "-c", gate])
     with stack.runner(runner, config) as process, stack.api(alice) as api:
         running_run = stack.wait(run_services.queue_run(agent, "first"), RunStatus.RUNNING)
         paused = subprocess.run(
@@ -169,6 +170,7 @@ def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, a
         assert paused.returncode == 0 and "is paused" in paused.stdout, paused.stderr
         waiting = run_services.queue_run(agent, "second")
         assert waiting.status_detail.startswith(f"waiting for run {running_run.pk} of this agent")
+        (stack.tmp / "homes" / str(runner.pk) / str(agent.pk) / "go").touch()
         stack.wait(running_run, *FINISHED)
         assert running_run.status == RunStatus.SUCCEEDED
 
