@@ -25,7 +25,7 @@ from rest_framework.test import APIClient
 
 from covey import var
 from organisations.models import Membership, Role
-from tests import workers
+from tests import templatedb, workers
 from tests.factories import OrganisationFactory, UserFactory
 
 pytest_plugins = ["tests.suites"]  # the reliability and security suites, counted
@@ -51,6 +51,18 @@ SHIPPED = (
     ("budgets.migrations.0009_openai_prices", "ship"),
     ("budgets.migrations.0010_runtime_models", "ship"),
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On PostgreSQL the tests' databases are copies of one migrated template
+    (tests/templatedb.py), made by the first process (pytest-xdist's controller) before it
+    starts its workers."""
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] != "django.db.backends.postgresql":
+        return
+    first = not hasattr(config, "workerinput")
+    template = templatedb.ensure(database) if first else templatedb.name()
+    database.setdefault("TEST", {})["TEMPLATE"] = template
 
 
 def _flush_by_delete() -> None:

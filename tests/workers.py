@@ -1,7 +1,8 @@
 """Test processes side by side (``make test`` runs pytest-xdist workers): what each takes of
 this machine so that none meets another's.
 
-- PostgreSQL: pytest-django gives each worker a database of its own (``test_covey_gw0`` ...).
+- PostgreSQL: pytest-django gives each worker a database of its own (``test_covey_gw0`` ...),
+  a copy of one migrated template (tests/templatedb.py).
 - Redis: each process its own database number (``broker_url``), so a Celery worker a test
   starts takes only that test process's orders.
 - Loopback: each process a block of addresses of its own, 127.0.<block>.0/24
