@@ -22,6 +22,7 @@ from tests.factories import OrganisationFactory, UserFactory, online_runner
 from tests.processes import control_plane
 
 pytestmark = [
+    pytest.mark.e2e,  # a control plane of its own: among the first to run
     pytest.mark.suite("api-fuzz"),
     pytest.mark.postgres,
     pytest.mark.django_db(transaction=True),

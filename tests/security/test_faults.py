@@ -27,7 +27,7 @@ from bench.control_plane import pg_binaries as bench_pg_binaries
 from bench.support import BenchError
 from tests.processes import ROOT, VENV_BIN, control_plane, free_port, wait_for
 
-pytestmark = [pytest.mark.suite("faults"), pytest.mark.redis]
+pytestmark = [pytest.mark.suite("faults"), pytest.mark.redis, pytest.mark.e2e]
 
 DOWN_SECONDS = 10
 

@@ -19,6 +19,7 @@ from tests.factories import online_runner
 from tests.processes import ROOT, control_plane
 
 pytestmark = [
+    pytest.mark.e2e,  # a control plane of its own: among the first to run
     pytest.mark.suite("load"),
     pytest.mark.postgres,
     pytest.mark.redis,

@@ -18,6 +18,7 @@ from tests.factories import AgentFactory, server_user
 from tests.processes import control_plane
 
 pytestmark = [
+    pytest.mark.e2e,  # a control plane of its own: among the first to run
     pytest.mark.suite("secrets"),
     pytest.mark.postgres,
     pytest.mark.django_db(transaction=True),
