@@ -157,7 +157,13 @@ def test_the_add_form_asks_only_what_can_be_set_and_names_values_for_people(wind
     assert empty == "the default workplace"
 
     window.select_option("#id_organisation", str(acme.pk))
-    window.wait_for_load_state("networkidle")  # the admin's scripts have bound their handlers
+    # The admin's prepopulate script has bound its handlers to the name (network idle was not
+    # enough on a busy machine: the name was typed and the slug stayed empty).
+    window.wait_for_function(
+        "() => !!(window.django && django.jQuery"
+        " && (django.jQuery._data(document.getElementById('id_name'), 'events') || {}).keyup)",
+        timeout=20_000,
+    )
     window.locator("#id_name").press_sequentially("Builder")
     # Prepopulated from the name as it is typed: saved before the admin's script ran (a busy
     # machine's browser), the form would come back asking for the slug.
