@@ -53,16 +53,19 @@ SHIPPED = (
 )
 
 
-def pytest_configure(config: pytest.Config) -> None:
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(
+    request: pytest.FixtureRequest,
+    django_db_modify_db_settings_parallel_suffix: None,
+) -> None:
     """On PostgreSQL the tests' databases are copies of one migrated template
-    (tests/templatedb.py), made by the first process (pytest-xdist's controller) before it
-    starts its workers."""
+    (tests/templatedb.py): the first process to need one makes it, the others wait for it."""
     database = settings.DATABASES["default"]
     if database["ENGINE"] != "django.db.backends.postgresql":
         return
-    first = not hasattr(config, "workerinput")
-    template = templatedb.ensure(database) if first else templatedb.name()
-    database.setdefault("TEST", {})["TEMPLATE"] = template
+    if request.config.getvalue("nomigrations"):
+        return  # tables made from the models: a migrated template's would be in their way
+    database.setdefault("TEST", {})["TEMPLATE"] = templatedb.ensure()
 
 
 def _flush_by_delete() -> None:
