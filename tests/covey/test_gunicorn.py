@@ -10,6 +10,7 @@ from tests.processes import control_plane
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.mark.e2e  # a control plane of its own
 def test_two_control_planes_on_one_host_share_no_control_socket(tmp_path):
     """gunicorn's control socket is one path per user: two control planes (or two test
     processes) would share it, and the first to stop would remove the other's."""

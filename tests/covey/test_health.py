@@ -53,6 +53,7 @@ def test_readyz_names_a_database_that_does_not_answer(client, monkeypatch):
     assert answer.json()["checks"]["database"] == "unreachable"
 
 
+@pytest.mark.e2e  # a control plane of its own
 @pytest.mark.postgres
 def test_the_web_process_serves_them_without_a_session_or_token(tmp_path, django_db_setup):
     """The real process (gunicorn), on a database it migrated (the test database), with a

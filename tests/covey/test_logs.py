@@ -76,6 +76,7 @@ def test_a_task_binds_its_name_and_the_ids_among_its_arguments():
     assert dict(logs.current()) == before
 
 
+@pytest.mark.e2e  # a control plane of its own
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_web_server_writes_json_lines_with_the_run_its_url_names(tmp_path):

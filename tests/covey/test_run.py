@@ -252,14 +252,14 @@ def test_run_runs_an_agent_on_the_builtin_runner_behind_its_proxy(tmp_path, base
     assert "sandboxes reach the egress proxy at" in output
     assert "Created superuser 'admin' with password: " in output
     assert (tmp_path / "var" / "covey.sqlite3").exists()
-    # Stopped as it started: nothing of this installation is left on the Docker engine.
-    assert left_behind(tmp_path / "var") == []
     for run in ended:
         assert run["status"] == "succeeded", json.dumps(run, indent=1)
         assert run["runner"] == "builtin-acme"
         assert f"proxy={host_address}:{env['COVEY_PROXY_PORT']}" in run["log_tail"]
         # covey's proxy knew the run's credential (not 407) and refused the name: off the list.
         assert "connect=403" in run["log_tail"], run["log_tail"]
+    # Stopped as it started: nothing of this installation is left on the Docker engine.
+    assert left_behind(tmp_path / "var") == []
 
 
 @pytest.mark.docker

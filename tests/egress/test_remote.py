@@ -37,6 +37,7 @@ def register(url, secret, tmp_path):
     return json.loads(config.read_text())
 
 
+@pytest.mark.e2e  # a control plane of its own
 def test_a_runner_proxy_enforces_its_organisations_policy_without_a_database(
     net, tmp_path, django_db_setup
 ):
@@ -94,6 +95,7 @@ def test_the_policy_endpoint_needs_a_runner_token(client, acme):
     assert response.status_code == 401
 
 
+@pytest.mark.e2e  # a control plane of its own
 def test_a_runner_proxy_follows_its_runners_renewed_token(
     net, tmp_path, django_db_setup, monkeypatch
 ):
