@@ -258,13 +258,13 @@ def record_decisions(
     name = proxy[:100]
     # A short tunnel's close usually comes in the same batch as its decision: one row.
     ended = {uuid.UUID(c.id): (c.bytes_up, c.bytes_down, _time(c.at)) for c in closes}
-    rows = {
-        row.id: row
-        for row in (
-            _row_of(e, e.agent_id if e.agent_id in known else None, name, ended) for e in decisions
-        )
+    made = [_row_of(e, e.agent_id if e.agent_id in known else None, name, ended) for e in decisions]
+    rows = {row.id: row for row in made}
+    numbered = {
+        row.id: (e.boot, e.seq or 0)
+        for e, row in zip(decisions, made, strict=True)
+        if e.boot is not None
     }
-    numbered = {uuid.UUID(e.id): (e.boot, e.seq or 0) for e in decisions if e.boot is not None}
     with transaction.atomic():
         # The sessions first, locked: a batch sent again meanwhile waits, then finds this
         # one's decisions stored and counts none twice.

@@ -11,6 +11,7 @@ A template stays between runs. A run holds a shared lock on its own for as long 
 no run loses the template it copies from to a run of another checkout.
 """
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -86,9 +87,8 @@ def _drop_unless_held(connection: psycopg.Connection, template: str) -> None:
     if connection.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone() != (True,):
         return
     try:
-        connection.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(template)))
-    except psycopg.Error:  # left as it is: the next run tries again
-        pass
+        with contextlib.suppress(psycopg.Error):  # left as it is: the next run tries again
+            connection.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(template)))
     finally:
         connection.execute("SELECT pg_advisory_unlock(%s)", [key])
 

@@ -22,6 +22,7 @@ sockets with a small fake one (tests/egress/test_front.py).
 
 import asyncio
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -270,6 +271,7 @@ def _closing_on_error[**P](
     it fails, instead of letting the error reach the event loop and leaving the connection half
     open."""
 
+    @functools.wraps(callback)
     def guarded(door: "Door", *args: P.args, **kwargs: P.kwargs) -> None:
         try:
             callback(door, *args, **kwargs)
@@ -277,8 +279,6 @@ def _closing_on_error[**P](
             logger.exception("covey: a tunnel failed; closing it")
             door.close()
 
-    guarded.__name__ = callback.__name__
-    guarded.__doc__ = callback.__doc__
     return guarded
 
 

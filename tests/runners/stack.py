@@ -54,6 +54,11 @@ class RunnerProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def wait_started(self) -> None:
+        wait_for(
+            lambda: "taking orders" in self.output(), START_SECONDS, "the runner starting", self.log
+        )
+
 
 class Stack:
     """A control plane, its API client, and runner processes, all cleaned up afterwards."""
@@ -126,12 +131,7 @@ class Stack:
             handle = RunnerProcess(runner, config, var, log, process)
             if handle not in self.runners:
                 self.runners.append(handle)
-            wait_for(
-                lambda: "taking orders" in handle.output(),
-                START_SECONDS,
-                "the runner starting",
-                log,
-            )
+            handle.wait_started()
             yield handle
         # It never had a database: nothing made one where the default would be.
         assert not (var / "covey.sqlite3").exists()
@@ -158,12 +158,7 @@ class Stack:
             runner = Runner.objects.get(organisation=organisation, builtin=True)
             handle = RunnerProcess(runner, Path(), Path(settings.VAR_DIR), log, process)
             self.runners.append(handle)
-            wait_for(
-                lambda: "taking orders" in handle.output(),
-                START_SECONDS,
-                "the runner starting",
-                log,
-            )
+            handle.wait_started()
 
             def heard_from() -> bool:  # its first heartbeat (it may serve others before it)
                 runner.refresh_from_db()
