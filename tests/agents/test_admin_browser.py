@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from django.utils import timezone
+from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import expect, sync_playwright
 
 from organisations.models import Membership, Organisation, Role
@@ -51,14 +52,36 @@ def browser() -> Iterator[object]:
 
 
 def signed_in(context, username: str):
-    """A page of the browser context, signed in to the admin through its own form."""
+    """A page of the browser context, signed in to the admin through its own form; what goes
+    wrong in it (its script errors, its failed requests) is kept in ``page.problems``."""
     page = context.new_page()
+    page.problems = []
+    page.on("pageerror", lambda error: page.problems.append(f"script error: {error}"))
+    page.on("requestfailed", lambda request: page.problems.append(f"failed: {request.url}"))
     page.goto("/admin/login/")
     page.fill("#id_username", username)
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
     page.wait_for_url("**/admin/")
     return page
+
+
+# The admin's prepopulate script can fill the slug: its keyup handler is on the name, and the
+# URLify it calls is loaded.
+PREPOPULATE_READY = """() => !!(window.django && django.jQuery && typeof URLify === "function"
+    && (django.jQuery._data(document.getElementById("id_name"), "events") || {}).keyup)"""
+
+
+def type_name_and_see_slug(page, name: str, slug: str) -> None:
+    """Type a form's name as a person does, once the admin's script can fill its slug from it,
+    and see the slug filled. On a busy machine the slug was seen to stay empty after typing,
+    twice, and not again alone: a failure says what the page's scripts and requests said."""
+    try:
+        page.wait_for_function(PREPOPULATE_READY, timeout=20_000)
+        page.locator("#id_name").press_sequentially(name)
+        expect(page.locator("#id_slug")).to_have_value(slug, timeout=20_000)
+    except (AssertionError, PlaywrightError) as exc:  # the wait times out with the latter
+        raise AssertionError(f"{exc}\nwhat went wrong in the page: {page.problems}") from None
 
 
 @pytest.fixture
@@ -103,11 +126,8 @@ def hidden_columns(page, columns: list[str]) -> dict[str, str]:
 def test_an_organisation_added_in_the_browser_is_ready_to_run_agents(page, settings):
     settings.COVEY_EGRESS_BASE_ALLOWLIST = ["api.anthropic.com"]
     page.goto("/admin/organisations/organisation/add/")
-    page.wait_for_load_state("networkidle")  # the admin's scripts have bound their handlers
     assert page.input_value("#id_base_allowlist") == "api.anthropic.com"
-    page.locator("#id_name").press_sequentially("Initech")
-    # Prepopulated as the name is typed (a busy machine's browser may take a moment).
-    expect(page.locator("#id_slug")).to_have_value("initech", timeout=20_000)
+    type_name_and_see_slug(page, "Initech", "initech")
     page.click("input[name=_save]")
     page.wait_for_url("**/admin/organisations/organisation/")
     assert "was added successfully" in page.content()
@@ -157,17 +177,7 @@ def test_the_add_form_asks_only_what_can_be_set_and_names_values_for_people(wind
     assert empty == "the default workplace"
 
     window.select_option("#id_organisation", str(acme.pk))
-    # The admin's prepopulate script has bound its handlers to the name (network idle was not
-    # enough on a busy machine: the name was typed and the slug stayed empty).
-    window.wait_for_function(
-        "() => !!(window.django && django.jQuery"
-        " && (django.jQuery._data(document.getElementById('id_name'), 'events') || {}).keyup)",
-        timeout=20_000,
-    )
-    window.locator("#id_name").press_sequentially("Builder")
-    # Prepopulated from the name as it is typed: saved before the admin's script ran (a busy
-    # machine's browser), the form would come back asking for the slug.
-    expect(window.locator("#id_slug")).to_have_value("builder", timeout=20_000)
+    type_name_and_see_slug(window, "Builder", "builder")
     window.click("input[name=_continue]")
     window.wait_for_selector("text=was added successfully")
     page = window.inner_text("#agent_form")
