@@ -81,7 +81,8 @@ def type_name_and_see_slug(page, name: str, slug: str) -> None:
         page.locator("#id_name").press_sequentially(name)
         expect(page.locator("#id_slug")).to_have_value(slug, timeout=20_000)
     except (AssertionError, PlaywrightError) as exc:  # the wait times out with the latter
-        raise AssertionError(f"{exc}\nwhat went wrong in the page: {page.problems}") from None
+        problems = getattr(page, "problems", "not collected")
+        raise AssertionError(f"{exc}\nwhat went wrong in the page: {problems}") from None
 
 
 @pytest.fixture

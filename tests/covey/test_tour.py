@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.agents.test_admin_browser import browser  # noqa: F401 - a fixture
+from tests.agents.test_admin_browser import browser, type_name_and_see_slug  # noqa: F401
 from tests.covey.test_run import fetch, run_env
 from tests.processes import ROOT, running, wait_for
 
@@ -52,7 +52,7 @@ def test_the_tour_from_the_dashboard_to_a_runs_refused_connection(
             # An agent, created in the admin.
             page.goto("/admin/agents/agent/add/")
             page.select_option("#id_organisation", label="Demo")
-            page.fill("#id_name", "Tourist")
+            type_name_and_see_slug(page, "Tourist", "tourist")
             page.fill("#id_runtime_command", COMMAND)
             page.click("input[name=_continue]")
             page.wait_for_selector("#start-run")
