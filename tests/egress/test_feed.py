@@ -309,7 +309,9 @@ def test_the_decision_log_numbers_decisions_between_its_start_and_its_stop():
 
 def test_decision_ids_are_uuid4s_unique_within_a_log_and_apart_between_logs():
     first, second = DecisionLog(lambda events: None), DecisionLog(lambda events: None)
-    ids = [uuid.UUID(first.new_id()) for _ in range(1000)]
+    texts = [first.new_id() for _ in range(1000)]
+    ids = [uuid.UUID(text) for text in texts]
+    assert [str(i) for i in ids] == texts  # written as a UUID writes itself
     assert len(set(ids)) == 1000
     assert {(i.version, i.variant) for i in ids} == {(4, uuid.RFC_4122)}
     assert ids[0].int >> 64 != uuid.UUID(second.new_id()).int >> 64  # 60 random bits each

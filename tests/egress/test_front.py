@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mitmproxy.net.http import http1
 
 from egress.policy import AgentPolicy, Attempt, Code, Decision
@@ -504,16 +506,49 @@ HEADS = [
 def test_a_connect_head_reads_as_mitmproxys_parser_reads_it(head):
     """read_connect against mitmproxy's own parser, which it stands in for: the same refusals,
     the same target and credential."""
+    assert _read(head) == _mitmproxys_reading(head)
+
+
+def _mitmproxys_reading(head: bytes) -> tuple[str, int, str | None] | None:
     try:
         request = http1.read_request_head(head.split(b"\r\n"))
-        expected = (request.host, request.port, request.headers.get("Proxy-Authorization"))
     except ValueError:
-        expected = None
+        return None
+    return request.host, request.port, request.headers.get("Proxy-Authorization")
+
+
+def _read(head: bytes) -> tuple[str, int, str | None] | None:
     try:
-        got = read_connect(head)
+        return read_connect(head)
     except ValueError:
-        got = None
-    assert got == expected
+        return None
+
+
+# Targets near the plain ones read without mitmproxy's parser: labels of every length around
+# the limits, ACE labels, brackets, colons, non-ASCII, long ports and names.
+LABEL = st.one_of(
+    st.text("abcXYZ019-_", min_size=0, max_size=66),
+    st.sampled_from(["xn--caf-dma", "XN--bad", "xn--", "a" * 63, "a" * 64, "[::1]", "é"]),
+)
+TARGET = st.builds(
+    lambda labels, times, dot, sep, port: ".".join(labels * times) + dot + sep + port,
+    st.lists(LABEL, min_size=1, max_size=4),
+    st.integers(1, 8),  # names past 255 characters too
+    st.sampled_from(["", "."]),
+    st.sampled_from([":", ":", ":", "", "::", ":+"]),
+    st.one_of(
+        st.sampled_from(["0", "1", "443", "65535", "65536", "99999", "00443", "٣"]),
+        st.integers(0, 70000).map(str),
+        st.text("0123456789x ", max_size=7),
+    ),
+)
+
+
+@settings(max_examples=500)
+@given(target=TARGET)
+def test_a_connect_target_reads_as_mitmproxys_parser_reads_it(target):
+    head = b"CONNECT " + target.encode() + b" HTTP/1.1\r\nProxy-Authorization: Basic YQ=="
+    assert _read(head) == _mitmproxys_reading(head)
 
 
 def test_a_bound_front_refuses_clients_until_it_starts():
