@@ -114,6 +114,12 @@ class DatabaseStore:
         with brief_transaction(one_read=True):
             return agent_snapshots(organisation_id, ids)
 
+    def lists(self, organisation_id: int) -> dict[str, str]:
+        from egress.services import shared_lists
+
+        with brief_transaction(one_read=True):
+            return shared_lists(organisation_id)
+
     def used_up(self, organisation_id: int) -> set[int]:
         from agents.models import Agent
         from budgets.services import exhausted

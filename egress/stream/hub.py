@@ -5,8 +5,8 @@ an async iterator (egress/stream/notices.py), the proxies :class:`Follower` queu
 How it stays exact:
 - notices are heard before anything is read (a change committed after a read is noticed
   after it, and read again);
-- a notice names what changed (an agent, an organisation, its budgets, or everything), and only
-  that is read; an agent read that equals what is held is no change;
+- a notice names what changed (an agent, an organisation, its budgets, the shared lists, or
+  everything), and only that is read; an agent read that equals what is held is no change;
 - one reader applies the notices, in the order they came, and a change becomes a new generation
   that every follower gets as one delta line, in order;
 - a generation names the load it belongs to (a nonce per load), so one of a load that is gone
@@ -73,16 +73,19 @@ class Unauthorized(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    """What a notice names. ``organisation_id`` None: everything (a template changed, or the
-    notices were lost); ``agent_id`` None: every agent of the organisation; ``budgets``: only
-    whose budget is used up."""
+    """What a notice names. ``organisation_id`` None: every organisation's (everything, when
+    the notices were lost or a template was renamed); ``agent_id`` None: every agent of the
+    organisation; ``budgets``: only whose budget is used up; ``lists``: only the shared lists
+    (a template's entries changed, or a template came or went)."""
 
     organisation_id: int | None
     agent_id: int | None = None
     budgets: bool = False
+    lists: bool = False
 
 
 EVERYTHING = Change(None)
+LISTS = Change(None, lists=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +98,16 @@ class Sync:
 
 def parse_notice(payload: str) -> Change | Sync | None:
     """The change a notice's payload names (egress/migrations/0003_policy_notices.py writes
-    them): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG`` or ``*``; None for one that names no
-    organisation (an agent's rows removed with it: the agent's own notice says so)."""
+    them, and 0004_template_notices.py): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG``, ``l`` or ``*``;
+    None for one that names no organisation (an agent's rows removed with it: the agent's own
+    notice says so)."""
     kind, _, rest = payload.partition(":")
     organisation, _, agent = rest.partition(":")
     try:
         if kind == "*":
             return EVERYTHING
+        if payload == "l":
+            return LISTS
         if kind == "s" and rest:
             return Sync(rest)
         if not organisation:
@@ -138,6 +144,10 @@ class Store(Protocol):
 
     def agents(self, organisation_id: int, ids: Collection[int] | None) -> list[AgentSnapshot]:
         """Those of ``ids`` that are the organisation's agents now (None: all of them)."""
+        ...
+
+    def lists(self, organisation_id: int) -> dict[str, str]:
+        """The organisation's shared lists now (its base list and every template)."""
         ...
 
     def used_up(self, organisation_id: int) -> set[int]:
@@ -548,13 +558,13 @@ class Hub:
 
     def _read(
         self,
-        wanted: dict[int, tuple[set[int] | None, bool]],
+        wanted: dict[int, tuple[set[int] | None, bool, bool]],
         targets: dict[int, Organisation],
     ) -> dict[int, tuple[list[AgentSnapshot], set[int], dict[str, str] | None]]:
         """In a thread: what each organisation's changes name, as read now (its shared lists
-        too, when the change is the organisation's or everything's)."""
+        too, when the change is the organisation's, everything's or the lists')."""
         read = {}
-        for organisation_id, (ids, budgets) in wanted.items():
+        for organisation_id, (ids, budgets, lists_changed) in wanted.items():
             organisation = targets[organisation_id]
             held = set(organisation.agents)
             lists = None
@@ -567,6 +577,8 @@ class Hub:
                 gone = ids - {a.id for a in agents}
             else:
                 agents, gone = [], set()
+            if lists is None and lists_changed:
+                lists = self.store.lists(organisation_id)
             if budgets:
                 fresh = {a.id for a in agents}
                 used_up = self.store.used_up(organisation_id)
@@ -611,19 +623,21 @@ class Hub:
 
 def _by_organisation(
     changes: Iterable[Change], loaded: set[int]
-) -> dict[int, tuple[set[int] | None, bool]]:
-    """Changes gathered per loaded organisation: the agent ids to read (None: all) and whether
-    its budgets are to be read."""
-    wanted: dict[int, tuple[set[int] | None, bool]] = {}
+) -> dict[int, tuple[set[int] | None, bool, bool]]:
+    """Changes gathered per loaded organisation: the agent ids to read (None: all), whether
+    its budgets are to be read, and whether its shared lists are."""
+    wanted: dict[int, tuple[set[int] | None, bool, bool]] = {}
     for change in changes:
         targets = loaded if change.organisation_id is None else {change.organisation_id} & loaded
         for organisation_id in targets:
-            ids, budgets = wanted.get(organisation_id, (set(), False))
+            ids, budgets, lists = wanted.get(organisation_id, (set(), False, False))
             if change.budgets:
                 budgets = True
+            elif change.lists:
+                lists = True
             elif change.agent_id is None or change.organisation_id is None:
                 ids = None
             elif ids is not None:
                 ids.add(change.agent_id)
-            wanted[organisation_id] = (ids, budgets)
+            wanted[organisation_id] = (ids, budgets, lists)
     return wanted

@@ -1,4 +1,4 @@
-"""PostgreSQL's notices of policy changes (egress/migrations/0003_policy_notices.py): every
+"""PostgreSQL's notices of policy changes (egress/migrations/0003_policy_notices.py, 0004): every
 table the policy is made of says what changed at commit, and nothing else does (a model call's
 settlement is not a change of the policy)."""
 
@@ -13,7 +13,7 @@ from django.utils import timezone
 from agents import services as agent_services
 from budgets.models import Budget, Spend
 from egress.services import issue_token, revoke_tokens
-from egress.stream.hub import EVERYTHING, Change, Sync, parse_notice
+from egress.stream.hub import EVERYTHING, LISTS, Change, Sync, parse_notice
 from egress.stream.notices import CHANNEL
 from organisations import services as organisations
 from runners.streaming import psycopg_params
@@ -52,7 +52,16 @@ def test_each_part_of_the_policy_notifies_what_changed(heard, acme):
     assert heard() == [Change(acme.pk)]
     template.entries = [*template.entries, "d.test"]
     template.save()
-    assert heard() == [EVERYTHING]
+    assert heard() == [LISTS]  # its entries: one shared list
+    template.slug = "pypi-mirror"
+    template.save()
+    assert heard() == [EVERYTHING]  # its slug: how every agent that has it names it
+    made = AllowlistTemplate.objects.create(slug="made", name="Made", entries=["e.test"])
+    assert heard() == [LISTS]
+    agent.templates.add(made)
+    heard()
+    made.delete()
+    assert set(heard()) == {Change(acme.pk, agent.pk), LISTS}  # who had it, and the lists
 
     budget = Budget.objects.create(organisation=acme, agent=agent, amount=Decimal(1))
     assert heard() == [Change(acme.pk, budgets=True)]

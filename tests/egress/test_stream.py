@@ -13,6 +13,7 @@ from agents import services as agent_services
 from approvals import services as approvals
 from egress.services import issue_token
 from runners.services import create_registration_token, register_runner
+from templates.models import AllowlistTemplate
 from tests.egress.conftest import connect, start_proxy, subprocess_database_url
 from tests.processes import control_plane, free_port, policy_stream, wait_for
 
@@ -108,6 +109,14 @@ def test_an_approval_reaches_a_runner_proxy_through_the_stream_within_a_second(
         after = httpx.get(f"{stream}sync/", headers=runner, timeout=5).json()["generation"]
         assert after != before
         assert httpx.get(f"{stream}sync/", headers=runner, timeout=5).json()["generation"] == after
+        # A template's entries changed: its one list, as soon.
+        mirror = AllowlistTemplate.objects.create(slug="mirror", name="Mirror", entries=[])
+        agent_services.update_agent(agent, allowlist=[], templates=[mirror])
+        seconds_until(lambda: connect(proxy, target, credentials).status == 403, 5)
+        mirror.entries = [target]
+        mirror.save()
+        took = seconds_until(lambda: connect(proxy, target, credentials).status == 200, 5)
+        assert took < 1.0, f"a template's change took {took:.2f} s to reach the proxy"
         # Another organisation's agents are never this runner's proxy's.
         assert connect(proxy, target, their_credentials).status == 407
         assert "following the egress policy stream" in proxy.output()

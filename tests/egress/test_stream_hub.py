@@ -20,6 +20,7 @@ from egress.protocol import (
 from egress.stream.hub import (
     EVERYTHING,
     FOLLOWER_BACKLOG,
+    LISTS,
     Change,
     Heard,
     Hub,
@@ -254,6 +255,30 @@ def test_a_shared_list_changed_is_sent_alone_and_reaches_every_agent_that_has_it
     running(test)
 
 
+def test_a_templates_notice_reads_the_shared_lists_alone_not_every_agent():
+    async def test(hub, store, notices):
+        follower, _ = await hub.follow("acme-token", None)
+        reads = len(store.reads)
+        store.lists_of[ACME] = {"base:org1": "base.test", "template:t": "t.test\nu.test"}
+        store.agents_of[ACME][2] = agent(2, entries=("other.test",))
+        notices.send(LISTS)
+        await settle()
+        (delta,) = lines(follower)
+        assert store.reads[reads:] == [(ACME, "lists")]  # no agent read: none is sent
+        assert (delta.agents, delta.lists) == ((), {"template:t": "t.test\nu.test"})
+        # With an agent's own notice in the same round: that agent, and the lists.
+        store.lists_of[ACME] = {"base:org1": "base.test"}
+        notices.send(LISTS)
+        notices.send(Change(ACME, 2))
+        await settle()
+        (delta,) = lines(follower)
+        assert store.reads[-2:] == [(ACME, [2]), (ACME, "lists")]
+        assert [a.id for a in delta.agents] == [2]
+        assert delta.lists_removed == ("template:t",)
+
+    running(test)
+
+
 def test_a_follower_that_comes_back_gets_what_it_missed_or_that_it_is_current():
     async def test(hub, store, notices):
         follower, first = await hub.follow("acme-token", None)
@@ -389,6 +414,8 @@ def test_a_follower_too_far_behind_is_ended():
         ("o:1", Change(1)),
         ("b:1", Change(1, budgets=True)),
         ("*", EVERYTHING),
+        ("l", LISTS),
+        ("l:1", EVERYTHING),  # of no known shape
         ("a::7", None),  # the agent's rows went with it: its own notice says so
         ("b:", None),
         ("x:1", EVERYTHING),  # of no known shape: read everything again
