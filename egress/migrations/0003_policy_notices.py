@@ -6,7 +6,8 @@ SQL by hand): a trigger on each table ``NOTIFY``s ``covey_policy`` with what cha
 - ``o:ORG``: an organisation (its base list, its slug: every agent's user name);
 - ``b:ORG``: its budgets (who has used one up);
 - ``*``: an allowlist template (read again for every organisation), or any of these tables
-  emptied at once (``TRUNCATE``).
+  emptied at once (``TRUNCATE``). Since 0004_template_notices.py a template says ``*`` only
+  when renamed, and ``l:*`` (the shared lists) otherwise.
 
 Notices of one transaction that say the same thing are sent once. SQLite has no notices: the
 stream reads a fingerprint of the policy there instead (egress/stream/notices.py).

@@ -1,8 +1,10 @@
 """A template's notice says what changed in it (egress/migrations/0003_policy_notices.py):
 
-- ``l``: its entries, or a template added or removed: only the shared lists are read again (an
-  agent that had a removed template is noticed by its own ``a:`` notice, as its row in
-  ``agents_agent_templates`` goes first);
+- ``l:*``: its entries, or a template added or removed: only the shared lists are read again
+  (an agent that had a removed template is noticed by its own ``a:`` notice, as its row in
+  ``agents_agent_templates`` goes first). A stream of before reads it as a notice of no known
+  shape, and so reads everything again, as it did: the stream and the migration may be
+  upgraded in either order;
 - ``*``: its slug, which is how agents name it: everything is read again, as before.
 
 Before, every change of a template was ``*``: the stream read every agent of every
@@ -17,7 +19,7 @@ BEGIN
     IF TG_OP = 'UPDATE' AND OLD.slug IS DISTINCT FROM NEW.slug THEN
         PERFORM pg_notify('covey_policy', '*');
     ELSE
-        PERFORM pg_notify('covey_policy', 'l');
+        PERFORM pg_notify('covey_policy', 'l:*');
     END IF;
     RETURN NULL;
 END $$;

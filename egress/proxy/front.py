@@ -233,7 +233,8 @@ def read_connect(head: bytes) -> tuple[str, int, str | None]:
     """The host, port and Proxy-Authorization of a CONNECT request's head (without the blank
     line that ends it), read as mitmproxy's HTTP/1 parser reads it: its checks of the request
     line, the authority and the version, and its rules for header lines (a repeated header's
-    values joined by ", "), without building a whole request. ValueError says what is wrong."""
+    values joined by ", "), without building a whole request; a target it reads as no host (an
+    origin form, ``*``), where no tunnel can go, is refused. ValueError says what is wrong."""
     lines = head.split(b"\r\n")
     try:
         method, target, version = lines[0].split()

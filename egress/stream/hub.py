@@ -98,7 +98,7 @@ class Sync:
 
 def parse_notice(payload: str) -> Change | Sync | None:
     """The change a notice's payload names (egress/migrations/0003_policy_notices.py writes
-    them, and 0004_template_notices.py): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG``, ``l`` or ``*``;
+    them, and 0004_template_notices.py): ``a:ORG:AGENT``, ``o:ORG``, ``b:ORG``, ``l:*`` or ``*``;
     None for one that names no organisation (an agent's rows removed with it: the agent's own
     notice says so)."""
     kind, _, rest = payload.partition(":")
@@ -106,7 +106,7 @@ def parse_notice(payload: str) -> Change | Sync | None:
     try:
         if kind == "*":
             return EVERYTHING
-        if payload == "l":
+        if payload == "l:*":  # of no known shape to a stream of before: it reads everything
             return LISTS
         if kind == "s" and rest:
             return Sync(rest)

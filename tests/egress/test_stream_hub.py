@@ -414,7 +414,7 @@ def test_a_follower_too_far_behind_is_ended():
         ("o:1", Change(1)),
         ("b:1", Change(1, budgets=True)),
         ("*", EVERYTHING),
-        ("l", LISTS),
+        ("l:*", LISTS),
         ("l:1", EVERYTHING),  # of no known shape
         ("a::7", None),  # the agent's rows went with it: its own notice says so
         ("b:", None),

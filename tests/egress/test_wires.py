@@ -301,6 +301,7 @@ def test_a_policy_is_read_at_one_moment(acme):
         "the database proxy": lambda: DatabaseSource(acme.pk)(None),
         "the stream's load": lambda: DatabaseStore().load(acme.pk),
         "the stream's agents": lambda: DatabaseStore().agents(acme.pk, None),
+        "the stream's lists": lambda: DatabaseStore().lists(acme.pk),
     }
     for name, read in readers.items():
         statements: list[str] = []
