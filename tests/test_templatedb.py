@@ -11,26 +11,28 @@ from django.db.migrations.loader import MigrationLoader
 from tests import templatedb
 
 
-def test_the_template_is_named_by_every_migration(tmp_path, monkeypatch):
-    before = templatedb.name()
-    config = apps.get_app_config("egress")
-    copy = tmp_path / "egress"
+def test_the_template_is_named_by_the_migrations_of_every_app_covey_installs(tmp_path, monkeypatch):
+    config = apps.get_app_config("authtoken")  # Django REST framework's
+    copy = tmp_path / "authtoken"
     shutil.copytree(config.path, copy)
     monkeypatch.setattr(config, "path", str(copy))
-    assert templatedb.name() == before
+    before = templatedb.name()
     first = sorted((copy / "migrations").glob("0001_*.py"))[0]
     first.write_text(first.read_text() + "\n# changed\n")
     assert templatedb.name() != before
 
 
-def test_the_template_is_named_by_the_code_migrations_call_too(tmp_path, monkeypatch):
+def test_the_template_is_named_by_covey_s_migrations_and_the_code_they_call(tmp_path, monkeypatch):
     """The shipped templates come from templates/catalogue.py, which no migration holds."""
     shutil.copytree(templatedb.ROOT / "templates", tmp_path / "templates")
     monkeypatch.setattr(templatedb, "ROOT", tmp_path)
-    before = templatedb.name()
-    catalogue = tmp_path / "templates" / "catalogue.py"
-    catalogue.write_text(catalogue.read_text() + "\n# changed\n")
-    assert templatedb.name() != before
+    monkeypatch.setattr(apps.get_app_config("templates"), "path", str(tmp_path / "templates"))
+    names = {templatedb.name()}
+    for changed in ("catalogue.py", "migrations/0001_initial.py"):
+        file = tmp_path / "templates" / changed
+        file.write_text(file.read_text() + "\n# changed\n")
+        names.add(templatedb.name())
+    assert len(names) == 3
 
 
 @pytest.mark.postgres

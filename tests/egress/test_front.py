@@ -530,8 +530,8 @@ def _read(head: bytes) -> tuple[str, int, str | None] | None:
         return None
 
 
-# Targets near the plain ones read without mitmproxy's parser: labels of every length around
-# the limits, ACE labels, brackets, colons, non-ASCII, long ports and names.
+# Targets around what the parser's checks decide: labels of every length around the limits, ACE
+# labels, brackets, colons, non-ASCII, long ports and names, origin forms and ``*``.
 LABEL = st.one_of(
     st.text("abcXYZ019-_", min_size=0, max_size=66),
     st.sampled_from(["xn--caf-dma", "XN--bad", "xn--", "a" * 63, "a" * 64, "[::1]", "é"]),

@@ -68,7 +68,7 @@ def test_a_person_uploads_renames_downloads_and_deletes_a_file_in_a_home(
             assert page.locator("tr[data-name='read-me.txt']").count() == 0
             assert "0 bytes of 10.0 GiB (0 files)" in page.inner_text("#home-usage")
             assert "operator" in page.inner_text("#home-changes")
-        home = stack.tmp / "homes" / str(runner.pk) / str(agent.pk)
+        home = stack.home(runner, agent)
         assert list(home.iterdir()) == []
     finally:
         context.close()

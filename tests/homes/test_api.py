@@ -37,10 +37,6 @@ def served(stack, organisation, kind):
             yield runner
 
 
-def home_of(stack, runner, agent):
-    return stack.tmp / "homes" / str(runner.pk) / str(agent.pk)
-
-
 @pytest.mark.parametrize("kind", ["builtin", "remote"])
 def test_every_operation_on_a_home_with_no_sandbox_running(stack, acme, alice, kind):
     agent = stack.agent(acme, "Keeper", ["true"])
@@ -57,7 +53,7 @@ def test_every_operation_on_a_home_with_no_sandbox_running(stack, acme, alice, k
         agent.refresh_from_db()
         assert agent.home_runner_id == runner.pk
         assert (agent.home_bytes, agent.home_files) == (len(data), 1)
-        on_disk = home_of(stack, runner, agent) / "notes" / "drafts" / "a.bin"
+        on_disk = stack.home(runner, agent) / "notes" / "drafts" / "a.bin"
         assert on_disk.read_bytes() == data
 
         listed = api.get(f"{base}/entries/", params={"path": "notes/drafts"}).json()
@@ -117,18 +113,18 @@ def test_changes_wait_for_a_run_reads_do_not_and_quota_and_roles_are_kept(stack,
     with stack.runner(runner, config), stack.api(alice) as api, stack.api(vera) as viewer:
         base = f"/api/v1/agents/{agent.pk}/home"
         run = stack.wait(run_services.queue_run(agent, "sleep"), RunStatus.RUNNING)
-        wait_for(lambda: (home_of(stack, runner, agent) / "seen").exists(), 10, "the run writing")
+        wait_for(lambda: (stack.home(runner, agent) / "seen").exists(), 10, "the run writing")
         assert api.get(f"{base}/entries/").json()["entries"][0]["name"] == "seen"
         assert api.get(f"{base}/download/", params={"path": "seen"}).content == b"hi\n"
         busy = api.post(f"{base}/mkdir/", json={"path": "x"})
         assert busy.status_code == 409 and str(run.pk) in busy.json()["detail"]
-        assert not (home_of(stack, runner, agent) / "x").exists()
+        assert not (stack.home(runner, agent) / "x").exists()
         run_services.cancel(run)
         stack.wait(run, *FINISHED)
 
         too_big = api.put(f"{base}/file/", params={"path": "big"}, content=b"x" * 1_100_000)
         assert too_big.status_code == 413 and "quota of 1.0 MiB" in too_big.json()["detail"]
-        assert not (home_of(stack, runner, agent) / "big").exists()
+        assert not (stack.home(runner, agent) / "big").exists()
         fits = api.put(f"{base}/file/", params={"path": "fits"}, content=b"x" * 1000)
         assert fits.status_code == 201, fits.text
         assert viewer.get(f"{base}/entries/").status_code == 200

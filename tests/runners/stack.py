@@ -167,6 +167,10 @@ class Stack:
             wait_for(heard_from, 30, f"{runner.name} of {organisation} heard from", log)
             yield handle
 
+    def home(self, runner: Runner, agent) -> Path:
+        """Where an agent's home is on this stack's runner hosts (COVEY_RUNNER_HOMES)."""
+        return self.tmp / "homes" / str(runner.pk) / str(agent.pk)
+
     def agent(self, organisation, name: str, command: list[str], **fields):
         return agent_services.create_agent(organisation, name, runtime_command=command, **fields)
 

@@ -208,7 +208,7 @@ def test_a_full_disk_under_a_home_fails_that_run_saying_so_and_no_other(stack, a
     runner, config = stack.register(acme, "edge-1")
     write = ["sh", "-c", "head -c 4194304 /dev/zero > ~/big && echo wrote"]
     filler, other = stack.agent(acme, "Filler", write), stack.agent(acme, "Other", write)
-    home = stack.tmp / "homes" / str(runner.pk) / str(filler.pk)
+    home = stack.home(runner, filler)
     home.mkdir(parents=True)
     # A file system of 2 MiB under the filler's home alone: the other's is on the big disk.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "covey-test", home], check=True)

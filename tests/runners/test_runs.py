@@ -170,7 +170,7 @@ def test_pause_lets_running_work_finish_and_holds_new_work_until_resume(stack, a
         assert paused.returncode == 0 and "is paused" in paused.stdout, paused.stderr
         waiting = run_services.queue_run(agent, "second")
         assert waiting.status_detail.startswith(f"waiting for run {running_run.pk} of this agent")
-        (stack.tmp / "homes" / str(runner.pk) / str(agent.pk) / "go").touch()
+        (stack.home(runner, agent) / "go").touch()
         stack.wait(running_run, *FINISHED)
         assert running_run.status == RunStatus.SUCCEEDED
 
